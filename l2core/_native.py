@@ -1,0 +1,82 @@
+"""Builds and loads the native extension (native/) against the torch already installed.
+
+The build happens at first use and is cached on disk (default `~/.cache/l2core/<torch>-<cuda>`,
+override with the L2CORE_BUILD_DIR environment variable), so `pip` never needs an isolated
+build environment (which would download a multi-GB CUDA torch). CUDA sources are compiled when
+torch has CUDA and a CUDA toolkit (nvcc) is found; otherwise the CPU kernels alone are built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_ROOT = Path(__file__).resolve().parent.parent / "native"
+_lock = threading.Lock()
+_module: ModuleType | None = None
+
+
+class NativeBuildError(RuntimeError):
+    """The native extension could not be built or loaded."""
+
+
+def _want_cuda() -> bool:
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return False
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME is not None
+
+
+def load() -> ModuleType:
+    """Return the native module, building it on first call."""
+    global _module
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is not None:
+            return _module
+        from torch.utils import cpp_extension
+
+        cuda = _want_cuda()
+        tag = f"torch{torch.__version__.replace('+', '_')}-{'cu' + str(torch.version.cuda) if cuda else 'cpu'}"
+        build_dir = Path(os.environ.get("L2CORE_BUILD_DIR", Path.home() / ".cache" / "l2core")) / tag
+        build_dir.mkdir(parents=True, exist_ok=True)
+        sources = [str(_ROOT / "csrc" / "bindings.cpp"), str(_ROOT / "csrc" / "cpu_kernels.cpp")]
+        cflags = ["-O3", "-std=c++17"]
+        extra: dict[str, list[str]] = {}
+        if cuda:
+            sources.append(str(_ROOT / "csrc" / "cuda_kernels.cu"))
+            cflags.append("-DL2CORE_WITH_CUDA")
+            extra["extra_cuda_cflags"] = [
+                "-O3",
+                "-DL2CORE_WITH_CUDA",
+                "-gencode=arch=compute_90,code=sm_90",
+                "-gencode=arch=compute_80,code=sm_80",
+            ]
+        log.info("loading l2core native extension (%s) from %s", tag, build_dir)
+        try:
+            _module = cpp_extension.load(
+                name="l2core_native",
+                sources=sources,
+                extra_include_paths=[str(_ROOT / "include")],
+                extra_cflags=cflags,
+                build_directory=str(build_dir),
+                with_cuda=cuda,
+                verbose=False,
+                **extra,  # type: ignore[arg-type]
+            )
+        except Exception as e:  # noqa: BLE001 - re-raised with context
+            raise NativeBuildError(f"building the l2core native extension in {build_dir} failed: {e}") from e
+        return _module
+
+
+def has_cuda() -> bool:
+    return bool(load().with_cuda())

@@ -1,0 +1,163 @@
+"""Host memory for the L2 pool: anonymous mmap, transparent huge pages, NUMA binding, pinning.
+
+Order matters and is fixed here:
+  1. mmap (over-allocated so the usable range starts on a 2 MiB boundary),
+  2. madvise(MADV_HUGEPAGE) on the range,
+  3. mbind to a NUMA node (optional),
+  4. first touch (pages fault in as huge pages, on the bound node),
+  5. pin: cudaHostRegister when CUDA is present (pinning first would prevent huge-page merging).
+
+`HostMemory._map()` is the one place that creates the mapping: a `/dev/shm` MAP_SHARED variant
+for TP-shared pools is a subclass that overrides it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import platform
+import re
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from .spec import ConfigError, parse_size
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+_MPOL_BIND = 2
+_MPOL_MF_STRICT = 1
+_MPOL_MF_MOVE = 2
+_SYS_MBIND = {"x86_64": 237, "aarch64": 235}
+
+PinMode = Literal["auto", "always", "never"]
+
+
+class HostMemory:
+    """One contiguous, optionally huge-page backed, NUMA-bound and pinned host allocation.
+
+    `tensor` is a flat uint8 CPU tensor of exactly `nbytes`. `close()` unpins and unmaps; the
+    tensor (and any view of it) must not be used afterwards.
+    """
+
+    def __init__(
+        self,
+        size: int | str,
+        *,
+        numa_node: int | None = None,
+        pin: PinMode = "auto",
+        hugepages: bool = True,
+    ) -> None:
+        self.nbytes = parse_size(size, "host memory size")
+        if pin not in ("auto", "always", "never"):
+            raise ConfigError(f"pin must be 'auto', 'always' or 'never', got {pin!r}")
+        if numa_node is not None:
+            _check_numa_node(numa_node)
+        cuda = torch.cuda.is_available()
+        if pin == "always" and not cuda:
+            raise ConfigError("pin='always' needs CUDA, which this process does not have")
+        self.numa_node = numa_node
+        self._mm, offset = self._map(self.nbytes + HUGE_PAGE)
+        self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
+        offset += (-(self._base.data_ptr() + offset)) % HUGE_PAGE
+        self.tensor = self._base[offset : offset + self.nbytes]
+        self.ptr = self.tensor.data_ptr()
+        self.hugepages = hugepages and hasattr(mmap, "MADV_HUGEPAGE")
+        if self.hugepages:
+            self._mm.madvise(mmap.MADV_HUGEPAGE, offset, self.nbytes)
+        if numa_node is not None:
+            _mbind(self.ptr, self.nbytes, numa_node)
+        self.tensor.zero_()  # first touch: fault in huge pages on the bound node
+        self.pinned = False
+        if pin == "always" or (pin == "auto" and cuda):
+            err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 0)
+            if int(err) != 0:
+                self._unmap()
+                raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed with CUDA error {int(err)}")
+            self.pinned = True
+        log.info(
+            "host memory: %d bytes at 0x%x, hugepages=%s numa=%s pinned=%s",
+            self.nbytes,
+            self.ptr,
+            self.hugepages,
+            numa_node,
+            self.pinned,
+        )
+
+    def _map(self, length: int) -> tuple[mmap.mmap, int]:
+        """Create the mapping; returns it and the offset where usable memory may start."""
+        return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), 0
+
+    def hugepage_bytes(self) -> int:
+        """Bytes of this allocation backed by transparent huge pages (AnonHugePages in smaps)."""
+        return _smaps_field(self.ptr, self.ptr + self.nbytes, "AnonHugePages")
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            self.pinned = False
+        self._unmap()
+
+    def _unmap(self) -> None:
+        del self.tensor
+        del self._base
+        try:
+            self._mm.close()
+        except BufferError:
+            log.warning("host memory still has live views; it is unmapped when they are garbage-collected")
+        self._mm = None  # type: ignore[assignment]
+
+    def __enter__(self) -> HostMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_numa_node(node: int) -> None:
+    if isinstance(node, bool) or not isinstance(node, int) or node < 0:
+        raise ConfigError(f"numa_node must be a non-negative integer, got {node!r}")
+    if not Path(f"/sys/devices/system/node/node{node}").exists():
+        raise ConfigError(f"NUMA node {node} does not exist on this machine")
+
+
+def _mbind(addr: int, length: int, node: int) -> None:
+    nr = _SYS_MBIND.get(platform.machine())
+    if nr is None:
+        raise ConfigError(f"NUMA binding is not supported on {platform.machine()}")
+    mask = ctypes.c_ulong(1 << node)
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.syscall(
+        nr,
+        ctypes.c_void_p(addr),
+        ctypes.c_ulong(length),
+        _MPOL_BIND,
+        ctypes.byref(mask),
+        ctypes.c_ulong(64),
+        _MPOL_MF_STRICT | _MPOL_MF_MOVE,
+    )
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), f"mbind to NUMA node {node} failed: {os.strerror(ctypes.get_errno())}")
+
+
+_SMAPS_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
+
+
+def _smaps_field(start: int, end: int, field: str) -> int:
+    """Sum `field` (kB in smaps) over the mappings overlapping [start, end), in bytes."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            m = _SMAPS_HEADER.match(line)
+            if m:
+                lo, hi = int(m.group(1), 16), int(m.group(2), 16)
+                inside = lo < end and hi > start
+            elif inside and line.startswith(field + ":"):
+                total += int(line.split()[1]) * 1024
+    return total

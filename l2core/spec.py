@@ -1,0 +1,155 @@
+"""Description of a model's KV cache as the L2 pool sees it.
+
+`KVSpec` is frozen and validated at construction: every later object (layouts, pools, ops,
+transfer engine) trusts it. Sizes given as text go through :func:`parse_size`, which is strict:
+"64GB", "512MiB", "1.5GB", "4096" (bytes) are accepted; "64 gigs", "-1GB", "1e3" are not.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Attention = Literal["mha", "mla"]
+DTypeName = Literal["bf16", "fp16", "fp8"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+}
+_ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+class ConfigError(ValueError):
+    """Bad configuration: raised at construction, never from deep inside the data path."""
+
+
+def parse_size(value: int | str, what: str = "size") -> int:
+    """Parse a byte size: an int, or text such as "64GB", "512MiB", "4096".
+
+    Decimal units (KB, MB, GB, TB) are powers of 10, binary units (KiB, ...) powers of 2.
+    Raises ConfigError for anything else, including zero-or-negative and fractional bytes.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size such as '64GB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ConfigError(f"{what}: cannot parse {value!r}; use a number of bytes or a unit like '64GB', '512MiB'")
+        number, unit = m.group(1), (m.group(2) or "B").lower()
+        scaled = float(number) * _UNITS[unit]
+        if scaled != int(scaled):
+            raise ConfigError(f"{what}: {value!r} is not a whole number of bytes")
+        n = int(scaled)
+    else:
+        raise ConfigError(f"{what}: expected int or str, got {type(value).__name__}")
+    if n <= 0:
+        raise ConfigError(f"{what}: must be positive, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The KV cache of one model (or one pipeline stage / TP shard of it).
+
+    MHA: K and V per layer, each `[slots, num_kv_heads, head_dim]`.
+    MLA: one latent per layer, `[slots, 1, kv_lora_rank + rope_dim]`.
+    """
+
+    num_layers: int
+    attention: Attention = "mla"
+    dtype: DTypeName = "bf16"
+    page_size: int = 64
+    num_kv_heads: int = 1
+    head_dim: int = 0
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+
+    def __post_init__(self) -> None:
+        _check_int("num_layers", self.num_layers, lo=1)
+        _check_int("page_size", self.page_size, lo=1)
+        if self.attention not in ("mha", "mla"):
+            raise ConfigError(f"attention must be 'mha' or 'mla', got {self.attention!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.attention == "mha":
+            _check_int("num_kv_heads", self.num_kv_heads, lo=1)
+            _check_int("head_dim", self.head_dim, lo=1)
+        else:
+            _check_int("kv_lora_rank", self.kv_lora_rank, lo=1)
+            _check_int("rope_dim", self.rope_dim, lo=0)
+
+    @classmethod
+    def mla(cls, num_layers: int, kv_lora_rank: int = 512, rope_dim: int = 64, **kw: Any) -> KVSpec:
+        return cls(num_layers=num_layers, attention="mla", kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, **kw)
+
+    @classmethod
+    def mha(cls, num_layers: int, num_kv_heads: int, head_dim: int, **kw: Any) -> KVSpec:
+        return cls(num_layers=num_layers, attention="mha", num_kv_heads=num_kv_heads, head_dim=head_dim, **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVSpec:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown KVSpec keys {unknown}; known keys: {sorted(known)}")
+        return cls(**d)
+
+    @property
+    def num_kv(self) -> int:
+        """Buffers per layer: 2 (K, V) for MHA, 1 (latent) for MLA."""
+        return 2 if self.attention == "mha" else 1
+
+    @property
+    def heads(self) -> int:
+        return self.num_kv_heads if self.attention == "mha" else 1
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim if self.attention == "mha" else self.kv_lora_rank + self.rope_dim
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def elem_bytes(self) -> int:
+        return _ELEM_BYTES[self.dtype]
+
+    @property
+    def item_bytes(self) -> int:
+        """Bytes of one token in one layer's K (or V, or latent) buffer."""
+        return self.heads * self.dim * self.elem_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token over all layers and K/V."""
+        return self.item_bytes * self.num_layers * self.num_kv
+
+    @property
+    def page_bytes(self) -> int:
+        return self.token_bytes * self.page_size
+
+
+def _check_int(name: str, v: object, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")

@@ -1,0 +1,292 @@
+// The one binding file: checks every tensor (device, dtype, contiguity, shape, bounds), then
+// calls the torch-free kernels in cpu_kernels.cpp / cuda_kernels.cu.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "l2core_kernels.h"
+
+#ifdef L2CORE_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace l2core {
+namespace {
+
+struct Checked {
+  DevBuffers dev{};
+  TransferGeom g{};
+  c10::Device device{c10::kCPU};
+};
+
+// Validates the per-layer buffers, slots, host pool and pages; fills the kernel arguments.
+Checked check_transfer(const std::vector<torch::Tensor>& bufs, const torch::Tensor& slots,
+                       const torch::Tensor& host, const torch::Tensor& pages, int64_t page_size,
+                       int64_t layer_begin, int64_t num_layers, int64_t num_kv,
+                       const std::vector<int64_t>& strides, int64_t num_host_pages) {
+  Checked c;
+  TransferGeom& g = c.g;
+  TORCH_CHECK_VALUE(page_size >= 1, "page_size must be >= 1");
+  TORCH_CHECK_VALUE(num_kv == 1 || num_kv == 2, "num_kv must be 1 (MLA) or 2 (MHA)");
+  TORCH_CHECK_VALUE(num_layers >= 1 && layer_begin >= 0, "bad layer range");
+  TORCH_CHECK_VALUE(strides.size() == 4, "strides must be (page, token, layer, kv)");
+  const int64_t nb = num_layers * num_kv;
+  TORCH_CHECK_VALUE(static_cast<int64_t>(bufs.size()) == nb, "expected ", nb,
+                    " device buffers (layers * kv), got ", bufs.size());
+  TORCH_CHECK_VALUE(nb <= kMaxBuffers, "at most ", kMaxBuffers, " buffers per call");
+  const auto& b0 = bufs[0];
+  c.device = b0.device();
+  TORCH_CHECK_VALUE(b0.dim() >= 1 && b0.size(0) > 0, "device buffers must be [slots, ...]");
+  const int64_t num_slots = b0.size(0);
+  const int64_t item = b0.numel() / num_slots * b0.element_size();
+  for (int64_t i = 0; i < nb; ++i) {
+    const auto& b = bufs[i];
+    TORCH_CHECK_VALUE(b.device() == c.device, "device buffer ", i, " is on ", b.device(), ", buffer 0 on ",
+                      c.device);
+    TORCH_CHECK_TYPE(b.scalar_type() == b0.scalar_type(), "device buffer ", i, " has dtype ", b.scalar_type(),
+                     ", buffer 0 has ", b0.scalar_type());
+    TORCH_CHECK_VALUE(b.is_contiguous(), "device buffer ", i, " is not contiguous");
+    TORCH_CHECK_VALUE(b.dim() >= 1 && b.size(0) == num_slots && b.numel() * b.element_size() == num_slots * item,
+                      "device buffer ", i, " has shape ", b.sizes(), ", buffer 0 has ", b0.sizes());
+    c.dev.ptr[i] = static_cast<char*>(b.data_ptr());
+  }
+  TORCH_CHECK_TYPE(slots.scalar_type() == torch::kInt64 && slots.dim() == 1, "slots must be a 1-D int64 tensor");
+  TORCH_CHECK_TYPE(pages.scalar_type() == torch::kInt64 && pages.dim() == 1, "pages must be a 1-D int64 tensor");
+  TORCH_CHECK_VALUE(slots.numel() % page_size == 0, "number of slots (", slots.numel(),
+                    ") is not a multiple of page_size ", page_size);
+  TORCH_CHECK_VALUE(pages.numel() * page_size == slots.numel(), "got ", pages.numel(), " pages for ",
+                    slots.numel(), " slots (page_size ", page_size, ")");
+  TORCH_CHECK_VALUE(pages.device().is_cpu(), "pages must be a CPU tensor");
+  TORCH_CHECK_TYPE(host.device().is_cpu() && host.scalar_type() == torch::kUInt8 && host.is_contiguous(),
+                   "host pool must be a contiguous CPU uint8 tensor");
+  TORCH_CHECK_VALUE(num_host_pages >= 1, "num_host_pages must be >= 1");
+  for (auto s : strides) TORCH_CHECK_VALUE(s >= 0, "strides must be non-negative");
+  const int64_t extent = (num_host_pages - 1) * strides[0] + (page_size - 1) * strides[1] +
+                         (layer_begin + num_layers - 1) * strides[2] + (num_kv - 1) * strides[3] + item;
+  TORCH_CHECK_VALUE(extent <= host.numel(), "host pool of ", host.numel(), " bytes is smaller than the layout (",
+                    extent, " bytes)");
+  if (pages.numel() > 0) {
+    auto mm = pages.aminmax();
+    int64_t lo = std::get<0>(mm).item<int64_t>(), hi = std::get<1>(mm).item<int64_t>();
+    TORCH_CHECK_INDEX(lo >= 0 && hi < num_host_pages, "host page index out of range [0, ", num_host_pages,
+                      "): min ", lo, ", max ", hi);
+    auto sm = slots.aminmax();
+    lo = std::get<0>(sm).item<int64_t>();
+    hi = std::get<1>(sm).item<int64_t>();
+    TORCH_CHECK_INDEX(lo >= 0 && hi < num_slots, "device slot out of range [0, ", num_slots, "): min ", lo,
+                      ", max ", hi);
+  }
+  g.n_tokens = slots.numel();
+  g.page_size = page_size;
+  g.num_layers = num_layers;
+  g.layer_begin = layer_begin;
+  g.num_kv = num_kv;
+  g.item_bytes = item;
+  g.page_stride = strides[0];
+  g.token_stride = strides[1];
+  g.layer_stride = strides[2];
+  g.kv_stride = strides[3];
+  g.num_slots = num_slots;
+  g.num_host_pages = num_host_pages;
+  return c;
+}
+
+#ifdef L2CORE_WITH_CUDA
+void cuda_ok(int err, const char* what) {
+  TORCH_CHECK(err == 0, what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+char* mapped_host_ptr(const torch::Tensor& host) {
+  void* dptr = nullptr;
+  cudaError_t e = cudaHostGetDevicePointer(&dptr, host.data_ptr(), 0);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error
+    TORCH_CHECK_VALUE(false, "host pool is not pinned/registered with CUDA (",
+                      cudaGetErrorString(e), "); allocate it through l2core.memory with pin=True");
+  }
+  return static_cast<char*>(dptr);
+}
+
+// Staged path: kernel gather/scatter into a compact device staging area, plus one DMA per
+// contiguous host run (adjacent pages are merged). Returns false when the layout has no
+// page-contiguous runs for this layer range (the caller then uses the direct kernel).
+void staged_transfer(const Checked& c, const torch::Tensor& slots_dev, const torch::Tensor& host,
+                     const torch::Tensor& pages, bool to_host, int64_t max_blocks, int64_t staging_bytes,
+                     cudaStream_t stream) {
+  const TransferGeom& g = c.g;
+  const int64_t item = g.item_bytes, P = g.page_size, nl = g.num_layers, nkv = g.num_kv;
+  // Which host runs are contiguous: case A (layer-major inside a page, any layer range),
+  // case B (token-major inside a page, all layers), case C (one run per layer per page).
+  const bool case_a = g.token_stride == item && g.layer_stride == P * item;
+  const bool case_b = !case_a && g.layer_begin == 0 && g.layer_stride == item && g.token_stride == nl * item;
+  const bool case_c = !case_a && !case_b && g.token_stride == item;
+  TORCH_CHECK_VALUE(case_a || case_b || case_c,
+                    "the staged path needs page-contiguous host runs for this layout/layer range; "
+                    "use method='direct'");
+  const int64_t moved_per_page = P * nl * nkv * item;
+  const int64_t n_pages = pages.numel();
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(n_pages, staging_bytes / moved_per_page));
+  auto staging = torch::empty({chunk * moved_per_page}, torch::dtype(torch::kUInt8).device(c.device));
+  char* st = static_cast<char*>(staging.data_ptr());
+  const int64_t* pg = pages.data_ptr<int64_t>();
+  const char* host_base = static_cast<const char*>(host.data_ptr());
+  std::vector<CopyRun> runs;
+  for (int64_t p0 = 0; p0 < n_pages; p0 += chunk) {
+    const int64_t np = std::min(chunk, n_pages - p0);
+    TransferGeom sg = g;  // compact staging geometry for pages p0 .. p0+np-1
+    sg.n_tokens = np * P;
+    sg.layer_begin = 0;
+    sg.num_host_pages = np;
+    int64_t run_bytes, n_inner;  // runs per (page, kv): 1 (A, B) or nl (C)
+    if (case_a) {
+      sg.token_stride = item, sg.layer_stride = P * item, sg.page_stride = nl * P * item;
+      sg.kv_stride = np * sg.page_stride, run_bytes = nl * P * item, n_inner = 1;
+    } else if (case_b) {
+      sg.layer_stride = item, sg.token_stride = nl * item, sg.page_stride = P * nl * item;
+      sg.kv_stride = np * sg.page_stride, run_bytes = P * nl * item, n_inner = 1;
+    } else {
+      sg.token_stride = item, sg.page_stride = P * item, sg.layer_stride = np * P * item;
+      sg.kv_stride = nl * sg.layer_stride, run_bytes = P * item, n_inner = nl;
+    }
+    // Host run of (page j, kv k, inner layer l): A/C start at layer_begin+l, B at layer 0.
+    runs.clear();
+    for (int64_t k = 0; k < nkv; ++k)
+      for (int64_t l = 0; l < n_inner; ++l)
+        for (int64_t j = 0; j < np; ++j) {
+          const int64_t layer = case_b ? 0 : g.layer_begin + (case_c ? l : 0);
+          const int64_t h = pg[p0 + j] * g.page_stride + layer * g.layer_stride + k * g.kv_stride;
+          const int64_t s = j * sg.page_stride + l * sg.layer_stride + k * sg.kv_stride;
+          const int64_t src = to_host ? s : h, dst = to_host ? h : s;
+          if (!runs.empty() && runs.back().src + runs.back().bytes == src && runs.back().dst + runs.back().bytes == dst)
+            runs.back().bytes += run_bytes;
+          else
+            runs.push_back({src, dst, run_bytes});
+        }
+    const int64_t* slot_ptr = slots_dev.data_ptr<int64_t>() + p0 * P;
+    auto dma = [&] {
+      for (const auto& r : runs) {
+        const char* src = (to_host ? st : host_base) + r.src;
+        char* dst = (to_host ? const_cast<char*>(host_base) : st) + r.dst;
+        cuda_ok(cudaMemcpyAsync(dst, src, r.bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
+                                stream),
+                "cudaMemcpyAsync");
+      }
+    };
+    if (!to_host) dma();
+    cuda_ok(cuda_transfer_direct(c.dev, slot_ptr, st, nullptr, sg, to_host, static_cast<int>(max_blocks),
+                                 nullptr, stream),
+            "staging kernel");
+    if (to_host) dma();
+  }
+}
+#endif
+
+}  // namespace
+
+// method: "direct" (kernel touches host memory), "staged" (device staging + DMA), or "naive"
+// (one DMA/memcpy per (page, layer, kv); needs each page's slots contiguous; a baseline only).
+void transfer(const std::vector<torch::Tensor>& bufs, const torch::Tensor& slots, const torch::Tensor& host,
+              const torch::Tensor& pages, int64_t page_size, int64_t layer_begin, int64_t num_layers,
+              int64_t num_kv, const std::vector<int64_t>& strides, int64_t num_host_pages, bool to_host,
+              const std::string& method, int64_t max_blocks, int64_t num_threads, int64_t staging_bytes) {
+  TORCH_CHECK_VALUE(method == "direct" || method == "staged" || method == "naive", "unknown method '", method,
+                    "' (direct, staged, naive)");
+  TORCH_CHECK_VALUE(max_blocks >= 1 && num_threads >= 1 && staging_bytes >= 1,
+                    "max_blocks, num_threads and staging_bytes must be >= 1");
+  Checked c = check_transfer(bufs, slots, host, pages, page_size, layer_begin, num_layers, num_kv, strides,
+                             num_host_pages);
+  if (c.g.n_tokens == 0) return;
+  const TransferGeom& g = c.g;
+  if (method == "naive") {
+    auto sl = slots.cpu();
+    const int64_t* s = sl.data_ptr<int64_t>();
+    const int64_t* pg = pages.data_ptr<int64_t>();
+    const int64_t n_pages = pages.numel(), run = page_size * g.item_bytes;
+    for (int64_t j = 0; j < n_pages; ++j)
+      for (int64_t t = 1; t < page_size; ++t)
+        TORCH_CHECK_VALUE(s[j * page_size + t] == s[j * page_size] + t,
+                          "method='naive' needs the slots of each page to be contiguous");
+    TORCH_CHECK_VALUE(g.token_stride == g.item_bytes, "method='naive' needs token-contiguous host pages");
+    std::vector<CopyRun> runs;
+    runs.reserve(n_pages * num_layers * num_kv);
+    char* hb = static_cast<char*>(host.data_ptr());
+    for (int64_t j = 0; j < n_pages; ++j)
+      for (int64_t l = 0; l < num_layers; ++l)
+        for (int64_t k = 0; k < num_kv; ++k) {
+          auto d = reinterpret_cast<int64_t>(c.dev.ptr[l * num_kv + k] + s[j * page_size] * g.item_bytes);
+          auto h = reinterpret_cast<int64_t>(hb + pg[j] * g.page_stride + (layer_begin + l) * g.layer_stride +
+                                             k * g.kv_stride);
+          runs.push_back(to_host ? CopyRun{d, h, run} : CopyRun{h, d, run});
+        }
+    if (c.device.is_cpu()) {
+      cpu_copy_runs(runs.data(), static_cast<int64_t>(runs.size()), 1);
+      return;
+    }
+#ifdef L2CORE_WITH_CUDA
+    c10::cuda::CUDAGuard guard(c.device);
+    cudaStream_t st = c10::cuda::getCurrentCUDAStream();
+    for (const auto& r : runs)
+      cuda_ok(cudaMemcpyAsync(reinterpret_cast<void*>(r.dst), reinterpret_cast<const void*>(r.src), r.bytes,
+                              cudaMemcpyDefault, st),
+              "cudaMemcpyAsync");
+    return;
+#endif
+  }
+  if (c.device.is_cpu()) {
+    TORCH_CHECK_VALUE(slots.device().is_cpu(), "slots must be on the device buffers' device (cpu)");
+    cpu_transfer(c.dev, slots.data_ptr<int64_t>(), static_cast<char*>(host.data_ptr()), pages.data_ptr<int64_t>(),
+                 g, to_host, static_cast<int>(num_threads));
+    return;
+  }
+#ifdef L2CORE_WITH_CUDA
+  TORCH_CHECK_VALUE(c.device.is_cuda(), "device buffers must be CPU or CUDA tensors");
+  c10::cuda::CUDAGuard guard(c.device);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto slots_dev = slots.to(c.device, /*non_blocking=*/true);
+  if (method == "staged") {
+    staged_transfer(c, slots_dev, host, pages, to_host, max_blocks, staging_bytes, stream);
+    return;
+  }
+  char* hptr = mapped_host_ptr(host);
+  auto pages_dev = pages.to(c.device, /*non_blocking=*/true);
+  cuda_ok(cuda_transfer_direct(c.dev, slots_dev.data_ptr<int64_t>(), hptr, pages_dev.data_ptr<int64_t>(), g,
+                               to_host, static_cast<int>(max_blocks), nullptr, stream),
+          "transfer kernel");
+#else
+  TORCH_CHECK_VALUE(false, "l2core native was built without CUDA; device buffers are on ", c.device);
+#endif
+}
+
+// Multi-threaded memcpy of one CPU tensor into another of the same byte size (bench baseline).
+void cpu_memcpy(torch::Tensor dst, const torch::Tensor& src, int64_t num_threads) {
+  TORCH_CHECK_VALUE(dst.device().is_cpu() && src.device().is_cpu(), "cpu_memcpy takes CPU tensors");
+  TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous(), "cpu_memcpy takes contiguous tensors");
+  const int64_t nbytes = src.numel() * src.element_size();
+  TORCH_CHECK_VALUE(dst.numel() * dst.element_size() == nbytes, "cpu_memcpy: sizes differ");
+  CopyRun r{reinterpret_cast<int64_t>(src.data_ptr()), reinterpret_cast<int64_t>(dst.data_ptr()), nbytes};
+  cpu_copy_runs(&r, 1, static_cast<int>(std::max<int64_t>(1, num_threads)));
+}
+
+bool with_cuda() {
+#ifdef L2CORE_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace l2core
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "l2core native kernels: batched page gather/scatter (CPU + CUDA)";
+  m.def("transfer", &l2core::transfer, "Gather/scatter token items between per-layer buffers and host pages",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("cpu_memcpy", &l2core::cpu_memcpy, "Multi-threaded memcpy (benchmark baseline)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("with_cuda", &l2core::with_cuda);
+  m.def("max_buffers", [] { return l2core::kMaxBuffers; });
+}

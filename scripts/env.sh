@@ -1,0 +1,17 @@
+# Sourced by the README's commands: creates .venv on first use and installs the project into it.
+# CPU machines get PyTorch 2.13 (CPU build); the native extension builds at first import.
+set -euo pipefail
+_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [ ! -x "$_root/.venv/bin/python" ]; then
+  python3 -m venv "$_root/.venv"
+fi
+# shellcheck disable=SC1091
+source "$_root/.venv/bin/activate"
+_stamp="$_root/.venv/.l3pool-installed"
+if [ ! -f "$_stamp" ] || [ "$_root/pyproject.toml" -nt "$_stamp" ]; then
+  echo "[env] installing into $_root/.venv (first run only)"
+  python -m pip install -q --upgrade pip setuptools
+  python -m pip install -q torch==2.13.0
+  python -m pip install -q --no-build-isolation -e "$_root[dev]"
+  touch "$_stamp"
+fi
