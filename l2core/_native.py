@@ -73,7 +73,7 @@ def load() -> ModuleType:
                 verbose=False,
                 **extra,  # type: ignore[arg-type]
             )
-        except Exception as e:  # noqa: BLE001 - re-raised with context
+        except Exception as e:
             raise NativeBuildError(f"building the l2core native extension in {build_dir} failed: {e}") from e
         return _module
 

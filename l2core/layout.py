@@ -90,7 +90,7 @@ class HostLayout:
             inner = (n * P, L, H, D)
         else:
             inner = (n, L, P, H, D)
-        return ((2,) + inner) if s.attention == "mha" else inner
+        return ((2, *inner)) if s.attention == "mha" else inner
 
     # -- page byte ranges --------------------------------------------------------------------
     def page_runs(self, pages: np.ndarray | list[int], base: int = 0) -> tuple[np.ndarray, np.ndarray]:

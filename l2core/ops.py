@@ -86,9 +86,10 @@ def resolve_method(
     if device.type == "cpu":
         return "direct"
     full = layers == (0, layout.spec.num_layers)
-    page_contiguous = layout.name == "page_first_direct" or (layout.name == "page_first" and full)
-    # Staged = device gather + few large DMAs: the copy engines do the PCIe work, SMs barely busy.
-    return "staged" if page_contiguous else "direct"
+    # Staged = device gather + one DMA per page: the copy engines do the PCIe work. For a layer
+    # subset (per-layer loads) or layer_first, runs are per (page, layer): too many DMAs, so the
+    # direct kernel wins there.
+    return "staged" if full and layout.name != "layer_first" else "direct"
 
 
 def transfer(

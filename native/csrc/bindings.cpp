@@ -9,8 +9,8 @@
 #include "l2core_kernels.h"
 
 #ifdef L2CORE_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #endif
 
@@ -129,13 +129,26 @@ void staged_transfer(const Checked& c, const torch::Tensor& slots_dev, const tor
                     "use method='direct'");
   const int64_t moved_per_page = P * nl * nkv * item;
   const int64_t n_pages = pages.numel();
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(n_pages, staging_bytes / moved_per_page));
-  auto staging = torch::empty({chunk * moved_per_page}, torch::dtype(torch::kUInt8).device(c.device));
-  char* st = static_cast<char*>(staging.data_ptr());
+  // Two staging halves: the kernel fills/drains one while the copy engine DMAs the other.
+  const int64_t chunk =
+      std::max<int64_t>(1, std::min<int64_t>((n_pages + 1) / 2, staging_bytes / 2 / moved_per_page));
+  auto staging = torch::empty({2 * chunk * moved_per_page}, torch::dtype(torch::kUInt8).device(c.device));
   const int64_t* pg = pages.data_ptr<int64_t>();
-  const char* host_base = static_cast<const char*>(host.data_ptr());
+  char* host_base = static_cast<char*>(host.data_ptr());
+  cudaStream_t copy_stream = c10::cuda::getStreamFromPool(false, c.device.index()).stream();
+  // kernel_done[h]: the kernel last using half h finished; dma_done[h]: the DMAs of half h finished.
+  cudaEvent_t kernel_done[2], dma_done[2];
+  for (int h = 0; h < 2; ++h) {
+    cuda_ok(cudaEventCreateWithFlags(&kernel_done[h], cudaEventDisableTiming), "cudaEventCreate");
+    cuda_ok(cudaEventCreateWithFlags(&dma_done[h], cudaEventDisableTiming), "cudaEventCreate");
+  }
+  // the copy stream starts after everything already queued on the caller's stream
+  cuda_ok(cudaEventRecord(kernel_done[1], stream), "cudaEventRecord");
+  cuda_ok(cudaStreamWaitEvent(copy_stream, kernel_done[1], 0), "cudaStreamWaitEvent");
   std::vector<CopyRun> runs;
-  for (int64_t p0 = 0; p0 < n_pages; p0 += chunk) {
+  for (int64_t p0 = 0, it = 0; p0 < n_pages; p0 += chunk, ++it) {
+    const int half = static_cast<int>(it & 1);
+    char* st = static_cast<char*>(staging.data_ptr()) + half * chunk * moved_per_page;
     const int64_t np = std::min(chunk, n_pages - p0);
     TransferGeom sg = g;  // compact staging geometry for pages p0 .. p0+np-1
     sg.n_tokens = np * P;
@@ -170,17 +183,37 @@ void staged_transfer(const Checked& c, const torch::Tensor& slots_dev, const tor
     auto dma = [&] {
       for (const auto& r : runs) {
         const char* src = (to_host ? st : host_base) + r.src;
-        char* dst = (to_host ? const_cast<char*>(host_base) : st) + r.dst;
+        char* dst = (to_host ? host_base : st) + r.dst;
         cuda_ok(cudaMemcpyAsync(dst, src, r.bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
-                                stream),
+                                copy_stream),
                 "cudaMemcpyAsync");
       }
+      cuda_ok(cudaEventRecord(dma_done[half], copy_stream), "cudaEventRecord");
     };
-    if (!to_host) dma();
-    cuda_ok(cuda_transfer_direct(c.dev, slot_ptr, st, nullptr, sg, to_host, static_cast<int>(max_blocks),
-                                 nullptr, stream),
-            "staging kernel");
-    if (to_host) dma();
+    auto kernel = [&] {
+      cuda_ok(cuda_transfer_direct(c.dev, slot_ptr, st, nullptr, sg, to_host, static_cast<int>(max_blocks),
+                                   nullptr, stream),
+              "staging kernel");
+      cuda_ok(cudaEventRecord(kernel_done[half], stream), "cudaEventRecord");
+    };
+    if (to_host) {  // gather (after the DMAs that last drained this half), then DMA out
+      if (it >= 2) cuda_ok(cudaStreamWaitEvent(stream, dma_done[half], 0), "cudaStreamWaitEvent");
+      kernel();
+      cuda_ok(cudaStreamWaitEvent(copy_stream, kernel_done[half], 0), "cudaStreamWaitEvent");
+      dma();
+    } else {  // DMA in (after the kernel that last read this half), then scatter
+      if (it >= 2) cuda_ok(cudaStreamWaitEvent(copy_stream, kernel_done[half], 0), "cudaStreamWaitEvent");
+      dma();
+      cuda_ok(cudaStreamWaitEvent(stream, dma_done[half], 0), "cudaStreamWaitEvent");
+      kernel();
+    }
+  }
+  // The caller's stream completes after every DMA; the staging block then returns to the caching
+  // allocator, whose reuse is ordered on the caller's stream.
+  for (int h = 0; h < 2; ++h) {
+    if (n_pages > h * chunk) cuda_ok(cudaStreamWaitEvent(stream, dma_done[h], 0), "cudaStreamWaitEvent");
+    cudaEventDestroy(kernel_done[h]);
+    cudaEventDestroy(dma_done[h]);
   }
 }
 #endif
