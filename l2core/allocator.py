@@ -55,9 +55,12 @@ class PageAllocator:
 
     def free(self, pages: np.ndarray | list[int]) -> None:
         """Return pages. All-or-nothing: a foreign or already-free page raises and frees none."""
-        p = np.asarray(pages, dtype=np.int64).reshape(-1)
-        if p.size == 0:
+        a = np.asarray(pages)
+        if a.size == 0:
             return
+        if a.dtype.kind not in "iu":
+            raise AllocatorError(f"page ids must be integers, got {a.dtype}")
+        p = a.astype(np.int64).reshape(-1)
         with self._lock:
             if p.min() < 0 or p.max() >= self.num_pages:
                 bad = p[(p < 0) | (p >= self.num_pages)]

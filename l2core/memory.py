@@ -19,6 +19,7 @@ import mmap
 import os
 import platform
 import re
+import weakref
 from pathlib import Path
 from typing import Literal
 
@@ -40,8 +41,10 @@ PinMode = Literal["auto", "always", "never"]
 class HostMemory:
     """One contiguous, optionally huge-page backed, NUMA-bound and pinned host allocation.
 
-    `tensor` is a flat uint8 CPU tensor of exactly `nbytes`. `close()` unpins and unmaps; the
-    tensor (and any view of it) must not be used afterwards.
+    `tensor` is a flat uint8 CPU tensor of exactly `nbytes`. Every view of it keeps the mapping
+    alive: the memory is unmapped when the last view is gone, never under a live view. `close()`
+    (or garbage collection of this object) unpins at once; views that outlive it are plain,
+    unpinned host memory, which the CUDA ops refuse with a clear error.
     """
 
     def __init__(
@@ -79,6 +82,9 @@ class HostMemory:
                 self._unmap()
                 raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed with CUDA error {int(err)}")
             self.pinned = True
+        # Unpin even when the owner forgets close(): a registration left behind makes the next
+        # mapping at this address fail cudaHostRegister (error 712).
+        self._unpin = weakref.finalize(self, _unregister, self.ptr) if self.pinned else None
         log.info(
             "host memory: %d bytes at 0x%x, hugepages=%s numa=%s pinned=%s",
             self.nbytes,
@@ -99,18 +105,17 @@ class HostMemory:
     def close(self) -> None:
         if self._mm is None:
             return
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+        if self._unpin is not None:
+            self._unpin()  # runs at most once
             self.pinned = False
         self._unmap()
 
     def _unmap(self) -> None:
+        # No explicit mmap.close(): tensors made by torch.frombuffer hold a reference to the
+        # mmap object (not a buffer export), so closing it here would unmap under live views.
+        # Dropping our references unmaps now if no view is left, else when the last one dies.
         del self.tensor
         del self._base
-        try:
-            self._mm.close()
-        except BufferError:
-            log.warning("host memory still has live views; it is unmapped when they are garbage-collected")
         self._mm = None  # type: ignore[assignment]
 
     def __enter__(self) -> HostMemory:
@@ -118,6 +123,12 @@ class HostMemory:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unregister(ptr: int) -> None:
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        log.warning("cudaHostUnregister(0x%x) failed with CUDA error %d", ptr, err)
 
 
 def _check_numa_node(node: int) -> None:

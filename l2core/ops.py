@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 
 from . import _native
@@ -44,7 +45,10 @@ def flatten_kv(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None = Non
 
 def _as_index(x: torch.Tensor | Sequence[int], name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(list(x), dtype=torch.int64)
+        a = np.asarray(x)
+        if a.size and a.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got {a.dtype}")
+        x = torch.from_numpy(a.astype(np.int64, copy=False).reshape(a.shape))
     if x.dtype != torch.int64:
         if x.dtype.is_floating_point or x.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
@@ -77,6 +81,14 @@ def _check_buffers(bufs: Sequence[torch.Tensor], layout: HostLayout, layers: tup
             raise ValueError(f"device buffer {i} is not contiguous")
 
 
+def _check_range(idx: torch.Tensor, bound: int, what: str) -> None:
+    if idx.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(idx))
+    if lo < 0 or hi >= bound:
+        raise IndexError(f"{what} out of range [0, {bound}): min {lo}, max {hi}")
+
+
 def resolve_method(
     method: Method, layout: HostLayout, device: torch.device, to_host: bool, layers: tuple[int, int]
 ) -> str:
@@ -105,16 +117,27 @@ def transfer(
     max_sms: int = DEFAULT_MAX_SMS,
     num_threads: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    check_slots: bool = True,
+    error_flag: torch.Tensor | None = None,
+    validated: bool = False,
 ) -> None:
     """Move the tokens `slots` of layers `layers` (default all) between `bufs` and host `pages`.
 
     On CUDA the work is enqueued on the current stream (asynchronous); on CPU it is done on return.
+    Slots on a CUDA device are range-checked with one device sync unless `check_slots=False`;
+    then pass `error_flag` (a pinned int32 CPU tensor of one element) that the kernel sets to 1
+    when it skipped an out-of-range slot, and read it after synchronizing. Out-of-range slots
+    are never touched either way. `validated=True` skips the Python-side buffer checks (the
+    caller checked the same buffers before, as TransferEngine does once at construction); the
+    native layer still checks everything it needs for memory safety.
+    On CPU, "direct" and "staged" are the same multi-threaded copy.
     """
     s = layout.spec
     lb, le = layers if layers is not None else (0, s.num_layers)
     if not (0 <= lb < le <= s.num_layers):
         raise ValueError(f"layer range {(lb, le)} is not inside [0, {s.num_layers})")
-    _check_buffers(bufs, layout, (lb, le))
+    if not validated:
+        _check_buffers(bufs, layout, (lb, le))
     slots_t = _as_index(slots, "slots")
     pages_t = _as_index(pages, "pages").cpu()
     if slots_t.numel() % s.page_size:
@@ -128,6 +151,9 @@ def transfer(
     if max_sms < 1:
         raise ValueError("max_sms must be >= 1")
     device = bufs[0].device
+    _check_range(pages_t, layout.num_pages, "host page index")
+    if check_slots or slots_t.device.type == "cpu":
+        _check_range(slots_t, bufs[0].shape[0], "device slot")
     m = resolve_method(method, layout, device, to_host, (lb, le))
     if device.type == "cpu" and slots_t.device.type != "cpu":
         slots_t = slots_t.cpu()
@@ -147,6 +173,8 @@ def transfer(
         int(max_sms),
         int(num_threads or torch.get_num_threads()),
         int(staging_bytes),
+        False,  # slots were range-checked above when asked (native still checks CPU-resident slots)
+        error_flag,
     )
 
 

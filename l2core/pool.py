@@ -115,6 +115,7 @@ class HostKVPool:
     def __init__(self, config: L2Config, memory: HostMemory | None = None) -> None:
         self.config = config
         self.layout = HostLayout(config.kv, config.layout, config.num_pages)
+        self._owns_memory = memory is None
         self.memory = memory or HostMemory(
             self.layout.total_bytes, numa_node=config.numa_node, pin=config.pin, hugepages=config.hugepages
         )
@@ -162,8 +163,11 @@ class HostKVPool:
         return b"".join(flat[a : a + s].tobytes() for a, s in zip(addrs[0], sizes[0], strict=True))
 
     def close(self) -> None:
-        del self.buffer
-        self.memory.close()
+        """Release the pool; host memory passed in by the caller stays open (the caller owns it)."""
+        if hasattr(self, "buffer"):
+            del self.buffer
+        if self._owns_memory:
+            self.memory.close()
 
     def __enter__(self) -> HostKVPool:
         return self

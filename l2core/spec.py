@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Literal
 
 import torch
@@ -56,8 +57,8 @@ def parse_size(value: int | str, what: str = "size") -> int:
         if not m:
             raise ConfigError(f"{what}: cannot parse {value!r}; use a number of bytes or a unit like '64GB', '512MiB'")
         number, unit = m.group(1), (m.group(2) or "B").lower()
-        scaled = float(number) * _UNITS[unit]
-        if scaled != int(scaled):
+        scaled = Decimal(number) * _UNITS[unit]  # exact: "4.1GB" is 4_100_000_000 bytes
+        if scaled != scaled.to_integral_value():
             raise ConfigError(f"{what}: {value!r} is not a whole number of bytes")
         n = int(scaled)
     else:

@@ -134,7 +134,10 @@ class TransferEngine:
 
     # -- the two worker threads ----------------------------------------------------------------
     def _run(self, kind: JobKind) -> None:
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        stream = flag = None
+        if self.device.type == "cuda":
+            stream = torch.cuda.Stream(self.device)
+            flag = torch.zeros(1, dtype=torch.int32).pin_memory()  # set by kernels on a bad slot
         q = self._queues[kind]
         while True:
             job = q.get()
@@ -142,23 +145,29 @@ class TransferEngine:
                 return
             t0 = time.perf_counter()
             try:
-                self._execute(job, stream)
+                self._execute(job, stream, flag)
             except Exception as e:
                 job.error = f"{type(e).__name__}: {e}"
                 log.warning("l2core %s job %d failed: %s", kind, job.job_id, job.error)
             self._finish(job, time.perf_counter() - t0)
 
-    def _execute(self, job: _Job, stream: Any) -> None:
+    def _execute(self, job: _Job, stream: Any, flag: torch.Tensor | None) -> None:
         spec = self.pool.spec
-        kw: dict[str, Any] = {"method": self.method, "max_sms": self.max_sms}
+        # No per-call device sync for the slot check: kernels flag bad slots, checked at job end.
+        kw: dict[str, Any] = {
+            "method": self.method,
+            "max_sms": self.max_sms,
+            "validated": True,
+            "check_slots": flag is None,
+            "error_flag": flag,
+        }
         ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
         with ctx:
             if job.after is not None:
                 stream.wait_event(job.after)
             if job.kind == "backup":
                 ops.transfer(self.bufs, job.slots, self.pool.buffer, job.pages, self.pool.layout, to_host=True, **kw)
-                if stream is not None:
-                    stream.synchronize()
+                self._sync(stream, flag)
                 return
             for lb in range(0, spec.num_layers, self.layers_per_step):
                 le = min(spec.num_layers, lb + self.layers_per_step)
@@ -180,8 +189,16 @@ class TransferEngine:
                     job.layer_events.extend([ev] * (le - lb))
                     job.layers_done = le
                     job.cond.notify_all()
-            if stream is not None:
-                stream.synchronize()
+            self._sync(stream, flag)
+
+    @staticmethod
+    def _sync(stream: Any, flag: torch.Tensor | None) -> None:
+        if stream is None or flag is None:
+            return
+        stream.synchronize()
+        if int(flag[0]) != 0:
+            flag.zero_()
+            raise IndexError("device slot out of range: the kernel skipped those tokens")
 
     def _finish(self, job: _Job, seconds: float) -> None:
         nbytes = 0 if job.error else job.slots.numel() * self.pool.spec.token_bytes

@@ -27,7 +27,7 @@ struct Checked {
 Checked check_transfer(const std::vector<torch::Tensor>& bufs, const torch::Tensor& slots,
                        const torch::Tensor& host, const torch::Tensor& pages, int64_t page_size,
                        int64_t layer_begin, int64_t num_layers, int64_t num_kv,
-                       const std::vector<int64_t>& strides, int64_t num_host_pages) {
+                       const std::vector<int64_t>& strides, int64_t num_host_pages, bool check_slots) {
   Checked c;
   TransferGeom& g = c.g;
   TORCH_CHECK_VALUE(page_size >= 1, "page_size must be >= 1");
@@ -69,16 +69,22 @@ Checked check_transfer(const std::vector<torch::Tensor>& bufs, const torch::Tens
                          (layer_begin + num_layers - 1) * strides[2] + (num_kv - 1) * strides[3] + item;
   TORCH_CHECK_VALUE(extent <= host.numel(), "host pool of ", host.numel(), " bytes is smaller than the layout (",
                     extent, " bytes)");
+  // Range errors are ValueError here: l2core.ops raises the user-facing IndexError before this
+  // (a c10::IndexError thrown from this binding crashed CUDA builds with SIGSEGV).
   if (pages.numel() > 0) {
     auto mm = pages.aminmax();
     int64_t lo = std::get<0>(mm).item<int64_t>(), hi = std::get<1>(mm).item<int64_t>();
-    TORCH_CHECK_INDEX(lo >= 0 && hi < num_host_pages, "host page index out of range [0, ", num_host_pages,
+    TORCH_CHECK_VALUE(lo >= 0 && hi < num_host_pages, "host page index out of range [0, ", num_host_pages,
                       "): min ", lo, ", max ", hi);
-    auto sm = slots.aminmax();
-    lo = std::get<0>(sm).item<int64_t>();
-    hi = std::get<1>(sm).item<int64_t>();
-    TORCH_CHECK_INDEX(lo >= 0 && hi < num_slots, "device slot out of range [0, ", num_slots, "): min ", lo,
-                      ", max ", hi);
+    // A slot check on a CUDA tensor waits for the GPU; callers that cannot afford that pass
+    // check_slots=false and an error flag instead (kernels skip out-of-range slots either way).
+    if (check_slots || slots.device().is_cpu()) {
+      auto sm = slots.aminmax();
+      lo = std::get<0>(sm).item<int64_t>();
+      hi = std::get<1>(sm).item<int64_t>();
+      TORCH_CHECK_VALUE(lo >= 0 && hi < num_slots, "device slot out of range [0, ", num_slots, "): min ", lo,
+                        ", max ", hi);
+    }
   }
   g.n_tokens = slots.numel();
   g.page_size = page_size;
@@ -116,7 +122,7 @@ char* mapped_host_ptr(const torch::Tensor& host) {
 // page-contiguous runs for this layer range (the caller then uses the direct kernel).
 void staged_transfer(const Checked& c, const torch::Tensor& slots_dev, const torch::Tensor& host,
                      const torch::Tensor& pages, bool to_host, int64_t max_blocks, int64_t staging_bytes,
-                     cudaStream_t stream) {
+                     int* bad_index, cudaStream_t stream) {
   const TransferGeom& g = c.g;
   const int64_t item = g.item_bytes, P = g.page_size, nl = g.num_layers, nkv = g.num_kv;
   // Which host runs are contiguous: case A (layer-major inside a page, any layer range),
@@ -192,7 +198,7 @@ void staged_transfer(const Checked& c, const torch::Tensor& slots_dev, const tor
     };
     auto kernel = [&] {
       cuda_ok(cuda_transfer_direct(c.dev, slot_ptr, st, nullptr, sg, to_host, static_cast<int>(max_blocks),
-                                   nullptr, stream),
+                                   bad_index, stream),
               "staging kernel");
       cuda_ok(cudaEventRecord(kernel_done[half], stream), "cudaEventRecord");
     };
@@ -225,13 +231,14 @@ void staged_transfer(const Checked& c, const torch::Tensor& slots_dev, const tor
 void transfer(const std::vector<torch::Tensor>& bufs, const torch::Tensor& slots, const torch::Tensor& host,
               const torch::Tensor& pages, int64_t page_size, int64_t layer_begin, int64_t num_layers,
               int64_t num_kv, const std::vector<int64_t>& strides, int64_t num_host_pages, bool to_host,
-              const std::string& method, int64_t max_blocks, int64_t num_threads, int64_t staging_bytes) {
+              const std::string& method, int64_t max_blocks, int64_t num_threads, int64_t staging_bytes,
+              bool check_slots, const c10::optional<torch::Tensor>& error_flag) {
   TORCH_CHECK_VALUE(method == "direct" || method == "staged" || method == "naive", "unknown method '", method,
                     "' (direct, staged, naive)");
   TORCH_CHECK_VALUE(max_blocks >= 1 && num_threads >= 1 && staging_bytes >= 1,
                     "max_blocks, num_threads and staging_bytes must be >= 1");
   Checked c = check_transfer(bufs, slots, host, pages, page_size, layer_begin, num_layers, num_kv, strides,
-                             num_host_pages);
+                             num_host_pages, check_slots);
   if (c.g.n_tokens == 0) return;
   const TransferGeom& g = c.g;
   if (method == "naive") {
@@ -280,16 +287,24 @@ void transfer(const std::vector<torch::Tensor>& bufs, const torch::Tensor& slots
   c10::cuda::CUDAGuard guard(c.device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto slots_dev = slots.to(c.device, /*non_blocking=*/true);
+  int* bad_index = nullptr;  // a pinned host int the kernels set to 1 on a skipped index
+  if (error_flag.has_value()) {
+    const auto& f = *error_flag;
+    TORCH_CHECK_VALUE(f.device().is_cpu() && f.scalar_type() == torch::kInt32 && f.numel() == 1,
+                      "error_flag must be a pinned CPU int32 tensor of one element");
+    bad_index = reinterpret_cast<int*>(mapped_host_ptr(f));
+  }
   if (method == "staged") {
-    staged_transfer(c, slots_dev, host, pages, to_host, max_blocks, staging_bytes, stream);
+    staged_transfer(c, slots_dev, host, pages, to_host, max_blocks, staging_bytes, bad_index, stream);
     return;
   }
   char* hptr = mapped_host_ptr(host);
   auto pages_dev = pages.to(c.device, /*non_blocking=*/true);
   cuda_ok(cuda_transfer_direct(c.dev, slots_dev.data_ptr<int64_t>(), hptr, pages_dev.data_ptr<int64_t>(), g,
-                               to_host, static_cast<int>(max_blocks), nullptr, stream),
+                               to_host, static_cast<int>(max_blocks), bad_index, stream),
           "transfer kernel");
 #else
+  (void)error_flag;
   TORCH_CHECK_VALUE(false, "l2core native was built without CUDA; device buffers are on ", c.device);
 #endif
 }

@@ -1,0 +1,148 @@
+"""bench.transfer: the CLI runs on CPU and its JSON report has the documented schema."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROW_KEYS = {
+    "model",
+    "layout",
+    "direction",
+    "tokens",
+    "bytes",
+    "GBps",
+    "ratio",
+    "method",
+    "sms",
+    "naive_GBps",
+    "naive_ratio",
+    "raw_GBps",
+    "best_method",
+    "correct",
+    "methods",
+}
+
+
+def _close(a: float, b: float) -> bool:
+    """Equal within the report's rounding (GBps to 3 decimals, ratios to 4)."""
+    return abs(a - b) <= 2e-3 * max(1.0, abs(b))
+
+
+def _check_report(rep: dict, layouts: list[str], models: list[str], tokens: list[int]) -> None:
+    for key in ("device", "date", "torch", "raw_GBps", "results", "targets", "config", "raw"):
+        assert key in rep, key
+    assert rep["device"].startswith("cpu: ") and rep["device_type"] == "cpu"
+    assert set(rep["raw_GBps"]) == {"d2h", "h2d"} and all(v > 0 for v in rep["raw_GBps"].values())
+    rows = rep["results"]
+    assert len(rows) == len(layouts) * len(models) * len(tokens) * 2
+    assert {(r["model"], r["layout"], r["direction"], r["tokens"]) for r in rows} == {
+        (m, lay, d, t) for m in models for lay in layouts for d in ("d2h", "h2d") for t in tokens
+    }
+    for r in rows:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert r["method"] == "direct"  # what "auto" is on CPU
+        assert r["correct"] is True
+        assert r["GBps"] > 0 and r["raw_GBps"] > 0 and r["sms"] == rep["config"]["threads"]
+        assert _close(r["ratio"], r["GBps"] / r["raw_GBps"])
+        assert set(r["methods"]) == {"direct", "naive"}
+        d = r["methods"]["direct"]
+        assert d["correct"] is True and _close(d["GBps"], r["GBps"])
+        n = r["methods"]["naive"]
+        if r["layout"] == "page_first":  # naive needs token-contiguous host pages
+            assert r["naive_GBps"] is None and r["naive_ratio"] is None and "error" in n
+        else:
+            assert n["correct"] is True and n["sms"] == 1
+            assert r["naive_GBps"] > 0 and _close(r["naive_ratio"], r["naive_GBps"] / r["raw_GBps"])
+        rkey = (r["model"], r["tokens"], r["direction"])
+        raw = [w for w in rep["raw"] if (w["model"], w["tokens"], w["direction"]) == rkey]
+        assert len(raw) == 1 and raw[0]["bytes"] == r["bytes"]
+        assert raw[0]["GBps_min"] - 1e-3 <= r["raw_GBps"] <= raw[0]["GBps_max"] + 1e-3
+    t = rep["targets"]
+    assert len(t["rows"]) == len(rows) and "criteria" in t and "pass" in t
+    for tr in t["rows"]:
+        if tr["tokens"] >= 8192:
+            assert tr["required"] == {"min_ratio": 0.8} and tr["pass"] == (tr["ratio"] >= 0.8 and tr["correct"])
+        else:
+            assert tr["required"] is None and tr["pass"] is None
+
+
+def test_cli_quick_json(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "bench.transfer", "--device", "cpu", "--quick", "--json", "--models", "mla"]
+    cmd += ["--layouts", "page_first", "--tokens", "256,1024", "--iters", "2", "--out", str(out), "--no-progress"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)  # stdout is the JSON and nothing else
+    assert json.loads(out.read_text()) == rep
+    assert rep["config"]["tokens"] == [256]  # --quick: smallest size only
+    _check_report(rep, ["page_first"], ["mla"], [256])
+
+
+def test_main_all_layouts_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import transfer
+
+    out = tmp_path / "r.json"
+    argv = ["--device", "cpu", "--models", "mla,mha", "--tokens", "128", "--iters", "1", "--warmup", "0"]
+    assert transfer.main([*argv, "--out", str(out), "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    assert "page_first_direct" in table and "targets overall" in table  # readable table without --json
+    rep = json.loads(out.read_text())
+    _check_report(rep, ["layer_first", "page_first", "page_first_direct"], ["mla", "mha"], [128])
+
+
+def test_targets_are_not_softened() -> None:
+    from bench.transfer import evaluate_targets
+
+    def row(tokens: int, ratio: float, sms: int = 16, correct: bool = True) -> dict:
+        return dict(
+            model="m",
+            layout="l",
+            direction="d2h",
+            tokens=tokens,
+            method="direct",
+            ratio=ratio,
+            sms=sms,
+            correct=correct,
+        )
+
+    cpu = evaluate_targets([row(8192, 0.81), row(32768, 0.79), row(1024, 0.1)], "cpu")
+    assert [r["pass"] for r in cpu["rows"]] == [True, False, None] and cpu["pass"] is False
+    assert evaluate_targets([row(8192, 0.9, correct=False)], "cpu")["pass"] is False
+    rows = [row(32768, 0.96), row(1024, 0.91, sms=16), row(1024, 0.99, sms=32), row(8192, 0.5)]
+    cuda = evaluate_targets(rows, "cuda")
+    assert [r["pass"] for r in cuda["rows"]] == [True, True, False, None] and cuda["pass"] is False
+    assert evaluate_targets([row(32768, 0.949)], "cuda")["pass"] is False
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("to_host", [True, False], ids=["d2h", "h2d"])
+def test_correctness_check_catches_wrong_transfers(layout: str, to_host: bool) -> None:
+    import numpy as np
+    import torch
+
+    from bench import transfer as bt
+    from l2core import ops
+
+    args = bt.parse_args(["--device", "cpu", "--tokens", "256"])
+    s = bt.make_setup("mha", 256, torch.device("cpu"), np.random.default_rng(1), args)
+    try:
+        pool = s.pool(layout)
+        timer = bt.Timer(s.device)
+
+        def move(pages: torch.Tensor) -> None:
+            ops.transfer(s.bufs, s.slots, pool.buffer, pages, pool.layout, to_host=to_host)
+
+        for j in range(s.n_pages):
+            assert bt.checked_call(s, pool, to_host, lambda: move(s.pages), timer, j)
+            assert not bt.checked_call(s, pool, to_host, lambda: None, timer, j)  # nothing moved
+            assert not bt.checked_call(s, pool, to_host, lambda: move(s.pages.roll(1)), timer, j)  # wrong pages
+    finally:
+        s.close()

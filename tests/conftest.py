@@ -1,0 +1,77 @@
+"""Shared test helpers: the device list, the `gpu` marker's skip, and the native-extension build.
+
+Any test that takes a `device` argument runs once per entry of :func:`devices` ("cpu", plus
+"cuda" when torch sees a GPU); the "cuda" case carries the `gpu` marker, so `-m "not gpu"`
+deselects it. Tests marked `gpu` skip cleanly (with a reason) on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def devices() -> list[str]:
+    """The devices the transfer tests run on: ["cpu"] plus "cuda" when CUDA is available."""
+    return ["cpu"] + (["cuda"] if cuda_available() else [])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pyproject.toml declares these too; repeated here so the suite also runs from other rootdirs.
+    config.addinivalue_line("markers", "gpu: needs CUDA (skips cleanly on CPU)")
+    config.addinivalue_line("markers", "slow: long-running")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "device" in metafunc.fixturenames:
+        params = [pytest.param(d, id=d, marks=[pytest.mark.gpu] if d != "cpu" else []) for d in devices()]
+        metafunc.parametrize("device", params)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None and not cuda_available():
+        pytest.skip("needs CUDA: torch.cuda.is_available() is False on this machine")
+
+
+@pytest.fixture(name="devices")
+def devices_fixture() -> list[str]:
+    return devices()
+
+
+@pytest.fixture(scope="session")
+def native() -> ModuleType:
+    """The native extension, built (or loaded from the on-disk cache) once per test session."""
+    from l2core import _native
+
+    mod = _native.load()
+    assert _native.load() is mod  # cached, not rebuilt
+    if cuda_available():
+        assert mod.with_cuda(), "torch sees CUDA but the native extension was built without it"
+    return mod
+
+
+@pytest.fixture
+def autoclose() -> Iterator[Callable[[Any], Any]]:
+    """`autoclose(obj)` returns obj (a HostMemory or HostKVPool) and closes it at teardown.
+
+    Use this instead of a `with` block in tests: teardown runs after pytest has built the failure
+    report, and that report reprs the tensors passed to failing helpers. Closed host memory is
+    unmapped, so with `with` a failing assertion on a pool view would crash the whole run.
+    """
+    objs: list[Any] = []
+
+    def add(obj: Any) -> Any:
+        objs.append(obj)
+        return obj
+
+    yield add
+    for obj in reversed(objs):
+        obj.close()
