@@ -122,8 +122,9 @@ class EtcdClient:
                     data = r.read()
                 except (OSError, http.client.HTTPException) as e:
                     self._drop(idx)
-                    if attempt == 0 and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError,
-                                                       ConnectionResetError)):
+                    if attempt == 0 and isinstance(
+                        e, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+                    ):
                         continue
                     errors.append(f"{self.endpoints[idx][0]}:{self.endpoints[idx][1]}: {e or type(e).__name__}")
                     break
@@ -156,8 +157,9 @@ class EtcdClient:
         return self._range(body)
 
     def count_prefix(self, prefix: str) -> int:
-        out = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
-                                         "count_only": True})
+        out = self.call(
+            "/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)), "count_only": True}
+        )
         return int(out.get("count", 0))
 
     def _range(self, body: dict[str, Any]) -> list[KV]:
@@ -176,18 +178,22 @@ class EtcdClient:
         put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
         if lease:
             put["lease"] = str(lease)
-        out = self.call("/v3/kv/txn", {
-            "compare": [{"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
-            "success": [{"request_put": put}],
-            "failure": [{"request_range": {"key": _b64(key)}}],
-        })
+        out = self.call(
+            "/v3/kv/txn",
+            {
+                "compare": [{"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                "success": [{"request_put": put}],
+                "failure": [{"request_range": {"key": _b64(key)}}],
+            },
+        )
         if out.get("succeeded"):
             return True, None
         kvs = out["responses"][0]["response_range"].get("kvs", [])
         return False, (_kv(kvs[0]) if kvs else None)
 
-    def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
-            failure: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def txn(
+        self, compare: list[dict[str, Any]], success: list[dict[str, Any]], failure: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         """Raw transaction (keys and values in the bodies must already be base64)."""
         return self.call("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure or []})
 
