@@ -79,6 +79,7 @@ class HostMemory:
         if pin == "always" or (pin == "auto" and cuda):
             err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 0)
             if int(err) != 0:
+                _clear_cuda_error()
                 self._unmap()
                 raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed with CUDA error {int(err)}")
             self.pinned = True
@@ -128,7 +129,15 @@ class HostMemory:
 def _unregister(ptr: int) -> None:
     err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
     if err != 0:
+        _clear_cuda_error()
         log.warning("cudaHostUnregister(0x%x) failed with CUDA error %d", ptr, err)
+
+
+def _clear_cuda_error() -> None:
+    """A failed cudart call leaves the runtime's last error set; torch would report it later."""
+    from . import _native
+
+    _native.load().cuda_clear_error()
 
 
 def _check_numa_node(node: int) -> None:

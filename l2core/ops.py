@@ -89,19 +89,25 @@ def _check_range(idx: torch.Tensor, bound: int, what: str) -> None:
         raise IndexError(f"{what} out of range [0, {bound}): min {lo}, max {hi}")
 
 
+# Measured on an H200 (bench/results/2026-11-29-h200-transfer.json): the direct kernel is the
+# best choice for small transfers and for layer_first (whose runs are too small for DMAs);
+# staged (device gather + copy-engine DMAs) wins for large page-first transfers.
+STAGED_MIN_BYTES = {"d2h": 2 << 30, "h2d": 256 << 20}
+
+
 def resolve_method(
-    method: Method, layout: HostLayout, device: torch.device, to_host: bool, layers: tuple[int, int]
+    method: Method, layout: HostLayout, device: torch.device, to_host: bool, layers: tuple[int, int], nbytes: int = 0
 ) -> str:
-    """The concrete method "auto" stands for (see bench/results for the measurements)."""
+    """The concrete method "auto" stands for, for a transfer of `nbytes`."""
     if method != "auto":
         return method
     if device.type == "cpu":
         return "direct"
     full = layers == (0, layout.spec.num_layers)
-    # Staged = device gather + one DMA per page: the copy engines do the PCIe work. For a layer
-    # subset (per-layer loads) or layer_first, runs are per (page, layer): too many DMAs, so the
-    # direct kernel wins there.
-    return "staged" if full and layout.name != "layer_first" else "direct"
+    # For a layer subset (per-layer loads) or layer_first, runs are per (page, layer): too many
+    # DMAs, so the direct kernel wins there.
+    big = nbytes >= STAGED_MIN_BYTES["d2h" if to_host else "h2d"]
+    return "staged" if full and layout.name != "layer_first" and big else "direct"
 
 
 def transfer(
@@ -154,7 +160,8 @@ def transfer(
     _check_range(pages_t, layout.num_pages, "host page index")
     if check_slots or slots_t.device.type == "cpu":
         _check_range(slots_t, bufs[0].shape[0], "device slot")
-    m = resolve_method(method, layout, device, to_host, (lb, le))
+    nbytes = slots_t.numel() * (le - lb) * s.num_kv * s.item_bytes
+    m = resolve_method(method, layout, device, to_host, (lb, le), nbytes)
     if device.type == "cpu" and slots_t.device.type != "cpu":
         slots_t = slots_t.cpu()
     _native.load().transfer(

@@ -136,8 +136,10 @@ void staged_transfer(const Checked& c, const torch::Tensor& slots_dev, const tor
   const int64_t moved_per_page = P * nl * nkv * item;
   const int64_t n_pages = pages.numel();
   // Two staging halves: the kernel fills/drains one while the copy engine DMAs the other.
+  // About 8 chunks so the first gather and the last DMA (the parts that do not overlap) are
+  // short, capped by the staging budget.
   const int64_t chunk =
-      std::max<int64_t>(1, std::min<int64_t>((n_pages + 1) / 2, staging_bytes / 2 / moved_per_page));
+      std::max<int64_t>(1, std::min<int64_t>((n_pages + 7) / 8, staging_bytes / 2 / moved_per_page));
   auto staging = torch::empty({2 * chunk * moved_per_page}, torch::dtype(torch::kUInt8).device(c.device));
   const int64_t* pg = pages.data_ptr<int64_t>();
   char* host_base = static_cast<char*>(host.data_ptr());
@@ -319,6 +321,17 @@ void cpu_memcpy(torch::Tensor dst, const torch::Tensor& src, int64_t num_threads
   cpu_copy_runs(&r, 1, static_cast<int>(std::max<int64_t>(1, num_threads)));
 }
 
+// Returns and clears the CUDA runtime's last error (0 on CPU builds). A failed runtime call made
+// outside torch (cudaHostRegister/Unregister through torch.cuda.cudart()) leaves it set, and
+// torch's next kernel-launch check would then report it as its own failure.
+int64_t cuda_clear_error() {
+#ifdef L2CORE_WITH_CUDA
+  return static_cast<int64_t>(cudaGetLastError());
+#else
+  return 0;
+#endif
+}
+
 bool with_cuda() {
 #ifdef L2CORE_WITH_CUDA
   return true;
@@ -336,5 +349,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_memcpy", &l2core::cpu_memcpy, "Multi-threaded memcpy (benchmark baseline)",
         py::call_guard<py::gil_scoped_release>());
   m.def("with_cuda", &l2core::with_cuda);
+  m.def("cuda_clear_error", &l2core::cuda_clear_error, "Return and clear the CUDA runtime's last error");
   m.def("max_buffers", [] { return l2core::kMaxBuffers; });
 }
