@@ -89,25 +89,22 @@ def _check_range(idx: torch.Tensor, bound: int, what: str) -> None:
         raise IndexError(f"{what} out of range [0, {bound}): min {lo}, max {hi}")
 
 
-# Measured on an H200 (bench/results/2026-11-29-h200-transfer.json): the direct kernel is the
-# best choice for small transfers and for layer_first (whose runs are too small for DMAs);
-# staged (device gather + copy-engine DMAs) wins for large page-first transfers.
-STAGED_MIN_BYTES = {"d2h": 2 << 30, "h2d": 256 << 20}
-
-
 def resolve_method(
-    method: Method, layout: HostLayout, device: torch.device, to_host: bool, layers: tuple[int, int], nbytes: int = 0
+    method: Method, layout: HostLayout, device: torch.device, to_host: bool, layers: tuple[int, int]
 ) -> str:
-    """The concrete method "auto" stands for, for a transfer of `nbytes`."""
+    """The concrete method "auto" stands for.
+
+    Measured on an H200 (bench/results/2026-11-29-h200-transfer.json): staged (device gather +
+    copy-engine DMAs, ~8 pipelined chunks) is best or tied for all-layer transfers of the
+    page-first layouts at 1K-32K tokens; for layer_first and for a layer subset (per-layer
+    loads) the runs are per (page, layer) — too many DMAs — and the direct kernel wins.
+    """
     if method != "auto":
         return method
     if device.type == "cpu":
         return "direct"
     full = layers == (0, layout.spec.num_layers)
-    # For a layer subset (per-layer loads) or layer_first, runs are per (page, layer): too many
-    # DMAs, so the direct kernel wins there.
-    big = nbytes >= STAGED_MIN_BYTES["d2h" if to_host else "h2d"]
-    return "staged" if full and layout.name != "layer_first" and big else "direct"
+    return "staged" if full and layout.name != "layer_first" else "direct"
 
 
 def transfer(
@@ -160,8 +157,7 @@ def transfer(
     _check_range(pages_t, layout.num_pages, "host page index")
     if check_slots or slots_t.device.type == "cpu":
         _check_range(slots_t, bufs[0].shape[0], "device slot")
-    nbytes = slots_t.numel() * (le - lb) * s.num_kv * s.item_bytes
-    m = resolve_method(method, layout, device, to_host, (lb, le), nbytes)
+    m = resolve_method(method, layout, device, to_host, (lb, le))
     if device.type == "cpu" and slots_t.device.type != "cpu":
         slots_t = slots_t.cpu()
     _native.load().transfer(
