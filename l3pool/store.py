@@ -1,0 +1,180 @@
+"""The one module that imports `mooncake`: a typed adapter over MooncakeDistributedStore.
+
+Mooncake returns bare integers (0 or a byte count on success, negative codes on failure) and
+prints its own logs. Here every code becomes an `Outcome`, every call takes and returns lists
+of the same length (per-item results, never one bool for a batch), and a store that cannot be
+reached at setup raises `StoreUnavailable` with the address in the message.
+
+Facts this relies on (mooncake-transfer-engine 0.3.13, checked here): `put` of an existing key
+returns 0 without overwriting; `batch_is_exist` returns 1/0/-1; `batch_get_into` returns the
+object's size or a negative code (-704 not found, -600 destination too small); a pool over its
+high watermark answers puts with -200.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(enum.Enum):
+    OK = "ok"  # put stored / get copied / key present
+    MISS = "miss"  # not in the pool (never stored, evicted, or its donor died)
+    POOL_FULL = "pool_full"  # no space even after eviction
+    LEASE = "lease"  # object leased or lease expired: retry later
+    TRANSFER_FAIL = "transfer_fail"  # bytes did not move (peer gone mid-transfer)
+    UNAVAILABLE = "unavailable"  # master/RPC unreachable
+    BAD_REQUEST = "bad_request"  # invalid params (e.g. size mismatch)
+    ERROR = "error"  # anything else; the raw code is kept
+
+    @property
+    def retryable(self) -> bool:
+        return self in (Outcome.LEASE, Outcome.TRANSFER_FAIL, Outcome.UNAVAILABLE)
+
+
+# Mooncake ErrorCode values (mooncake-store/include/types.h)
+_CODES: dict[int, Outcome] = {
+    -200: Outcome.POOL_FULL,  # NO_AVAILABLE_HANDLE
+    -600: Outcome.BAD_REQUEST,  # INVALID_PARAMS
+    -704: Outcome.MISS,  # OBJECT_NOT_FOUND
+    -703: Outcome.MISS,  # REPLICA_IS_NOT_READY (being written by someone else)
+    -706: Outcome.LEASE,  # OBJECT_HAS_LEASE
+    -707: Outcome.LEASE,  # LEASE_EXPIRED
+    -800: Outcome.TRANSFER_FAIL,  # TRANSFER_FAIL
+    -900: Outcome.UNAVAILABLE,  # RPC_FAIL
+    -101: Outcome.MISS,  # SEGMENT_NOT_FOUND (its donor left)
+}
+
+
+def outcome_of(code: int) -> Outcome:
+    if code >= 0:
+        return Outcome.OK
+    return _CODES.get(code, Outcome.ERROR)
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class StoreUnavailable(StoreError):
+    """The master or the metadata server could not be reached at setup."""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    master: str  # host:port of mooncake_master's RPC
+    metadata: str  # "P2PHANDSHAKE", "http://host:port/metadata" or "etcd://host:port"
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    segment_bytes: int = 0  # > 0: donate this much DRAM to the pool (a decode agent)
+    local_buffer_bytes: int = 16 << 20
+
+
+def _import_mooncake() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise StoreError(
+            f"the mooncake package is not importable ({e}); install mooncake-transfer-engine-non-cuda "
+            "(CPU hosts) or mooncake-transfer-engine (CUDA hosts) and the system library libibverbs1"
+        ) from e
+    return MooncakeDistributedStore
+
+
+class MooncakeStore:
+    """One Mooncake store client. Thread-safe as the underlying client is."""
+
+    def __init__(self, cfg: StoreConfig) -> None:
+        self.cfg = cfg
+        cls = _import_mooncake()
+        self._s = cls()
+        # Mooncake reads MC_* variables from the environment; we never write os.environ.
+        rc = self._s.setup(
+            cfg.local_hostname,
+            cfg.metadata,
+            int(cfg.segment_bytes),
+            int(cfg.local_buffer_bytes),
+            cfg.protocol,
+            cfg.rdma_devices,
+            cfg.master,
+        )
+        if rc != 0:
+            raise StoreUnavailable(
+                f"mooncake setup failed (code {rc}): master {cfg.master}, metadata {cfg.metadata}, "
+                f"host {cfg.local_hostname}, protocol {cfg.protocol}"
+            )
+        self._registered: list[tuple[int, int]] = []
+        log.info("mooncake client up: host=%s master=%s segment=%d", cfg.local_hostname, cfg.master, cfg.segment_bytes)
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Register memory for zero-copy put/get (once per buffer)."""
+        rc = self._s.register_buffer(int(ptr), int(nbytes))
+        if rc != 0:
+            raise StoreError(f"mooncake register_buffer(0x{ptr:x}, {nbytes}) failed with code {rc}")
+        self._registered.append((int(ptr), int(nbytes)))
+
+    def unregister(self, ptr: int) -> None:
+        for i, (p, _) in enumerate(self._registered):
+            if p == int(ptr):
+                rc = self._s.unregister_buffer(int(ptr))
+                if rc != 0:
+                    log.warning("mooncake unregister_buffer(0x%x) returned %d", ptr, rc)
+                del self._registered[i]
+                return
+
+    def exists(self, keys: Sequence[str]) -> list[Outcome]:
+        if not keys:
+            return []
+        codes = self._s.batch_is_exist(list(keys))
+        return [Outcome.OK if c == 1 else Outcome.MISS if c == 0 else Outcome.UNAVAILABLE for c in codes]
+
+    def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
+        if not keys:
+            return []
+        return [outcome_of(c) for c in self._s.batch_put_from(list(keys), list(ptrs), list(sizes))]
+
+    def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
+        """Copy each object into its buffer; a size mismatch is BAD_REQUEST (nothing trusted)."""
+        if not keys:
+            return []
+        codes = self._s.batch_get_into(list(keys), list(ptrs), list(sizes))
+        return [Outcome.BAD_REQUEST if 0 <= c != s else outcome_of(c) for c, s in zip(codes, sizes, strict=True)]
+
+    def put_multi(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[Outcome]:
+        """One object per key from several fragments (e.g. a layer_first page's per-layer runs)."""
+        if not keys:
+            return []
+        codes = self._s.batch_put_from_multi_buffers(list(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
+        return [outcome_of(c) for c in codes]
+
+    def get_multi(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[Outcome]:
+        if not keys:
+            return []
+        codes = self._s.batch_get_into_multi_buffers(list(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
+        totals = [sum(s) for s in sizes]
+        return [Outcome.BAD_REQUEST if 0 <= c != t else outcome_of(c) for c, t in zip(codes, totals, strict=True)]
+
+    def remove(self, key: str) -> Outcome:
+        return outcome_of(self._s.remove(key))
+
+    def healthy(self) -> bool:
+        return int(self._s.health_check()) == 0
+
+    def close(self) -> None:
+        for ptr, _ in self._registered:
+            try:
+                self._s.unregister_buffer(ptr)
+            except Exception as e:
+                log.debug("unregister_buffer(0x%x): %s", ptr, e)
+        self._registered.clear()
+        self._s.close()
