@@ -51,14 +51,14 @@ def _unb64(s: str) -> bytes:
     return base64.b64decode(s)
 
 
-def prefix_end(prefix: str) -> str:
-    """The range end that selects every key starting with `prefix`."""
+def prefix_end(prefix: str) -> bytes:
+    """The range end (raw bytes: it need not be valid UTF-8) selecting every key starting with `prefix`."""
     b = bytearray(prefix.encode())
     for i in range(len(b) - 1, -1, -1):
         if b[i] < 0xFF:
             b[i] += 1
-            return bytes(b[: i + 1]).decode("latin-1")
-    return "\0"
+            return bytes(b[: i + 1])
+    return b"\0"
 
 
 def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
@@ -69,7 +69,10 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
         e = raw.strip()
         if not e:
             continue
-        u = urlsplit(e if "://" in e else f"http://{e}")
+        try:
+            u = urlsplit(e if "://" in e else f"http://{e}")
+        except ValueError as err:
+            raise ValueError(f"bad etcd endpoint {raw!r}: {err}") from None
         if u.scheme != "http" or not u.hostname or u.path not in ("", "/"):
             raise ValueError(f"bad etcd endpoint {raw!r}: expected host:port or http://host:port")
         try:

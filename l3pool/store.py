@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,17 @@ class StoreConfig:
     local_buffer_bytes: int = 16 << 20
 
 
+def _check_reachable(master: str, timeout: float = 2.0) -> None:
+    """Fail in seconds, with the address named, instead of Mooncake's ~90 s of setup retries."""
+    host, sep, port = master.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise StoreError(f"bad mooncake master address {master!r}: expected host:port")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise StoreUnavailable(f"mooncake master {master} unreachable: {e}") from None
+
+
 def _import_mooncake() -> Any:
     try:
         from mooncake.store import MooncakeDistributedStore
@@ -92,6 +104,7 @@ class MooncakeStore:
 
     def __init__(self, cfg: StoreConfig) -> None:
         self.cfg = cfg
+        _check_reachable(cfg.master)
         cls = _import_mooncake()
         self._s = cls()
         # Mooncake reads MC_* variables from the environment; we never write os.environ.
@@ -169,6 +182,12 @@ class MooncakeStore:
 
     def healthy(self) -> bool:
         return int(self._s.health_check()) == 0
+
+    @property
+    def segment_name(self) -> str:
+        """This client's name at the master ("host:port"): its donated segment's name in the
+        master's /get_all_segments and /query_segment (one host can run several clients)."""
+        return str(self._s.get_hostname())
 
     def close(self) -> None:
         for ptr, _ in self._registered:

@@ -1,0 +1,198 @@
+"""L3 benchmark: l3pool's zero-copy put/get against raw Mooncake on the same pages, same run.
+
+    PYTHONPATH=. python -m bench.l3 [--json] [--out FILE] [--master H:P --metadata URL --host IP]
+
+Without endpoints it starts the local cluster (etcd, mooncake_master, 2 decode agents in their
+own network namespaces when root) and tears it down afterwards. For each bench model (the L2
+benchmark's MLA and MHA page sizes) and round, the same L2 pages go through raw
+`batch_put_from` / `batch_get_into` (fresh keys) and through `L3Client.put` / `get` (fresh
+keys), interleaved, every byte checked after each get. Ratios are l3pool / raw. `lookup_ms_512`
+is the median time of `L3Client.lookup` over 512 present keys. layer_first is measured in both
+modes (Mooncake multi-buffer vs staging) for the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+
+from l2core import HostKVPool, KVSpec, L2Config
+from l3pool.client import L3Client
+from l3pool.keys import Namespace, page_hashes
+from l3pool.store import MooncakeStore, Outcome, StoreConfig
+
+MODELS = {"mla": lambda: KVSpec.mla(78), "mha": lambda: KVSpec.mha(32, 8, 128)}
+
+
+def _fill(pool: HostKVPool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    w = pool.buffer.view(torch.int64)
+    w.copy_(torch.randint(-(2**62), 2**62, (w.numel(),), generator=g))
+
+
+def _keys(ns: Namespace, n: int, rng: np.random.Generator) -> list[str]:
+    toks = rng.integers(0, 1 << 30, n * ns.page_size)
+    return ns.keys(page_hashes(toks, ns.page_size))
+
+
+def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    spec = MODELS[model]()
+    n = args.pages
+    pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=2 * n * spec.page_size, pin="never"))
+    _fill(pool, 1)
+    src, dst = pool.alloc(n), pool.alloc(n)
+    ns = Namespace.for_pool(spec, layout, "bench-l3", tenant=uuid.uuid4().hex)
+    client = L3Client(pool, store, ns, batch_pages=args.batch, layer_first_mode=mode)  # type: ignore[arg-type]
+    rng = np.random.default_rng(0)
+    addrs, sizes = pool.page_runs(src)
+    daddrs, _ = pool.page_runs(dst)
+    contiguous = addrs.shape[1] == 1
+    nbytes = n * spec.page_bytes
+    t: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "put": [], "get": []}
+    correct = True
+    for _ in range(args.rounds):
+        raw_keys = [f"raw-{uuid.uuid4().hex}" for _ in range(n)]
+        if contiguous:
+            t0 = time.perf_counter()
+            r = store.put(raw_keys, addrs[:, 0].tolist(), sizes[:, 0].tolist())
+            t["raw_put"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            g = store.get(raw_keys, daddrs[:, 0].tolist(), sizes[:, 0].tolist())
+            t["raw_get"].append(time.perf_counter() - t0)
+        else:
+            t0 = time.perf_counter()
+            r = store.put_multi(raw_keys, addrs.tolist(), sizes.tolist())
+            t["raw_put"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            g = store.get_multi(raw_keys, daddrs.tolist(), sizes.tolist())
+            t["raw_get"].append(time.perf_counter() - t0)
+        correct &= all(x is Outcome.OK for x in r + g)
+        keys = _keys(ns, n, rng)
+        t0 = time.perf_counter()
+        r = client.put(keys, src)
+        t["put"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        g = client.get(keys, dst)
+        t["get"].append(time.perf_counter() - t0)
+        correct &= all(x is Outcome.OK for x in r + g)
+        correct &= all(pool.page_bytes_of(int(a)) == pool.page_bytes_of(int(b)) for a, b in zip(src, dst, strict=True))
+    # lookup of 512 present keys (fewer when fewer pages exist)
+    lk = keys * (512 // len(keys) + 1)
+    lk = lk[:512]
+    lookups = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        hit = client.lookup(lk)
+        lookups.append(time.perf_counter() - t0)
+        correct &= hit == 512
+    client.close()
+    pool.close()
+    gb = nbytes / 1e9
+    med = {k: statistics.median(v) for k, v in t.items()}
+    return {
+        "model": model,
+        "layout": layout,
+        "layer_first_mode": mode if layout == "layer_first" else None,
+        "pages": n,
+        "page_bytes": spec.page_bytes,
+        "raw_put_GBps": round(gb / med["raw_put"], 3),
+        "raw_get_GBps": round(gb / med["raw_get"], 3),
+        "put_GBps": round(gb / med["put"], 3),
+        "get_GBps": round(gb / med["get"], 3),
+        "put_ratio": round(med["raw_put"] / med["put"], 4),
+        "get_ratio": round(med["raw_get"] / med["get"], 4),
+        "lookup_ms_512": round(statistics.median(lookups) * 1e3, 3),
+        "staging_bytes": client.staging_bytes,
+        "correct": bool(correct),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.l3", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", help="also write the JSON report here")
+    p.add_argument("--master", help="mooncake_master host:port (default: start the local cluster)")
+    p.add_argument("--metadata", help="metadata server URL (with --master)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="this client's address (with --master; export MC_TCP_BIND_ADDRESS too)"
+    )
+    p.add_argument("--pages", type=int, default=32, help="pages per round and model")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=64, help="L3Client batch size (pages)")
+    p.add_argument("--models", default="mla,mha")
+    p.add_argument("--layouts", default="page_first_direct,layer_first")
+    p.add_argument("--segment-size", default="2GB", help="per agent, when starting the local cluster")
+    args = p.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        if args.master:
+            if not args.metadata:
+                p.error("--master needs --metadata")
+            master, metadata, host = args.master, args.metadata, args.host
+        else:
+            from l3pool.cluster import LocalCluster
+
+            cl = stack.enter_context(LocalCluster(agents=2, segment_size=args.segment_size))
+            master, metadata, host = cl.master, cl.metadata_url, cl.client_host
+            # this program is the application: it may set Mooncake's address variable
+            os.environ.update(cl.client_env())
+        store = MooncakeStore(StoreConfig(master=master, metadata=metadata, local_hostname=host))
+        stack.callback(store.close)
+        rows = []
+        for model in args.models.split(","):
+            for layout in args.layouts.split(","):
+                modes = ["multi", "staging"] if layout == "layer_first" else ["multi"]
+                for mode in modes:
+                    print(f"[bench.l3] {model} {layout} {mode}", file=sys.stderr, flush=True)
+                    rows.append(bench_model(model, layout, store, args, mode))
+    # headline numbers: page-first rows (zero-copy), all models
+    zc = [r for r in rows if r["layout"] != "layer_first"] or rows
+    report: dict[str, Any] = {
+        "benchmark": "bench.l3",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "transport": "tcp",
+        "raw_put_GBps": round(statistics.mean(r["raw_put_GBps"] for r in zc), 3),
+        "raw_get_GBps": round(statistics.mean(r["raw_get_GBps"] for r in zc), 3),
+        "put_GBps": round(statistics.mean(r["put_GBps"] for r in zc), 3),
+        "get_GBps": round(statistics.mean(r["get_GBps"] for r in zc), 3),
+        "put_ratio": round(min(r["put_ratio"] for r in zc), 4),
+        "get_ratio": round(min(r["get_ratio"] for r in zc), 4),
+        "lookup_ms_512": max(r["lookup_ms_512"] for r in rows),
+        "correct": all(r["correct"] for r in rows),
+        "rows": rows,
+    }
+    report["targets"] = {
+        "put_ratio>=0.90": report["put_ratio"] >= 0.90,
+        "get_ratio>=0.90": report["get_ratio"] >= 0.90,
+        "lookup_ms_512<=2": report["lookup_ms_512"] <= 2.0,
+    }
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        for r in rows:
+            print(
+                f"{r['model']:4s} {r['layout']:18s} {r['layer_first_mode'] or '':8s} put {r['put_GBps']:6.2f} "
+                f"(raw {r['raw_put_GBps']:6.2f}, x{r['put_ratio']:.2f})  get {r['get_GBps']:6.2f} "
+                f"(raw {r['raw_get_GBps']:6.2f}, x{r['get_ratio']:.2f})  lookup512 {r['lookup_ms_512']:.2f} ms"
+                f"  correct={r['correct']}"
+            )
+        print("targets:", report["targets"])
+    return 0 if report["correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

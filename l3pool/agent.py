@@ -1,0 +1,355 @@
+"""The decode-node agent: donates this node's DRAM to the L3 pool and announces it in etcd.
+
+    l3pool agent --master 10.0.0.1:50051 --etcd 10.0.0.1:2379 --host 10.0.0.7 --segment-size 64GB
+
+Lifecycle:
+    1. validate every option (bad input: one line on stderr, exit 2);
+    2. check that etcd answers and the master's RPC port accepts a TCP connection (and the HTTP
+       metadata server's port, when the metadata is http://) — Mooncake's own setup retries an
+       unreachable master for minutes, so this comes first (unreachable: one line, exit 2);
+    3. start a Mooncake client that mounts `--segment-size` bytes of DRAM (the donation);
+    4. register `{prefix}/members/{id}` under a lease kept alive from a background thread;
+    5. every lease_ttl/3 s: check the Mooncake client's health, re-register when the lease was
+       lost (etcd restarted or a partition outlasted the TTL);
+    6. SIGTERM/SIGINT: delete the member key, revoke the lease, unmount (close the store), exit 0.
+Exit codes: 0 clean stop, 1 failure after start (Mooncake setup, etcd refusing the member), 2 bad
+options or an unreachable dependency.
+
+Import-light on purpose (no torch, no l2core): a decode node's agent starts in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from decimal import Decimal
+from urllib.parse import urlsplit
+
+from .etcd import EtcdClient, EtcdError, LeaseKeeper, parse_endpoints
+from .metadata import DEFAULT_PREFIX, MemberInfo, Metadata, check_id, check_prefix
+
+log = logging.getLogger(__name__)
+
+PROTOCOLS = ("tcp", "rdma")
+# Mooncake 0.3.13 refuses smaller segments at setup ("Total size must be at least 16777216", -600).
+MIN_SEGMENT_BYTES = 16 << 20
+
+# Same grammar as l2core.spec.parse_size (tests check they agree); duplicated because l2core
+# imports torch (~2-3 s), which the agent must not pay at start.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(value: str, what: str = "size") -> int:
+    """Strict byte size ("64GB", "512MiB", "4096"); ValueError for anything else or <= 0."""
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"{what}: cannot parse {value!r}; use a number of bytes or a unit like '64GB', '512MiB'")
+    scaled = Decimal(m.group(1)) * _UNITS[(m.group(2) or "B").lower()]
+    if scaled != scaled.to_integral_value():
+        raise ValueError(f"{what}: {value!r} is not a whole number of bytes")
+    if scaled <= 0:
+        raise ValueError(f"{what}: must be positive, got {value!r}")
+    return int(scaled)
+
+
+def parse_host_port(value: str, what: str) -> tuple[str, int]:
+    """'10.0.0.1:50051' or '[::1]:50051' -> (host, port); ValueError otherwise."""
+    host, sep, port = value.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} {value!r}: expected HOST:PORT")
+    _check_host(host, what)
+    return host, int(port)
+
+
+def _check_host(host: str, what: str) -> str:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", host):
+            raise ValueError(f"{what} {host!r}: not an IP address or host name") from None
+    return host
+
+
+def _check_metadata(url: str) -> str:
+    if url == "P2PHANDSHAKE":
+        return url
+    u = urlsplit(url)
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme not in ("http", "etcd") or not u.hostname or port is None:
+        raise ValueError(f"metadata {url!r}: expected P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT")
+    return url
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    master: str
+    master_addr: tuple[str, int]
+    metadata: str
+    etcd: str
+    host: str
+    segment_bytes: int
+    protocol: str
+    rdma_devices: str
+    key_prefix: str
+    lease_ttl: int
+    id: str
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> AgentSettings:
+        """Validate the command line; ValueError with a one-line reason."""
+        master_addr = parse_host_port(args.master, "--master")
+        mhost = f"[{master_addr[0]}]" if ":" in master_addr[0] else master_addr[0]
+        metadata = _check_metadata(args.metadata or f"http://{mhost}:8080/metadata")
+        parse_endpoints(args.etcd)
+        host = _check_host(args.host, "--host")
+        segment_bytes = parse_size(args.segment_size, "--segment-size")
+        if segment_bytes < MIN_SEGMENT_BYTES:
+            raise ValueError(
+                f"--segment-size {args.segment_size!r}: Mooncake needs at least {MIN_SEGMENT_BYTES} bytes (16MiB)"
+            )
+        protocol = args.protocol.lower()
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"--protocol {args.protocol!r}: expected one of {', '.join(PROTOCOLS)}")
+        try:
+            check_prefix(args.key_prefix)
+        except ValueError as e:
+            raise ValueError(f"--key-prefix: {e}") from None
+        if not re.fullmatch(r"\s*\d+\s*", args.lease_ttl) or int(args.lease_ttl) < 2:
+            raise ValueError(f"--lease-ttl {args.lease_ttl!r}: expected a whole number of seconds >= 2")
+        agent_id = args.id or f"{host}-{os.getpid()}"
+        try:
+            check_id("--id", agent_id)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        return cls(
+            master=args.master.strip(),
+            master_addr=master_addr,
+            metadata=metadata,
+            etcd=args.etcd,
+            host=host,
+            segment_bytes=segment_bytes,
+            protocol=protocol,
+            rdma_devices=args.rdma_devices,
+            key_prefix=args.key_prefix,
+            lease_ttl=int(args.lease_ttl),
+            id=agent_id,
+        )
+
+
+def _tcp_check(addr: tuple[str, int], what: str, timeout: float = 2.0) -> None:
+    try:
+        with socket.create_connection(addr, timeout=timeout):
+            pass
+    except OSError as e:
+        raise ConnectionError(f"cannot reach {what} at {addr[0]}:{addr[1]}: {e.strerror or e}") from None
+
+
+def check_reachable(s: AgentSettings, etcd: EtcdClient) -> None:
+    """etcd answers, the master's RPC port (and an http/etcd metadata server's port) accepts TCP."""
+    try:
+        etcd.status()
+    except EtcdError as e:
+        raise ConnectionError(str(e)) from None
+    _tcp_check(s.master_addr, "mooncake master")
+    if s.metadata != "P2PHANDSHAKE":
+        u = urlsplit(s.metadata)
+        assert u.hostname is not None and u.port is not None  # checked by _check_metadata
+        _tcp_check((u.hostname, u.port), "the transfer-engine metadata server")
+
+
+class Agent:
+    """The running agent: one Mooncake client (the donation) and its member key in etcd."""
+
+    def __init__(self, settings: AgentSettings, etcd: EtcdClient) -> None:
+        from .store import MooncakeStore, StoreConfig  # mooncake loads here, not at import
+
+        s = self.settings = settings
+        self.metadata = Metadata(etcd, s.key_prefix)
+        self.store = MooncakeStore(
+            StoreConfig(
+                master=s.master,
+                metadata=s.metadata,
+                local_hostname=s.host,
+                protocol=s.protocol,
+                rdma_devices=s.rdma_devices,
+                segment_bytes=s.segment_bytes,
+            )
+        )
+        self.info = MemberInfo(
+            id=s.id,
+            host=s.host,
+            segment_bytes=s.segment_bytes,
+            protocol=s.protocol,
+            master=s.master,
+            segment=self.store.segment_name,
+        )
+        self.keeper: LeaseKeeper | None = None
+        self.reregistrations = 0
+
+    def register(self) -> None:
+        self.keeper = self.metadata.register_member(self.info, self.settings.lease_ttl)
+
+    def serve(self, stop: threading.Event) -> None:
+        """Watch health and the lease until `stop` is set."""
+        s = self.settings
+        healthy = True
+        etcd_down_logged = False
+        while not stop.wait(s.lease_ttl / 3):
+            ok = self.store.healthy()
+            if ok != healthy:
+                if ok:
+                    log.info("agent %s: mooncake client healthy again", s.id)
+                else:
+                    log.warning("agent %s: mooncake client unhealthy (master %s unreachable?)", s.id, s.master)
+                healthy = ok
+            if self.keeper is None or self.keeper.lost.is_set():
+                if self.keeper is not None and not etcd_down_logged:
+                    log.warning("agent %s: etcd lease lost (etcd restarted or unreachable); re-registering", s.id)
+                try:
+                    if self.keeper is not None:
+                        self.keeper.close(revoke=False)
+                        self.keeper = None
+                    self.register()
+                except EtcdError as e:
+                    if not etcd_down_logged:
+                        log.warning(
+                            "agent %s: re-registration failed, retrying every %.1f s: %s", s.id, s.lease_ttl / 3, e
+                        )
+                        etcd_down_logged = True
+                    continue
+                self.reregistrations += 1
+                etcd_down_logged = False
+                log.info("agent %s: registered again under %s", s.id, self.metadata.member_key(s.id))
+
+    def close(self, unmount: bool = True) -> None:
+        """Deregister (key deleted, lease revoked), then unmount the segment (close the store)."""
+        if self.keeper is not None:  # never registered (or refused): the key, if any, is not ours
+            try:
+                self.metadata.deregister_member(self.settings.id, self.keeper)
+            except EtcdError as e:
+                log.warning("agent %s: could not deregister (the lease expires by itself): %s", self.settings.id, e)
+            self.keeper = None
+        if unmount:
+            self.store.close()
+
+
+def _fail(code: int, message: str) -> int:
+    sys.stderr.write(f"l3pool agent: error: {message}\n")
+    sys.stderr.flush()
+    return code
+
+
+def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
+    """`l3pool agent`: returns the exit code.
+
+    Without `stop` this call owns the process: it installs SIGTERM/SIGINT handlers and, when the
+    master is unreachable at shutdown, exits right after deregistering (Mooncake's own teardown
+    retries the dead master for 10-20 s). Embedders pass `stop` and get every teardown step."""
+    t0 = time.monotonic()
+    try:
+        s = AgentSettings.from_args(args)
+    except ValueError as e:
+        return _fail(2, str(e))
+    owns_process = stop is None
+    if stop is None:
+        stop = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, frame: stop.set())
+    etcd = EtcdClient(s.etcd, timeout=2.0)
+    try:
+        try:
+            check_reachable(s, etcd)
+        except ConnectionError as e:
+            return _fail(2, str(e))
+        from .store import StoreError
+
+        try:
+            agent = Agent(s, etcd)
+        except StoreError as e:
+            return _fail(1, str(e))
+        rc = 0
+        try:
+            if not stop.is_set():
+                rc = _register_and_serve(agent, stop, t0)
+        except BaseException:
+            agent.close()
+            raise
+        if owns_process and not agent.store.healthy():
+            agent.close(unmount=False)
+            log.warning("agent %s: master %s unreachable; exiting without unmounting", s.id, s.master)
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(rc)
+        agent.close()
+        return rc
+    finally:
+        etcd.close()
+
+
+def _register_and_serve(agent: Agent, stop: threading.Event, t0: float) -> int:
+    s = agent.settings
+    try:
+        agent.register()
+    except EtcdError as e:
+        return _fail(1, f"cannot register in etcd: {e}")
+    log.info(
+        "agent %s donating %d bytes at host %s (master %s, etcd %s); registered in %.2f s",
+        s.id,
+        s.segment_bytes,
+        s.host,
+        s.master,
+        s.etcd,
+        time.monotonic() - t0,
+    )
+    agent.serve(stop)
+    log.info("agent %s stopping", s.id)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "agent",
+        help="donate this node's DRAM to the L3 pool (run on each decode node)",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("--master", required=True, metavar="HOST:PORT", help="mooncake_master RPC address")
+    p.add_argument(
+        "--metadata",
+        metavar="URL",
+        help="transfer-engine metadata: P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT "
+        "(default: http://<master host>:8080/metadata)",
+    )
+    p.add_argument("--etcd", required=True, metavar="ENDPOINTS", help="comma-separated etcd endpoints")
+    p.add_argument("--host", default="127.0.0.1", help="address this node's Mooncake client advertises")
+    p.add_argument("--segment-size", required=True, metavar="SIZE", help="DRAM to donate, e.g. 64GB, 512MiB")
+    p.add_argument("--protocol", default="tcp", help="tcp or rdma (default tcp)")
+    p.add_argument("--rdma-devices", default="", help="RDMA devices for --protocol rdma, e.g. mlx5_0,mlx5_1")
+    p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help=f"etcd key prefix (default {DEFAULT_PREFIX})")
+    p.add_argument("--lease-ttl", default="10", metavar="SECONDS", help="member lease TTL, >= 2 (default 10)")
+    p.add_argument("--id", default="", help="member id (default <host>-<pid>)")
+    p.set_defaults(fn=run_agent)

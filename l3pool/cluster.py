@@ -1,0 +1,1048 @@
+"""A whole L3 pool on one machine: etcd + mooncake_master + N decode agents, for tests and demos.
+
+When running as root with iproute2, every agent runs in its own network namespace `{name}-a{K}`
+with its own IP, so the pool sees N distinct "nodes":
+
+    root namespace                                    namespace {name}-a{K}
+    etcd, mooncake_master, prefill clients            l3pool agent (donates DRAM)
+    bridge {name}-br0 = 10.77.0.1/24  <── veth {name}-v{K} ──>  eth0 = 10.77.0.(10+K)/24
+
+etcd listens on 127.0.0.1 and on the bridge IP, the master (RPC, HTTP metadata, admin) on the
+bridge IP, so agents and root-namespace clients use the same addresses; a root-namespace client
+advertises `client_host` (the bridge IP) and needs `client_env()` in its environment (see
+`mooncake_env`). Without root or `ip`, or with `netns="off"`, everything runs on 127.0.0.1 with
+distinct ports, and a warning says so.
+
+Several clusters can run at once when their names differ: the default state dir derives from the
+name (`default_state_dir`), and without an explicit `subnet` the first 10.77.N.0/24 that no
+interface uses is taken (10.77.0.0/24 when free).
+
+Lifecycle (`LocalCluster`, a context manager):
+    start()   network, etcd (data dir on /dev/shm), master, agents; returns once etcd answers, the
+              master's ports are open and every agent is registered under `{prefix}/members/`.
+              On any failure (or SIGINT) everything made so far is torn down before raising.
+    close()   SIGTERM to every process group (agents first, while etcd still runs, then master,
+              then etcd), SIGKILL after 5 s, deletes exactly the links/namespaces it created and
+              the etcd data dir. Idempotent.
+    detach()  leave everything running (`l3pool cluster up`); `l3pool cluster down` ends it.
+
+`state_dir/state.json` records pids (with their start times, so a recycled pid is never
+signalled), process groups, ports, namespaces and links; it is rewritten after each step of
+start(), so `down` can clean up even after the launching process was killed. Logs go to
+`state_dir/{etcd,master,agent-K}.log`.
+
+CLI: `l3pool cluster up|down|status` (see `add_parser`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import importlib.util
+import ipaddress
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .etcd import EtcdClient, EtcdError
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.json"
+DEFAULT_NAME = "l3p"
+DEFAULT_SUBNET = "10.77.0.0/24"  # taken: the next free 10.77.N.0/24 (only when no subnet is given)
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+_GRACE_S = 5.0
+_NAME_MAX = 10  # "{name}-br0" and "{name}-v{K}" must fit in 15 characters (IFNAMSIZ - 1)
+
+
+class ClusterError(RuntimeError):
+    """The local cluster could not be started, or a command on it failed."""
+
+
+class ClusterConfigError(ValueError):
+    """Bad LocalCluster arguments (raised at construction)."""
+
+
+class ClusterAlreadyUp(ClusterError):
+    """A live cluster is already recorded in the state directory."""
+
+
+@dataclass
+class AgentInfo:
+    """One decode agent of the cluster (pid is None while it is not running)."""
+
+    index: int
+    id: str
+    netns: str | None
+    ip: str
+    log: Path
+    pid: int | None = None
+
+
+@dataclass
+class _Proc:
+    role: str  # "etcd" | "master" | "agent"
+    id: str
+    pid: int
+    pgid: int
+    start_time: int  # /proc/<pid>/stat field 22: identifies the process across pid reuse
+    log: str
+    cmd: list[str]
+    netns: str | None = None
+    ip: str | None = None
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
+    log_from: int = 0  # where this run's output starts in the (appended) log
+
+    def tail(self) -> str:
+        """The end of this run's log, for error messages."""
+        return f"last lines of {self.log}:\n{_log_tail(self.log, self.log_from)}"
+
+    def to_json(self) -> dict[str, Any]:
+        keys = ("role", "id", "pid", "pgid", "start_time", "log", "cmd", "netns", "ip")
+        return {k: getattr(self, k) for k in keys}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> _Proc:
+        return cls(
+            str(d["role"]), str(d["id"]), int(d["pid"]), int(d["pgid"]), int(d["start_time"]), str(d["log"]),
+            list(d["cmd"]), d.get("netns"), d.get("ip"),
+        )  # fmt: skip
+
+
+# -- processes -------------------------------------------------------------------------------
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time) of a pid, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return rest[0], int(rest[19])
+
+
+def _proc_state(p: _Proc) -> str:
+    """'alive', 'zombie' (exited, not reaped) or 'gone' (also: the pid now belongs to another process)."""
+    if p.popen is not None:
+        p.popen.poll()  # reap our own children
+    st = _proc_stat(p.pid)
+    if st is None or st[1] != p.start_time:
+        return "gone"
+    return "zombie" if st[0] in ("Z", "X") else "alive"
+
+
+def _alive(p: _Proc) -> bool:
+    return _proc_state(p) == "alive"
+
+
+def _signal(p: _Proc, sig: int) -> bool:
+    """Signal p's process group, but only while its leader is verifiably still ours."""
+    if _proc_state(p) == "gone":
+        return False
+    try:
+        os.killpg(p.pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_dead(procs: Sequence[_Proc], timeout: float) -> list[_Proc]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in procs if _alive(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _stop(procs: Sequence[_Proc], grace: float = _GRACE_S) -> list[_Proc]:
+    """SIGTERM every group, SIGKILL what is left after `grace` s; returns the ones still alive."""
+    for p in procs:
+        _signal(p, signal.SIGTERM)
+    left = _wait_dead(procs, grace)
+    for p in left:
+        log.warning("%s (pid %d) ignored SIGTERM for %.0f s: SIGKILL", p.id, p.pid, grace)
+        _signal(p, signal.SIGKILL)
+    left = _wait_dead(left, 5.0)
+    for p in procs:
+        if _proc_state(p) == "zombie":  # the leader exited; kill stragglers left in its group
+            _signal(p, signal.SIGKILL)
+        if p.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(timeout=1.0)
+    for p in left:
+        log.error("%s (pid %d) survived SIGKILL", p.id, p.pid)
+    return left
+
+
+def _log_tail(path: str | Path, start: int = 0, lines: int = 25) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(start, f.tell() - 16384))
+            text = f.read().decode(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _child_env(bind_ip: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}  # etcd reads ETCD_* as flags
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if x)
+    env["PYTHONUNBUFFERED"] = "1"
+    if bind_ip:
+        env.update(mooncake_env(bind_ip))
+    return env
+
+
+def mooncake_env(ip: str) -> dict[str, str]:
+    """Environment a Mooncake client needs so that peers reach it on `ip`.
+
+    With an http:// or etcd:// metadata server, Mooncake 0.3.13 publishes the first non-loopback
+    interface's address (not `local_hostname`) as its RPC address, and peers' TCP transfers
+    connect to *that* address: in the root namespace this is the host's real NIC. MC_TCP_BIND_ADDRESS
+    overrides it. Agents get this from the launcher; a root-namespace client must set it in its
+    own environment (e.g. `monkeypatch.setenv`) before creating its store.
+    """
+    return {"MC_TCP_BIND_ADDRESS": ip}
+
+
+def _find_master_bin() -> str:
+    # The `mooncake_master` console script only execs the binary shipped in the package; run that
+    # binary directly (no interpreter start, and the pid we record is the master's from the start).
+    spec = importlib.util.find_spec("mooncake")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        cand = os.path.join(loc, "mooncake_master")
+        if os.access(cand, os.X_OK):
+            return cand
+    found = shutil.which("mooncake_master")
+    if not found:
+        raise ClusterError("mooncake_master not found: install mooncake-transfer-engine-non-cuda (or the CUDA wheel)")
+    return found
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("0.0.0.0", 0))  # free on every address, so also on the bridge IP
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _listening(pid: int) -> set[int]:
+    """TCP ports on which process `pid` itself holds a listening socket (so a port that another
+    process grabbed between our choice and the server's bind never counts as ready)."""
+    inodes: dict[str, int] = {}
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            for line in list(f)[1:]:
+                parts = line.split()
+                if parts[3] == "0A":  # TCP_LISTEN
+                    inodes[parts[9]] = int(parts[1].rsplit(":", 1)[1], 16)
+    ports = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    ports.add(inodes[link[8:-1]])
+    return ports
+
+
+# -- network namespaces ----------------------------------------------------------------------
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=15)
+    if check and r.returncode != 0:
+        raise ClusterError(f"`ip {' '.join(args)}` failed: {r.stderr.strip() or r.returncode}")
+    return r
+
+
+def _netns_unavailable(mode: str) -> str | None:
+    if mode == "off":
+        return "netns='off' was asked for"
+    if os.geteuid() != 0:
+        return "not running as root"
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed"
+    return None
+
+
+def _existing_netns() -> set[str]:
+    return {line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.strip()}
+
+
+def _existing_links() -> set[str]:
+    out = _ip("-o", "link", "show", check=False).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line.count(":") >= 2}
+
+
+class _ProcessExited(ClusterError):
+    """A process of the cluster exited while start() waited for it."""
+
+
+class _NetworkTaken(ClusterError):
+    """Names or addresses of the network are already in use (never a reason to fall back)."""
+
+
+def _subnet_user(net: ipaddress.IPv4Network, ignore: str = "") -> str | None:
+    """'ADDR on IFACE' of the first root-namespace address overlapping `net`, or None."""
+    for line in _ip("-o", "-4", "addr", "show", check=False).stdout.splitlines():
+        parts = line.split()
+        if "inet" in parts and parts[1] != ignore:
+            addr = parts[parts.index("inet") + 1]
+            if ipaddress.ip_interface(addr).network.overlaps(net):
+                return f"{addr} on {parts[1]}"
+    return None
+
+
+def default_state_dir(name: str = DEFAULT_NAME) -> Path:
+    """/tmp/l3pool-cluster for the default name, /tmp/l3pool-cluster-{name} for others, so that
+    clusters with different names never share a state file or logs."""
+    return Path("/tmp/l3pool-cluster" if name == DEFAULT_NAME else f"/tmp/l3pool-cluster-{name}")
+
+
+def _delete_network(links: Sequence[str], netns: Sequence[str]) -> list[str]:
+    """Delete the given links (reverse order: veths before their bridge) and namespaces; returns errors."""
+    errors = []
+    for name in reversed(links):
+        r = _ip("link", "del", name, check=False)
+        if r.returncode != 0 and "Cannot find device" not in r.stderr:
+            errors.append(f"link {name}: {r.stderr.strip()}")
+    for ns in netns:
+        r = _ip("netns", "del", ns, check=False)
+        if r.returncode != 0 and "No such file" not in r.stderr:
+            errors.append(f"netns {ns}: {r.stderr.strip()}")
+    for e in errors:
+        log.warning("cleanup: %s", e)
+    return errors
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM during teardown (so a second Ctrl-C cannot leave half a cluster); re-raise after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.signal(s, lambda n, _f: got.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if got:
+            signal.raise_signal(got[0])
+
+
+# -- state file ------------------------------------------------------------------------------
+def read_state(state_dir: str | Path) -> dict[str, Any] | None:
+    """The recorded cluster of `state_dir`, or None when there is none."""
+    path = Path(state_dir) / STATE_FILE
+    try:
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ClusterError(f"unreadable cluster state {path}: {e}") from e
+
+
+def _state_procs(state: dict[str, Any]) -> list[_Proc]:
+    return [_Proc.from_json(d) for d in state.get("processes", [])]
+
+
+def live_pids(state: dict[str, Any]) -> list[int]:
+    """Pids that keep `state` alive: its processes, and the launcher while it is starting or holds the cluster."""
+    pids = [p.pid for p in _state_procs(state) if _alive(p)]
+    launcher = state.get("launcher")
+    if launcher and not state.get("detached"):
+        lp = _Proc("launcher", "launcher", launcher["pid"], 0, launcher["start_time"], "", [])
+        pids += [lp.pid] if _alive(lp) else []
+    return pids
+
+
+def _teardown(
+    procs: Sequence[_Proc], links: Sequence[str], netns: Sequence[str], data_dir: str | None
+) -> dict[str, Any]:
+    """Stop agents (etcd still up so they can deregister), then the master, then etcd; delete the network."""
+    with _signals_deferred():
+        was_alive = [p for p in procs if _alive(p)]
+        survivors = []
+        for role in ("agent", "master", "etcd"):
+            survivors += _stop([p for p in procs if p.role == role])
+        errors = _delete_network(links, netns)
+        if data_dir and os.path.basename(data_dir).startswith("l3pool-etcd-"):
+            shutil.rmtree(data_dir, ignore_errors=True)
+    return {
+        "stopped": [p.id for p in was_alive],
+        "survivors": [p.pid for p in survivors],
+        "links": list(links),
+        "netns": list(netns),
+        "errors": errors,
+    }
+
+
+def down(state_dir: str | Path) -> dict[str, Any] | None:
+    """Stop exactly what `state_dir/state.json` records; None when nothing is recorded. Idempotent."""
+    state = read_state(state_dir)
+    if state is None:
+        return None
+    procs = _state_procs(state)
+    result = _teardown(procs, state.get("links", []), state.get("netns", []), state.get("etcd_data_dir"))
+    if not result["survivors"]:
+        (Path(state_dir) / STATE_FILE).unlink(missing_ok=True)
+    return result
+
+
+def _check_args(
+    agents: int, segment_size: int | str, netns: str, name: str, subnet: str | None
+) -> tuple[int, int, ipaddress.IPv4Network]:
+    """Validate LocalCluster's arguments; returns (agents, segment bytes, subnet)."""
+    from .agent import parse_size  # the agent's strict grammar (= l2core.spec.parse_size, without torch)
+
+    if not isinstance(agents, int) or isinstance(agents, bool) or not 0 <= agents <= 200:
+        raise ClusterConfigError(f"agents must be an int in [0, 200], got {agents!r}")
+    if netns not in ("auto", "on", "off"):
+        raise ClusterConfigError(f"netns must be 'auto', 'on' or 'off', got {netns!r}")
+    if not (name[:1].isalpha() and name.isascii() and name.isalnum() and len(name) <= _NAME_MAX):
+        raise ClusterConfigError(
+            f"name must be 1-{_NAME_MAX} ASCII letters/digits starting with a letter, got {name!r}"
+        )
+    try:
+        net = ipaddress.ip_network(subnet or DEFAULT_SUBNET)
+    except ValueError as e:
+        raise ClusterConfigError(f"bad subnet {subnet!r}: {e}") from None
+    if not isinstance(net, ipaddress.IPv4Network) or net.num_addresses < agents + 12:
+        raise ClusterConfigError(f"subnet {net} must be IPv4 with room for {agents} agents at .10+K")
+    if isinstance(segment_size, bool) or not isinstance(segment_size, (int, str)):
+        raise ClusterConfigError(f"segment_size must be an int or a size such as '256MB', got {segment_size!r}")
+    try:
+        nbytes = segment_size if isinstance(segment_size, int) else parse_size(segment_size, "segment_size")
+    except ValueError as e:
+        raise ClusterConfigError(str(e)) from None
+    if nbytes <= 0:
+        raise ClusterConfigError(f"segment_size must be positive, got {segment_size!r}")
+    return agents, nbytes, net
+
+
+# -- the cluster -----------------------------------------------------------------------------
+class LocalCluster:
+    """etcd + mooncake_master + `agents` decode agents on this machine. See the module docstring."""
+
+    def __init__(
+        self,
+        agents: int = 2,
+        segment_size: int | str = "256MB",
+        state_dir: str | Path | None = None,
+        netns: str = "auto",
+        lease_ttl: int = 5,
+        client_ttl: int = 5,
+        name: str = DEFAULT_NAME,
+        *,
+        subnet: str | None = None,
+        key_prefix: str = "/l3pool",
+        agent_cmd: Sequence[str] | None = None,
+        ready_timeout: float = 60.0,
+        etcd_bin: str | None = None,
+        master_bin: str | None = None,
+    ) -> None:
+        self.agent_count, self.segment_bytes, net = _check_args(agents, segment_size, netns, name, subnet)
+        for what, v in (("lease_ttl", lease_ttl), ("client_ttl", client_ttl)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ClusterConfigError(f"{what} must be a positive int (seconds), got {v!r}")
+        self.state_dir = Path(state_dir or default_state_dir(name)).resolve()
+        self.netns_mode, self.lease_ttl, self.client_ttl, self.name = netns, lease_ttl, client_ttl, name
+        self.subnet, self._subnet_auto = net, subnet is None
+        self.key_prefix = "/" + key_prefix.strip("/")
+        self.agent_cmd = list(agent_cmd) if agent_cmd else [sys.executable, "-m", "l3pool.cli", "agent"]
+        self.ready_timeout = float(ready_timeout)
+        self.etcd_bin = etcd_bin or shutil.which("etcd") or "/usr/bin/etcd"
+        self.master_bin = master_bin
+        self.mode = "none"  # "netns" or "loopback" once started
+        self.fallback_reason: str | None = None
+        self.up_seconds: float | None = None
+        self.agents: list[AgentInfo] = []
+        self.ports: dict[str, int] = {}
+        self._host = "127.0.0.1"
+        self._procs: dict[str, _Proc] = {}
+        self._links: list[str] = []
+        self._netns: list[str] = []
+        self._data_dir: str | None = None
+        self._started = self._closed = self._detached = False
+
+    # -- endpoints -------------------------------------------------------------------------
+    @property
+    def client_host(self) -> str:
+        """The IP a root-namespace Mooncake client must advertise (bridge IP, or 127.0.0.1)."""
+        return self._host
+
+    @property
+    def etcd_endpoints(self) -> str:
+        return f"http://{self._host}:{self.ports['etcd']}"
+
+    @property
+    def master(self) -> str:
+        return f"{self._host}:{self.ports['master_rpc']}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://{self._host}:{self.ports['master_metadata']}/metadata"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self._host}:{self.ports['master_admin']}"
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / STATE_FILE
+
+    def member_key(self, k: int) -> str:
+        return f"{self.key_prefix}/members/{self.agents[k].id}"
+
+    def client_env(self) -> dict[str, str]:
+        """Environment variables a root-namespace Mooncake client must have (see `mooncake_env`)."""
+        return mooncake_env(self.client_host)
+
+    def etcd(self) -> EtcdClient:
+        return EtcdClient(self.etcd_endpoints)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> LocalCluster:
+        if self._started:
+            raise ClusterError("this LocalCluster was already started")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._claim_state_dir()  # raises ClusterAlreadyUp before this object owns anything
+        self._started = True
+        t0 = time.monotonic()
+        try:
+            self._setup_network()
+            self._start_services()
+            for k in range(self.agent_count):
+                self._spawn_agent(k)
+            self._wait_agents(range(self.agent_count), {})
+            self._wait_master(["master_admin"])
+        except BaseException:
+            self.close()
+            raise
+        self.up_seconds = time.monotonic() - t0
+        self._save_state()
+        log.info(
+            "local cluster %r up in %.1f s (%s): %d agents", self.name, self.up_seconds, self.mode, self.agent_count
+        )
+        return self
+
+    def close(self) -> None:
+        """Stop every process, delete exactly the network it created and the etcd data dir. Idempotent."""
+        if self._closed or self._detached or not self._started:
+            return
+        self._closed = True
+        result = _teardown(list(self._procs.values()), self._links, self._netns, self._data_dir)
+        for a in self.agents:
+            a.pid = None
+        if not result["survivors"]:
+            self.state_file.unlink(missing_ok=True)
+
+    def detach(self) -> dict[str, Any]:
+        """Leave everything running (`l3pool cluster up`); returns the state that `down` will use."""
+        self._detached = True
+        for p in self._procs.values():
+            p.popen = None
+        self._save_state()
+        return self.state()
+
+    # -- state -----------------------------------------------------------------------------
+    def _claim_state_dir(self) -> None:
+        with open(self.state_dir / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # check-and-write is atomic between launchers
+            old = read_state(self.state_dir)
+            if old is not None:
+                pids = live_pids(old)
+                if pids:
+                    raise ClusterAlreadyUp(
+                        f"a cluster is already up in {self.state_dir} (pids {pids}); "
+                        f"stop it first: l3pool cluster down --state-dir {self.state_dir}"
+                    )
+                log.info("cleaning up a stale cluster state in %s", self.state_dir)
+                down(self.state_dir)
+            self._save_state()
+
+    def state(self) -> dict[str, Any]:
+        up = "master_admin" in self.ports
+        return {
+            "version": 1,
+            "name": self.name,
+            "state_dir": str(self.state_dir),
+            "mode": self.mode,
+            "fallback_reason": self.fallback_reason,
+            "subnet": str(self.subnet) if self.mode == "netns" else None,
+            "ports": self.ports,
+            "endpoints": {
+                "etcd": self.etcd_endpoints if up else None,
+                "master": self.master if up else None,
+                "metadata": self.metadata_url if up else None,
+                "admin": self.admin_url if up else None,
+                "client_host": self.client_host,
+                "client_env": self.client_env(),
+                "key_prefix": self.key_prefix,
+            },
+            "agents": [
+                {"index": a.index, "id": a.id, "netns": a.netns, "ip": a.ip, "pid": a.pid, "log": str(a.log)}
+                for a in self.agents
+            ],
+            "processes": [p.to_json() for p in self._procs.values()],
+            "netns": self._netns,
+            "links": self._links,
+            "etcd_data_dir": self._data_dir,
+            "launcher": {"pid": os.getpid(), "start_time": (_proc_stat(os.getpid()) or ("", 0))[1]},
+            "detached": self._detached,
+            "up_seconds": self.up_seconds,
+        }
+
+    def _save_state(self) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state(), indent=2))
+        tmp.replace(self.state_file)
+
+    # -- network ---------------------------------------------------------------------------
+    def _setup_network(self) -> None:
+        reason = _netns_unavailable(self.netns_mode)
+        if reason is None:
+            self._check_names_free()
+            try:
+                self._create_network_in_free_subnet()
+                self.mode = "netns"
+            except ClusterError as e:
+                if self.netns_mode == "on" or isinstance(e, _NetworkTaken):
+                    raise
+                _delete_network(self._links, self._netns)
+                self._links, self._netns = [], []
+                reason = str(e)
+        if reason is not None:
+            if self.netns_mode == "on":
+                raise ClusterError(f"namespaces unavailable: {reason}")
+            log.warning("namespaces unavailable: %s; falling back to loopback ports (all on 127.0.0.1)", reason)
+            self.mode, self.fallback_reason, self._host = "loopback", reason, "127.0.0.1"
+        netns = self.mode == "netns"
+        self.agents = [
+            AgentInfo(k, f"{self.name}-a{k}", f"{self.name}-a{k}" if netns else None,
+                      str(self.subnet.network_address + 10 + k) if netns else "127.0.0.1",
+                      self.state_dir / f"agent-{k}.log")
+            for k in range(self.agent_count)
+        ]  # fmt: skip
+        self._save_state()
+
+    def _check_names_free(self) -> None:
+        """Refuse to touch link or namespace names that already exist."""
+        mine = {f"{self.name}-br0", *(f"{self.name}-v{k}" for k in range(self.agent_count))}
+        taken = sorted(mine & _existing_links())
+        taken += sorted({f"{self.name}-a{k}" for k in range(self.agent_count)} & _existing_netns())
+        if taken:
+            raise _NetworkTaken(
+                f"network names already in use: {', '.join(taken)} (another cluster named {self.name!r} is up? "
+                "stop it with `l3pool cluster down --name NAME`, or pick another name)"
+            )
+
+    def _create_network_in_free_subnet(self) -> None:
+        """The given subnet, or (none given) the first 10.77.N.0/24 no interface overlaps."""
+        candidates = [ipaddress.IPv4Network(f"10.77.{n}.0/24") for n in range(256)] if self._subnet_auto else []
+        for net in candidates or [self.subnet]:
+            user = _subnet_user(net)
+            if user is not None and not self._subnet_auto:
+                raise _NetworkTaken(f"subnet {net} overlaps {user}; pick another subnet")
+            if user is not None:
+                continue
+            self.subnet = net
+            self._create_network()
+            if self._subnet_auto and _subnet_user(net, ignore=self._links[0]) is not None:
+                _delete_network(self._links, self._netns)  # a concurrent cluster took it meanwhile
+                self._links, self._netns = [], []
+                continue
+            return
+        raise _NetworkTaken("no free subnet among 10.77.0.0/24 ... 10.77.255.0/24; give one with subnet=")
+
+    def _create_network(self) -> None:
+        br, plen = f"{self.name}-br0", self.subnet.prefixlen
+        self._host = str(self.subnet.network_address + 1)
+        _ip("link", "add", br, "type", "bridge")
+        self._links.append(br)
+        self._save_state()
+        # addrgenmode none: no IPv6 link-local addresses, so no DAD/router solicitations either;
+        # the only traffic on these links is IPv4 inside the subnet.
+        _ip("link", "set", br, "addrgenmode", "none")
+        _ip("addr", "add", f"{self._host}/{plen}", "dev", br)
+        _ip("link", "set", br, "up")
+        for k in range(self.agent_count):
+            ns, veth = f"{self.name}-a{k}", f"{self.name}-v{k}"
+            _ip("netns", "add", ns)
+            self._netns.append(ns)
+            self._save_state()
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self._links.append(veth)
+            self._save_state()
+            _ip("link", "set", veth, "addrgenmode", "none")
+            _ip("-n", ns, "link", "set", "eth0", "addrgenmode", "none")
+            _ip("link", "set", veth, "master", br, "up")
+            _ip("-n", ns, "addr", "add", f"{self.subnet.network_address + 10 + k}/{plen}", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "route", "add", "default", "via", self._host)
+
+    # -- processes -------------------------------------------------------------------------
+    def _spawn(
+        self, role: str, pid_id: str, cmd: list[str], log_path: Path, netns: str | None = None, ip: str | None = None
+    ) -> _Proc:
+        full = ["ip", "netns", "exec", netns, *cmd] if netns else cmd
+        with open(log_path, "ab") as f:
+            log_from = f.tell()
+            f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(full)}\n".encode())
+            f.flush()
+            popen = subprocess.Popen(
+                full,
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.state_dir,
+                env=_child_env(ip if role == "agent" else None),
+            )
+        st = _proc_stat(popen.pid)
+        p = _Proc(
+            role, pid_id, popen.pid, popen.pid, st[1] if st else 0, str(log_path), full, netns, ip, popen, log_from
+        )
+        self._procs[pid_id] = p
+        self._save_state()
+        return p
+
+    def _start_services(self, attempts: int = 3) -> None:
+        """etcd and the master on free ports; a port taken between choosing and binding is retried."""
+        names = ("etcd", "etcd_peer", "master_rpc", "master_metadata", "master_admin")
+        for attempt in range(1, attempts + 1):
+            self.ports = dict(zip(names, _free_ports(len(names)), strict=True))
+            self._data_dir = f"/dev/shm/l3pool-etcd-{self.name}-{uuid.uuid4().hex[:8]}"
+            self._start_etcd()
+            self._spawn_master()
+            try:
+                self._wait_etcd()
+                self._wait_master()
+                return
+            except _ProcessExited as e:
+                if attempt == attempts:
+                    raise
+                log.info("%s; retrying with other ports", str(e).split("; last lines")[0])
+                _stop([self._procs.pop("etcd"), self._procs.pop("master")])
+                shutil.rmtree(self._data_dir, ignore_errors=True)
+
+    def _start_etcd(self) -> None:
+        c, peer = self.ports["etcd"], self.ports["etcd_peer"]
+        listen = [f"http://127.0.0.1:{c}"] + ([f"http://{self._host}:{c}"] if self._host != "127.0.0.1" else [])
+        cmd = [
+            self.etcd_bin, "--name", self.name, "--data-dir", str(self._data_dir),
+            "--listen-client-urls", ",".join(listen), "--advertise-client-urls", self.etcd_endpoints,
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"{self.name}=http://127.0.0.1:{peer}", "--initial-cluster-state", "new",
+            "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn",
+        ]  # fmt: skip
+        self._spawn("etcd", "etcd", cmd, self.state_dir / "etcd.log")
+
+    def _spawn_master(self) -> None:
+        h = self._host
+        cmd = [
+            self.master_bin or _find_master_bin(),
+            f"--rpc_address={h}", f"--rpc_port={self.ports['master_rpc']}",
+            "--enable_http_metadata_server", f"--http_metadata_server_host={h}",
+            f"--http_metadata_server_port={self.ports['master_metadata']}",
+            f"--metrics_host={h}", f"--metrics_port={self.ports['master_admin']}",
+            f"--client_ttl={self.client_ttl}",
+        ]  # fmt: skip
+        self._spawn("master", "master", cmd, self.state_dir / "master.log")
+
+    def _spawn_agent(self, k: int) -> None:
+        a = self.agents[k]
+        cmd = [
+            *self.agent_cmd, "--master", self.master, "--metadata", self.metadata_url,
+            "--etcd", self.etcd_endpoints, "--host", a.ip, "--segment-size", str(self.segment_bytes),
+            "--lease-ttl", str(self.lease_ttl), "--key-prefix", self.key_prefix, "--id", a.id,
+        ]  # fmt: skip
+        a.pid = self._spawn("agent", a.id, cmd, a.log, a.netns, a.ip).pid
+        self._save_state()
+
+    def _fail_if_dead(self, procs: Sequence[_Proc], what: str) -> None:
+        for p in procs:
+            if not _alive(p):
+                code = p.popen.poll() if p.popen is not None else None
+                raise _ProcessExited(f"{p.id} exited (code {code}) while waiting for {what}; {p.tail()}")
+
+    def _poll(
+        self, what: str, done: Callable[[], bool], watch: Sequence[_Proc], blame: Callable[[], _Proc] | None = None
+    ) -> None:
+        """Wait until done(); if a watched process dies, or on timeout, raise with the log tail of
+        that process (timeout: of blame(), default watch[0])."""
+        deadline = time.monotonic() + self.ready_timeout
+        while not done():
+            self._fail_if_dead(watch, what)
+            if time.monotonic() > deadline:
+                p = blame() if blame else watch[0]
+                raise ClusterError(f"{what} not done within {self.ready_timeout:.0f} s; {p.tail()}")
+            time.sleep(0.05)
+
+    def _wait_etcd(self) -> None:
+        client = EtcdClient(self.etcd_endpoints, timeout=1.0)
+
+        def ready() -> bool:
+            if self.ports["etcd"] not in _listening(self._procs["etcd"].pid):
+                return False
+            try:
+                client.status()
+                return True
+            except EtcdError:
+                return False
+
+        try:
+            self._poll(f"etcd at {self.etcd_endpoints}", ready, [self._procs["etcd"]])
+        finally:
+            client.close()
+
+    def _wait_master(self, ports: Sequence[str] = ("master_rpc", "master_metadata")) -> None:
+        def ready() -> bool:
+            return {self.ports[x] for x in ports} <= _listening(self._procs["master"].pid)
+
+        self._poll(f"mooncake_master ports {[self.ports[x] for x in ports]}", ready, [self._procs["master"]])
+
+    def _wait_agents(self, indices: Sequence[int], before: dict[str, tuple[int, int]]) -> None:
+        """Wait until each agent's member key exists (and, for ids in `before`, is a new registration)."""
+        waiting = {self.agents[k].id for k in indices}
+        client = EtcdClient(self.etcd_endpoints, timeout=1.0)
+
+        def ready() -> bool:
+            with contextlib.suppress(EtcdError):
+                for kv in client.get_prefix(f"{self.key_prefix}/members/"):
+                    aid = kv.key.rsplit("/", 1)[-1]
+                    if before.get(aid) != (kv.create_revision, kv.lease):
+                        waiting.discard(aid)
+            return not waiting
+
+        watch = [self._procs[a] for a in sorted(waiting)] + [self._procs["etcd"], self._procs["master"]]
+        try:
+            what = f"registration of {', '.join(sorted(waiting))} under {self.key_prefix}/members/"
+            self._poll(what, ready, watch, blame=lambda: self._procs[min(waiting)])
+        finally:
+            client.close()
+
+    # -- fault injection -------------------------------------------------------------------
+    def _agent_proc(self, k: int) -> _Proc:
+        if not 0 <= k < len(self.agents):
+            raise IndexError(f"no agent {k}: the cluster has {len(self.agents)}")
+        return self._procs[self.agents[k].id]
+
+    def kill_agent(self, k: int, sig: int = signal.SIGKILL, wait: bool | None = None) -> bool:
+        """Send `sig` to agent k's process group; for SIGKILL/SIGTERM/SIGINT also wait (5 s) for it to exit.
+
+        Returns whether the agent is still running afterwards (True after e.g. SIGSTOP).
+        """
+        p = self._agent_proc(k)
+        _signal(p, sig)
+        if wait if wait is not None else sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+            _wait_dead([p], _GRACE_S)
+        running = _alive(p)
+        if not running:
+            self.agents[k].pid = None
+            self._save_state()
+        return running
+
+    def start_agent(self, k: int, wait: bool = True) -> None:
+        """(Re)start agent k in its namespace, stopping a running one first; waits for a new registration."""
+        p = self._agent_proc(k)
+        if _alive(p):
+            _stop([p])
+        before: dict[str, tuple[int, int]] = {}
+        client = self.etcd()
+        try:
+            kv = client.get(self.member_key(k))
+        finally:
+            client.close()
+        if kv is not None:
+            before[self.agents[k].id] = (kv.create_revision, kv.lease)
+        self._spawn_agent(k)
+        if wait:
+            self._wait_agents([k], before)
+
+    def stop_master(self) -> None:
+        _stop([self._procs["master"]])
+
+    def start_master(self, wait: bool = True) -> None:
+        """Start the master again on the same ports (after stop_master)."""
+        p = self._procs["master"]
+        if _alive(p):
+            raise ClusterError("the master is still running; stop_master() first")
+        self._spawn("master", "master", p.cmd, Path(p.log))
+        if wait:
+            self._wait_master(["master_rpc", "master_metadata", "master_admin"])
+
+    def processes(self) -> list[dict[str, Any]]:
+        """Each process with its current state ('alive' / 'zombie' / 'gone')."""
+        return [{**p.to_json(), "state": _proc_state(p)} for p in self._procs.values()]
+
+
+# -- CLI -------------------------------------------------------------------------------------
+def status(state_dir: str | Path) -> dict[str, Any] | None:
+    state = read_state(state_dir)
+    if state is None:
+        return None
+    links, nss = _existing_links(), _existing_netns()
+    procs = [{**p.to_json(), "alive": _alive(p)} for p in _state_procs(state)]
+    return {
+        "state_dir": str(state_dir),
+        "name": state.get("name"),
+        "mode": state.get("mode"),
+        "all_alive": bool(procs) and all(p["alive"] for p in procs),
+        "ready": state.get("up_seconds") is not None,  # False: its `up` never finished (killed mid-start?)
+        "endpoints": state.get("endpoints", {}),
+        "processes": procs,
+        "links": {x: x in links for x in state.get("links", [])},
+        "netns": {x: x in nss for x in state.get("netns", [])},
+    }
+
+
+def _print_endpoints(state: dict[str, Any]) -> None:
+    for k, v in state.get("endpoints", {}).items():
+        print(f"{k:12s} {v}")
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir) if args.state_dir else default_state_dir(args.name)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    try:
+        cluster = LocalCluster(
+            agents=args.agents, segment_size=args.segment_size, state_dir=args.state_dir, netns=args.netns,
+            lease_ttl=args.lease_ttl, client_ttl=args.client_ttl, name=args.name, subnet=args.subnet,
+            key_prefix=args.key_prefix, agent_cmd=shlex.split(args.agent_cmd) if args.agent_cmd else None,
+            ready_timeout=args.timeout,
+        )  # fmt: skip
+    except ClusterConfigError as e:
+        print(f"l3pool cluster up: {e}", file=sys.stderr)
+        return 2
+    old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM during up: clean up like SIGINT
+    try:
+        cluster.start()
+    except ClusterError as e:
+        print(f"l3pool cluster up: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("l3pool cluster up: interrupted; everything started was stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    state = cluster.detach()
+    if args.json:
+        print(json.dumps(state, indent=2))
+        return 0
+    if cluster.fallback_reason:
+        print(f"namespaces unavailable: {cluster.fallback_reason}; falling back to loopback ports")
+    print(f"cluster {cluster.name!r} up in {cluster.up_seconds:.1f} s ({cluster.mode})")
+    _print_endpoints(state)
+    for a in cluster.agents:
+        print(f"agent {a.id}: ip {a.ip} netns {a.netns or '-'} pid {a.pid} log {a.log}")
+    print(f"stop with: l3pool cluster down --state-dir {cluster.state_dir}")
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    try:
+        result = down(_state_dir(args))
+    except ClusterError as e:
+        print(f"l3pool cluster down: {e}", file=sys.stderr)
+        return 1
+    if result is None:
+        msg = f"nothing to stop: no cluster state in {_state_dir(args)}"
+        print(json.dumps({"stopped": [], "message": msg}) if args.json else msg)
+        return 0
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"stopped: {', '.join(result['stopped']) or 'nothing was running'}")
+        print(f"deleted: {', '.join(result['links'] + result['netns']) or 'no network (loopback mode)'}")
+        for err in result["errors"]:
+            print(f"warning: {err}")
+    if result["survivors"]:
+        print(f"l3pool cluster down: pids {result['survivors']} survived SIGKILL", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    try:
+        st = status(_state_dir(args))
+    except ClusterError as e:
+        print(f"l3pool cluster status: {e}", file=sys.stderr)
+        return 1
+    if st is None:
+        msg = f"no cluster up: no state in {_state_dir(args)}"
+        print(json.dumps({"up": False, "message": msg}) if args.json else msg)
+        return 1
+    if args.json:
+        print(json.dumps({"up": st["all_alive"] and st["ready"], **st}, indent=2))
+    else:
+        print(f"cluster {st['name']!r} ({st['mode']}) in {st['state_dir']}")
+        if not st["ready"]:
+            print("its start never completed (the launcher was killed?): run `down`, then `up` again")
+        _print_endpoints(st)
+        for p in st["processes"]:
+            where = f" netns {p['netns']}" if p["netns"] else ""
+            print(f"{p['id']:12s} pid {p['pid']:<8d} {'alive' if p['alive'] else 'DEAD'}{where} log {p['log']}")
+    return 0 if st["all_alive"] and st["ready"] else 1
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("cluster", help="local etcd + mooncake_master + agents (one netns per agent)")
+    sub = p.add_subparsers(dest="cluster_cmd", required=True)
+    up = sub.add_parser("up", help="start a local cluster and leave it running")
+    up.add_argument("--agents", type=int, default=2)
+    up.add_argument("--segment-size", default="256MB", help="DRAM each agent donates (e.g. 256MB, 1GiB)")
+    dirs = "logs and state.json (default /tmp/l3pool-cluster, or /tmp/l3pool-cluster-NAME for --name NAME)"
+    names = f"prefix of netns/link names (default {DEFAULT_NAME})"
+    up.add_argument("--state-dir", help=dirs)
+    up.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
+                    help="one network namespace per agent (auto: when root with iproute2)")  # fmt: skip
+    up.add_argument("--subnet", help=f"bridge .1, agent K .10+K (default {DEFAULT_SUBNET} or the next free /24)")
+    up.add_argument("--lease-ttl", type=int, default=5, help="agents' etcd lease TTL, seconds")
+    up.add_argument("--client-ttl", type=int, default=5, help="mooncake_master --client_ttl, seconds")
+    up.add_argument("--name", default=DEFAULT_NAME, help=names)
+    up.add_argument("--key-prefix", default="/l3pool", help="etcd key prefix (default %(default)s)")
+    up.add_argument("--agent-cmd", default=None, help="agent command (default: python -m l3pool.cli agent)")
+    up.add_argument("--timeout", type=float, default=60.0, help="readiness timeout, seconds")
+    up.add_argument("--json", action="store_true", help="print the state as JSON")
+    up.set_defaults(fn=_cmd_up)
+    for name, fn, text in (("down", _cmd_down, "stop the cluster recorded in the state dir"),
+                           ("status", _cmd_status, "each process alive/dead, and the endpoints")):  # fmt: skip
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--state-dir", help=dirs)
+        s.add_argument("--name", default=DEFAULT_NAME, help="the cluster's name, when --state-dir is not given")
+        s.add_argument("--json", action="store_true")
+        s.set_defaults(fn=fn)

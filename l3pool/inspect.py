@@ -1,0 +1,322 @@
+"""`l3pool inspect`: what the pool looks like right now, from etcd and the master's admin port.
+
+    l3pool inspect --etcd 10.0.0.1:2379 --master-admin http://10.0.0.1:9003 [--json]
+
+`collect()` gathers one JSON-able dict (the CLI and the tests call it):
+    members     each live agent: id, host, segment, donated bytes, used bytes (from the master's
+                /query_segment; None without --master-admin), lease TTL left, version, age
+    namespaces  each registered namespace: its key fields, objects (keys "<ns_id>/..." in the
+                master's /get_all_keys) and bytes (objects x page_bytes); None without the master
+    counters    the sum of every client's numeric counters; clients: each client's own
+    locks       every key under {prefix}/locks/ with its value and lease TTL left
+    master      admin URL, totals from /metrics, every segment (with the member that owns it)
+Unreachable etcd or master admin: one line on stderr, exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from .etcd import EtcdClient, EtcdError
+from .metadata import DEFAULT_PREFIX, Metadata
+
+ADMIN_TIMEOUT = 3.0
+_NS_FIELDS = ("model", "attention", "layout", "dtype", "page_size", "page_bytes")
+
+
+class InspectError(RuntimeError):
+    """A source (etcd, the master admin) could not be read; the message is one line."""
+
+
+class MasterAdmin:
+    """Reader for mooncake_master's admin HTTP port (--metrics_port)."""
+
+    def __init__(self, url: str, timeout: float = ADMIN_TIMEOUT) -> None:
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            url = f"http://{url}"
+        self.url, self.timeout = url, timeout
+
+    def _get(self, path: str, ok_missing: bool = False) -> str | None:
+        try:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=self.timeout) as r:
+                return str(r.read().decode(errors="replace"))
+        except urllib.error.HTTPError as e:
+            if ok_missing:  # /query_segment answers 500 for a segment it does not know
+                return None
+            raise InspectError(f"mooncake master admin {self.url}{path}: HTTP {e.code}") from None
+        except (OSError, urllib.error.URLError) as e:
+            reason = getattr(e, "reason", e)
+            raise InspectError(f"mooncake master admin unreachable at {self.url}: {reason}") from None
+
+    def keys(self) -> list[str]:
+        return [k for k in (self._get("/get_all_keys") or "").splitlines() if k]
+
+    def segments(self) -> list[str]:
+        return [s for s in (self._get("/get_all_segments") or "").splitlines() if s]
+
+    def query_segment(self, name: str) -> tuple[int, int] | None:
+        """(used, capacity) bytes of one segment, None if the master does not know it.
+
+        The answer is "NAME\\nUsed(bytes): N\\nCapacity(bytes) : N" (0.3.13). The master does not
+        percent-decode the query, so the ':' of "host:port" must go unescaped."""
+        text = self._get(f"/query_segment?segment={urllib.parse.quote(name, safe=':[]')}", ok_missing=True)
+        if text is None:
+            return None
+        vals: dict[str, int] = {}
+        for line in text.splitlines():
+            k, sep, v = line.partition(":")
+            if sep and k.strip().lower() in ("used(bytes)", "capacity(bytes)") and v.strip().isdigit():
+                vals[k.strip().lower()] = int(v.strip())
+        if len(vals) != 2:
+            return None
+        return vals["used(bytes)"], vals["capacity(bytes)"]
+
+    def metrics(self) -> dict[str, float]:
+        """The un-labelled samples of /metrics (Prometheus text)."""
+        out = {}
+        for line in (self._get("/metrics") or "").splitlines():
+            if not line or line.startswith("#") or "{" in line:
+                continue
+            name, _, value = line.partition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+        return out
+
+
+def _sum_counters(stats: dict[str, dict[str, Any]]) -> dict[str, int | float]:
+    total: dict[str, int | float] = {}
+    for counters in stats.values():
+        for k, v in counters.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                total[k] = total.get(k, 0) + v
+    return dict(sorted(total.items()))
+
+
+def collect(etcd_endpoints: str, master_admin: str | None = None, prefix: str = DEFAULT_PREFIX) -> dict[str, Any]:
+    """Everything `l3pool inspect` shows, as one JSON-able dict; InspectError when a source is unreachable."""
+    etcd = EtcdClient(etcd_endpoints, timeout=2.0)
+    try:
+        md = Metadata(etcd, prefix)
+        members, namespaces, stats, locks = md.members(), md.namespaces(), md.stats(), md.locks()
+    except EtcdError as e:
+        raise InspectError(str(e)) from None
+    finally:
+        etcd.close()
+    now = time.time()
+
+    admin = MasterAdmin(master_admin) if master_admin else None
+    keys: list[str] | None = None
+    seg_usage: dict[str, tuple[int, int] | None] = {}
+    master: dict[str, Any] = {"admin_url": admin.url if admin else None}
+    if admin is not None:
+        keys = admin.keys()
+        segments = admin.segments()
+        seg_usage = {s: admin.query_segment(s) for s in segments}
+        m = admin.metrics()
+        owners = {mem.info.segment: mem.info.id for mem in members if mem.info.segment}
+        master.update(
+            keys=len(keys),
+            allocated_bytes=int(m.get("master_allocated_bytes", 0)),
+            capacity_bytes=int(m.get("master_total_capacity_bytes", 0)),
+            active_clients=int(m.get("master_active_clients", 0)),
+            segments=[
+                {
+                    "name": s,
+                    "used_bytes": u[0] if u else None,
+                    "capacity_bytes": u[1] if u else None,
+                    "member": owners.get(s),
+                }
+                for s, u in seg_usage.items()
+            ],
+        )
+
+    out_members = []
+    for mem in sorted(members, key=lambda m: m.info.id):
+        info = mem.info
+        usage = seg_usage.get(info.segment) if info.segment else None
+        out_members.append(
+            {
+                "id": info.id,
+                "host": info.host,
+                "segment": info.segment or None,
+                "donated_bytes": info.segment_bytes,
+                "used_bytes": usage[0] if usage else None,
+                "in_master": (info.segment in seg_usage) if admin is not None else None,
+                "lease_ttl_left": mem.ttl_left,
+                "protocol": info.protocol,
+                "version": info.version,
+                "pid": info.pid,
+                "age_s": round(now - info.started_at, 1),
+                "master": info.master,
+            }
+        )
+
+    out_ns = []
+    for ns_id, rec in sorted(namespaces.items()):
+        objects = None if keys is None else sum(1 for k in keys if k.startswith(f"{ns_id}/"))
+        page_bytes = rec.get("page_bytes")
+        nbytes = objects * page_bytes if objects is not None and isinstance(page_bytes, int) else None
+        item: dict[str, Any] = {"ns_id": ns_id, **{f: rec.get(f) for f in _NS_FIELDS}}
+        if "layer_begin" in rec and "layer_end" in rec:
+            item["layers"] = f"{rec['layer_begin']}-{rec['layer_end']}"
+        if "tp_size" in rec:
+            item["tp"] = f"{rec.get('tp_rank', 0)}/{rec['tp_size']}"
+        item.update(tenant=rec.get("tenant"), objects=objects, bytes=nbytes, record=rec)
+        out_ns.append(item)
+
+    return {
+        "prefix": prefix,
+        "members": out_members,
+        "namespaces": out_ns,
+        "counters": _sum_counters(stats),
+        "clients": dict(sorted(stats.items())),
+        "locks": [{"key": lk.key, "value": lk.value, "lease_ttl_left": lk.ttl_left} for lk in locks],
+        "master": master,
+    }
+
+
+# -- table output ----------------------------------------------------------------------------------
+def _size(n: int | float | None) -> str:
+    if n is None:
+        return "n/a"
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} TiB"  # pragma: no cover
+
+
+def _age(s: float) -> str:
+    s = max(0.0, s)
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.1f}h"
+
+
+def _na(v: Any) -> str:
+    return "n/a" if v is None else str(v)
+
+
+def _table(title: str, header: list[str], rows: list[list[str]], count: int | None = None) -> list[str]:
+    lines = [f"{title} ({len(rows) if count is None else count})"]
+    if not rows:
+        return [*lines, "  (none)", ""]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    fmt = "  " + "  ".join(f"{{:<{w}}}" for w in widths)
+    lines += [fmt.format(*header).rstrip(), *(fmt.format(*r).rstrip() for r in rows), ""]
+    return lines
+
+
+def render(report: dict[str, Any]) -> str:
+    """The human-readable tables of a `collect()` report."""
+    out: list[str] = []
+    members = report["members"]
+    out += _table(
+        "MEMBERS",
+        ["ID", "HOST", "DONATED", "USED", "LEASE", "VERSION", "AGE"],
+        [
+            [
+                m["id"],
+                m["host"],
+                _size(m["donated_bytes"]),
+                _size(m["used_bytes"]),
+                f"{m['lease_ttl_left']}s" if m["lease_ttl_left"] >= 0 else "gone",
+                m["version"],
+                _age(m["age_s"]),
+            ]
+            for m in members
+        ],
+    )
+    out += _table(
+        "NAMESPACES",
+        ["NS_ID", "MODEL", "LAYOUT", "DTYPE", "PAGE", "PAGE_BYTES", "LAYERS", "TP", "OBJECTS", "BYTES"],
+        [
+            [
+                n["ns_id"],
+                _na(n["model"]),
+                _na(n["layout"]),
+                _na(n["dtype"]),
+                _na(n["page_size"]),
+                _na(n["page_bytes"]),
+                _na(n.get("layers")),
+                _na(n.get("tp")),
+                _na(n["objects"]),
+                _size(n["bytes"]),
+            ]
+            for n in report["namespaces"]
+        ],
+    )
+    counters, clients = report["counters"], report["clients"]
+    names = list(counters)
+    out += _table(
+        "COUNTERS",
+        ["CLIENT", "NAMESPACE", *(c.upper() for c in names)],
+        [[cid, _na(c.get("namespace")), *(_na(c.get(k)) for k in names)] for cid, c in clients.items()]
+        + ([["(total)", "", *(_na(counters[k]) for k in names)]] if clients else []),
+        count=len(clients),
+    )
+    out += _table(
+        "LOCKS",
+        ["KEY", "LEASE", "VALUE"],
+        [
+            [lk["key"], f"{lk['lease_ttl_left']}s" if lk["lease_ttl_left"] >= 0 else "-", json.dumps(lk["value"])]
+            for lk in report["locks"]
+        ],
+    )
+    master = report["master"]
+    if master.get("admin_url"):
+        out.append(
+            f"MASTER {master['admin_url']}: keys {master['keys']}, used {_size(master['allocated_bytes'])} of "
+            f"{_size(master['capacity_bytes'])}, segments {len(master['segments'])}, clients {master['active_clients']}"
+        )
+        orphans = [s["name"] for s in master["segments"] if s["member"] is None]
+        if orphans:
+            out.append(f"  segments without a live member: {', '.join(orphans)}")
+    else:
+        out.append("MASTER: not queried (give --master-admin or L3POOL_MASTER_ADMIN for used bytes and objects)")
+    return "\n".join(out)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    endpoints = args.etcd or os.environ.get("L3POOL_ETCD", "")
+    admin = args.master_admin or os.environ.get("L3POOL_MASTER_ADMIN") or None
+    if not endpoints:
+        sys.stderr.write("l3pool inspect: error: --etcd is required (or set L3POOL_ETCD)\n")
+        return 2
+    try:
+        report = collect(endpoints, admin, args.key_prefix)
+    except ValueError as e:  # bad endpoint or prefix
+        sys.stderr.write(f"l3pool inspect: error: {e}\n")
+        return 2
+    except InspectError as e:
+        sys.stderr.write(f"l3pool inspect: error: {e}\n")
+        return 1
+    sys.stdout.write((json.dumps(report, indent=2) if args.json else render(report)) + "\n")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("inspect", help="members, namespaces, counters and locks of an L3 pool")
+    p.add_argument("--etcd", metavar="ENDPOINTS", help="comma-separated etcd endpoints (or env L3POOL_ETCD)")
+    p.add_argument(
+        "--master-admin",
+        metavar="URL",
+        help="mooncake_master admin address http://HOST:METRICS_PORT (or env L3POOL_MASTER_ADMIN)",
+    )
+    p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help=f"etcd key prefix (default {DEFAULT_PREFIX})")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    p.set_defaults(fn=run_inspect)

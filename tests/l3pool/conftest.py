@@ -1,0 +1,328 @@
+"""Real etcd and mooncake_master processes for the l3pool tests, on 127.0.0.1 only.
+
+`run_etcd(tmp)` and `run_master(tmp)` are context managers: they pick free ports, start the
+server in its own process group (logs and the etcd data dir under a temporary dir on /dev/shm),
+wait until it answers, and on exit kill the whole group and delete the dir — also when the test
+failed. A port taken between choosing and binding (other processes on this machine) is retried
+with new ports. The fixtures `etcd_server` and `mooncake_master` are module-scoped; tests isolate
+themselves with their own key prefix. The master runs with --client_ttl 3 so a killed agent's
+segment disappears within seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from l3pool.etcd import EtcdClient, EtcdError
+
+HOST = "127.0.0.1"
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 15.0
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((HOST, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def port_open(port: int, host: str = HOST) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+def _tmpdir(tag: str) -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return tempfile.mkdtemp(prefix=f"l3pool-test-{tag}-", dir=base)
+
+
+def _kill_group(p: subprocess.Popen[bytes], grace: float = 3.0) -> None:
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):  # stragglers in the group
+        os.killpg(p.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.wait(5)
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _start(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as f:
+        return subprocess.Popen(list(cmd), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@dataclass
+class EtcdServer:
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def endpoints(self) -> str:
+        return f"http://{HOST}:{self.client_port}"
+
+    def client(self) -> EtcdClient:
+        return EtcdClient(self.endpoints, timeout=2.0)
+
+
+@contextlib.contextmanager
+def run_etcd(attempts: int = 3) -> Iterator[EtcdServer]:
+    exe = shutil.which("etcd")
+    if exe is None:
+        pytest.skip("etcd is not installed (Debian: etcd-server)")
+    tmp = Path(_tmpdir("etcd"))
+    proc = None
+    try:
+        for attempt in range(attempts):
+            cport, pport = free_ports(2)
+            name = f"l3t{uuid.uuid4().hex[:6]}"
+            log = tmp / "etcd.log"
+            # fmt: off
+            proc = _start([
+                exe, "--name", name, "--data-dir", str(tmp / f"data{attempt}"),
+                "--listen-client-urls", f"http://{HOST}:{cport}", "--advertise-client-urls", f"http://{HOST}:{cport}",
+                "--listen-peer-urls", f"http://{HOST}:{pport}", "--initial-advertise-peer-urls", f"http://{HOST}:{pport}",
+                "--initial-cluster", f"{name}=http://{HOST}:{pport}", "--initial-cluster-state", "new",
+                "--logger", "zap", "--log-outputs", "stderr",
+            ], log)
+            # fmt: on
+            server = EtcdServer(cport, pport, tmp / f"data{attempt}", proc)
+            client = server.client()
+            deadline = time.monotonic() + START_TIMEOUT
+            try:
+                while proc.poll() is None and time.monotonic() < deadline:
+                    with contextlib.suppress(EtcdError):
+                        client.status()
+                        break
+                    time.sleep(0.05)
+                else:
+                    if proc.poll() is None:
+                        raise RuntimeError(f"etcd did not answer within {START_TIMEOUT} s:\n{_tail(log)}")
+                    continue  # exited: most likely a port taken meanwhile; new ports
+            finally:
+                client.close()
+            yield server
+            return
+        raise RuntimeError(f"etcd failed to start {attempts} times:\n{_tail(tmp / 'etcd.log')}")
+    finally:
+        if proc is not None:
+            _kill_group(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass
+class MasterServer:
+    rpc_port: int
+    metadata_port: int
+    admin_port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def rpc(self) -> str:
+        return f"{HOST}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://{HOST}:{self.metadata_port}/metadata"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{HOST}:{self.admin_port}"
+
+    def admin(self, path: str) -> str:
+        with urllib.request.urlopen(f"{self.admin_url}{path}", timeout=3) as r:
+            return str(r.read().decode())
+
+    def segments(self) -> list[str]:
+        return [s for s in self.admin("/get_all_segments").splitlines() if s]
+
+
+@contextlib.contextmanager
+def run_master(client_ttl: int = 3, attempts: int = 3) -> Iterator[MasterServer]:
+    exe = shutil.which("mooncake_master")
+    if exe is None:
+        pytest.skip("mooncake_master is not installed (pip: mooncake-transfer-engine-non-cuda)")
+    tmp = Path(_tmpdir("master"))
+    proc = None
+    try:
+        for _ in range(attempts):
+            rpc, meta, admin = free_ports(3)
+            log = tmp / "master.log"
+            # fmt: off
+            proc = _start([
+                exe, "--rpc_port", str(rpc), "--rpc_address", HOST,
+                "--enable_http_metadata_server", "--http_metadata_server_port", str(meta),
+                "--http_metadata_server_host", HOST,
+                "--metrics_port", str(admin), "--metrics_host", HOST, "--client_ttl", str(client_ttl),
+            ], log)
+            # fmt: on
+            server = MasterServer(rpc, meta, admin, proc, log)
+            deadline = time.monotonic() + START_TIMEOUT
+            while proc.poll() is None and not all(port_open(p) for p in (rpc, meta, admin)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"mooncake_master not listening within {START_TIMEOUT} s:\n{_tail(log)}")
+                time.sleep(0.05)
+            if proc.poll() is not None:  # a port was taken meanwhile (it exits): new ports
+                continue
+            yield server
+            return
+        raise RuntimeError(f"mooncake_master failed to start {attempts} times:\n{_tail(tmp / 'master.log')}")
+    finally:
+        if proc is not None:
+            _kill_group(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def etcd_server() -> Iterator[EtcdServer]:
+    with run_etcd() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mooncake_master() -> Iterator[MasterServer]:
+    with run_master() as server:
+        yield server
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of this test's own, so tests sharing one etcd never see each other's keys."""
+    return f"/l3t-{uuid.uuid4().hex[:8]}"
+
+
+# -- agents as subprocesses ----------------------------------------------------------------------
+@dataclass
+class AgentProc:
+    """`python -m l3pool.cli agent ...` with stderr collected by a thread (Mooncake logs a lot)."""
+
+    args: list[str]
+    proc: subprocess.Popen[str] = field(init=False)
+    lines: list[str] = field(default_factory=list)
+    registered_after: float | None = None
+
+    def __post_init__(self) -> None:
+        self._t0 = time.monotonic()
+        self._registered = threading.Event()
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "l3pool.cli", "agent", *self.args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=env,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+            if "donating" in line and not self._registered.is_set():
+                self.registered_after = time.monotonic() - self._t0
+                self._registered.set()
+
+    def wait_registered(self, timeout: float = 15.0) -> float:
+        deadline = time.monotonic() + timeout
+        while not self._registered.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self._reader.join(2)
+                raise AssertionError(f"agent not registered (rc={self.proc.poll()}):\n" + "\n".join(self.lines[-20:]))
+        assert self.registered_after is not None
+        return self.registered_after
+
+    def wait(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(5)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        self._reader.join(5)
+
+    def our_lines(self) -> list[str]:
+        """stderr without Mooncake's glog lines (I/W/E + date) and its one-time banner."""
+        return [
+            ln
+            for ln in self.lines
+            if not (len(ln) > 5 and ln[0] in "IWEF" and ln[1:5].isdigit()) and not ln.startswith("WARNING: Logging")
+        ]
+
+
+@contextlib.contextmanager
+def agent_process(args: Sequence[str]) -> Iterator[AgentProc]:
+    a = AgentProc(list(args))
+    try:
+        yield a
+    finally:
+        a.kill()
+
+
+def agent_args(etcd: EtcdServer, master: MasterServer, prefix: str, *extra: str) -> list[str]:
+    return [
+        "--master",
+        master.rpc,
+        "--metadata",
+        master.metadata_url,
+        "--etcd",
+        etcd.endpoints,
+        "--key-prefix",
+        prefix,
+        *extra,
+    ]
+
+
+def wait_for(cond: object, timeout: float, what: str, interval: float = 0.05) -> float:
+    """Poll `cond()` until true; returns the seconds it took; AssertionError after `timeout`."""
+    assert callable(cond)
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+    return time.monotonic() - t0

@@ -1,0 +1,249 @@
+"""L3 client against the real local cluster: etcd, mooncake_master, 2 decode agents (own network
+namespaces when root). Real bytes, real processes; every test is bounded in time."""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from l2core import LAYOUTS, ConfigError, HostKVPool, KVSpec, L2Config
+from l3pool.client import L3Client
+from l3pool.cluster import LocalCluster
+from l3pool.etcd import EtcdClient
+from l3pool.keys import Namespace, page_hashes
+from l3pool.store import MooncakeStore, Outcome, StoreConfig, StoreUnavailable
+
+SPECS = {"mla": KVSpec.mla(6, page_size=16), "mha": KVSpec.mha(4, 2, 64, page_size=16)}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(agents=2, segment_size="256MB", name=f"l3pc{uuid.uuid4().hex[:4]}") as c:
+        yield c
+
+
+def _store(c: LocalCluster) -> MooncakeStore:
+    """A prefill-side client in the root namespace. Mooncake advertises the address named by
+    MC_TCP_BIND_ADDRESS (else the first non-loopback NIC): point it at the cluster's address so
+    every byte stays on loopback / the test's own namespaces. The test process is the
+    application here, so it sets the variable (library code never does)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in c.client_env().items():
+            mp.setenv(k, v)
+        return MooncakeStore(StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host))
+
+
+@pytest.fixture(scope="module")
+def store(cluster: LocalCluster) -> Iterator[MooncakeStore]:
+    s = _store(cluster)
+    yield s
+    s.close()
+
+
+def _pool(spec: KVSpec, layout: str, pages: int = 64, seed: int = 0) -> HostKVPool:
+    pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=pages * spec.page_size, pin="never"))
+    g = torch.Generator().manual_seed(seed)
+    pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8, generator=g))
+    return pool
+
+
+def _keys(ns: Namespace, n: int, seed: int) -> list[str]:
+    toks = np.random.default_rng(seed).integers(0, 1 << 20, n * ns.page_size)
+    return ns.keys(page_hashes(toks, ns.page_size))
+
+
+@pytest.mark.parametrize("attention", ["mla", "mha"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_bit_exact(store: MooncakeStore, attention: str, layout: str) -> None:
+    spec = SPECS[attention]
+    pool = _pool(spec, layout, seed=hash((attention, layout)) % 1000)
+    ns = Namespace.for_pool(spec, layout, "m1", tenant=uuid.uuid4().hex)
+    client = L3Client(pool, store, ns, batch_pages=8)
+    try:
+        rng = np.random.default_rng(1)
+        src = rng.choice(32, size=20, replace=False)
+        dst = 32 + rng.choice(32, size=20, replace=False)
+        want = [pool.page_bytes_of(int(p)) for p in src]
+        keys = _keys(ns, 20, seed=2)
+        assert client.lookup(keys) == 0
+        assert client.put(keys, src) == [Outcome.OK] * 20
+        assert client.lookup(keys) == 20
+        assert client.get(keys, dst) == [Outcome.OK] * 20
+        assert [pool.page_bytes_of(int(p)) for p in dst] == want
+        assert client.stats.puts == 20 and client.stats.gets == 20 and client.stats.bytes_got == 20 * spec.page_bytes
+    finally:
+        client.close()
+        pool.close()
+
+
+def test_put_dedupes_and_never_overwrites(store: MooncakeStore) -> None:
+    spec = SPECS["mla"]
+    pool = _pool(spec, "page_first_direct")
+    ns = Namespace.for_pool(spec, "page_first_direct", "m1", tenant=uuid.uuid4().hex)
+    client = L3Client(pool, store, ns)
+    try:
+        keys = _keys(ns, 8, seed=3)
+        first = [pool.page_bytes_of(p) for p in range(8)]
+        assert client.put(keys, range(8)) == [Outcome.OK] * 8
+        assert client.put(keys, range(8, 16)) == [Outcome.OK] * 8  # other bytes, same keys
+        assert client.stats.puts == 8 and client.stats.put_skipped == 8
+        assert client.get(keys, range(16, 24)) == [Outcome.OK] * 8
+        assert [pool.page_bytes_of(p) for p in range(16, 24)] == first
+    finally:
+        client.close()
+        pool.close()
+
+
+def test_namespaces_isolate_layouts_and_tenants(store: MooncakeStore) -> None:
+    spec = SPECS["mha"]
+    tenant = uuid.uuid4().hex
+    a_pool, b_pool, c_pool = (
+        _pool(spec, "page_first"),
+        _pool(spec, "page_first_direct", seed=9),
+        _pool(spec, "page_first", seed=5),
+    )
+    a_ns = Namespace.for_pool(spec, "page_first", "m1", tenant=tenant)
+    b_ns = Namespace.for_pool(spec, "page_first_direct", "m1", tenant=tenant)  # same model + tokens
+    c_ns = Namespace.for_pool(spec, "page_first", "m1", tenant=tenant + "x")
+    a, b = L3Client(a_pool, store, a_ns), L3Client(b_pool, store, b_ns)
+    c = L3Client(c_pool, store, c_ns)
+    try:
+        toks = np.arange(8 * 16)
+        hashes = page_hashes(toks, 16)
+        assert a.put(a_ns.keys(hashes), range(8)) == [Outcome.OK] * 8
+        assert b.lookup(b_ns.keys(hashes)) == 0
+        before = b_pool.page_bytes_of(3)
+        assert b.get(b_ns.keys(hashes)[:1], [3]) == [Outcome.MISS]
+        assert b_pool.page_bytes_of(3) == before  # nothing written on a miss
+        assert c.lookup(c_ns.keys(hashes)) == 0
+        with pytest.raises(ValueError, match="namespace"):
+            b.get(a_ns.keys(hashes), range(8))  # another namespace's keys are refused outright
+    finally:
+        for x in (a, b, c):
+            x.close()
+        for p in (a_pool, b_pool, c_pool):
+            p.close()
+
+
+def test_bad_input_and_settings(store: MooncakeStore, cluster: LocalCluster) -> None:
+    spec = SPECS["mla"]
+    pool = _pool(spec, "page_first")
+    ns = Namespace.for_pool(spec, "page_first", "m1", tenant=uuid.uuid4().hex)
+    with pytest.raises(ConfigError, match="layout"):
+        L3Client(pool, store, Namespace.for_pool(spec, "layer_first", "m1"))
+    with pytest.raises(ConfigError, match="batch_pages"):
+        L3Client(pool, store, ns, batch_pages=0)
+    with pytest.raises(ConfigError, match="model"):
+        Namespace.for_pool(spec, "page_first", "a/b")
+    client = L3Client(pool, store, ns)
+    try:
+        keys = _keys(ns, 4, seed=4)
+        with pytest.raises(ValueError, match="keys"):
+            client.put(keys, [0, 1, 2])
+        with pytest.raises(IndexError):
+            client.put(keys, [0, 1, 2, 10_000])
+        with pytest.raises(TypeError):
+            client.get(keys, [0.5, 1.0, 2.0, 3.0])
+        assert client.stats.puts == 0
+    finally:
+        client.close()
+        pool.close()
+    with pytest.raises(ValueError, match="endpoint"):
+        EtcdClient("http://[bad")
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        MooncakeStore(StoreConfig(master="127.0.0.1:1", metadata=cluster.metadata_url, local_hostname="127.0.0.1"))
+    assert time.monotonic() - t0 < 60
+
+
+def test_dead_agent_pages_become_misses(cluster: LocalCluster) -> None:
+    """SIGKILL one donor mid-workload: its pages turn into misses, never errors or wrong bytes,
+    and it leaves membership within the lease TTL. Runs on its own cluster (destructive)."""
+    with LocalCluster(agents=2, segment_size="128MB", name=f"l3pk{uuid.uuid4().hex[:4]}", lease_ttl=3) as c:
+        st = _store(c)
+        spec = SPECS["mla"]
+        pool = _pool(spec, "page_first_direct", pages=128)
+        ns = Namespace.for_pool(spec, "page_first_direct", "m1", tenant=uuid.uuid4().hex)
+        client = L3Client(pool, st, ns, batch_pages=16)
+        try:
+            keys = _keys(ns, 48, seed=6)
+            want = [pool.page_bytes_of(p) for p in range(48)]
+            assert client.put(keys, range(48)) == [Outcome.OK] * 48
+            victim = c.agents[0]
+            c.kill_agent(0, signal.SIGKILL)
+            etcd = EtcdClient(c.etcd_endpoints)
+            deadline = time.monotonic() + 3 + 5
+            while time.monotonic() < deadline and any(
+                victim.id in kv.key for kv in etcd.get_prefix(c.key_prefix + "/members/")
+            ):
+                time.sleep(0.2)
+            assert not any(victim.id in kv.key for kv in etcd.get_prefix(c.key_prefix + "/members/"))
+            time.sleep(6)  # past the master's client_ttl: the dead donor's segment is unmounted
+            res = client.get(keys, range(64, 112))
+            assert set(res) <= {Outcome.OK, Outcome.MISS, Outcome.TRANSFER_FAIL}
+            assert Outcome.OK in res and any(r is not Outcome.OK for r in res), res
+            for i, r in enumerate(res):
+                if r is Outcome.OK:
+                    assert pool.page_bytes_of(64 + i) == want[i]
+            assert client.lookup(keys) < 48
+        finally:
+            client.close()
+            pool.close()
+            st.close()
+
+
+def test_full_pool_is_a_typed_outcome() -> None:
+    with LocalCluster(agents=1, segment_size="48MB", name=f"l3pf{uuid.uuid4().hex[:4]}") as c:
+        st = _store(c)
+        spec = KVSpec.mla(8, page_size=64)  # 590 KB pages: 48 MB holds ~70
+        pool = _pool(spec, "page_first", pages=128)
+        ns = Namespace.for_pool(spec, "page_first", "m1", tenant=uuid.uuid4().hex)
+        client = L3Client(pool, st, ns, batch_pages=32)
+        try:
+            res = client.put(_keys(ns, 128, seed=7), range(128))
+            assert Outcome.POOL_FULL in res, res
+            assert set(res) <= {Outcome.OK, Outcome.POOL_FULL}
+            assert client.stats.put_failed == res.count(Outcome.POOL_FULL)
+            assert client.stats.puts == res.count(Outcome.OK)
+        finally:
+            client.close()
+            pool.close()
+            st.close()
+
+
+def test_master_restart_errors_then_recovers() -> None:
+    with LocalCluster(agents=1, segment_size="128MB", name=f"l3pm{uuid.uuid4().hex[:4]}") as c:
+        st = _store(c)
+        spec = SPECS["mla"]
+        pool = _pool(spec, "page_first", pages=64)
+        ns = Namespace.for_pool(spec, "page_first", "m1", tenant=uuid.uuid4().hex)
+        client = L3Client(pool, st, ns)
+        try:
+            keys = _keys(ns, 4, seed=8)
+            assert client.put(keys, range(4)) == [Outcome.OK] * 4
+            c.stop_master()
+            t0 = time.monotonic()
+            res = client.put(_keys(ns, 4, seed=9), range(4, 8))
+            assert all(r is not Outcome.OK for r in res) and all(r.retryable or r is Outcome.ERROR for r in res), res
+            assert client.lookup(keys) == 0  # unreachable: nothing may be trusted
+            assert time.monotonic() - t0 < 60
+            c.start_master()
+            deadline, ok = time.monotonic() + 40, False
+            fresh = _keys(ns, 4, seed=10)
+            while time.monotonic() < deadline and not ok:
+                ok = client.put(fresh, range(8, 12)) == [Outcome.OK] * 4
+                if not ok:
+                    time.sleep(1)
+            assert ok, "no recovery within 40 s of the master's return"
+            assert client.get(fresh, range(12, 16)) == [Outcome.OK] * 4
+            assert [pool.page_bytes_of(p) for p in range(12, 16)] == [pool.page_bytes_of(p) for p in range(8, 12)]
+        finally:
+            client.close()
+            pool.close()
+            st.close()
