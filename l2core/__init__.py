@@ -1,23 +1,34 @@
 """l2core: the L2 host KV pool (layouts, memory, allocator), batched gather/scatter ops and the
-L1<->L2 transfer engine. See l2core/README.md for the layer diagram and the import rule."""
+L1<->L2 transfer engine. See l2core/README.md for the layer diagram and the import rule.
 
-from .allocator import AllocatorError, AllocatorStats, OutOfPages, PageAllocator
-from .layout import LAYOUTS, HostLayout
-from .memory import HostMemory
-from .pool import HostKVPool, L2Config
-from .spec import ConfigError, KVSpec, parse_size
+Names are imported lazily, so `l2core.units` (sizes, ConfigError) stays torch-free.
+"""
 
-__all__ = [
-    "LAYOUTS",
-    "AllocatorError",
-    "AllocatorStats",
-    "ConfigError",
-    "HostKVPool",
-    "HostLayout",
-    "HostMemory",
-    "KVSpec",
-    "L2Config",
-    "OutOfPages",
-    "PageAllocator",
-    "parse_size",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LAYOUTS": "layout",
+    "HostLayout": "layout",
+    "AllocatorError": "allocator",
+    "AllocatorStats": "allocator",
+    "OutOfPages": "allocator",
+    "PageAllocator": "allocator",
+    "HostMemory": "memory",
+    "HostKVPool": "pool",
+    "L2Config": "pool",
+    "KVSpec": "spec",
+    "ConfigError": "units",
+    "parse_size": "units",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'l2core' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{mod}", __name__), name)

@@ -1,18 +1,17 @@
 """Description of a model's KV cache as the L2 pool sees it.
 
 `KVSpec` is frozen and validated at construction: every later object (layouts, pools, ops,
-transfer engine) trusts it. Sizes given as text go through :func:`parse_size`, which is strict:
-"64GB", "512MiB", "1.5GB", "4096" (bytes) are accepted; "64 gigs", "-1GB", "1e3" are not.
+transfer engine) trusts it. Sizes given as text go through :func:`l2core.units.parse_size`.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any, Literal
 
 import torch
+
+from .units import ConfigError, parse_size
 
 Attention = Literal["mha", "mla"]
 DTypeName = Literal["bf16", "fp16", "fp8"]
@@ -24,48 +23,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 _ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-class ConfigError(ValueError):
-    """Bad configuration: raised at construction, never from deep inside the data path."""
-
-
-def parse_size(value: int | str, what: str = "size") -> int:
-    """Parse a byte size: an int, or text such as "64GB", "512MiB", "4096".
-
-    Decimal units (KB, MB, GB, TB) are powers of 10, binary units (KiB, ...) powers of 2.
-    Raises ConfigError for anything else, including zero-or-negative and fractional bytes.
-    """
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}: expected a size such as '64GB', got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if not m:
-            raise ConfigError(f"{what}: cannot parse {value!r}; use a number of bytes or a unit like '64GB', '512MiB'")
-        number, unit = m.group(1), (m.group(2) or "B").lower()
-        scaled = Decimal(number) * _UNITS[unit]  # exact: "4.1GB" is 4_100_000_000 bytes
-        if scaled != scaled.to_integral_value():
-            raise ConfigError(f"{what}: {value!r} is not a whole number of bytes")
-        n = int(scaled)
-    else:
-        raise ConfigError(f"{what}: expected int or str, got {type(value).__name__}")
-    if n <= 0:
-        raise ConfigError(f"{what}: must be positive, got {value!r}")
-    return n
+__all__ = ["ConfigError", "KVSpec", "parse_size"]
 
 
 @dataclass(frozen=True)

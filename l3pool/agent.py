@@ -31,8 +31,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from decimal import Decimal
 from urllib.parse import urlsplit
+
+from l2core.units import parse_size
 
 from .etcd import EtcdClient, EtcdError, LeaseKeeper, parse_endpoints
 from .metadata import DEFAULT_PREFIX, MemberInfo, Metadata, check_id, check_prefix
@@ -42,34 +43,6 @@ log = logging.getLogger(__name__)
 PROTOCOLS = ("tcp", "rdma")
 # Mooncake 0.3.13 refuses smaller segments at setup ("Total size must be at least 16777216", -600).
 MIN_SEGMENT_BYTES = 16 << 20
-
-# Same grammar as l2core.spec.parse_size (tests check they agree); duplicated because l2core
-# imports torch (~2-3 s), which the agent must not pay at start.
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_size(value: str, what: str = "size") -> int:
-    """Strict byte size ("64GB", "512MiB", "4096"); ValueError for anything else or <= 0."""
-    m = _SIZE_RE.match(value)
-    if not m:
-        raise ValueError(f"{what}: cannot parse {value!r}; use a number of bytes or a unit like '64GB', '512MiB'")
-    scaled = Decimal(m.group(1)) * _UNITS[(m.group(2) or "B").lower()]
-    if scaled != scaled.to_integral_value():
-        raise ValueError(f"{what}: {value!r} is not a whole number of bytes")
-    if scaled <= 0:
-        raise ValueError(f"{what}: must be positive, got {value!r}")
-    return int(scaled)
 
 
 def parse_host_port(value: str, what: str) -> tuple[str, int]:

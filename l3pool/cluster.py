@@ -416,7 +416,7 @@ def _check_args(
     agents: int, segment_size: int | str, netns: str, name: str, subnet: str | None
 ) -> tuple[int, int, ipaddress.IPv4Network]:
     """Validate LocalCluster's arguments; returns (agents, segment bytes, subnet)."""
-    from .agent import parse_size  # the agent's strict grammar (= l2core.spec.parse_size, without torch)
+    from l2core.units import parse_size  # torch-free
 
     if not isinstance(agents, int) or isinstance(agents, bool) or not 0 <= agents <= 200:
         raise ClusterConfigError(f"agents must be an int in [0, 200], got {agents!r}")
