@@ -74,6 +74,7 @@ class L3Client:
         client_id: str | None = None,
         stats_interval: float = 5.0,
         stats_ttl: int = 30,
+        create_namespace: bool = True,
     ) -> None:
         ns, lay = namespace, pool.layout
         mismatch = [
@@ -115,6 +116,12 @@ class L3Client:
         self._stop = threading.Event()
         self._stats_thread: threading.Thread | None = None
         if metadata is not None:
+            if not create_namespace and metadata.namespace(self.ns_id) is None:
+                self.close()
+                raise ConfigError(
+                    f"unknown namespace {self.ns_id} ({ns.model}, {ns.layout}, {ns.dtype}, page {ns.page_size}): "
+                    "no writer has registered it in etcd"
+                )
             stored = metadata.register_namespace(self.ns_id, ns.record())
             if stored != ns.record():
                 raise ConfigError(f"namespace id {self.ns_id} is registered with a different record: {stored}")

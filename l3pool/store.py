@@ -122,23 +122,31 @@ class MooncakeStore:
                 f"mooncake setup failed (code {rc}): master {cfg.master}, metadata {cfg.metadata}, "
                 f"host {cfg.local_hostname}, protocol {cfg.protocol}"
             )
-        self._registered: list[tuple[int, int]] = []
+        self._registered: dict[tuple[int, int], int] = {}  # (ptr, size) -> references
         log.info("mooncake client up: host=%s master=%s segment=%d", cfg.local_hostname, cfg.master, cfg.segment_bytes)
 
     def register(self, ptr: int, nbytes: int) -> None:
-        """Register memory for zero-copy put/get (once per buffer)."""
-        rc = self._s.register_buffer(int(ptr), int(nbytes))
+        """Register memory for zero-copy put/get. Registering the same buffer again (several
+        clients over one pool) only counts a reference; `unregister` drops one."""
+        key = (int(ptr), int(nbytes))
+        if key in self._registered:
+            self._registered[key] += 1
+            return
+        rc = self._s.register_buffer(key[0], key[1])
         if rc != 0:
             raise StoreError(f"mooncake register_buffer(0x{ptr:x}, {nbytes}) failed with code {rc}")
-        self._registered.append((int(ptr), int(nbytes)))
+        self._registered[key] = 1
 
     def unregister(self, ptr: int) -> None:
-        for i, (p, _) in enumerate(self._registered):
-            if p == int(ptr):
-                rc = self._s.unregister_buffer(int(ptr))
+        for key, refs in self._registered.items():
+            if key[0] == int(ptr):
+                if refs > 1:
+                    self._registered[key] = refs - 1
+                    return
+                del self._registered[key]
+                rc = self._s.unregister_buffer(key[0])
                 if rc != 0:
                     log.warning("mooncake unregister_buffer(0x%x) returned %d", ptr, rc)
-                del self._registered[i]
                 return
 
     def exists(self, keys: Sequence[str]) -> list[Outcome]:
@@ -190,7 +198,7 @@ class MooncakeStore:
         return str(self._s.get_hostname())
 
     def close(self) -> None:
-        for ptr, _ in self._registered:
+        for ptr, _ in list(self._registered):
             try:
                 self._s.unregister_buffer(ptr)
             except Exception as e:

@@ -247,3 +247,52 @@ def test_master_restart_errors_then_recovers() -> None:
             client.close()
             pool.close()
             st.close()
+
+
+def test_checksum_mismatch_is_a_miss_never_wrong_bytes(store: MooncakeStore) -> None:
+    """An object whose bytes do not match its checksum trailer is reported as a miss and counted."""
+    spec = SPECS["mla"]
+    pool = _pool(spec, "page_first")
+    ns = Namespace.for_pool(spec, "page_first", "m1", checksum=True, tenant=uuid.uuid4().hex)
+    client = L3Client(pool, store, ns)
+    try:
+        keys = _keys(ns, 3, seed=11)
+        assert client.put(keys[:2], [0, 1]) == [Outcome.OK] * 2
+        # a corrupt object: page 2's bytes under keys[2] with a trailer that does not match them
+        trailer = np.array([12345], dtype=np.uint64)
+        store.register(trailer.ctypes.data, trailer.nbytes)
+        (addr,), (size,) = (a.tolist() for a in pool.page_runs([2]))
+        assert store.put_multi(keys[2:], [[addr[0], trailer.ctypes.data]], [[size[0], 8]]) == [Outcome.OK]
+        res = client.get(keys, [8, 9, 10])
+        assert res == [Outcome.OK, Outcome.OK, Outcome.MISS]
+        assert client.stats.checksum_failures == 1
+        assert [pool.page_bytes_of(p) for p in (8, 9)] == [pool.page_bytes_of(p) for p in (0, 1)]
+        store.unregister(trailer.ctypes.data)
+    finally:
+        client.close()
+        pool.close()
+
+
+def test_unknown_namespace_and_published_stats(store: MooncakeStore, cluster: LocalCluster) -> None:
+    from l3pool.metadata import Metadata
+
+    md = Metadata(EtcdClient(cluster.etcd_endpoints), cluster.key_prefix)
+    spec = SPECS["mla"]
+    pool = _pool(spec, "page_first_direct")
+    ns = Namespace.for_pool(spec, "page_first_direct", "m1", tenant=uuid.uuid4().hex)
+    with pytest.raises(ConfigError, match="unknown namespace"):
+        L3Client(pool, store, ns, metadata=md, create_namespace=False)
+    writer = L3Client(pool, store, ns, metadata=md, stats_interval=0.2)
+    try:
+        assert md.namespace(ns.ns_id) == ns.record()
+        reader = L3Client(pool, store, ns, metadata=md, create_namespace=False)  # now it exists
+        reader.close()
+        writer.put(_keys(ns, 2, seed=12), [0, 1])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and md.stats().get(writer.client_id, {}).get("puts") != 2:
+            time.sleep(0.1)
+        assert md.stats()[writer.client_id]["puts"] == 2
+        assert md.stats()[writer.client_id]["namespace"] == ns.ns_id
+    finally:
+        writer.close()
+        pool.close()
