@@ -60,7 +60,7 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
     contiguous = addrs.shape[1] == 1
     nbytes = n * spec.page_bytes
     t: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "put": [], "get": []}
-    correct = True
+    correct = True  # every outcome OK and every byte equal (a full pool would show here too)
     for _ in range(args.rounds):
         raw_keys = [f"raw-{uuid.uuid4().hex}" for _ in range(n)]
         if contiguous:
@@ -134,26 +134,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default="page_first_direct,layer_first")
     p.add_argument("--segment-size", default="2GB", help="per agent, when starting the local cluster")
     args = p.parse_args(argv)
-    with contextlib.ExitStack() as stack:
-        if args.master:
-            if not args.metadata:
-                p.error("--master needs --metadata")
-            master, metadata, host = args.master, args.metadata, args.host
-        else:
-            from l3pool.cluster import LocalCluster
+    rows = []
+    for model in args.models.split(","):
+        for layout in args.layouts.split(","):
+            for mode in ["multi", "staging"] if layout == "layer_first" else ["multi"]:
+                print(f"[bench.l3] {model} {layout} {mode}", file=sys.stderr, flush=True)
+                # a fresh local cluster per row (1-2 s): no row runs into an earlier row's objects
+                with contextlib.ExitStack() as stack:
+                    if args.master:
+                        if not args.metadata:
+                            p.error("--master needs --metadata")
+                        master, metadata, host = args.master, args.metadata, args.host
+                    else:
+                        from l3pool.cluster import LocalCluster
 
-            cl = stack.enter_context(LocalCluster(agents=2, segment_size=args.segment_size))
-            master, metadata, host = cl.master, cl.metadata_url, cl.client_host
-            # this program is the application: it may set Mooncake's address variable
-            os.environ.update(cl.client_env())
-        store = MooncakeStore(StoreConfig(master=master, metadata=metadata, local_hostname=host))
-        stack.callback(store.close)
-        rows = []
-        for model in args.models.split(","):
-            for layout in args.layouts.split(","):
-                modes = ["multi", "staging"] if layout == "layer_first" else ["multi"]
-                for mode in modes:
-                    print(f"[bench.l3] {model} {layout} {mode}", file=sys.stderr, flush=True)
+                        cl = stack.enter_context(LocalCluster(agents=2, segment_size=args.segment_size))
+                        master, metadata, host = cl.master, cl.metadata_url, cl.client_host
+                        # this program is the application: it may set Mooncake's address variable
+                        os.environ.update(cl.client_env())
+                    store = MooncakeStore(StoreConfig(master=master, metadata=metadata, local_hostname=host))
+                    stack.callback(store.close)
                     rows.append(bench_model(model, layout, store, args, mode))
     # headline numbers: page-first rows (zero-copy), all models
     zc = [r for r in rows if r["layout"] != "layer_first"] or rows

@@ -1,0 +1,422 @@
+"""Pipeline-stage-aware hit locks: every PP stage of a request loads exactly the same number of pages.
+
+    locks = StageLocks(md, store, namespaces, stage=s, ttl=5)     # one per stage process
+    g = locks.acquire(rid, hashes)          # stage 0: one batch_is_exist over all stages' keys + lock
+    n = locks.join(rid, timeout=2.0, page_hashes=hashes)   # stage s > 0: the locked length
+    ... load keys[:n] of this stage ...
+    locks.report_done(rid)                  # the last report releases the lock
+
+etcd keys (under `Metadata.locks_prefix`, all attached to the lock's own etcd lease):
+    locks/{rid}              {"length", "stages", "pages", "created", "holder"}
+    locks/{rid}/done/{s}     "1" once stage s reported
+
+Holding: every participant (stage 0 from acquire, a stage from join) keeps the lock's lease alive
+and re-grants Mooncake read leases on its locked pages (`batch_is_exist`) every `refresh_s`
+until it reports; a dead participant simply stops, so the lock expires `ttl` after the last live
+holder let go. Release: a report is a txn "create my done marker if absent while the lock is
+still under its lease" that returns the marker count; the one report that sees the count reach
+`stages` revokes the lease (lock + markers vanish atomically). See l3pool/DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .etcd import EtcdClient, EtcdError
+from .keys import Namespace
+from .metadata import Metadata, check_id
+from .store import MooncakeStore, Outcome
+
+log = logging.getLogger(__name__)
+
+
+class LockError(RuntimeError):
+    """A lock operation was refused (duplicate request id, bad stage, lock lost)."""
+
+
+class UnknownRequest(LockError, KeyError):
+    """No lock exists for this request id (never acquired, already released, or expired)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+@dataclass(frozen=True)
+class LockGrant:
+    request_id: str
+    length: int  # pages present in every stage's namespace (the prefix all stages load)
+    stages: int
+    pages: int  # page hashes asked for
+    lease: int  # the etcd lease the lock lives under
+    per_stage: tuple[int, ...]  # hit prefix of each stage's namespace at acquire time
+
+
+@dataclass
+class _Held:
+    lease: int
+    keys: list[str]  # Mooncake keys whose read leases this process re-grants
+    started: float = field(default_factory=time.monotonic)
+
+
+def _b64(s: str) -> str:
+    return base64.b64encode(s.encode()).decode()
+
+
+def _prefix_len(res: Sequence[Outcome]) -> int:
+    return next((i for i, r in enumerate(res) if r is not Outcome.OK), len(res))
+
+
+class StageLocks:
+    """The lock client of one pipeline stage (`stage`) of a model split into `len(namespaces)` stages.
+
+    `namespaces[s]` is stage s's namespace (its layer range); stage 0 needs all of them (it checks
+    presence in every stage), other stages use only their own. Thread-safe.
+
+    `ttl` (etcd lease, s) bounds how long a lock outlives its last live holder; `refresh_s` is the
+    period of lease keep-alives and Mooncake read-lease re-grants and must stay below both `ttl`/2
+    and the master's `--default_kv_lease_ttl` minus `ttl` (10 s by default), so locked pages stay
+    leased without a gap (see DESIGN.md).
+    """
+
+    def __init__(
+        self,
+        metadata: Metadata,
+        store: MooncakeStore | None,
+        namespaces: Sequence[Namespace],
+        stage: int = 0,
+        *,
+        ttl: int = 5,
+        refresh_s: float | None = None,
+        remember: int = 4096,
+    ) -> None:
+        if not namespaces:
+            raise ValueError("namespaces: one per pipeline stage, got none")
+        if not 0 <= stage < len(namespaces):
+            raise ValueError(f"stage {stage} outside [0, {len(namespaces)})")
+        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
+            raise ValueError(f"ttl must be a positive int (seconds), got {ttl!r}")
+        self.md, self.etcd, self.store = metadata, metadata.etcd, store
+        self.namespaces = list(namespaces)
+        self.ns_ids = [ns.ns_id for ns in self.namespaces]
+        self.stages, self.stage, self.ttl = len(namespaces), stage, ttl
+        self.refresh_s = float(refresh_s) if refresh_s is not None else min(2.0, ttl / 3)
+        if not 0 < self.refresh_s <= ttl / 2:
+            raise ValueError(f"refresh_s must be in (0, ttl/2], got {self.refresh_s}")
+        self._held: dict[str, _Held] = {}
+        self._seen: OrderedDict[str, int] = OrderedDict()  # rid -> lease, for late/duplicate reports
+        self._remember = remember
+        self._mu = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"pplock-s{stage}", daemon=True)
+        self._thread.start()
+
+    # -- keys --------------------------------------------------------------------------------
+    def lock_key(self, request_id: str) -> str:
+        return f"{self.md.locks_prefix}{check_id('request id', request_id)}"
+
+    def _done_prefix(self, request_id: str) -> str:
+        return f"{self.lock_key(request_id)}/done/"
+
+    def _keys(self, stage: int, page_hashes: Sequence[bytes]) -> list[str]:
+        ns = self.ns_ids[stage]
+        return [f"{ns}/{h.hex()}" for h in page_hashes]
+
+    # -- stage 0 -----------------------------------------------------------------------------
+    def acquire(self, request_id: str, page_hashes: Sequence[bytes]) -> LockGrant:
+        """Look up `page_hashes` in every stage's namespace (one `batch_is_exist`, which also
+        grants Mooncake read leases) and lock the common hit prefix for all stages.
+
+        Raises LockError when `request_id` is already locked (ids must be unique per request)."""
+        if self.store is None:
+            raise LockError("acquire needs a MooncakeStore")
+        key = self.lock_key(request_id)
+        n = len(page_hashes)
+        all_keys = [k for s in range(self.stages) for k in self._keys(s, page_hashes)]
+        res = self.store.exists(all_keys)
+        per_stage = tuple(_prefix_len(res[s * n : (s + 1) * n]) for s in range(self.stages))
+        length = min(per_stage) if per_stage else 0
+        lease = self._grant()
+        value = json.dumps(
+            {"length": length, "stages": self.stages, "pages": n, "created": time.time(), "holder": os.getpid()},
+            separators=(",", ":"),
+        )
+        created, existing = self.etcd.put_if_absent(key, value, lease=lease)
+        if not created:
+            self._revoke_quietly(lease)
+            raise LockError(f"request {request_id!r} is already locked (lease {existing.lease if existing else 0:x})")
+        keys = [k for s in range(self.stages) for k in all_keys[s * n : s * n + length]]
+        self._hold(request_id, _Held(lease, keys))
+        return LockGrant(request_id, length, self.stages, n, lease, per_stage)
+
+    # -- other stages ------------------------------------------------------------------------
+    def join(
+        self, request_id: str, timeout: float = 0.0, page_hashes: Sequence[bytes] | None = None, poll: float = 0.002
+    ) -> int:
+        """The locked length of `request_id` for this stage (waits up to `timeout` s for stage 0).
+
+        From here until `report_done` this process keeps the lock alive and, given `page_hashes`,
+        re-grants the read leases of this stage's locked pages. Raises UnknownRequest when no lock
+        appeared within `timeout`."""
+        key = self.lock_key(request_id)
+        deadline = time.monotonic() + timeout
+        while True:
+            kv = self.etcd.get(key)
+            if kv is not None:
+                break
+            if time.monotonic() >= deadline:
+                raise UnknownRequest(
+                    f"no lock for request {request_id!r} (stage 0 has not acquired it, or it was released or expired)"
+                )
+            time.sleep(poll)
+        try:
+            rec = json.loads(kv.value)
+            length, stages = int(rec["length"]), int(rec["stages"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise LockError(f"etcd key {key}: malformed lock record ({e})") from None
+        if stages != self.stages:
+            raise LockError(f"request {request_id!r} was locked for {stages} stages, this client has {self.stages}")
+        keys = self._keys(self.stage, page_hashes[:length]) if page_hashes is not None else []
+        self._hold(request_id, _Held(kv.lease, keys))
+        return length
+
+    # -- every stage -------------------------------------------------------------------------
+    def report_done(self, request_id: str, stage: int | None = None) -> bool:
+        """Report `stage` (default: this client's) done with `request_id`.
+
+        Returns True when this report released the lock (it was the last one). Duplicate reports
+        and reports after the lock was released or expired return False and change nothing.
+        Raises UnknownRequest for an id this client never acquired or joined and etcd has no
+        lock for."""
+        s = self.stage if stage is None else stage
+        if not 0 <= s < self.stages:
+            raise ValueError(f"stage {s} outside [0, {self.stages})")
+        key = self.lock_key(request_id)
+        with self._mu:
+            held = self._held.pop(request_id, None)
+            lease = held.lease if held else self._seen.get(request_id)
+        if lease is None:
+            kv = self.etcd.get(key)
+            if kv is None:
+                raise UnknownRequest(f"no lock for request {request_id!r}: never acquired or joined here")
+            lease = kv.lease
+        k, done = _b64(key), self._done_prefix(request_id)
+        marker = _b64(f"{done}{s}")
+        out = self.etcd.txn(
+            compare=[
+                {"key": k, "target": "LEASE", "result": "EQUAL", "lease": str(lease)},
+                {"key": marker, "target": "CREATE", "result": "EQUAL", "create_revision": "0"},
+            ],
+            success=[
+                {"request_put": {"key": marker, "value": _b64("1"), "lease": str(lease)}},
+                {
+                    "request_range": {
+                        "key": _b64(done),
+                        "range_end": base64.b64encode(_range_end(done)).decode(),
+                        "count_only": True,
+                    }
+                },
+            ],
+        )
+        if not out.get("succeeded"):
+            log.debug("report %s/%d ignored: duplicate, released or expired", request_id, s)
+            return False
+        count = int(out["responses"][1]["response_range"].get("count", 0))
+        if count >= self.stages:
+            self.etcd.lease_revoke(lease)  # lock and markers vanish together
+            return True
+        # not the last: leave the others a full TTL (and leased pages) to join and finish
+        try:
+            self.etcd.lease_keepalive(lease)
+            if held is not None and held.keys and self.store is not None:
+                self.store.exists(held.keys)
+        except EtcdError as e:
+            log.debug("final keep-alive of %s failed: %s", request_id, e)
+        return False
+
+    def lock_info(self, request_id: str) -> dict[str, Any] | None:
+        """The lock record plus `done` (stages reported) and `ttl_left`; None when there is none."""
+        kv = self.etcd.get(self.lock_key(request_id))
+        if kv is None:
+            return None
+        rec = dict(json.loads(kv.value))
+        done = self.etcd.get_prefix(self._done_prefix(request_id), keys_only=True)
+        rec["done"] = sorted(int(d.key.rsplit("/", 1)[1]) for d in done)
+        rec["lease"] = kv.lease
+        rec["ttl_left"] = self.etcd.lease_ttl(kv.lease)
+        return rec
+
+    def held(self) -> list[str]:
+        with self._mu:
+            return list(self._held)
+
+    def close(self) -> None:
+        """Stop holding (locks this client still holds expire within `ttl`; nothing is reported)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _grant(self) -> int:
+        return self.etcd.lease_grant(self.ttl)
+
+    def _revoke_quietly(self, lease: int) -> None:
+        try:
+            self.etcd.lease_revoke(lease)
+        except EtcdError as e:
+            log.debug("revoke %x: %s", lease, e)
+
+    def _hold(self, request_id: str, held: _Held) -> None:
+        with self._mu:
+            self._held[request_id] = held
+            self._seen[request_id] = held.lease
+            self._seen.move_to_end(request_id)
+            while len(self._seen) > self._remember:
+                self._seen.popitem(last=False)
+        self._wake.set()  # a joiner's first keep-alive goes out now, not a period later
+
+    def _run(self) -> None:
+        next_refresh = 0.0
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, next_refresh - time.monotonic()))
+            if self._stop.is_set():
+                return
+            woke = self._wake.is_set()
+            self._wake.clear()
+            now = time.monotonic()
+            with self._mu:
+                items = list(self._held.items())
+            if woke and now < next_refresh:  # only the new holders, right away
+                items = [(r, h) for r, h in items if now - h.started < self.refresh_s]
+            else:
+                next_refresh = now + self.refresh_s
+            self._refresh(items)
+
+    def _refresh(self, items: list[tuple[str, _Held]]) -> None:
+        keys: list[str] = []
+        for rid, h in items:
+            try:
+                if self.etcd.lease_keepalive(h.lease) <= 0:
+                    log.warning("lock %s lost its lease (expired): no longer held", rid)
+                    with self._mu:
+                        self._held.pop(rid, None)
+                    continue
+            except EtcdError as e:
+                log.warning("lock %s keep-alive failed: %s", rid, e)
+            keys += h.keys
+        if keys and self.store is not None:
+            try:
+                self.store.exists(keys)  # re-grants the Mooncake read lease of every locked page
+            except Exception as e:
+                log.warning("read-lease refresh of %d pages failed: %s", len(keys), e)
+
+
+def _range_end(prefix: str) -> bytes:
+    from .etcd import prefix_end
+
+    return prefix_end(prefix)
+
+
+# -- benchmark helper ---------------------------------------------------------------------------
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))] if s else float("nan")
+
+
+def measure_lock_latencies(
+    cluster_or_endpoints: Any,
+    n_requests: int,
+    pages: int = 512,
+    stages: int = 4,
+    *,
+    store: MooncakeStore | None = None,
+    key_prefix: str | None = None,
+    ttl: int = 5,
+    page_bytes: int = 4096,
+) -> dict[str, float]:
+    """Latencies of the lock protocol (ms): `lock_acquire_p50_ms`/`_p99_ms` (stage 0: lookup of
+    `pages` pages in all `stages` namespaces + lock), `stage_join_p99_ms` (a later stage obtaining
+    the locked length), `release_p99_ms` (the last stage's report until the lock is gone).
+
+    `cluster_or_endpoints`: a running `LocalCluster` (its etcd, master and key prefix are used; a
+    store is created unless given: the caller must have `cluster.client_env()` in its environment)
+    or an etcd endpoint string together with `store`. All stages run in this process, each with
+    its own `StageLocks` and etcd connection; `pages` small objects per stage are put first."""
+    import numpy as np
+
+    from .store import StoreConfig
+
+    own_store = False
+    if isinstance(cluster_or_endpoints, str):
+        endpoints, prefix = cluster_or_endpoints, key_prefix or "/l3pool"
+        if store is None:
+            raise ValueError("with etcd endpoints, pass store=")
+    else:
+        c = cluster_or_endpoints
+        endpoints, prefix = c.etcd_endpoints, key_prefix or c.key_prefix
+        if store is None:
+            store = MooncakeStore(StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host))
+            own_store = True
+    tag = os.urandom(4).hex()
+    nss = [
+        Namespace("bench-" + tag, "mla", "page_first", "bf16", 64, page_bytes, s, s + 1, tenant=tag)
+        for s in range(stages)
+    ]
+    hashes = [os.urandom(16) for _ in range(pages)]
+    buf = np.random.default_rng(0).integers(0, 256, page_bytes, dtype=np.uint8)
+    store.register(buf.ctypes.data, buf.nbytes)
+    etcds = [EtcdClient(endpoints) for _ in range(stages)]
+    locks = [StageLocks(Metadata(etcds[s], prefix), store, nss, s, ttl=ttl) for s in range(stages)]
+    acq: list[float] = []
+    join: list[float] = []
+    rel: list[float] = []
+    try:
+        for ns in nss:
+            keys = ns.keys(hashes)
+            res = store.put(keys, [buf.ctypes.data] * pages, [page_bytes] * pages)
+            if any(r is not Outcome.OK for r in res):
+                raise LockError(f"benchmark setup: put failed: {sorted({r.value for r in res})}")
+        for i in range(n_requests):
+            rid = f"bench-{tag}-{i}"
+            t0 = time.perf_counter()
+            g = locks[0].acquire(rid, hashes)
+            acq.append(time.perf_counter() - t0)
+            for s in range(1, stages):
+                t0 = time.perf_counter()
+                n = locks[s].join(rid)
+                join.append(time.perf_counter() - t0)
+                if n != g.length:
+                    raise LockError(f"stage {s} joined with {n} pages, stage 0 locked {g.length}")
+            for s in range(stages - 1):
+                locks[s].report_done(rid)
+            t0 = time.perf_counter()
+            released = locks[stages - 1].report_done(rid)
+            rel.append(time.perf_counter() - t0)
+            if not released or etcds[0].get(locks[0].lock_key(rid)) is not None:
+                raise LockError(f"{rid}: lock not gone after the last report")
+    finally:
+        for lk in locks:
+            lk.close()
+        for e in etcds:
+            e.close()
+        store.unregister(buf.ctypes.data)
+        if own_store:
+            store.close()
+    ms = 1000.0
+    return {
+        "lock_acquire_p50_ms": _pct(acq, 0.5) * ms,
+        "lock_acquire_p99_ms": _pct(acq, 0.99) * ms,
+        "stage_join_p50_ms": _pct(join, 0.5) * ms,
+        "stage_join_p99_ms": _pct(join, 0.99) * ms,
+        "release_p50_ms": _pct(rel, 0.5) * ms,
+        "release_p99_ms": _pct(rel, 0.99) * ms,
+    }

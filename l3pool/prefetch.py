@@ -1,0 +1,297 @@
+"""Interruptible prefetch: pull a request's prefix from L3 into local L2 pages in the background.
+
+    pf = Prefetcher(l3_client, batch_pages=32, max_inflight=2)
+    h = pf.submit("req-7", keys)          # returns at once; a worker thread moves the pages
+    ...                                   # the engine decides to start loading into L1:
+    res = h.interrupt()                   # stops within one batch
+    use(res.pages)                        # the contiguous prefix of L2 page ids that arrived intact
+    pool.free(res.pages)                  # ... the caller owns them now
+    pf.close()
+
+Batches: the keys are fetched `batch_pages` at a time (L2 pages are allocated per batch, so an
+interrupted prefetch never held more than it returns plus one batch). Each batch is one
+`L3Client.get` (zero-copy Mooncake `batch_get_into` into the L2 pages); a miss or failure ends
+the prefix at the first non-OK page of that batch and every page after it is freed.
+
+Ownership: until a result is *delivered* (returned by `wait()` or `interrupt()` of its handle)
+every L2 page of a prefetch belongs to the prefetcher, which frees it on `cancel()`, on failure,
+when a newer generation supersedes it, and on `close()`. Once delivered, `result.pages` belong to
+the caller, who must `pool.free()` them; nothing else ever touches them again.
+
+Generations: every `submit` for a request id gets the next generation number. When a newer
+generation exists, an older prefetch stops at its next batch boundary and its result is
+discarded (pages freed): its handle delivers an empty result with `superseded=True`, never data
+over the newer one.
+
+Concurrency: `max_inflight` worker threads; later submissions wait in FIFO order. L3Client calls
+share per-client staging/trailer buffers when the namespace uses checksums or layer_first
+staging, so in those modes the batches of concurrent prefetches are serialised.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from l2core.allocator import OutOfPages
+from l2core.spec import ConfigError
+
+from .client import L3Client
+from .store import Outcome
+
+log = logging.getLogger(__name__)
+_PRIORITY = {"interrupt": 0, "supersede": 1, "cancel": 2}
+
+__all__ = ["PrefetchClosed", "PrefetchHandle", "PrefetchResult", "Prefetcher"]
+
+
+class PrefetchClosed(RuntimeError):
+    """The prefetcher was closed: no new prefetches."""
+
+
+@dataclass
+class PrefetchResult:
+    """What a prefetch delivered. `pages[i]` holds the bytes of `keys[i]` for i < keys_loaded."""
+
+    request_id: str
+    generation: int
+    pages: np.ndarray  # int64 L2 page ids, the contiguous prefix that arrived intact
+    keys_loaded: int
+    interrupted: bool = False  # interrupt() stopped it before the end of its keys
+    error: str | None = None  # an exception ended it (the prefix before it is still valid)
+    cancelled: bool = False  # cancel()/close(): nothing delivered, everything freed
+    superseded: bool = False  # a newer generation of the request exists: discarded, freed
+    stopped_by: str | None = None  # Outcome value of the first non-OK page that ended the prefix
+    keys_total: int = 0
+    batch_ms: list[float] = field(default_factory=list)  # latency of each batch (get + bookkeeping)
+    elapsed_s: float = 0.0  # from the worker's start to the end of its last batch
+    queued_s: float = 0.0  # from submit() to the worker's start
+
+    @property
+    def complete(self) -> bool:
+        return self.keys_loaded == self.keys_total
+
+
+class PrefetchHandle:
+    """One submitted prefetch. Thread-safe; its result is delivered at most once with pages."""
+
+    def __init__(self, owner: Prefetcher, request_id: str, generation: int, keys: list[str]) -> None:
+        self._owner, self.request_id, self.generation, self.keys = owner, request_id, generation, keys
+        self._stop = threading.Event()  # ask the worker to stop at the next batch boundary
+        self._done = threading.Event()  # the worker finished; _result is set
+        self._lock = threading.Lock()
+        self._why: str | None = None  # "interrupt" | "cancel" | "supersede"
+        self._result: PrefetchResult | None = None
+        self._delivered = False
+        self.submitted_at = time.perf_counter()
+
+    # -- caller side -----------------------------------------------------------------------
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> PrefetchResult:
+        """Block until the prefetch ends; TimeoutError after `timeout` s (the prefetch goes on)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"prefetch {self.request_id!r} gen {self.generation} not done within {timeout} s")
+        return self._deliver()
+
+    def interrupt(self, timeout: float | None = None) -> PrefetchResult:
+        """Stop at the end of the batch in flight and return the prefix that arrived (usable)."""
+        self._ask("interrupt")
+        return self.wait(timeout)
+
+    def cancel(self) -> bool:
+        """Stop and free everything. False when the result was already delivered (the caller
+        owns those pages) or the prefetch was already cancelled/discarded."""
+        self._ask("cancel")
+        with self._lock:
+            if self._delivered:
+                return False
+            if self._done.is_set():
+                return self._discard_locked("cancel")
+        return True  # the worker frees its pages when it stops
+
+    # -- internals -------------------------------------------------------------------------
+    def _ask(self, why: str) -> None:
+        with self._lock:  # cancel > supersede > interrupt
+            if self._why is None or _PRIORITY[why] > _PRIORITY[self._why]:
+                self._why = why
+        self._stop.set()
+
+    def _finish(self, result: PrefetchResult) -> None:
+        """Worker: publish the result; free it at once when it must not be delivered."""
+        with self._lock:
+            self._result = result
+            self._done.set()
+            why = self._why
+            if why in ("cancel", "supersede") or not self._owner._is_current(self):
+                self._discard_locked(why or "supersede")
+
+    def _discard_locked(self, why: str) -> bool:
+        r = self._result
+        assert r is not None
+        if r.cancelled or r.superseded:
+            return False
+        self._owner._free(r.pages)
+        self._owner._forget(self)
+        r.pages = np.empty(0, dtype=np.int64)
+        r.keys_loaded = 0
+        if why == "cancel":
+            r.cancelled = True
+        else:
+            r.superseded = True
+        return True
+
+    def _deliver(self) -> PrefetchResult:
+        with self._lock:
+            r = self._result
+            assert r is not None
+            if not self._delivered and not (r.cancelled or r.superseded) and not self._owner._is_current(self):
+                self._discard_locked("supersede")  # a newer generation came after it finished
+            self._delivered = True
+            self._owner._forget(self)
+            return r
+
+    @property
+    def delivered(self) -> bool:
+        return self._delivered
+
+
+class Prefetcher:
+    """Background L3 -> L2 prefetch over one L3Client. See the module docstring."""
+
+    def __init__(self, client: L3Client, *, batch_pages: int = 32, max_inflight: int = 2) -> None:
+        for name, v in (("batch_pages", batch_pages), ("max_inflight", max_inflight)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        self.client, self.pool = client, client.pool
+        self.batch_pages, self.max_inflight = batch_pages, max_inflight
+        self._lock = threading.Lock()
+        self._gens: dict[str, int] = {}
+        self._live: dict[int, PrefetchHandle] = {}  # handles whose result was not delivered
+        self._closed = False
+        # checksum trailers and layer_first staging are per-client buffers: one batch at a time
+        self._serial = threading.Lock() if (client.ns.checksum or client.staging_bytes) else None
+        self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="l3pool-prefetch")
+        self.batch_ms: collections.deque[float] = collections.deque(maxlen=100_000)  # every batch, all prefetches
+
+    # -- API -------------------------------------------------------------------------------
+    def submit(self, request_id: str, keys: Sequence[str]) -> PrefetchHandle:
+        """Start prefetching `keys` (a request's page keys, in prefix order) into fresh L2 pages."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        ks = list(keys)
+        prefix = self.client.ns_id + "/"
+        bad = next((k for k in ks if not isinstance(k, str) or not k.startswith(prefix)), None)
+        if bad is not None:
+            raise ValueError(f"key {bad!r} is not in this client's namespace {self.client.ns_id}")
+        with self._lock:
+            if self._closed:
+                raise PrefetchClosed("the prefetcher is closed")
+            gen = self._gens.get(request_id, 0) + 1
+            self._gens[request_id] = gen
+            older = [h for h in self._live.values() if h.request_id == request_id]
+            h = PrefetchHandle(self, request_id, gen, ks)
+            self._live[id(h)] = h
+        for o in older:  # stop and discard the older generations (or free an undelivered result)
+            o._ask("supersede")
+            with o._lock:
+                if o._done.is_set() and not o._delivered:
+                    o._discard_locked("supersede")
+        self._pool.submit(self._run, h)
+        return h
+
+    def generation(self, request_id: str) -> int:
+        """The newest generation submitted for `request_id` (0: never)."""
+        with self._lock:
+            return self._gens.get(request_id, 0)
+
+    def inflight(self) -> int:
+        """Prefetches submitted and not yet finished."""
+        with self._lock:
+            return sum(1 for h in self._live.values() if not h.done())
+
+    def close(self) -> None:
+        """Cancel every prefetch whose result was not delivered, free its pages, join the threads."""
+        with self._lock:
+            self._closed = True
+            handles = list(self._live.values())
+        for h in handles:
+            h.cancel()
+        self._pool.shutdown(wait=True)
+        for h in handles:  # results that finished while shutting down
+            h.cancel()
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+    def _is_current(self, h: PrefetchHandle) -> bool:
+        with self._lock:
+            return self._gens.get(h.request_id) == h.generation
+
+    def _free(self, pages: np.ndarray) -> None:
+        if len(pages):
+            self.pool.free(pages)
+
+    def _run(self, h: PrefetchHandle) -> None:
+        t0 = time.perf_counter()
+        res = PrefetchResult(
+            h.request_id, h.generation, np.empty(0, dtype=np.int64), 0, keys_total=len(h.keys),
+            queued_s=t0 - h.submitted_at,
+        )  # fmt: skip
+        got: list[np.ndarray] = []
+        n, b = len(h.keys), self.batch_pages
+        try:
+            for start in range(0, n, b):
+                if h._stop.is_set():
+                    break
+                ks = h.keys[start : start + b]
+                tb = time.perf_counter()
+                try:
+                    pages = self.pool.alloc(len(ks))
+                except OutOfPages as e:
+                    res.error = f"L2 is full: {e}"
+                    break
+                try:
+                    if self._serial is not None:
+                        with self._serial:
+                            out = self.client.get(ks, pages)
+                    else:
+                        out = self.client.get(ks, pages)
+                except BaseException as e:
+                    self._free(pages)
+                    res.error = f"{type(e).__name__}: {e}"
+                    log.warning("prefetch %s gen %d: batch at page %d failed: %s", h.request_id, h.generation, start, e)
+                    break
+                k = next((i for i, r in enumerate(out) if r is not Outcome.OK), len(out))
+                self._free(pages[k:])
+                got.append(pages[:k])
+                ms = (time.perf_counter() - tb) * 1e3
+                res.batch_ms.append(ms)
+                self.batch_ms.append(ms)
+                res.keys_loaded += k
+                if k < len(out):
+                    res.stopped_by = out[k].value
+                    break
+        finally:
+            res.pages = np.concatenate(got) if got else np.empty(0, dtype=np.int64)
+            res.elapsed_s = time.perf_counter() - t0
+            stopped_early = res.keys_loaded < n and res.stopped_by is None and res.error is None
+            res.interrupted = h._stop.is_set() and h._why == "interrupt" and stopped_early
+            h._finish(res)
+
+    def _forget(self, h: PrefetchHandle) -> None:
+        """The handle's pages are delivered or freed: nothing left for close() to free."""
+        with self._lock:
+            self._live.pop(id(h), None)

@@ -1,0 +1,286 @@
+"""Prefetcher against the real local cluster (etcd, mooncake_master, 2 agents in their own network
+namespaces when root): interrupt at random points, generations, cancel/close, a dead agent, bad
+input, and a `l3pool prefetch-test --json` smoke run. Bounded: every wait has a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from l2core import ConfigError, HostKVPool, KVSpec, L2Config
+from l3pool.client import L3Client
+from l3pool.cluster import LocalCluster
+from l3pool.keys import Namespace, page_hashes
+from l3pool.prefetch import PrefetchClosed, Prefetcher
+from l3pool.store import MooncakeStore, Outcome, StoreConfig
+
+SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
+LAYOUT = "page_first_direct"
+N = 96  # pages per test prefix
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _store(c: LocalCluster) -> MooncakeStore:
+    with pytest.MonkeyPatch.context() as mp:  # the test is the application: it sets Mooncake's address
+        for k, v in c.client_env().items():
+            mp.setenv(k, v)
+        return MooncakeStore(StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(agents=2, segment_size="128MB", name=f"l3pp{uuid.uuid4().hex[:4]}") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def store(cluster: LocalCluster) -> Iterator[MooncakeStore]:
+    s = _store(cluster)
+    yield s
+    s.close()
+
+
+class Setup:
+    """A writer pool holding known bytes under `keys`, and a reader pool + client to prefetch into."""
+
+    def __init__(self, store: MooncakeStore, n: int = N, reader_pages: int = 4 * N) -> None:
+        self.ns = Namespace.for_pool(SPEC, LAYOUT, "pf", tenant=uuid.uuid4().hex)
+        self.wpool = HostKVPool(L2Config(kv=SPEC, layout=LAYOUT, tokens=n * SPEC.page_size, pin="never"))
+        g = torch.Generator().manual_seed(n)
+        self.wpool.buffer.copy_(torch.randint(0, 256, (self.wpool.buffer.numel(),), dtype=torch.uint8, generator=g))
+        self.writer = L3Client(self.wpool, store, self.ns, batch_pages=32)
+        toks = np.random.default_rng(n).integers(0, 1 << 20, n * SPEC.page_size)
+        self.keys = self.ns.keys(page_hashes(toks, SPEC.page_size))
+        assert self.writer.put(self.keys, range(n)) == [Outcome.OK] * n
+        self.pool = HostKVPool(L2Config(kv=SPEC, layout=LAYOUT, tokens=reader_pages * SPEC.page_size, pin="never"))
+        self.client = L3Client(self.pool, store, self.ns, batch_pages=32)
+        self.want = self.wpool.buffer.view(n, -1)
+
+    def check_prefix(self, pages: np.ndarray) -> None:
+        """pages[i] holds key i's bytes, for every i of the prefix."""
+        got = self.pool.buffer.view(self.pool.num_pages, -1)[torch.from_numpy(pages)]
+        assert torch.equal(got, self.want[: len(pages)])
+
+    def used(self) -> int:
+        return self.pool.stats().used_pages
+
+    def close(self) -> None:
+        self.client.close()
+        self.writer.close()
+        self.pool.close()
+        self.wpool.close()
+
+
+@pytest.fixture
+def setup(store: MooncakeStore) -> Iterator[Setup]:
+    s = Setup(store)
+    yield s
+    s.close()
+
+
+def test_full_prefetch_is_exact(setup: Setup) -> None:
+    with Prefetcher(setup.client, batch_pages=16) as pf:
+        res = pf.submit("r", setup.keys).wait(20)
+    assert res.complete and not res.interrupted and res.error is None and res.generation == 1
+    assert res.keys_loaded == N == len(res.pages) and len(res.batch_ms) == N // 16
+    setup.check_prefix(res.pages)
+    assert setup.used() == N  # the caller owns the prefix now
+    setup.pool.free(res.pages)
+    assert setup.used() == 0
+
+
+def test_interrupt_at_random_points(setup: Setup) -> None:
+    """Seeded random interrupt times, some while queued behind another prefetch: every returned
+    prefix is contiguous and byte-exact, and after freeing it no L2 page is left in use."""
+    rng = random.Random(1234)
+    base = setup.used()
+    slow = setup.client.get
+
+    def get(keys: list[str], pages: np.ndarray) -> list[Outcome]:
+        time.sleep(0.002)  # every batch takes a little time, so interrupts land mid-way
+        return slow(keys, pages)
+
+    setup.client.get = get  # type: ignore[method-assign]
+    partial = 0
+    with Prefetcher(setup.client, batch_pages=8, max_inflight=2) as pf:
+        for trial in range(10):
+            hs = [pf.submit(f"t{trial}-{j}", setup.keys) for j in range(3)]  # the third one queues
+            time.sleep(rng.uniform(0, 0.05))
+            for h in hs:
+                t0 = time.perf_counter()
+                res = h.interrupt(timeout=20)
+                assert time.perf_counter() - t0 < 5
+                assert res.error is None and res.keys_loaded == len(res.pages) <= N
+                assert res.interrupted == (res.keys_loaded < N)
+                assert len(set(res.pages.tolist())) == len(res.pages)
+                setup.check_prefix(res.pages)
+                partial += res.keys_loaded < N
+                setup.pool.free(res.pages)
+            assert setup.used() == base
+    assert partial > 0  # the trials really interrupted something
+
+
+def test_cancel_and_close_free_everything(setup: Setup) -> None:
+    base = setup.used()
+    pf = Prefetcher(setup.client, batch_pages=8, max_inflight=1)
+    a = pf.submit("a", setup.keys)
+    b = pf.submit("b", setup.keys)  # queued behind a
+    assert b.cancel() and a.cancel()
+    assert a.wait(20).cancelled and len(a.wait().pages) == 0
+    assert b.wait(20).cancelled
+    assert setup.used() == base
+    done = pf.submit("c", setup.keys)
+    done._done.wait(20)  # finished, never delivered
+    running = pf.submit("d", setup.keys)
+    pf.close()
+    assert done.wait(1).cancelled and running.wait(1).cancelled
+    assert setup.used() == base and pf.inflight() == 0
+    with pytest.raises(PrefetchClosed):
+        pf.submit("e", setup.keys)
+    # a delivered result is the caller's: cancel() then frees nothing
+    with Prefetcher(setup.client) as pf2:
+        h = pf2.submit("f", setup.keys)
+        res = h.wait(20)
+        assert not h.cancel()
+    assert setup.used() == base + N
+    setup.pool.free(res.pages)
+
+
+def test_older_generation_never_overwrites_newer(setup: Setup) -> None:
+    base = setup.used()
+    gate = threading.Event()
+    real = setup.client.get
+
+    def get(keys: list[str], pages: np.ndarray) -> list[Outcome]:
+        gate.wait(10)  # the first generation is held back until the newer one exists
+        return real(keys, pages)
+
+    setup.client.get = get  # type: ignore[method-assign]
+    with Prefetcher(setup.client, batch_pages=N, max_inflight=2) as pf:
+        old = pf.submit("req", setup.keys)
+        time.sleep(0.05)
+        new = pf.submit("req", setup.keys[: N // 2])
+        assert (old.generation, new.generation, pf.generation("req")) == (1, 2, 2)
+        gate.set()
+        r_new, r_old = new.wait(20), old.wait(20)  # the newer may even finish first
+        assert r_old.superseded and len(r_old.pages) == 0 and r_old.keys_loaded == 0
+        assert r_new.generation == 2 and r_new.keys_loaded == N // 2 and not r_new.superseded
+        setup.check_prefix(r_new.pages)
+        # a finished but undelivered result is discarded by a newer submit too
+        g3 = pf.submit("req2", setup.keys)
+        g3._done.wait(20)
+        g4 = pf.submit("req2", setup.keys[:8])
+        assert g3.wait(1).superseded and g4.wait(20).keys_loaded == 8
+        setup.pool.free(g4.wait().pages)
+    setup.pool.free(r_new.pages)
+    assert setup.used() == base
+
+
+def test_miss_ends_prefix_and_errors_free(setup: Setup) -> None:
+    base = setup.used()
+    keys = list(setup.keys)
+    keys[37] = setup.ns.keys([b"\x01" * 16])[0]  # never written
+    with Prefetcher(setup.client, batch_pages=16) as pf:
+        res = pf.submit("m", keys).wait(20)
+        assert res.keys_loaded == 37 and res.stopped_by == Outcome.MISS.value and res.error is None
+        setup.check_prefix(res.pages)
+        setup.pool.free(res.pages)
+
+        def boom(keys: list[str], pages: np.ndarray) -> list[Outcome]:
+            raise RuntimeError("transport exploded")
+
+        setup.client.get = boom  # type: ignore[method-assign]
+        res = pf.submit("e", setup.keys).wait(20)
+        assert res.keys_loaded == 0 and "transport exploded" in (res.error or "")
+    assert setup.used() == base
+    # L2 too small: the prefix ends where the pool ran out, no error for the pages that fit
+    small = HostKVPool(L2Config(kv=SPEC, layout=LAYOUT, tokens=40 * SPEC.page_size, pin="never"))
+    client = L3Client(small, setup.client.store, setup.ns)
+    try:
+        with Prefetcher(client, batch_pages=16) as pf:
+            res = pf.submit("s", setup.keys).wait(20)
+        assert res.keys_loaded == 32 and "L2 is full" in (res.error or "")
+        small.free(res.pages)
+        assert small.stats().used_pages == 0
+    finally:
+        client.close()
+        small.close()
+
+
+def test_bad_input(setup: Setup, store: MooncakeStore) -> None:
+    with pytest.raises(ConfigError, match="batch_pages"):
+        Prefetcher(setup.client, batch_pages=0)
+    with pytest.raises(ConfigError, match="max_inflight"):
+        Prefetcher(setup.client, max_inflight=0)
+    other = Namespace.for_pool(SPEC, LAYOUT, "other-model")
+    with Prefetcher(setup.client) as pf:
+        with pytest.raises(ValueError, match="namespace"):
+            pf.submit("x", other.keys([b"\x02" * 16]))
+        with pytest.raises(ValueError, match="request_id"):
+            pf.submit("", setup.keys)
+        with pytest.raises(TimeoutError):
+            gate = threading.Event()
+            real = setup.client.get
+            setup.client.get = lambda k, p: (gate.wait(5), real(k, p))[1]  # type: ignore[method-assign]
+            h = pf.submit("slow", setup.keys)
+            try:
+                h.wait(0.05)
+            finally:
+                gate.set()
+        setup.pool.free(h.wait(20).pages)
+        empty = pf.submit("empty", []).wait(5)
+        assert empty.keys_loaded == 0 and empty.complete
+    assert setup.used() == 0
+
+
+def test_dead_agent_gives_shorter_prefix() -> None:
+    """Kill one donor: the pages it held fail (transfer failure or miss); the prefetch returns the
+    prefix before the first of them, byte-exact, with no error. Own cluster (destructive)."""
+    with LocalCluster(agents=2, segment_size="64MB", name=f"l3pd{uuid.uuid4().hex[:4]}", lease_ttl=3) as c:
+        st = _store(c)
+        s = Setup(st, n=64)
+        try:
+            c.kill_agent(0, signal.SIGKILL)
+            with Prefetcher(s.client, batch_pages=8) as pf:
+                t0 = time.monotonic()
+                res = pf.submit("dead", s.keys).wait(60)
+                assert time.monotonic() - t0 < 60
+            assert res.error is None and res.keys_loaded < 64 and res.stopped_by is not None
+            s.check_prefix(res.pages)
+            # ground truth: the first page that cannot be read now is where the prefix ended
+            scratch = s.pool.alloc(64)
+            truth = s.client.get(s.keys, scratch)
+            s.pool.free(scratch)
+            first_bad = next(i for i, r in enumerate(truth) if r is not Outcome.OK)
+            assert res.keys_loaded == first_bad
+            s.pool.free(res.pages)
+            assert s.used() == 0
+        finally:
+            s.close()
+            st.close()
+
+
+def test_cli_prefetch_test_json() -> None:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "l3pool.cli", "prefetch-test", "--json", "--pages", "48", "--batch", "8",
+           "--requests", "2", "--interrupt-after", "0.5", "--layers", "2", "--page-size", "16",
+           "--segment-size", "64MB", "--name", f"l3pc{uuid.uuid4().hex[:4]}"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    assert rep["correct"] is True and rep["requests"] == 2
+    assert rep["prefetch_GBps"] > 0 and rep["batch_p99_ms"] >= rep["batch_p50_ms"] > 0
+    assert rep["interrupt_p99_ms"] is not None and rep["leaked_pages"] == 0
