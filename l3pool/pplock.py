@@ -64,6 +64,7 @@ class LockGrant:
 class _Held:
     lease: int
     keys: list[str]  # Mooncake keys whose read leases this process re-grants
+    fresh: bool = False  # just granted/kept alive and leased by acquire: no immediate refresh needed
     started: float = field(default_factory=time.monotonic)
 
 
@@ -97,6 +98,7 @@ class StageLocks:
         ttl: int = 5,
         refresh_s: float | None = None,
         remember: int = 4096,
+        spare_leases: int = 2,
     ) -> None:
         if not namespaces:
             raise ValueError("namespaces: one per pipeline stage, got none")
@@ -114,6 +116,10 @@ class StageLocks:
         self._held: dict[str, _Held] = {}
         self._seen: OrderedDict[str, int] = OrderedDict()  # rid -> lease, for late/duplicate reports
         self._remember = remember
+        # etcd leases granted ahead of time and kept alive in the background: acquire then costs
+        # one etcd round trip (the put-if-absent txn) instead of two
+        self._spare: list[int] = []
+        self._spare_target = max(0, int(spare_leases))
         self._mu = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -155,7 +161,7 @@ class StageLocks:
             self._revoke_quietly(lease)
             raise LockError(f"request {request_id!r} is already locked (lease {existing.lease if existing else 0:x})")
         keys = [k for s in range(self.stages) for k in all_keys[s * n : s * n + length]]
-        self._hold(request_id, _Held(lease, keys))
+        self._hold(request_id, _Held(lease, keys, fresh=True))
         return LockGrant(request_id, length, self.stages, n, lease, per_stage)
 
     # -- other stages ------------------------------------------------------------------------
@@ -264,10 +270,40 @@ class StageLocks:
         self._stop.set()
         self._wake.set()
         self._thread.join()
+        with self._mu:
+            spares, self._spare = self._spare, []
+        for lease in spares:
+            self._revoke_quietly(lease)
 
     # -- internals ---------------------------------------------------------------------------
     def _grant(self) -> int:
+        with self._mu:
+            lease = self._spare.pop() if self._spare else 0
+        if lease:
+            self._wake.set()  # top the spares up in the background
+            return lease
         return self.etcd.lease_grant(self.ttl)
+
+    def _top_up_spares(self, refresh: bool) -> None:
+        with self._mu:
+            spares = list(self._spare) if refresh else []
+        for lease in spares:
+            try:
+                alive = self.etcd.lease_keepalive(lease) > 0
+            except EtcdError:
+                alive = False
+            if not alive:
+                with self._mu:
+                    if lease in self._spare:
+                        self._spare.remove(lease)
+        while len(self._spare) < self._spare_target and not self._stop.is_set():
+            try:
+                lease = self.etcd.lease_grant(self.ttl)
+            except EtcdError as e:
+                log.debug("spare lease grant failed: %s", e)
+                return
+            with self._mu:
+                self._spare.append(lease)
 
     def _revoke_quietly(self, lease: int) -> None:
         try:
@@ -295,11 +331,13 @@ class StageLocks:
             now = time.monotonic()
             with self._mu:
                 items = list(self._held.items())
-            if woke and now < next_refresh:  # only the new holders, right away
-                items = [(r, h) for r, h in items if now - h.started < self.refresh_s]
-            else:
+            periodic = not (woke and now < next_refresh)
+            if periodic:
                 next_refresh = now + self.refresh_s
+            else:  # only the new holders, right away
+                items = [(r, h) for r, h in items if now - h.started < self.refresh_s and not h.fresh]
             self._refresh(items)
+            self._top_up_spares(refresh=periodic)
 
     def _refresh(self, items: list[tuple[str, _Held]]) -> None:
         keys: list[str] = []

@@ -1,0 +1,195 @@
+"""Prefetch benchmark: l3pool's interruptible Prefetcher against raw Mooncake on the same pages.
+
+    PYTHONPATH=. python -m bench.prefetch [--json] [--out FILE] [--master H:P --metadata URL --host IP]
+
+Without endpoints it starts the local cluster (etcd, mooncake_master, 2 decode agents in their
+own network namespaces when root) and tears it down afterwards. A writer process in agent 1's
+namespace puts `--requests` request prefixes of `--pages` pages (KVSpec.mla(8, page_size=64),
+page_first_direct: 589,824-byte pages, 302 MB per 512-page request, small enough for a 24 GiB
+machine). Then, per round and request, in this process (root namespace):
+  raw       one Mooncake `batch_get_into` of all the request's pages into L2 pages (timed)
+  prefetch  `Prefetcher.submit(...).wait()` of the same keys into other L2 pages (timed,
+            `--batch` pages per batch), every byte compared with the writer's
+  interrupt a prefetch interrupted after a random fraction of its time: interrupt() latency
+`prefetch_ratio` = raw time / prefetch time (medians). The PP-lock latencies come from
+`l3pool.pplock.measure_lock_latencies` when that module exists (else null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import importlib.util
+import json
+import random
+import statistics
+import sys
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from l2core import HostKVPool, L2Config
+from l3pool.client import L3Client
+from l3pool.prefetch import Prefetcher
+from l3pool.prefetch_test import LAYOUT, Endpoints, PrefixSet, run_writer
+from l3pool.store import MooncakeStore, Outcome, StoreConfig
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def _lock_latencies(cluster: Any, requests: int, pages: int) -> tuple[dict[str, Any], str | None]:
+    keys = ("lock_acquire_p50_ms", "lock_acquire_p99_ms", "stage_join_p99_ms", "release_p99_ms")
+    if importlib.util.find_spec("l3pool.pplock") is None:
+        return dict.fromkeys(keys), "l3pool/pplock.py does not exist yet"
+    if cluster is None:
+        return dict.fromkeys(keys), "pplock latencies need the local cluster (no endpoints given)"
+    from l3pool.pplock import measure_lock_latencies  # type: ignore[import-not-found]
+
+    got = measure_lock_latencies(cluster, requests, pages=pages, stages=4)
+    return {k: got.get(k) for k in keys}, None
+
+
+def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, Any]:
+    spec = ps.spec()
+    pb = spec.page_bytes
+    pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=3 * ps.pages * ps.page_size, pin="never"))
+    pool.buffer.zero_()  # fault every page in before timing
+    store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
+    client = L3Client(pool, store, ps.namespace(), batch_pages=max(64, args.batch))
+    pf = Prefetcher(client, batch_pages=args.batch, max_inflight=args.inflight)
+    view = pool.buffer.view(pool.num_pages, pb)
+    keys = [ps.keys(r) for r in range(ps.requests)]
+    want = [ps.expected(r) for r in range(ps.requests)]
+    rng = random.Random(ps.seed)
+    raw_s: list[float] = []
+    pf_s: list[float] = []
+    int_ms: list[float] = []
+    batch_ms: list[float] = []
+    correct = True
+    raw_pages = pool.alloc(ps.pages)
+    addrs, sizes = pool.page_runs(raw_pages)
+    a_list, s_list = addrs[:, 0].tolist(), sizes[:, 0].tolist()
+    try:
+        for rnd in range(args.rounds):
+            for r in range(ps.requests):
+                print(f"[bench.prefetch] round {rnd} request {r}", file=sys.stderr, flush=True)
+                t0 = time.perf_counter()
+                res = store.get(keys[r], a_list, s_list)
+                raw_s.append(time.perf_counter() - t0)
+                correct &= all(x is Outcome.OK for x in res)
+                correct &= torch.equal(view[torch.from_numpy(raw_pages)], want[r])
+                t0 = time.perf_counter()
+                out = pf.submit(f"req{r}", keys[r]).wait(300)
+                pf_s.append(time.perf_counter() - t0)
+                batch_ms += out.batch_ms
+                correct &= out.complete and torch.equal(view[torch.from_numpy(out.pages)], want[r])
+                pool.free(out.pages)
+                h = pf.submit(f"req{r}", keys[r])
+                time.sleep(rng.random() * statistics.median(pf_s))
+                ti = time.perf_counter()
+                out = h.interrupt(60)
+                int_ms.append((time.perf_counter() - ti) * 1e3)
+                n = out.keys_loaded
+                correct &= out.error is None and torch.equal(view[torch.from_numpy(out.pages)], want[r][:n])
+                pool.free(out.pages)
+    finally:
+        pf.close()
+        pool.free(raw_pages)
+        leaked = pool.stats().used_pages
+        client.close()
+        store.close()
+        pool.close()
+    gb = ps.pages * pb / 1e9
+    raw, pre = statistics.median(raw_s), statistics.median(pf_s)
+    return {
+        "raw_get_GBps": round(gb / raw, 3),
+        "prefetch_GBps": round(gb / pre, 3),
+        "prefetch_ratio": round(raw / pre, 4),
+        "interrupt_p50_ms": round(_pct(int_ms, 50), 3),
+        "interrupt_p99_ms": round(_pct(int_ms, 99), 3),
+        "batch_p50_ms": round(_pct(batch_ms, 50), 3),
+        "batch_p99_ms": round(_pct(batch_ms, 99), 3),
+        "leaked_pages": leaked,
+        "correct": bool(correct) and leaked == 0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.prefetch", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", help="also write the JSON report here")
+    p.add_argument("--master", help="mooncake_master host:port (default: start the local cluster)")
+    p.add_argument("--metadata", help="metadata server URL (with --master)")
+    p.add_argument("--host", default="127.0.0.1", help="this client's address (with --master; export "
+                   "MC_TCP_BIND_ADDRESS too)")  # fmt: skip
+    p.add_argument("--pages", type=int, default=512, help="pages per request")
+    p.add_argument("--requests", type=int, default=2, help="distinct request prefixes")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=64, help="prefetch batch (pages)")
+    p.add_argument("--inflight", type=int, default=2)
+    p.add_argument("--lock-requests", type=int, default=20, help="requests for the PP-lock latencies")
+    p.add_argument("--segment-size", default="1GB", help="per agent, when starting the local cluster")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    ps = PrefixSet(8, 64, args.pages, args.requests, args.seed, uuid.uuid4().hex)
+    cluster = None
+    with contextlib.ExitStack() as stack:
+        if args.master:
+            if not args.metadata:
+                p.error("--master needs --metadata")
+            ep = Endpoints(args.master, args.metadata, args.host)
+        else:
+            import os
+
+            from l3pool.cluster import LocalCluster
+
+            cluster = stack.enter_context(
+                LocalCluster(agents=2, segment_size=args.segment_size, name=f"l3bp{uuid.uuid4().hex[:4]}")
+            )
+            os.environ.update(cluster.client_env())  # this program is the application
+            wa = cluster.agents[-1]
+            ep = Endpoints(cluster.master, cluster.metadata_url, cluster.client_host, cluster.etcd_endpoints,
+                           wa.netns, wa.ip if wa.netns else None, cluster.mode)  # fmt: skip
+        print("[bench.prefetch] writing the prefix set", file=sys.stderr, flush=True)
+        writer = run_writer(ps, ep)
+        row = bench(ps, ep, args)
+        locks, lock_note = _lock_latencies(cluster, args.lock_requests, args.pages)
+    report: dict[str, Any] = {
+        "benchmark": "bench.prefetch",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "transport": "tcp",
+        "mode": ep.mode,
+        "writer_netns": writer.get("netns"),
+        "spec": "KVSpec.mla(8, page_size=64) bf16 page_first_direct",
+        "page_bytes": ps.spec().page_bytes,
+        "pages": args.pages,
+        "stages": 4,
+        "requests": args.requests,
+        "rounds": args.rounds,
+        "batch_pages": args.batch,
+        "inflight": args.inflight,
+        **locks,
+        "lock_note": lock_note,
+        **row,
+    }
+    report["targets"] = {"prefetch_ratio>=0.90": report["prefetch_ratio"] >= 0.90}
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        for k, v in report.items():
+            print(f"{k:22s} {v}")
+    return 0 if report["correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

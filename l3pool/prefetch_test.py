@@ -1,0 +1,393 @@
+"""`l3pool prefetch-test`: cross-node prefetch against a running pool, or a local cluster.
+
+    l3pool prefetch-test [--json] [--plot FILE.png] [--pages 512 --batch 32 --requests 4]
+    l3pool prefetch-test --master H:P --metadata URL --host MY_IP     # a running pool
+
+1. A *writer* process puts a test prefix set (`--requests` prefixes of `--pages` pages whose bytes
+   come from `--seed`) from one node: without endpoints the local cluster is started
+   (`LocalCluster(agents=2)`, torn down at the end) and, when it has network namespaces, the
+   writer runs inside agent 1's namespace with that agent's IP; against a running pool it is a
+   separate process on this host.
+2. This process (root namespace, another node) prefetches every prefix into its own L2 pool
+   with a `Prefetcher` (all requests submitted at once, `--inflight` at a time), verifies every
+   byte against the recomputed expectation, and frees the pages.
+3. It prefetches each prefix again and interrupts it after `--interrupt-after` (a fraction of
+   the measured full-prefetch time, or `random`), verifies the returned prefix and frees it.
+Reports bandwidth, p50/p99 per-batch latency, interrupt latency (interrupt() call to result),
+and the L2 pages left in use (must be 0). Exit code 0 only when every byte was right and
+nothing leaked. `python -m l3pool.prefetch_test writer ...` is the writer's entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+LAYOUT = "page_first_direct"  # page bytes contiguous: one zero-copy fragment per page
+MODEL = "l3pool-prefetch-test"
+
+
+@dataclass(frozen=True)
+class PrefixSet:
+    """The test prefixes: keys and bytes of request r derive from (seed, r) only, so the writer
+    and the reader (another process, another node) agree without exchanging data."""
+
+    layers: int
+    page_size: int
+    pages: int
+    requests: int
+    seed: int
+    tenant: str
+
+    def spec(self) -> Any:
+        from l2core import KVSpec
+
+        return KVSpec.mla(self.layers, page_size=self.page_size)
+
+    def namespace(self) -> Any:
+        from .keys import Namespace
+
+        return Namespace.for_pool(self.spec(), LAYOUT, MODEL, tenant=self.tenant)
+
+    def keys(self, r: int) -> list[str]:
+        import numpy as np
+
+        from .keys import page_hashes
+
+        toks = np.random.default_rng([self.seed, r]).integers(0, 1 << 30, self.pages * self.page_size)
+        return self.namespace().keys(page_hashes(toks, self.page_size))  # type: ignore[no-any-return]
+
+    def expected(self, r: int) -> Any:
+        """[pages, page_bytes] uint8 tensor: the bytes of request r's pages."""
+        import torch
+
+        pb = self.spec().page_bytes
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + r)
+        w = torch.randint(-(2**62), 2**62, (self.pages * pb // 8,), dtype=torch.int64, generator=g)
+        return w.view(torch.uint8).view(self.pages, pb)
+
+    def to_args(self) -> list[str]:
+        return [f"--{k.replace('_', '-')}={getattr(self, k)}" for k in self.__dataclass_fields__]
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    master: str
+    metadata: str
+    host: str  # this (reader) process's address
+    etcd: str | None = None
+    writer_netns: str | None = None  # run the writer here (local cluster in netns mode)
+    writer_host: str | None = None
+    mode: str = "external"
+
+
+def _pages_view(pool: Any) -> Any:
+    return pool.buffer.view(pool.num_pages, pool.layout.page_bytes)
+
+
+# -- writer (runs in another process, normally another network namespace) -------------------------
+def _writer_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m l3pool.prefetch_test writer")
+    for k in ("layers", "page_size", "pages", "requests", "seed"):
+        p.add_argument(f"--{k.replace('_', '-')}", type=int, required=True)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--master", required=True)
+    p.add_argument("--metadata", required=True)
+    p.add_argument("--host", required=True)
+    a = p.parse_args(argv)
+    from l2core import HostKVPool, L2Config
+
+    from .client import L3Client
+    from .store import MooncakeStore, Outcome, StoreConfig
+
+    ps = PrefixSet(a.layers, a.page_size, a.pages, a.requests, a.seed, a.tenant)
+    spec = ps.spec()
+    pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=ps.pages * ps.page_size, pin="never"))
+    store = MooncakeStore(StoreConfig(master=a.master, metadata=a.metadata, local_hostname=a.host))
+    client = L3Client(pool, store, ps.namespace(), batch_pages=64)
+    bad, put_s = 0, 0.0
+    try:
+        view = _pages_view(pool)
+        for r in range(ps.requests):
+            view.copy_(ps.expected(r))
+            t0 = time.perf_counter()
+            res = client.put(ps.keys(r), range(ps.pages))
+            put_s += time.perf_counter() - t0
+            bad += sum(x is not Outcome.OK for x in res)
+    finally:
+        client.close()
+        store.close()
+        pool.close()
+    nbytes = ps.requests * ps.pages * spec.page_bytes
+    print(json.dumps({"written_pages": ps.requests * ps.pages - bad, "failed": bad, "put_s": put_s,
+                      "put_GBps": nbytes / put_s / 1e9 if put_s else None, "host": a.host}))  # fmt: skip
+    return 0 if bad == 0 else 1
+
+
+def run_writer(ps: PrefixSet, ep: Endpoints, timeout: float = 300) -> dict[str, Any]:
+    """Write the prefix set from another process (inside `ep.writer_netns` when given)."""
+    host = ep.writer_host or ep.host
+    cmd = [sys.executable, "-m", "l3pool.prefetch_test", "writer", *ps.to_args(),
+           f"--master={ep.master}", f"--metadata={ep.metadata}", f"--host={host}"]  # fmt: skip
+    if ep.writer_netns:
+        cmd = ["ip", "netns", "exec", ep.writer_netns, *cmd]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if x)
+    env["MC_TCP_BIND_ADDRESS"] = host  # a child process's environment, set by the application
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=_REPO_ROOT)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"writer failed (code {r.returncode}): {r.stderr.strip()[-2000:]}")
+    out: dict[str, Any] = json.loads(lines[-1])
+    out["netns"] = ep.writer_netns
+    return out
+
+
+# -- endpoints -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def endpoints(args: argparse.Namespace) -> Iterator[Endpoints]:
+    """The given pool, or a local cluster started here (and torn down on exit)."""
+    if args.master:
+        if not args.metadata:
+            raise SystemExit("--master needs --metadata")
+        yield Endpoints(args.master, args.metadata, args.host or "127.0.0.1", args.etcd)
+        return
+    if args.metadata or args.etcd:
+        raise SystemExit("--metadata/--etcd need --master too (or give none to start a local cluster)")
+    from .cluster import LocalCluster
+
+    name = args.name or f"l3pt{uuid.uuid4().hex[:4]}"
+    with LocalCluster(agents=2, segment_size=args.segment_size, name=name) as c:
+        # this program is the application: it sets Mooncake's address variable for its own client
+        os.environ.update(c.client_env())
+        wa = c.agents[-1]
+        yield Endpoints(c.master, c.metadata_url, c.client_host, c.etcd_endpoints,
+                        wa.netns, wa.ip if wa.netns else None, c.mode)  # fmt: skip
+
+
+# -- the test ------------------------------------------------------------------------------------
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
+    import torch
+    from tqdm import tqdm
+
+    from l2core import HostKVPool, L2Config
+
+    from .client import L3Client
+    from .prefetch import Prefetcher
+    from .store import MooncakeStore, StoreConfig
+
+    bar = tqdm(total=2 * ps.requests + 1, desc="prefetch-test", unit="step", file=sys.stderr, disable=not progress)
+    bar.set_postfix_str("writing")
+    writer = run_writer(ps, ep)
+    bar.update(1)
+    spec = ps.spec()
+    pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=ps.requests * ps.pages * ps.page_size, pin="never"))
+    store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
+    client = L3Client(pool, store, ps.namespace(), batch_pages=max(64, args.batch))
+    pf = Prefetcher(client, batch_pages=args.batch, max_inflight=args.inflight)
+    view = _pages_view(pool)
+    correct, wrong = True, []
+    keys = [ps.keys(r) for r in range(ps.requests)]
+    rng = random.Random(ps.seed)
+    try:
+        # 1. full prefetches, all submitted at once
+        bar.set_postfix_str("prefetching")
+        t0 = time.perf_counter()
+        hs = [pf.submit(f"req{r}", keys[r]) for r in range(ps.requests)]
+        results = [h.wait(600) for h in hs]
+        wall = time.perf_counter() - t0
+        full_s = [res.elapsed_s for res in results]
+        batch_ms = [x for res in results for x in res.batch_ms]
+        loaded = sum(res.keys_loaded for res in results)
+        for r, res in enumerate(results):
+            ok = res.complete and res.error is None
+            ok = ok and torch.equal(view[torch.from_numpy(res.pages)], ps.expected(r)[: res.keys_loaded])
+            if not ok:
+                wrong.append({"request": r, "phase": "full", "loaded": res.keys_loaded, "error": res.error,
+                              "stopped_by": res.stopped_by})  # fmt: skip
+            correct &= ok
+            pool.free(res.pages)
+            bar.update(1)
+        # 2. interrupted prefetches (a new generation of each request)
+        bar.set_postfix_str("interrupting")
+        interrupt_ms, prefix_pages, fracs = [], [], []
+        for r in range(ps.requests):
+            frac = rng.random() if args.interrupt_after == "random" else float(args.interrupt_after)
+            fracs.append(round(frac, 3))
+            h = pf.submit(f"req{r}", keys[r])
+            time.sleep(frac * statistics.median(full_s))
+            ti = time.perf_counter()
+            res = h.interrupt(60)
+            interrupt_ms.append((time.perf_counter() - ti) * 1e3)
+            n = res.keys_loaded
+            ok = res.error is None and len(res.pages) == n and res.generation == 2
+            ok = ok and torch.equal(view[torch.from_numpy(res.pages)], ps.expected(r)[:n])
+            if not ok:
+                wrong.append({"request": r, "phase": "interrupt", "loaded": n, "error": res.error})
+            correct &= ok
+            prefix_pages.append(n)
+            batch_ms += res.batch_ms
+            pool.free(res.pages)
+            bar.update(1)
+    finally:
+        pf.close()
+        leaked = pool.stats().used_pages
+        client.close()
+        store.close()
+        pool.close()
+        bar.close()
+    nbytes = loaded * spec.page_bytes
+    return {
+        "mode": ep.mode,
+        "writer_netns": writer.get("netns"),
+        "writer_host": writer.get("host"),
+        "reader_host": ep.host,
+        "spec": f"mla layers={ps.layers} page_size={ps.page_size} bf16 {LAYOUT}",
+        "page_bytes": spec.page_bytes,
+        "pages": ps.pages,
+        "requests": ps.requests,
+        "batch_pages": args.batch,
+        "inflight": args.inflight,
+        "write_GBps": _r(writer.get("put_GBps")),
+        "prefetch_GBps": _r(nbytes / wall / 1e9),
+        "prefetch_s": _r(wall),
+        "batch_p50_ms": _r(_pct(batch_ms, 50)),
+        "batch_p99_ms": _r(_pct(batch_ms, 99)),
+        "interrupt_after": fracs,
+        "interrupt_p50_ms": _r(_pct(interrupt_ms, 50)),
+        "interrupt_p99_ms": _r(_pct(interrupt_ms, 99)),
+        "interrupted_prefix_pages": prefix_pages,
+        "leaked_pages": leaked,
+        "correct": bool(correct) and leaked == 0,
+        "failures": wrong,
+        "_batch_ms": batch_ms,
+        "_interrupt_ms": interrupt_ms,
+    }
+
+
+def _plot(rep: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.hist(rep["_batch_ms"], bins=40)
+    a.set(title=f"per-batch latency ({rep['batch_pages']} pages)", xlabel="ms", ylabel="batches")
+    b.bar(range(len(rep["_interrupt_ms"])), rep["_interrupt_ms"])
+    b.set(title="interrupt latency per request", xlabel="request", ylabel="ms")
+    fig.suptitle(f"prefetch {rep['prefetch_GBps']} GB/s, {rep['requests']}x{rep['pages']} pages")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _table(rep: dict[str, Any]) -> str:
+    rows = [
+        ("mode", rep["mode"]), ("writer", f"{rep['writer_host']} (netns {rep['writer_netns'] or '-'})"),
+        ("reader", rep["reader_host"]), ("spec", rep["spec"]), ("page bytes", rep["page_bytes"]),
+        ("requests x pages", f"{rep['requests']} x {rep['pages']} (batch {rep['batch_pages']}, "
+                             f"inflight {rep['inflight']})"),
+        ("write GB/s", rep["write_GBps"]), ("prefetch GB/s", rep["prefetch_GBps"]),
+        ("batch p50 / p99 ms", f"{rep['batch_p50_ms']} / {rep['batch_p99_ms']}"),
+        ("interrupt p50 / p99 ms", f"{rep['interrupt_p50_ms']} / {rep['interrupt_p99_ms']}"),
+        ("interrupted prefixes", rep["interrupted_prefix_pages"]), ("leaked L2 pages", rep["leaked_pages"]),
+        ("correct", rep["correct"]),
+    ]  # fmt: skip
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def _interrupt_arg(v: str) -> str:
+    if v == "random":
+        return v
+    try:
+        f = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1] or 'random', got {v!r}") from None
+    if not 0 <= f <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1] or 'random', got {v!r}")
+    return v
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    for name in ("pages", "batch", "requests", "inflight", "layers", "page_size"):
+        if getattr(args, name) < 1:
+            print(f"l3pool prefetch-test: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("l3pool prefetch-test: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 2
+    ps = PrefixSet(args.layers, args.page_size, args.pages, args.requests, args.seed, uuid.uuid4().hex)
+    try:
+        with endpoints(args) as ep:
+            if ep.writer_netns and shutil.which("ip") is None:
+                ep = Endpoints(**{**ep.__dict__, "writer_netns": None})
+            rep = run_test(ps, ep, args, progress=not args.no_progress)
+    except (RuntimeError, OSError) as e:  # ClusterError, StoreError, writer failures
+        print(f"l3pool prefetch-test: {e}", file=sys.stderr)
+        return 1
+    if args.plot:
+        _plot(rep, args.plot)
+    out = {k: v for k, v in rep.items() if not k.startswith("_")}
+    print(json.dumps(out, indent=1) if args.json else _table(out))
+    return 0 if rep["correct"] else 1
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "prefetch-test", help="cross-node prefetch test: write from one node, prefetch + verify on another"
+    )
+    p.add_argument("--etcd", help="etcd endpoints of a running pool (informational)")
+    p.add_argument("--master", help="mooncake_master host:port of a running pool (default: start a local cluster)")
+    p.add_argument("--metadata", help="metadata server URL (with --master)")
+    p.add_argument("--host", help="this client's address (with --master; export MC_TCP_BIND_ADDRESS too)")
+    p.add_argument("--pages", type=int, default=512, help="pages per request (default %(default)s)")
+    p.add_argument("--batch", type=int, default=32, help="prefetch batch, pages (default %(default)s)")
+    p.add_argument("--requests", type=int, default=4, help="test prefixes (default %(default)s)")
+    p.add_argument("--inflight", type=int, default=2, help="concurrent prefetches (default %(default)s)")
+    p.add_argument("--interrupt-after", type=_interrupt_arg, default="random",
+                   help="fraction of a full prefetch's time before interrupt(), or 'random' (default)")  # fmt: skip
+    p.add_argument("--layers", type=int, default=8, help="MLA layers of the test KV spec (default %(default)s)")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per page (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--segment-size", default="1GB", help="DRAM per agent of the local cluster (default %(default)s)")
+    p.add_argument("--name", help="local cluster name (default: random)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="latency plot (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(fn=_cmd)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["writer"]:
+        sys.exit(_writer_main(sys.argv[2:]))
+    print("usage: l3pool prefetch-test ... (or python -m l3pool.prefetch_test writer ...)", file=sys.stderr)
+    sys.exit(2)
