@@ -65,6 +65,8 @@ def _check_buffers(bufs: Sequence[torch.Tensor], layout: HostLayout, layers: tup
     if len(bufs) != want:
         raise ValueError(f"expected {want} device buffers ({s.num_layers} layers x {s.num_kv}), got {len(bufs)}")
     b0 = bufs[0]
+    if not isinstance(b0, torch.Tensor):
+        raise TypeError(f"device buffer 0 is a {type(b0).__name__}, not a tensor")
     for i in range(layers[0] * s.num_kv, layers[1] * s.num_kv):
         b = bufs[i]
         if not isinstance(b, torch.Tensor):

@@ -8,10 +8,13 @@
     pool.free(res.pages)                  # ... the caller owns them now
     pf.close()
 
-Batches: the keys are fetched `batch_pages` at a time (L2 pages are allocated per batch, so an
-interrupted prefetch never held more than it returns plus one batch). Each batch is one
-`L3Client.get` (zero-copy Mooncake `batch_get_into` into the L2 pages); a miss or failure ends
-the prefix at the first non-OK page of that batch and every page after it is freed.
+Batches: the keys are fetched `batch_pages` at a time, with up to `pipeline` batches of one
+prefetch in flight (default 2: the next batch's transfer overlaps the current one, which keeps
+per-request bandwidth close to one big Mooncake call). L2 pages are allocated per batch, so an
+interrupted prefetch never holds more than it returns plus the batches in flight. Each batch is
+one `L3Client.get` (zero-copy Mooncake `batch_get_into` into the L2 pages); a miss or failure
+ends the prefix at the first non-OK page of that batch and every page after it (and every later
+batch) is freed. `interrupt()` stops issuing batches and returns once the ones in flight landed.
 
 Ownership: until a result is *delivered* (returned by `wait()` or `interrupt()` of its handle)
 every L2 page of a prefetch belongs to the prefetcher, which frees it on `cancel()`, on failure,
@@ -23,7 +26,8 @@ generation exists, an older prefetch stops at its next batch boundary and its re
 discarded (pages freed): its handle delivers an empty result with `superseded=True`, never data
 over the newer one.
 
-Concurrency: `max_inflight` worker threads; later submissions wait in FIFO order. L3Client calls
+Concurrency: `max_inflight` prefetches run at once (one thread each, plus `pipeline` I/O threads
+each); later submissions wait in FIFO order. L3Client calls
 share per-client staging/trailer buffers when the namespace uses checksums or layer_first
 staging, so in those modes the batches of concurrent prefetches are serialised.
 """
@@ -31,11 +35,12 @@ staging, so in those modes the batches of concurrent prefetches are serialised.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -167,12 +172,12 @@ class PrefetchHandle:
 class Prefetcher:
     """Background L3 -> L2 prefetch over one L3Client. See the module docstring."""
 
-    def __init__(self, client: L3Client, *, batch_pages: int = 32, max_inflight: int = 2) -> None:
-        for name, v in (("batch_pages", batch_pages), ("max_inflight", max_inflight)):
+    def __init__(self, client: L3Client, *, batch_pages: int = 32, max_inflight: int = 2, pipeline: int = 2) -> None:
+        for name, v in (("batch_pages", batch_pages), ("max_inflight", max_inflight), ("pipeline", pipeline)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
         self.client, self.pool = client, client.pool
-        self.batch_pages, self.max_inflight = batch_pages, max_inflight
+        self.batch_pages, self.max_inflight, self.pipeline = batch_pages, max_inflight, pipeline
         self._lock = threading.Lock()
         self._gens: dict[str, int] = {}
         self._live: dict[int, PrefetchHandle] = {}  # handles whose result was not delivered
@@ -180,6 +185,7 @@ class Prefetcher:
         # checksum trailers and layer_first staging are per-client buffers: one batch at a time
         self._serial = threading.Lock() if (client.ns.checksum or client.staging_bytes) else None
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="l3pool-prefetch")
+        self._io = ThreadPoolExecutor(max_workers=max_inflight * pipeline, thread_name_prefix="l3pool-prefetch-io")
         self.batch_ms: collections.deque[float] = collections.deque(maxlen=100_000)  # every batch, all prefetches
 
     # -- API -------------------------------------------------------------------------------
@@ -226,6 +232,7 @@ class Prefetcher:
         for h in handles:
             h.cancel()
         self._pool.shutdown(wait=True)
+        self._io.shutdown(wait=True)
         for h in handles:  # results that finished while shutting down
             h.cancel()
 
@@ -244,7 +251,16 @@ class Prefetcher:
         if len(pages):
             self.pool.free(pages)
 
+    def _get(self, keys: list[str], pages: np.ndarray) -> list[Outcome]:
+        if self._serial is None:
+            return self.client.get(keys, pages)
+        with self._serial:
+            return self.client.get(keys, pages)
+
     def _run(self, h: PrefetchHandle) -> None:
+        """One prefetch: up to `pipeline` batches in flight, consumed in order; stops issuing
+        at the first stop request, miss, failure or full L2, then drains what is in flight
+        (its pages are freed only after their transfer returned)."""
         t0 = time.perf_counter()
         res = PrefetchResult(
             h.request_id, h.generation, np.empty(0, dtype=np.int64), 0, keys_total=len(h.keys),
@@ -252,28 +268,38 @@ class Prefetcher:
         )  # fmt: skip
         got: list[np.ndarray] = []
         n, b = len(h.keys), self.batch_pages
+        flight: collections.deque[tuple[int, np.ndarray, Future[list[Outcome]], float]] = collections.deque()
+        issued, issuing, ended = 0, True, False
         try:
-            for start in range(0, n, b):
-                if h._stop.is_set():
+            while True:
+                while issuing and len(flight) < self.pipeline and issued < n:
+                    if h._stop.is_set():
+                        issuing = False
+                        break
+                    ks = h.keys[issued : issued + b]
+                    try:
+                        pages = self.pool.alloc(len(ks))
+                    except OutOfPages as e:
+                        res.error, issuing = f"L2 is full: {e}", False
+                        break
+                    flight.append((issued, pages, self._io.submit(self._get, ks, pages), time.perf_counter()))
+                    issued += len(ks)
+                if not flight:
                     break
-                ks = h.keys[start : start + b]
-                tb = time.perf_counter()
+                start, pages, fut, tb = flight.popleft()
                 try:
-                    pages = self.pool.alloc(len(ks))
-                except OutOfPages as e:
-                    res.error = f"L2 is full: {e}"
-                    break
-                try:
-                    if self._serial is not None:
-                        with self._serial:
-                            out = self.client.get(ks, pages)
-                    else:
-                        out = self.client.get(ks, pages)
+                    out = fut.result()
                 except BaseException as e:
                     self._free(pages)
-                    res.error = f"{type(e).__name__}: {e}"
-                    log.warning("prefetch %s gen %d: batch at page %d failed: %s", h.request_id, h.generation, start, e)
-                    break
+                    if not ended:
+                        res.error = f"{type(e).__name__}: {e}"
+                        log.warning("prefetch %s gen %d: batch at %d failed: %s", h.request_id, h.generation, start, e)
+                    ended = True
+                    issuing = False
+                    continue
+                if ended:  # a later batch after the prefix ended: its bytes are not part of it
+                    self._free(pages)
+                    continue
                 k = next((i for i, r in enumerate(out) if r is not Outcome.OK), len(out))
                 self._free(pages[k:])
                 got.append(pages[:k])
@@ -282,9 +308,12 @@ class Prefetcher:
                 self.batch_ms.append(ms)
                 res.keys_loaded += k
                 if k < len(out):
-                    res.stopped_by = out[k].value
-                    break
+                    res.stopped_by, ended, issuing = out[k].value, True, False
         finally:
+            for _, pages, fut, _ in flight:  # only on an unexpected exception above
+                with contextlib.suppress(BaseException):
+                    fut.result()
+                self._free(pages)
             res.pages = np.concatenate(got) if got else np.empty(0, dtype=np.int64)
             res.elapsed_s = time.perf_counter() - t0
             stopped_early = res.keys_loaded < n and res.stopped_by is None and res.error is None
