@@ -11,7 +11,10 @@ machine). Then, per round and request, in this process (root namespace):
   prefetch  `Prefetcher.submit(...).wait()` of the same keys into other L2 pages (timed,
             `--batch` pages per batch), every byte compared with the writer's
   interrupt a prefetch interrupted after a random fraction of its time: interrupt() latency
-`prefetch_ratio` = raw time / prefetch time (medians). The PP-lock latencies come from
+  raw_batched  the same raw calls cut into the prefetcher's batches, `--pipeline` in flight
+`prefetch_ratio` = raw time / prefetch time (medians); `prefetch_vs_batched_ratio` compares with
+raw_batched, i.e. the prefetcher's own overhead over Mooncake at the same call size (on TCP,
+Mooncake's per-call cost makes 64-page calls slower than one 512-page call). The PP-lock latencies come from
 `l3pool.pplock.measure_lock_latencies` when that module exists (else null).
 """
 
@@ -27,6 +30,7 @@ import statistics
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -52,7 +56,7 @@ def _lock_latencies(cluster: Any, requests: int, pages: int) -> tuple[dict[str, 
     from l3pool.pplock import measure_lock_latencies  # type: ignore[import-not-found]
 
     got = measure_lock_latencies(cluster, requests, pages=pages, stages=4)
-    return {k: got.get(k) for k in keys}, None
+    return {k: round(v, 3) if isinstance(v := got.get(k), float) else v for k in keys}, None
 
 
 def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, Any]:
@@ -62,12 +66,15 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
     pool.buffer.zero_()  # fault every page in before timing
     store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
     client = L3Client(pool, store, ps.namespace(), batch_pages=max(64, args.batch))
-    pf = Prefetcher(client, batch_pages=args.batch, max_inflight=args.inflight)
+    pf = Prefetcher(client, batch_pages=args.batch, max_inflight=args.inflight, pipeline=args.pipeline)
     view = pool.buffer.view(pool.num_pages, pb)
     keys = [ps.keys(r) for r in range(ps.requests)]
     want = [ps.expected(r) for r in range(ps.requests)]
     rng = random.Random(ps.seed)
     raw_s: list[float] = []
+    raw_b_s: list[float] = []
+    b = args.batch
+    io = ThreadPoolExecutor(max_workers=args.pipeline)
     pf_s: list[float] = []
     int_ms: list[float] = []
     batch_ms: list[float] = []
@@ -84,6 +91,13 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
                 raw_s.append(time.perf_counter() - t0)
                 correct &= all(x is Outcome.OK for x in res)
                 correct &= torch.equal(view[torch.from_numpy(raw_pages)], want[r])
+                t0 = time.perf_counter()  # raw again, in the prefetcher's batches and pipeline depth
+                futs = [
+                    io.submit(store.get, keys[r][i : i + b], a_list[i : i + b], s_list[i : i + b])
+                    for i in range(0, ps.pages, b)
+                ]
+                correct &= all(x is Outcome.OK for f in futs for x in f.result())
+                raw_b_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 out = pf.submit(f"req{r}", keys[r]).wait(300)
                 pf_s.append(time.perf_counter() - t0)
@@ -100,6 +114,7 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
                 pool.free(out.pages)
     finally:
         pf.close()
+        io.shutdown()
         pool.free(raw_pages)
         leaked = pool.stats().used_pages
         client.close()
@@ -111,6 +126,8 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
         "raw_get_GBps": round(gb / raw, 3),
         "prefetch_GBps": round(gb / pre, 3),
         "prefetch_ratio": round(raw / pre, 4),
+        "raw_get_batched_GBps": round(gb / statistics.median(raw_b_s), 3),
+        "prefetch_vs_batched_ratio": round(statistics.median(raw_b_s) / pre, 4),
         "interrupt_p50_ms": round(_pct(int_ms, 50), 3),
         "interrupt_p99_ms": round(_pct(int_ms, 99), 3),
         "batch_p50_ms": round(_pct(batch_ms, 50), 3),
@@ -133,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=64, help="prefetch batch (pages)")
     p.add_argument("--inflight", type=int, default=2)
+    p.add_argument("--pipeline", type=int, default=2, help="batches in flight per prefetch")
     p.add_argument("--lock-requests", type=int, default=20, help="requests for the PP-lock latencies")
     p.add_argument("--segment-size", default="1GB", help="per agent, when starting the local cluster")
     p.add_argument("--seed", type=int, default=0)
@@ -174,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "batch_pages": args.batch,
         "inflight": args.inflight,
+        "pipeline": args.pipeline,
         **locks,
         "lock_note": lock_note,
         **row,

@@ -3,18 +3,19 @@
     pf = Prefetcher(l3_client, batch_pages=32, max_inflight=2)
     h = pf.submit("req-7", keys)          # returns at once; a worker thread moves the pages
     ...                                   # the engine decides to start loading into L1:
-    res = h.interrupt()                   # stops within one batch
+    res = h.interrupt()                   # stops once the batches in flight landed
     use(res.pages)                        # the contiguous prefix of L2 page ids that arrived intact
     pool.free(res.pages)                  # ... the caller owns them now
     pf.close()
 
 Batches: the keys are fetched `batch_pages` at a time, with up to `pipeline` batches of one
-prefetch in flight (default 2: the next batch's transfer overlaps the current one, which keeps
-per-request bandwidth close to one big Mooncake call). L2 pages are allocated per batch, so an
-interrupted prefetch never holds more than it returns plus the batches in flight. Each batch is
-one `L3Client.get` (zero-copy Mooncake `batch_get_into` into the L2 pages); a miss or failure
-ends the prefix at the first non-OK page of that batch and every page after it (and every later
-batch) is freed. `interrupt()` stops issuing batches and returns once the ones in flight landed.
+prefetch in flight (default 2: the next batch's transfer overlaps the current one, hiding part of
+Mooncake's per-call cost; `pipeline=1` gives strict one-batch interrupt latency). L2 pages are
+allocated per batch, so an interrupted prefetch never holds more than it returns plus the batches
+in flight. Each batch is one `L3Client.get` (zero-copy Mooncake `batch_get_into` into the L2
+pages); a miss or failure ends the prefix at the first non-OK page of that batch and every page
+after it (and every later batch) is freed. `interrupt()` stops issuing batches and returns once
+the ones in flight landed.
 
 Ownership: until a result is *delivered* (returned by `wait()` or `interrupt()` of its handle)
 every L2 page of a prefetch belongs to the prefetcher, which frees it on `cancel()`, on failure,
@@ -27,9 +28,9 @@ discarded (pages freed): its handle delivers an empty result with `superseded=Tr
 over the newer one.
 
 Concurrency: `max_inflight` prefetches run at once (one thread each, plus `pipeline` I/O threads
-each); later submissions wait in FIFO order. L3Client calls
-share per-client staging/trailer buffers when the namespace uses checksums or layer_first
-staging, so in those modes the batches of concurrent prefetches are serialised.
+each); later submissions wait in FIFO order. L3Client calls share per-client staging/trailer
+buffers when the namespace uses checksums or layer_first staging, so in those modes the batches of
+concurrent prefetches are serialised.
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ def test_cli_prefetch_test_json() -> None:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "l3pool.cli", "prefetch-test", "--json", "--pages", "48", "--batch", "8",
            "--requests", "2", "--interrupt-after", "0.5", "--layers", "2", "--page-size", "16",
-           "--segment-size", "64MB", "--name", f"l3pc{uuid.uuid4().hex[:4]}"]  # fmt: skip
+           "--segment-size", "64MB", "--name", f"l3pq{uuid.uuid4().hex[:4]}"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout)
