@@ -22,6 +22,8 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -61,32 +63,33 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
     nbytes = n * spec.page_bytes
     t: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "put": [], "get": []}
     correct = True  # every outcome OK and every byte equal (a full pool would show here too)
-    for _ in range(args.rounds):
+    for rnd in range(args.rounds):
         raw_keys = [f"raw-{uuid.uuid4().hex}" for _ in range(n)]
-        if contiguous:
-            t0 = time.perf_counter()
-            r = store.put(raw_keys, addrs[:, 0].tolist(), sizes[:, 0].tolist())
-            t["raw_put"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            g = store.get(raw_keys, daddrs[:, 0].tolist(), sizes[:, 0].tolist())
-            t["raw_get"].append(time.perf_counter() - t0)
-        else:
-            t0 = time.perf_counter()
-            r = store.put_multi(raw_keys, addrs.tolist(), sizes.tolist())
-            t["raw_put"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            g = store.get_multi(raw_keys, daddrs.tolist(), sizes.tolist())
-            t["raw_get"].append(time.perf_counter() - t0)
-        correct &= all(x is Outcome.OK for x in r + g)
         keys = _keys(ns, n, rng)
-        t0 = time.perf_counter()
-        r = client.put(keys, src)
-        t["put"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        g = client.get(keys, dst)
-        t["get"].append(time.perf_counter() - t0)
-        correct &= all(x is Outcome.OK for x in r + g)
-        correct &= all(pool.page_bytes_of(int(a)) == pool.page_bytes_of(int(b)) for a, b in zip(src, dst, strict=True))
+        ops: dict[str, Callable[[], list[Outcome]]]
+        if contiguous:
+            ops = {
+                "raw_put": partial(store.put, raw_keys, addrs[:, 0].tolist(), sizes[:, 0].tolist()),
+                "raw_get": partial(store.get, raw_keys, daddrs[:, 0].tolist(), sizes[:, 0].tolist()),
+            }
+        else:
+            ops = {
+                "raw_put": partial(store.put_multi, raw_keys, addrs.tolist(), sizes.tolist()),
+                "raw_get": partial(store.get_multi, raw_keys, daddrs.tolist(), sizes.tolist()),
+            }
+        ops["put"] = partial(client.put, keys, src)
+        ops["get"] = partial(client.get, keys, dst)
+        # puts before gets; who goes first alternates per round so neither side always follows
+        order = ["raw_put", "put", "raw_get", "get"] if rnd % 2 == 0 else ["put", "raw_put", "get", "raw_get"]
+        for name in order:
+            t0 = time.perf_counter()
+            res = ops[name]()
+            t[name].append(time.perf_counter() - t0)
+            correct &= all(x is Outcome.OK for x in res)
+            if name in ("raw_get", "get"):  # each get landed the source bytes in dst
+                correct &= all(
+                    pool.page_bytes_of(int(a)) == pool.page_bytes_of(int(b)) for a, b in zip(src, dst, strict=True)
+                )
     # lookup of 512 present keys (fewer when fewer pages exist)
     lk = keys * (512 // len(keys) + 1)
     lk = lk[:512]
