@@ -7,6 +7,7 @@ deselects it. Tests marked `gpu` skip cleanly (with a reason) on machines withou
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -75,3 +76,13 @@ def autoclose() -> Iterator[Callable[[Any], Any]]:
     yield add
     for obj in reversed(objs):
         obj.close()
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ() -> Iterator[None]:
+    """Benchmarks and CLIs called in-process are applications and may export variables (e.g.
+    MC_TCP_BIND_ADDRESS for a cluster that is gone afterwards); no test may inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

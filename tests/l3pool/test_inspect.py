@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +14,6 @@ from l3pool.cli import main
 from l3pool.etcd import LeaseKeeper
 from l3pool.inspect import InspectError, collect
 from l3pool.metadata import Metadata
-from l3pool.store import MooncakeStore, Outcome, StoreConfig
 
 from .conftest import REPO, AgentProc, EtcdServer, MasterServer, agent_args, agent_process, free_ports
 
@@ -39,6 +36,33 @@ NS_RECORD = {
 }
 
 
+_WRITER = """
+import ctypes, json, sys
+from l3pool.store import MooncakeStore, StoreConfig
+master, metadata, page, keys = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+store = MooncakeStore(StoreConfig(master=master, metadata=metadata, local_hostname="127.0.0.1"))
+buf = ctypes.create_string_buffer(len(keys) * page)
+ptr = ctypes.addressof(buf)
+store.register(ptr, len(keys) * page)
+res = store.put(keys, [ptr + i * page for i in range(len(keys))], [page] * len(keys))
+print("RESULT " + json.dumps([r.value for r in res]), flush=True)
+"""
+
+
+def _put_in_subprocess(master: MasterServer, keys: list[str]) -> list[str]:
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run(
+        [sys.executable, "-c", _WRITER, master.rpc, master.metadata_url, str(PAGE), *keys],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"writer failed (rc {r.returncode}): {r.stderr[-1500:]}"
+    return list(json.loads(lines[-1][len("RESULT ") :]))
+
+
 @pytest.fixture(scope="module")
 def pool(etcd_server: EtcdServer, mooncake_master: MasterServer) -> Iterator[tuple[AgentProc, str]]:
     """One agent (32 MiB) under its own prefix, a namespace and 3 objects of it in the pool, 2 clients' stats."""
@@ -52,30 +76,21 @@ def pool(etcd_server: EtcdServer, mooncake_master: MasterServer) -> Iterator[tup
         md = Metadata(etcd, prefix)
         assert md.register_namespace(NS_ID, NS_RECORD) == NS_RECORD
         md.register_namespace("0ther", NS_RECORD | {"page_bytes": 8192})
-        store = MooncakeStore(StoreConfig(master=mooncake_master.rpc, metadata=mooncake_master.metadata_url))
-        buf = ctypes.create_string_buffer(4 * PAGE)
-        ptr = ctypes.addressof(buf)
-        store.register(ptr, 4 * PAGE)
         keeper = LeaseKeeper(etcd, 10)
         try:
             keys = [f"{NS_ID}/{h:032x}" for h in (1, 2, 3)] + ["unrelated/00"]
-            # The master is shared with earlier tests: segments of agents they killed stay listed
-            # until its client_ttl (3 s) passes, and a put placed there fails. Retry, bounded.
-            deadline = time.monotonic() + 15
-            while True:
-                res = store.put(keys, [ptr + i * PAGE for i in range(4)], [PAGE] * 4)
-                if res == [Outcome.OK] * 4 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-            assert res == [Outcome.OK] * 4
+            # The objects are written by a separate, short-lived process: Mooncake keeps
+            # process-wide transport state, and a client made in this (long-lived, shared) test
+            # process after other suites' clusters came and went failed its transfers in full
+            # runs. Objects stay in the agent's segment after their writer exits.
+            res = _put_in_subprocess(mooncake_master, keys)
+            assert res == ["ok"] * 4, res
             md.publish_stats("client-a", {"hits": 5, "misses": 2, "puts": 3, "namespace": NS_ID}, keeper.lease)
             md.publish_stats("client-b", {"hits": 1, "misses": 4, "puts": 0, "namespace": NS_ID}, keeper.lease)
             etcd.put(f"{prefix}/locks/req-7", json.dumps({"pages": 3, "stages": [0, 1]}), lease=keeper.lease)
             yield agent, prefix
         finally:
             keeper.close(revoke=True)
-            store.unregister(ptr)
-            store.close()
             etcd.close()
 
 
