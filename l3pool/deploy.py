@@ -1,0 +1,399 @@
+"""`l3pool deploy`: check, render and verify a real PD-disaggregated cluster from one TOML file.
+
+    l3pool deploy check  CONFIG [--json]                          # every problem, one line each; exit 2 on errors
+    l3pool deploy render CONFIG [--node NAME|IP] [--out DIR] [--json]
+    l3pool deploy verify CONFIG [--wait SECONDS] [--json]         # is every decode node donating?
+
+The config format is documented in `deploy/cluster.example.toml` and `l3pool.deploy_config`.
+
+`render` turns the config into the exact processes of each node: etcd and mooncake_master (when
+the config launches them), `l3pool agent` on every decode node (with MC_TCP_BIND_ADDRESS and
+optional numactl), `python -m sglang.launch_server` on every prefill node (PD prefill, HiCache
+with the `dynamic` storage backend loading `l3pool.sglang_backend.L3PoolStorage`) and decode node
+(PD decode), and the PD router. `--node` takes a node name (a decode/prefill name, `etcd`,
+`master`, `router`) or a host IP (everything on that host). `--out DIR` writes `DIR/<node>.sh`,
+a start/stop/status script per node (what `deploy/launch.sh` runs).
+
+`verify` reads the pool like `l3pool inspect` (etcd + the master's admin port) and checks that
+every configured decode node is a live member with the configured host, protocol, master and
+donated bytes, and that its segment is mounted at the master. Exit 0: all present; 1: something
+is missing or unreachable; 2: the config is invalid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .deploy_config import DeployConfig, PrefillNode, Problem, SGLangSpec, load_config
+
+log = logging.getLogger(__name__)
+
+# The SGLang adapter's identity and the extra-config keys it reads: the one place to change when
+# the adapter's keys change. `dynamic` makes SGLang import module_path and build class_name.
+ADAPTER = {"backend_name": "l3pool", "module_path": "l3pool.sglang_backend", "class_name": "L3PoolStorage"}
+
+
+def adapter_extra_config(cfg: DeployConfig, node: PrefillNode) -> dict[str, Any]:
+    """The JSON of `--hicache-storage-backend-extra-config` for one prefill node."""
+    return {
+        **ADAPTER,
+        "master": cfg.master.rpc,
+        "etcd": cfg.etcd.endpoints_str,
+        "local_hostname": node.host,
+        "model": node.l3.model,
+        "checksum": node.l3.checksum,
+        "tenant": node.l3.tenant,
+    }
+
+
+# -- render ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Process:
+    """One long-running process of the cluster, as `render` prints and `launch.sh` starts it."""
+
+    name: str  # unique in the cluster; also its log/pid file name
+    role: str  # etcd | master | agent | sglang-prefill | sglang-decode | router
+    node: str  # the config node it belongs to (decode/prefill name, or etcd/master/router)
+    host: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    ready_port: int | None = None  # accepts TCP once the process is up (waited for before the next one)
+
+    def shell(self) -> str:
+        env = [f"{k}={v}" for k, v in self.env.items()]
+        return shlex.join(["env", *env, *self.argv] if env else self.argv)
+
+
+def _sglang_common(s: SGLangSpec, host: str, mode: str) -> list[str]:
+    argv = [s.python, "-m", "sglang.launch_server", "--model-path", s.model_path, "--tp-size", str(s.tp_size),
+            "--page-size", str(s.page_size), "--host", host, "--port", str(s.port),
+            "--disaggregation-mode", mode, "--disaggregation-transfer-backend", s.transfer_backend]  # fmt: skip
+    return argv + (["--disaggregation-ib-device", s.ib_device] if s.ib_device else [])
+
+
+def _prefill_argv(cfg: DeployConfig, p: PrefillNode) -> list[str]:
+    s = p.sglang
+    argv = _sglang_common(s, p.host, "prefill")
+    argv += ["--disaggregation-bootstrap-port", str(s.bootstrap_port), "--enable-hierarchical-cache",
+             "--hicache-mem-layout", s.hicache_layout, "--hicache-io-backend", s.hicache_io_backend]  # fmt: skip
+    if s.hicache_size_gb is not None:
+        argv += ["--hicache-size", str(s.hicache_size_gb)]
+    elif s.hicache_ratio is not None:
+        argv += ["--hicache-ratio", f"{s.hicache_ratio:g}"]
+    argv += ["--hicache-write-policy", s.hicache_write_policy,
+             "--hicache-storage-prefetch-policy", s.hicache_prefetch_policy,
+             "--hicache-storage-backend", "dynamic",
+             "--hicache-storage-backend-extra-config",
+             json.dumps(adapter_extra_config(cfg, p), separators=(",", ":"))]  # fmt: skip
+    return argv + list(s.extra_args)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def plan(cfg: DeployConfig) -> list[Process]:
+    """Every process of the cluster, in start order (etcd, master, agents, prefill, decode, router)."""
+    out: list[Process] = []
+    e, m = cfg.etcd, cfg.master
+    if e.launch:
+        client, peer = _url(e.host, e.client_port), _url(e.host, e.peer_port)
+        listen = client if ipaddress.ip_address(e.host).is_loopback else f"{client},{_url('127.0.0.1', e.client_port)}"
+        argv = [e.binary, "--name", e.name, "--data-dir", e.data_dir, "--listen-client-urls", listen,
+                "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"{e.name}={peer}", "--initial-cluster-state", "new"]  # fmt: skip
+        out.append(Process("etcd", "etcd", "etcd", e.host, argv, {}, e.client_port))
+    argv = [m.binary, f"--rpc_address={m.host}", f"--rpc_port={m.rpc_port}", "--enable_http_metadata_server",
+            f"--http_metadata_server_host={m.host}", f"--http_metadata_server_port={m.metadata_port}",
+            f"--metrics_host={m.host}", f"--metrics_port={m.admin_port}", f"--client_ttl={m.client_ttl}",
+            f"--eviction_high_watermark_ratio={m.eviction_high_watermark_ratio:g}",
+            f"--eviction_ratio={m.eviction_ratio:g}"]  # fmt: skip
+    argv += [f"--default_kv_lease_ttl={m.default_kv_lease_ttl}"] if m.default_kv_lease_ttl else []
+    out.append(Process("master", "master", "master", m.host, argv + list(m.extra_args), {}, m.rpc_port))
+    for d in cfg.decode:
+        numa = (
+            ["numactl", f"--cpunodebind={d.numa_node}", f"--membind={d.numa_node}"] if d.numa_node is not None else []
+        )
+        argv = [*numa, cfg.l3pool, "agent", "--master", m.rpc, "--metadata", m.metadata_url, "--etcd",
+                e.endpoints_str, "--host", d.host, "--segment-size", d.donate, "--protocol", cfg.protocol]  # fmt: skip
+        argv += ["--rdma-devices", d.rdma_devices] if d.rdma_devices else []
+        argv += ["--key-prefix", cfg.key_prefix, "--lease-ttl", str(d.lease_ttl), "--id", d.name]
+        out.append(Process(f"agent-{d.name}", "agent", d.name, d.host, argv, {"MC_TCP_BIND_ADDRESS": d.host}))
+    for p in cfg.prefill:
+        env = {"MC_TCP_BIND_ADDRESS": p.host, **p.sglang.env}
+        argv = _prefill_argv(cfg, p)
+        out.append(Process(f"sglang-{p.name}", "sglang-prefill", p.name, p.host, argv, env, p.sglang.port))
+    for d in cfg.decode:
+        if d.sglang is not None:
+            env = {"MC_TCP_BIND_ADDRESS": d.host, **d.sglang.env}
+            argv = _sglang_common(d.sglang, d.host, "decode") + list(d.sglang.extra_args)
+            out.append(Process(f"sglang-{d.name}", "sglang-decode", d.name, d.host, argv, env, d.sglang.port))
+    if cfg.router is not None:
+        r = cfg.router
+        argv = [r.python, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        for p in cfg.prefill:
+            argv += ["--prefill", _url(p.host, p.sglang.port), str(p.sglang.bootstrap_port)]
+        for d in cfg.decode:
+            argv += ["--decode", _url(d.host, d.sglang.port)] if d.sglang is not None else []
+        argv += ["--host", r.host, "--port", str(r.port), *r.extra_args]
+        out.append(Process("router", "router", "router", r.host, argv, {}, r.port))
+    return out
+
+
+def select(procs: list[Process], node: str | None) -> list[Process]:
+    """The processes of one node name, or of every node on one host IP; all when node is None."""
+    if node is None:
+        return procs
+    return [p for p in procs if p.node == node] or [p for p in procs if p.host == node]
+
+
+_SCRIPT_HEAD = r"""#!/usr/bin/env bash
+# Generated by `l3pool deploy render {config} --node {node}`; do not edit (render it again).
+# Processes: {names}
+#   bash {node}.sh [start|stop|status]      logs and pid files: $L3POOL_LOG_DIR (default {log_dir})
+set -euo pipefail
+LOG_DIR=${{L3POOL_LOG_DIR:-{log_dir}}}
+READY_TIMEOUT=${{L3POOL_READY_TIMEOUT:-120}}
+mkdir -p "$LOG_DIR"
+
+_wait_port() {{  # HOST PORT NAME: until HOST:PORT accepts TCP (or NAME died / READY_TIMEOUT)
+  local i
+  for ((i = 0; i < READY_TIMEOUT * 10; i++)); do
+    if (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; then return 0; fi
+    if ! kill -0 "$(cat "$LOG_DIR/$3.pid")" 2>/dev/null; then
+      echo "$3 exited; last lines of $LOG_DIR/$3.log:" >&2; tail -n 20 "$LOG_DIR/$3.log" >&2; return 1
+    fi
+    sleep 0.1
+  done
+  echo "$3: $1:$2 not accepting connections after ${{READY_TIMEOUT}} s (see $LOG_DIR/$3.log)" >&2; return 1
+}}
+_running() {{ [ -f "$LOG_DIR/$1.pid" ] && kill -0 "$(cat "$LOG_DIR/$1.pid")" 2>/dev/null; }}
+_start() {{  # NAME CMD...: in its own session (pid = process group), detached from this shell
+  local name=$1; shift
+  if _running "$name"; then echo "$name: already running (pid $(cat "$LOG_DIR/$name.pid"))"; return 0; fi
+  echo "=== $(date '+%F %T') $*" >>"$LOG_DIR/$name.log"
+  setsid nohup "$@" >>"$LOG_DIR/$name.log" 2>&1 </dev/null &
+  echo $! >"$LOG_DIR/$name.pid"
+  echo "$name: started (pid $!, log $LOG_DIR/$name.log)"
+}}
+_stop() {{  # NAME: SIGTERM to its process group, SIGKILL after 15 s
+  local i pid
+  if ! _running "$1"; then echo "$1: not running"; rm -f "$LOG_DIR/$1.pid"; return 0; fi
+  pid=$(cat "$LOG_DIR/$1.pid")
+  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
+  for ((i = 0; i < 150; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$pid" 2>/dev/null; then echo "$1: SIGKILL"; kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid"; fi
+  rm -f "$LOG_DIR/$1.pid"; echo "$1: stopped"
+}}
+_status() {{
+  if _running "$1"; then echo "$1: running (pid $(cat "$LOG_DIR/$1.pid"))"; else echo "$1: NOT running"; return 1; fi
+}}
+"""
+
+
+def script(cfg: DeployConfig, node: str, procs: list[Process]) -> str:
+    """A bash start/stop/status script for `procs` (one node's processes, in start order)."""
+    q = shlex.quote
+    head = _SCRIPT_HEAD.format(config=q(cfg.path), node=node, names=", ".join(p.name for p in procs),
+                               log_dir=cfg.log_dir)  # fmt: skip
+    start = []
+    for i, p in enumerate(procs):
+        env = ["env", *(f"{k}={v}" for k, v in p.env.items())] if p.env else []
+        start.append(f"    _start {q(p.name)} {shlex.join([*env, *p.argv])}")
+        if p.ready_port is not None and i + 1 < len(procs):
+            start.append(f"    _wait_port {q(p.host)} {p.ready_port} {q(p.name)}")
+    stop = [f"    _stop {q(p.name)}" for p in reversed(procs)]
+    status = ["    rc=0", *(f"    _status {q(p.name)} || rc=1" for p in procs), "    exit $rc"]
+    body = ["case ${1:-start} in", "  start)", *start, "    ;;", "  stop)", *stop, "    ;;", "  status)", *status,
+            "    ;;", '  *) echo "usage: $0 [start|stop|status]" >&2; exit 2 ;;', "esac"]  # fmt: skip
+    return head + "\n".join(body) + "\n"
+
+
+# -- verify ------------------------------------------------------------------------------------
+def verify(cfg: DeployConfig) -> dict[str, Any]:
+    """Check the live pool against the config; `ok` is True when every decode node is a healthy member."""
+    from .inspect import InspectError, collect
+
+    m = cfg.master
+    problems: list[str] = []
+    report: dict[str, Any] | None = None
+    try:
+        report = collect(cfg.etcd.endpoints_str, m.admin_url, cfg.key_prefix)
+    except InspectError as e:
+        problems.append(str(e))
+        if "master admin" in str(e):  # etcd may still answer: check membership without the master
+            try:
+                report = collect(cfg.etcd.endpoints_str, None, cfg.key_prefix)
+            except InspectError as e2:
+                problems.append(str(e2))
+    nodes: list[dict[str, Any]] = []
+    members = {mem["id"]: mem for mem in (report or {}).get("members", [])}
+    for d in cfg.decode:
+        item: dict[str, Any] = {"name": d.name, "host": d.host, "donate_bytes": d.donate_bytes, "problems": []}
+        mem = members.get(d.name)
+        if report is None:
+            item["status"] = "unknown"
+        elif mem is None:
+            item["status"] = "missing"
+            item["problems"].append(
+                f"not registered under {cfg.key_prefix}/members/{d.name}: is `l3pool agent --id {d.name}` running on "
+                f"{d.host}? (its log: {cfg.log_dir}/agent-{d.name}.log)"
+            )
+        else:
+            checks = [
+                (mem["host"] == d.host, f"registered with host {mem['host']}, configured {d.host}"),
+                (mem["donated_bytes"] == d.donate_bytes,
+                 f"donates {mem['donated_bytes']} bytes, configured {d.donate} = {d.donate_bytes} bytes"),
+                (mem["protocol"] == cfg.protocol, f"uses protocol {mem['protocol']}, configured {cfg.protocol}"),
+                (mem["master"] == m.rpc, f"mounted on master {mem['master']}, configured {m.rpc}"),
+                (mem["in_master"] is not False, f"its segment {mem['segment']} is not mounted at the master"),
+            ]  # fmt: skip
+            item["problems"] += [msg for ok, msg in checks if not ok]
+            item["status"] = "ok" if not item["problems"] else "mismatch"
+            item["used_bytes"] = mem["used_bytes"]
+            item["lease_ttl_left"] = mem["lease_ttl_left"]
+        nodes.append(item)
+    configured = {d.name for d in cfg.decode}
+    extra = sorted(set(members) - configured)
+    first = cfg.prefill[0].host
+    next_steps = [
+        f"l3pool inspect --etcd {cfg.etcd.endpoints_str} --master-admin {m.admin_url} --key-prefix {cfg.key_prefix}",
+        f"MC_TCP_BIND_ADDRESS={first} l3pool prefetch-test --etcd {cfg.etcd.endpoints_str} --master {m.rpc} "
+        f"--metadata {m.metadata_url} --host {first}   # on a prefill node ({first}); --json for a report",
+    ]
+    ok = report is not None and not problems and all(n["status"] == "ok" for n in nodes)
+    master = (report or {}).get("master", {})
+    return {
+        "ok": ok,
+        "etcd": cfg.etcd.endpoints_str,
+        "master_admin": m.admin_url,
+        "key_prefix": cfg.key_prefix,
+        "problems": problems,
+        "decode": nodes,
+        "unexpected_members": extra,
+        "donated_bytes": sum(d.donate_bytes for d in cfg.decode),
+        "master_capacity_bytes": master.get("capacity_bytes"),
+        "next": next_steps,
+    }
+
+
+def _verify_text(v: dict[str, Any]) -> str:
+    lines = [f"etcd {v['etcd']}  master admin {v['master_admin']}  prefix {v['key_prefix']}"]
+    lines += [f"error: {p}" for p in v["problems"]]
+    for n in v["decode"]:
+        lines.append(f"{n['status'].upper():8s} {n['name']} ({n['host']}, {n['donate_bytes']} bytes)")
+        lines += [f"         {p}" for p in n["problems"]]
+    if v["unexpected_members"]:
+        lines.append(f"note: members not in the config: {', '.join(v['unexpected_members'])}")
+    present = sum(n["status"] == "ok" for n in v["decode"])
+    lines.append(
+        f"{'OK' if v['ok'] else 'FAILED'}: {present} of {len(v['decode'])} decode nodes donating as configured"
+    )
+    lines += ["next:", *(f"  {s}" for s in v["next"])]
+    return "\n".join(lines)
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+def _load(args: argparse.Namespace, cmd: str) -> tuple[DeployConfig | None, list[Problem]]:
+    cfg, problems = load_config(args.config)
+    if cfg is None and not args.json:
+        for p in problems:
+            if p.severity == "error" or cmd == "check":
+                sys.stderr.write(f"{args.config}: {p.line()}\n")
+    return cfg, problems
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    cfg, problems = _load(args, "check")
+    errors = sum(p.severity == "error" for p in problems)
+    if args.json:
+        print(json.dumps({"config": args.config, "ok": cfg is not None, "errors": errors,
+                          "problems": [p.to_json() for p in problems]}, indent=2))  # fmt: skip
+        return 0 if cfg is not None else 2
+    if cfg is None:
+        sys.stderr.write(f"{args.config}: {errors} error(s)\n")
+        return 2
+    for p in problems:
+        print(f"{args.config}: {p.line()}")
+    procs = plan(cfg)
+    hosts = sorted({p.host for p in procs})
+    print(f"{args.config}: OK: {len(cfg.prefill)} prefill, {len(cfg.decode)} decode nodes donating "
+          f"{sum(d.donate_bytes for d in cfg.decode)} bytes; {len(procs)} processes on {len(hosts)} hosts")  # fmt: skip
+    return 0
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    cfg, problems = _load(args, "render")
+    if cfg is None:
+        if args.json:
+            print(json.dumps({"ok": False, "problems": [p.to_json() for p in problems]}, indent=2))
+        return 2
+    procs = plan(cfg)
+    chosen = select(procs, args.node)
+    if not chosen:
+        names = sorted({p.node for p in procs})
+        hosts = sorted({p.host for p in procs})
+        sys.stderr.write(f"l3pool deploy render: no node or host {args.node!r}; nodes: {', '.join(names)}; "
+                         f"hosts: {', '.join(hosts)}\n")  # fmt: skip
+        return 2
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        groups = (
+            {args.node: chosen} if args.node else {n: select(procs, n) for n in dict.fromkeys(p.node for p in procs)}
+        )
+        for name, group in groups.items():
+            path = out / f"{name}.sh"
+            path.write_text(script(cfg, name, group))
+            path.chmod(0o755)
+            if not args.json:
+                print(f"wrote {path} ({', '.join(p.name for p in group)})")
+    if args.json:
+        print(json.dumps({"ok": True, "processes": [asdict(p) | {"shell": p.shell()} for p in chosen]}, indent=2))
+    elif not args.out:
+        for p in chosen:
+            print(f"# {p.name} ({p.role}) on {p.host}\n{p.shell()}\n")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    cfg, problems = _load(args, "verify")
+    if cfg is None:
+        if args.json:
+            print(json.dumps({"ok": False, "problems": [p.to_json() for p in problems]}, indent=2))
+        return 2
+    deadline = time.monotonic() + max(0.0, args.wait)
+    while True:
+        v = verify(cfg)
+        if v["ok"] or time.monotonic() >= deadline:
+            break
+        log.debug("not all decode nodes present yet; retrying")
+        time.sleep(1.0)
+    print(json.dumps(v, indent=2) if args.json else _verify_text(v))
+    return 0 if v["ok"] else 1
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("deploy", help="check, render and verify a cluster config (deploy/cluster.example.toml)")
+    sub = p.add_subparsers(dest="deploy_cmd", required=True)
+    c = sub.add_parser("check", help="validate a cluster config: one line per problem, exit 2 on errors")
+    c.set_defaults(fn=_cmd_check)
+    r = sub.add_parser("render", help="the exact commands of each node (or start/stop scripts with --out)")
+    r.add_argument("--node", metavar="NAME|IP", help="one node (decode/prefill name, etcd, master, router) or host")
+    r.add_argument("--out", metavar="DIR", help="write DIR/<node>.sh start|stop|status scripts")
+    r.set_defaults(fn=_cmd_render)
+    v = sub.add_parser("verify", help="every configured decode node a live member donating the configured bytes?")
+    v.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="retry until OK or this long")
+    v.set_defaults(fn=_cmd_verify)
+    for s in (c, r, v):
+        s.add_argument("config", metavar="CONFIG", help="cluster config (TOML)")
+        s.add_argument("--json", action="store_true", help="machine-readable output")

@@ -1,0 +1,739 @@
+"""The cluster config of `l3pool deploy`: one TOML file describing a real PD-disaggregated cluster.
+
+    [cluster]   name, key_prefix, protocol (tcp | rdma), l3pool (the CLI on every node), log_dir
+    [etcd]      endpoints = [...] of a running etcd, or host/client_port/peer_port/data_dir to launch one
+    [master]    mooncake_master: host, rpc/metadata/admin ports, client_ttl, eviction ratios, kv lease TTL
+    [l3]        adapter defaults for prefill nodes: model (fingerprint), checksum, tenant
+    [sglang]    SGLang defaults for every node; [sglang.prefill] / [sglang.decode] for one role
+    [[decode]]  name, host (IP), donate ("64GB"), numa_node, rdma_devices, lease_ttl, run_sglang,
+                [decode.sglang] overrides
+    [[prefill]] name, host (IP), [prefill.sglang] and [prefill.l3] overrides
+    [router]    optional sglang_router in PD mode: host, port, python, extra_args
+
+`load_config(path)` returns (DeployConfig or None, problems). Every problem names the key it is
+about (`prefill[1].sglang.page_size`); the config is returned only when there is no error.
+Validation never raises for bad input: malformed TOML, unknown keys, wrong types, sizes, IPs,
+port clashes on one host and inconsistent namespaces all become `Problem`s.
+`deploy/cluster.example.toml` documents every key.
+
+Torch-free (runs on any node, before anything is installed but l3pool itself).
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import re
+import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from l2core.units import ConfigError, parse_size
+
+from .agent import MIN_SEGMENT_BYTES, PROTOCOLS
+from .metadata import DEFAULT_PREFIX, check_id, check_prefix
+
+# SGLang's host layouts (l2core.layout.LAYOUTS; repeated so this module stays torch-free).
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+# The io backend each layout needs. SGLang rewrites other combinations (page_first + direct becomes
+# layer_first or page_first_direct, page_first_direct + kernel switches to direct), so the layout
+# it really runs would differ from the configured one.
+LAYOUT_IO = {"layer_first": ("kernel", "direct"), "page_first": ("kernel",), "page_first_direct": ("direct",)}
+IO_BACKENDS = ("kernel", "direct")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+MOONCAKE_CLIENT_PORTS = (12300, 14300)  # Mooncake clients take their RPC ports from this range
+RESERVED_NAMES = ("etcd", "master", "router")
+
+_TOP = ("cluster", "etcd", "master", "l3", "sglang", "decode", "prefill", "router")
+_CLUSTER = ("name", "key_prefix", "protocol", "l3pool", "log_dir")
+_ETCD_LAUNCH = ("host", "client_port", "peer_port", "data_dir", "name", "binary")
+_ETCD = ("endpoints", *_ETCD_LAUNCH)
+_MASTER = ("host", "rpc_port", "metadata_port", "admin_port", "client_ttl", "eviction_high_watermark_ratio",
+           "eviction_ratio", "default_kv_lease_ttl", "binary", "extra_args")  # fmt: skip
+_L3 = ("model", "checksum", "tenant")
+_SG_COMMON = ("model_path", "tp_size", "page_size", "port", "python", "ib_device", "transfer_backend", "extra_args",
+              "env")  # fmt: skip
+_SG_PREFILL = (*_SG_COMMON, "bootstrap_port", "hicache_layout", "hicache_io_backend", "hicache_ratio",
+               "hicache_size", "hicache_write_policy", "hicache_prefetch_policy")  # fmt: skip
+_SG_DECODE = _SG_COMMON
+_DECODE = ("name", "host", "donate", "numa_node", "rdma_devices", "lease_ttl", "run_sglang", "sglang")
+_PREFILL = ("name", "host", "sglang", "l3")
+_ROUTER = ("host", "port", "python", "extra_args")
+# Flags the render generates from typed keys: extra_args must not repeat them.
+_SG_OWNED = ("--model-path", "--tp-size", "--tp", "--page-size", "--host", "--port", "--disaggregation-mode",
+             "--disaggregation-transfer-backend", "--disaggregation-ib-device", "--disaggregation-bootstrap-port",
+             "--enable-hierarchical-cache", "--hicache-mem-layout", "--hicache-io-backend", "--hicache-ratio",
+             "--hicache-size", "--hicache-write-policy", "--hicache-storage-prefetch-policy",
+             "--hicache-storage-backend", "--hicache-storage-backend-extra-config")  # fmt: skip
+_MASTER_OWNED = ("rpc_address", "rpc_port", "port", "enable_http_metadata_server", "http_metadata_server_host",
+                 "http_metadata_server_port", "metrics_host", "metrics_port", "client_ttl",
+                 "eviction_high_watermark_ratio", "eviction_ratio", "default_kv_lease_ttl")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Problem:
+    severity: str  # "error" | "warning"
+    path: str  # the key it is about, e.g. "prefill[1].sglang.page_size" ("" for the file itself)
+    message: str
+
+    def line(self) -> str:
+        return f"{self.severity}: {self.path}: {self.message}" if self.path else f"{self.severity}: {self.message}"
+
+    def to_json(self) -> dict[str, str]:
+        return {"severity": self.severity, "path": self.path, "message": self.message}
+
+
+@dataclass(frozen=True)
+class EtcdSpec:
+    endpoints: tuple[str, ...]  # http://host:port
+    launch: bool = False  # True: `render` starts this etcd (one member) on `host`
+    host: str = ""
+    client_port: int = 2379
+    peer_port: int = 2380
+    data_dir: str = "/var/lib/l3pool/etcd"
+    name: str = "l3pool-etcd"
+    binary: str = "etcd"
+
+    @property
+    def endpoints_str(self) -> str:
+        return ",".join(self.endpoints)
+
+
+@dataclass(frozen=True)
+class MasterSpec:
+    host: str
+    rpc_port: int = 50051
+    metadata_port: int = 8080
+    admin_port: int = 9003
+    client_ttl: int = 10
+    eviction_high_watermark_ratio: float = 0.9
+    eviction_ratio: float = 0.05
+    default_kv_lease_ttl: str | None = None
+    binary: str = "mooncake_master"
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def rpc(self) -> str:
+        return f"{_bracket(self.host)}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://{_bracket(self.host)}:{self.metadata_port}/metadata"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{_bracket(self.host)}:{self.admin_port}"
+
+
+@dataclass(frozen=True)
+class L3Spec:
+    model: str
+    checksum: bool = False
+    tenant: str = ""
+
+
+@dataclass(frozen=True)
+class SGLangSpec:
+    model_path: str
+    tp_size: int = 1
+    page_size: int = 64
+    port: int = 30000
+    python: str = "python3"
+    ib_device: str = ""
+    transfer_backend: str = "mooncake"
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    # prefill only
+    bootstrap_port: int = 8998
+    hicache_layout: str = "page_first_direct"
+    hicache_io_backend: str = "direct"
+    hicache_ratio: float | None = None
+    hicache_size_gb: int | None = None  # SGLang's --hicache-size is in GB (10^9 bytes)
+    hicache_write_policy: str = "write_through"
+    hicache_prefetch_policy: str = "best_effort"
+
+
+@dataclass(frozen=True)
+class DecodeNode:
+    name: str
+    host: str
+    donate: str
+    donate_bytes: int
+    numa_node: int | None = None
+    rdma_devices: str = ""
+    lease_ttl: int = 10
+    sglang: SGLangSpec | None = None
+
+
+@dataclass(frozen=True)
+class PrefillNode:
+    name: str
+    host: str
+    sglang: SGLangSpec
+    l3: L3Spec
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    host: str
+    port: int = 8000
+    python: str = "python3"
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    path: str
+    name: str
+    key_prefix: str
+    protocol: str
+    l3pool: str
+    log_dir: str
+    etcd: EtcdSpec
+    master: MasterSpec
+    decode: tuple[DecodeNode, ...]
+    prefill: tuple[PrefillNode, ...]
+    router: RouterSpec | None = None
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+# -- typed values ------------------------------------------------------------------------------
+class _Bad(ValueError):
+    """One value is wrong; the message says why (the caller adds the key path)."""
+
+
+def _tname(v: Any) -> str:
+    return {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
+            dict: "a table"}.get(type(v), type(v).__name__)  # fmt: skip
+
+
+def _as_str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise _Bad(f"expected a string, got {_tname(v)} {v!r}")
+    return v
+
+
+def _as_nonempty(v: Any) -> str:
+    if not _as_str(v).strip():
+        raise _Bad("must not be empty")
+    return str(v).strip()
+
+
+def _as_bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _Bad(f"expected true or false, got {_tname(v)} {v!r}")
+    return v
+
+
+def _int_in(lo: int, hi: int | None = None) -> Callable[[Any], int]:
+    def conv(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _Bad(f"expected an integer, got {_tname(v)} {v!r}")
+        if v < lo or (hi is not None and v > hi):
+            raise _Bad(f"{v} is out of range [{lo}, {hi if hi is not None else 'inf'}]")
+        return v
+
+    return conv
+
+
+def _ratio(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _Bad(f"expected a number in (0, 1], got {_tname(v)} {v!r}")
+    if not 0 < v <= 1:
+        raise _Bad(f"{v} is outside (0, 1]")
+    return float(v)
+
+
+def _as_size(v: Any) -> int:
+    try:
+        return parse_size(v, "size")
+    except ConfigError as e:
+        raise _Bad(str(e).removeprefix("size: ")) from None
+
+
+def _as_ip(v: Any) -> str:
+    try:
+        ip = ipaddress.ip_address(_as_str(v).strip())
+    except ValueError:
+        raise _Bad(f"{v!r} is not an IP address (use the node's IP: Mooncake advertises it to peers)") from None
+    if ip.is_unspecified or ip.is_multicast:
+        raise _Bad(f"{v!r} is not a unicast address a peer can connect to")
+    return str(ip)
+
+
+_port = _int_in(1, 65535)
+
+
+def _as_strlist(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise _Bad(f"expected an array of strings, got {v!r}")
+    return tuple(v)
+
+
+def _as_env(v: Any) -> dict[str, str]:
+    if not isinstance(v, dict):
+        raise _Bad(f'expected a table of NAME = "value", got {_tname(v)}')
+    for k, x in v.items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) or not isinstance(x, str):
+            raise _Bad(f'{k!r}: expected NAME = "string value"')
+    return dict(v)
+
+
+def _as_duration(v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return str(v)  # milliseconds, as mooncake_master takes them
+    if isinstance(v, str) and re.fullmatch(r"\d+(ms|s|m|h)?", v.strip()) and int(re.sub(r"\D", "", v)) > 0:
+        return v.strip()
+    raise _Bad(f"expected milliseconds or a duration such as '10s', '500ms', '2m', got {v!r}")
+
+
+def _as_id(v: Any) -> str:
+    try:
+        return check_id("name", _as_str(v))
+    except ValueError as e:
+        raise _Bad(str(e)) from None
+
+
+def _as_fingerprint(v: Any) -> str:
+    s = _as_nonempty(v)
+    if "/" in s:
+        raise _Bad(f"{s!r}: a model fingerprint must not contain '/' (it is part of every page key)")
+    return s
+
+
+def _as_prefix(v: Any) -> str:
+    try:
+        return check_prefix(_as_str(v))
+    except ValueError as e:
+        raise _Bad(str(e)) from None
+
+
+def _choice(options: Iterable[str]) -> Callable[[Any], str]:
+    opts = tuple(options)
+
+    def conv(v: Any) -> str:
+        if _as_str(v) not in opts:
+            raise _Bad(f"{v!r} is not one of {', '.join(opts)}")
+        return str(v)
+
+    return conv
+
+
+# -- the reader --------------------------------------------------------------------------------
+Src = dict[str, tuple[Any, str]]  # key -> (value, full key path)
+_REQUIRED = object()
+
+
+class _Reader:
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def error(self, path: str, message: str) -> None:
+        self.problems.append(Problem("error", path, message))
+
+    def warn(self, path: str, message: str) -> None:
+        self.problems.append(Problem("warning", path, message))
+
+    @property
+    def errors(self) -> int:
+        return sum(p.severity == "error" for p in self.problems)
+
+    def table(self, raw: Any, path: str, allowed: Iterable[str], required: bool = False) -> Src | None:
+        """The keys of one TOML table; unknown keys are errors (with a did-you-mean)."""
+        if raw is None:
+            if required:
+                self.error(path, f"missing section [{path}]")
+            return None
+        if not isinstance(raw, dict):
+            self.error(path, f"expected a table, got {_tname(raw)}")
+            return None
+        known = tuple(allowed)
+        for k in raw:
+            if k not in known:
+                close = difflib.get_close_matches(k, known, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+                self.error(f"{path}.{k}" if path else k, f"unknown key ({hint})")
+        return {k: (v, f"{path}.{k}" if path else k) for k, v in raw.items() if k in known}
+
+    def get(self, src: Src, key: str, conv: Callable[[Any], Any], default: Any = _REQUIRED, where: str = "") -> Any:
+        """src[key] converted; its default when absent; None (and an error) when wrong or missing."""
+        if key not in src:
+            if default is _REQUIRED:
+                self.error(f"{where}.{key}" if where else key, "missing (required)")
+                return None
+            return default
+        value, path = src[key]
+        try:
+            return conv(value)
+        except _Bad as e:
+            self.error(path, str(e))
+            return None
+
+
+def _sub(src: Src, key: str) -> Any:
+    return src[key][0] if key in src else None
+
+
+def _merge(*layers: Src | None) -> Src:
+    out: Src = {}
+    for layer in layers:
+        out.update(layer or {})
+    return out
+
+
+def _none_in(*values: Any) -> bool:
+    return any(v is None for v in values)
+
+
+# -- sections ----------------------------------------------------------------------------------
+def _read_etcd(r: _Reader, raw: Any) -> EtcdSpec | None:
+    src = r.table(raw, "etcd", _ETCD, required=True)
+    if src is None:
+        return None
+    launch_keys = [k for k in _ETCD_LAUNCH if k in src]
+    if "endpoints" in src:
+        if launch_keys:
+            r.error(f"etcd.{launch_keys[0]}", "give either etcd.endpoints (a running etcd) or etcd.host (launch one)")
+            return None
+        eps = r.get(src, "endpoints", _as_strlist)
+        if eps is None:
+            return None
+        from .etcd import parse_endpoints
+
+        try:
+            parsed = parse_endpoints(eps)
+        except ValueError as e:
+            r.error("etcd.endpoints", str(e))
+            return None
+        return EtcdSpec(tuple(f"http://{_bracket(h)}:{p}" for h, p in parsed))
+    if "host" not in src:
+        r.error("etcd", "give etcd.endpoints (a running etcd) or etcd.host (launch one with `render`)")
+        return None
+    host = r.get(src, "host", _as_ip)
+    cport = r.get(src, "client_port", _port, 2379)
+    pport = r.get(src, "peer_port", _port, 2380)
+    data_dir = r.get(src, "data_dir", _as_nonempty, EtcdSpec.data_dir)
+    name = r.get(src, "name", _as_id, EtcdSpec.name)
+    binary = r.get(src, "binary", _as_nonempty, EtcdSpec.binary)
+    if _none_in(host, cport, pport, data_dir, name, binary):
+        return None
+    return EtcdSpec((f"http://{_bracket(host)}:{cport}",), True, host, cport, pport, data_dir, name, binary)
+
+
+def _read_master(r: _Reader, raw: Any) -> MasterSpec | None:
+    src = r.table(raw, "master", _MASTER, required=True)
+    if src is None:
+        return None
+    d = MasterSpec("")
+    vals = {
+        "host": r.get(src, "host", _as_ip, where="master"),
+        "rpc_port": r.get(src, "rpc_port", _port, d.rpc_port),
+        "metadata_port": r.get(src, "metadata_port", _port, d.metadata_port),
+        "admin_port": r.get(src, "admin_port", _port, d.admin_port),
+        "client_ttl": r.get(src, "client_ttl", _int_in(1, 3600), d.client_ttl),
+        "eviction_high_watermark_ratio": r.get(src, "eviction_high_watermark_ratio", _ratio,
+                                               d.eviction_high_watermark_ratio),
+        "eviction_ratio": r.get(src, "eviction_ratio", _ratio, d.eviction_ratio),
+        "binary": r.get(src, "binary", _as_nonempty, d.binary),
+        "extra_args": r.get(src, "extra_args", _as_strlist, ()),
+    }  # fmt: skip
+    lease = r.get(src, "default_kv_lease_ttl", _as_duration, "")
+    if _none_in(lease, *vals.values()):
+        return None
+    for arg in vals["extra_args"]:
+        flag = arg.lstrip("-").split("=", 1)[0]
+        if arg.startswith("-") and flag in _MASTER_OWNED:
+            key = flag if flag in _MASTER else "host/ports"
+            r.error("master.extra_args", f"{arg!r} is generated from master.{key}; set it there")
+    return MasterSpec(**vals, default_kv_lease_ttl=lease or None)
+
+
+def _read_l3(r: _Reader, src: Src, where: str) -> L3Spec | None:
+    model = r.get(src, "model", _as_fingerprint, where=where)
+    checksum = r.get(src, "checksum", _as_bool, False)
+    tenant = r.get(src, "tenant", _as_str, "")
+    if _none_in(model, checksum, tenant):
+        return None
+    return L3Spec(model, checksum, tenant)
+
+
+def _read_sglang(r: _Reader, src: Src, where: str, prefill: bool) -> SGLangSpec | None:
+    d = SGLangSpec("")
+    v: dict[str, Any] = {
+        "model_path": r.get(src, "model_path", _as_nonempty, where=where),
+        "tp_size": r.get(src, "tp_size", _int_in(1, 1024), d.tp_size),
+        "page_size": r.get(src, "page_size", _int_in(1, 1 << 20), d.page_size),
+        "port": r.get(src, "port", _port, d.port),
+        "python": r.get(src, "python", _as_nonempty, d.python),
+        "ib_device": r.get(src, "ib_device", _as_str, ""),
+        "transfer_backend": r.get(src, "transfer_backend", _as_nonempty, d.transfer_backend),
+        "extra_args": r.get(src, "extra_args", _as_strlist, ()),
+        "env": r.get(src, "env", _as_env, {}),
+    }
+    if prefill:
+        layout = r.get(src, "hicache_layout", _choice(LAYOUTS), d.hicache_layout)
+        io_default = LAYOUT_IO.get(layout or "", ("kernel",))[0]
+        size = r.get(src, "hicache_size", _as_size, 0)
+        ratio = r.get(src, "hicache_ratio", _float_over_1, 0.0)
+        v.update(
+            bootstrap_port=r.get(src, "bootstrap_port", _port, d.bootstrap_port),
+            hicache_layout=layout,
+            hicache_io_backend=r.get(src, "hicache_io_backend", _choice(IO_BACKENDS), io_default),
+            hicache_write_policy=r.get(src, "hicache_write_policy", _choice(WRITE_POLICIES), d.hicache_write_policy),
+            hicache_prefetch_policy=r.get(
+                src, "hicache_prefetch_policy", _choice(PREFETCH_POLICIES), d.hicache_prefetch_policy
+            ),
+        )
+        if _none_in(size, ratio, *v.values()):
+            return None
+        if size and ratio:
+            r.error(
+                src["hicache_size"][1], f"give hicache_size or hicache_ratio, not both (also {src['hicache_ratio'][1]})"
+            )
+            return None
+        if size and size % 10**9:
+            r.error(
+                src["hicache_size"][1], f"SGLang takes --hicache-size in whole GB (10^9 bytes); {size} bytes is not"
+            )
+            return None
+        layout, io = v["hicache_layout"], v["hicache_io_backend"]
+        if io not in LAYOUT_IO[layout]:
+            path = src["hicache_io_backend"][1] if "hicache_io_backend" in src else f"{where}.hicache_io_backend"
+            need = " or ".join(LAYOUT_IO[layout])
+            r.error(
+                path,
+                f"hicache_layout {layout!r} needs io backend {need}: with {io!r} SGLang rewrites the "
+                "layout/io backend and its pages would not match the namespace",
+            )
+            return None
+        v.update(hicache_size_gb=size // 10**9 if size else None, hicache_ratio=ratio or None)
+    elif _none_in(*v.values()):
+        return None
+    for arg in v["extra_args"]:
+        if arg.split("=", 1)[0] in _SG_OWNED:
+            r.error(src["extra_args"][1], f"{arg!r} is generated by `render` from the typed keys; set those instead")
+            return None
+    return SGLangSpec(**v)
+
+
+def _float_over_1(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _Bad(f"expected a number, got {_tname(v)} {v!r}")
+    if v <= 1:
+        raise _Bad(f"{v}: SGLang needs the host pool larger than the GPU pool (ratio > 1)")
+    return float(v)
+
+
+def _nodes(r: _Reader, raw: Any, kind: str) -> list[tuple[int, Any]]:
+    if raw is None:
+        r.error(kind, f"missing section: at least one [[{kind}]] node")
+        return []
+    if not isinstance(raw, list) or not raw:
+        r.error(kind, f"expected [[{kind}]] tables (an array of tables), got {_tname(raw)}")
+        return []
+    return list(enumerate(raw))
+
+
+def _read_decode(r: _Reader, i: int, raw: Any, sg: tuple[Src | None, Src | None]) -> DecodeNode | None:
+    where = f"decode[{i}]"
+    src = r.table(raw, where, _DECODE)
+    if src is None:
+        return None
+    name = r.get(src, "name", _as_id, where=where)
+    host = r.get(src, "host", _as_ip, where=where)
+    nbytes = r.get(src, "donate", _as_size, where=where)
+    donate = str(src["donate"][0]).strip() if "donate" in src else None
+    numa = r.get(src, "numa_node", _int_in(0, 1023), -1)
+    rdma = r.get(src, "rdma_devices", _as_str, "")
+    lease = r.get(src, "lease_ttl", _int_in(2, 3600), 10)
+    run_sg = r.get(src, "run_sglang", _as_bool, True)
+    own = r.table(_sub(src, "sglang"), f"{where}.sglang", _SG_DECODE)
+    if nbytes is not None and nbytes < MIN_SEGMENT_BYTES:
+        r.error(
+            src["donate"][1], f"{donate!r} is below Mooncake's minimum segment of {MIN_SEGMENT_BYTES} bytes (16MiB)"
+        )
+        nbytes = None
+    spec = _read_sglang(r, _merge(*sg, own), f"{where}.sglang", prefill=False) if run_sg else None
+    if _none_in(name, host, donate, nbytes, numa, rdma, lease, run_sg) or (run_sg and spec is None):
+        return None
+    assert donate is not None
+    return DecodeNode(name, host, donate, nbytes, None if numa < 0 else numa, rdma, lease, spec)
+
+
+def _read_prefill(
+    r: _Reader, i: int, raw: Any, sg: tuple[Src | None, Src | None], l3: Src | None
+) -> PrefillNode | None:
+    where = f"prefill[{i}]"
+    src = r.table(raw, where, _PREFILL)
+    if src is None:
+        return None
+    name = r.get(src, "name", _as_id, where=where)
+    host = r.get(src, "host", _as_ip, where=where)
+    own_sg = r.table(_sub(src, "sglang"), f"{where}.sglang", _SG_PREFILL)
+    own_l3 = r.table(_sub(src, "l3"), f"{where}.l3", _L3)
+    spec = _read_sglang(r, _merge(*sg, own_sg), f"{where}.sglang", prefill=True)
+    l3spec = _read_l3(r, _merge(l3, own_l3), f"{where}.l3 (or [l3])")
+    if spec is None or l3spec is None or _none_in(name, host):
+        return None
+    return PrefillNode(name, host, spec, l3spec)
+
+
+def _read_router(r: _Reader, raw: Any) -> RouterSpec | None:
+    src = r.table(raw, "router", _ROUTER)
+    if src is None:
+        return None
+    host = r.get(src, "host", _as_ip, where="router")
+    port = r.get(src, "port", _port, 8000)
+    python = r.get(src, "python", _as_nonempty, "python3")
+    extra = r.get(src, "extra_args", _as_strlist, ())
+    return None if _none_in(host, port, python, extra) else RouterSpec(host, port, python, extra)
+
+
+# -- cross-checks ------------------------------------------------------------------------------
+def _services(cfg: DeployConfig) -> list[tuple[str, int, str]]:
+    """(host, port, key path) of every listening port the config decides."""
+    out: list[tuple[str, int, str]] = []
+    if cfg.etcd.launch:
+        out += [
+            (cfg.etcd.host, cfg.etcd.client_port, "etcd.client_port"),
+            (cfg.etcd.host, cfg.etcd.peer_port, "etcd.peer_port"),
+        ]
+    m = cfg.master
+    out += [(m.host, m.rpc_port, "master.rpc_port"), (m.host, m.metadata_port, "master.metadata_port"),
+            (m.host, m.admin_port, "master.admin_port")]  # fmt: skip
+    for i, d in enumerate(cfg.decode):
+        if d.sglang:
+            out.append((d.host, d.sglang.port, f"decode[{i}].sglang.port"))
+    for i, p in enumerate(cfg.prefill):
+        out += [(p.host, p.sglang.port, f"prefill[{i}].sglang.port"),
+                (p.host, p.sglang.bootstrap_port, f"prefill[{i}].sglang.bootstrap_port")]  # fmt: skip
+    if cfg.router:
+        out.append((cfg.router.host, cfg.router.port, "router.port"))
+    return out
+
+
+def _cross_check(r: _Reader, cfg: DeployConfig) -> None:
+    seen: dict[str, str] = {}
+    names = [(f"decode[{i}]", d.name) for i, d in enumerate(cfg.decode)]
+    names += [(f"prefill[{i}]", p.name) for i, p in enumerate(cfg.prefill)]
+    for where, name in names:
+        if name in RESERVED_NAMES:
+            r.error(f"{where}.name", f"{name!r} is reserved for the {name} process; pick another name")
+        elif name in seen:
+            r.error(f"{where}.name", f"{name!r} is already the name of {seen[name]}")
+        seen.setdefault(name, where)
+
+    taken: dict[tuple[str, int], str] = {}
+    for host, port, path in _services(cfg):
+        if (host, port) in taken and taken[(host, port)] != path:
+            r.error(path, f"port {port} on {host} is also {taken[(host, port)]}")
+        taken.setdefault((host, port), path)
+    mooncake_hosts = {d.host for d in cfg.decode} | {p.host for p in cfg.prefill}
+    lo, hi = MOONCAKE_CLIENT_PORTS
+    for host, port, path in _services(cfg):
+        if host in mooncake_hosts and lo <= port <= hi:
+            r.warn(path, f"port {port} on {host} is in {lo}-{hi}, where Mooncake clients on that host take ports")
+
+    hosts = [(host, path) for host, _, path in _services(cfg)] + [(d.host, f"decode[{i}].host")
+                                                                   for i, d in enumerate(cfg.decode)]  # fmt: skip
+    loop = [(h, p) for h, p in hosts if ipaddress.ip_address(h).is_loopback]
+    if loop and len(loop) != len(hosts):
+        r.error(loop[0][1], f"{loop[0][0]} is a loopback address but other nodes are on other hosts; use the node's IP")
+
+    if cfg.protocol == "rdma":
+        for i, d in enumerate(cfg.decode):
+            if not d.rdma_devices:
+                r.warn(f"decode[{i}].rdma_devices", "empty with protocol 'rdma': Mooncake picks devices itself")
+
+    # Namespaces: pages are shared by prefill nodes whose namespace matches. The same fingerprint
+    # must mean the same weights, and nodes meant to share must agree on page size and layout.
+    by_fp: dict[tuple[str, str, bool], list[tuple[int, PrefillNode]]] = {}
+    for i, p in enumerate(cfg.prefill):
+        by_fp.setdefault((p.l3.model, p.l3.tenant, p.l3.checksum), []).append((i, p))
+    for group in by_fp.values():
+        i0, p0 = group[0]
+        for i, p in group[1:]:
+            for attr in ("model_path", "page_size", "hicache_layout", "tp_size"):
+                a, b = getattr(p0.sglang, attr), getattr(p.sglang, attr)
+                if a != b:
+                    why = (
+                        "the same fingerprint must mean the same weights"
+                        if attr == "model_path"
+                        else "they would write different namespaces and never share pages"
+                    )
+                    r.error(
+                        f"prefill[{i}].sglang.{attr}",
+                        f"{b!r} differs from prefill[{i0}] ({a!r}) with the same model fingerprint "
+                        f"{p.l3.model!r}: {why}",
+                    )
+    paths: dict[str, tuple[int, str]] = {}
+    for i, p in enumerate(cfg.prefill):
+        j, fp = paths.setdefault(p.sglang.model_path, (i, p.l3.model))
+        if fp != p.l3.model:
+            r.warn(f"prefill[{i}].l3.model", f"{p.l3.model!r} differs from prefill[{j}] ({fp!r}) for the same "
+                   "model_path: these nodes never share pages")  # fmt: skip
+    served = {p.sglang.model_path for p in cfg.prefill}
+    for i, d in enumerate(cfg.decode):
+        if d.sglang and d.sglang.model_path not in served:
+            r.error(f"decode[{i}].sglang.model_path", f"{d.sglang.model_path!r} is served by no prefill node")
+    if cfg.router and not any(d.sglang for d in cfg.decode):
+        r.error("router", "a PD router needs decode nodes with run_sglang = true")
+
+
+# -- entry points ------------------------------------------------------------------------------
+def parse_config(data: dict[str, Any], path: str = "<config>") -> tuple[DeployConfig | None, list[Problem]]:
+    """Validate an already-parsed TOML document."""
+    r = _Reader()
+    top = r.table(data, "", _TOP) or {}
+    cl = r.table(_sub(top, "cluster"), "cluster", _CLUSTER) or {}
+    name = r.get(cl, "name", _as_id, "l3pool")
+    prefix = r.get(cl, "key_prefix", _as_prefix, DEFAULT_PREFIX)
+    protocol = r.get(cl, "protocol", _choice(PROTOCOLS), "tcp")
+    l3pool = r.get(cl, "l3pool", _as_nonempty, "l3pool")
+    log_dir = r.get(cl, "log_dir", _as_nonempty, "/var/log/l3pool")
+    etcd = _read_etcd(r, _sub(top, "etcd"))
+    master = _read_master(r, _sub(top, "master"))
+    l3 = r.table(_sub(top, "l3"), "l3", _L3)
+    sg_raw = _sub(top, "sglang")
+    sg_all = r.table(sg_raw, "sglang", (*_SG_PREFILL, "prefill", "decode"))
+    sg_common: Src | None = None
+    if sg_all is not None:  # prefill-only keys at the top level apply to prefill nodes only
+        sg_common = {k: v for k, v in sg_all.items() if k not in ("prefill", "decode")}
+    sg_prefill = r.table(_sub(sg_all or {}, "prefill"), "sglang.prefill", _SG_PREFILL)
+    sg_decode = r.table(_sub(sg_all or {}, "decode"), "sglang.decode", _SG_DECODE)
+    common_decode = {k: v for k, v in (sg_common or {}).items() if k in _SG_DECODE}
+    decode = [
+        _read_decode(r, i, raw, (common_decode, sg_decode)) for i, raw in _nodes(r, _sub(top, "decode"), "decode")
+    ]
+    prefill = [_read_prefill(r, i, raw, (sg_common, sg_prefill), l3)
+               for i, raw in _nodes(r, _sub(top, "prefill"), "prefill")]  # fmt: skip
+    router = _read_router(r, _sub(top, "router"))
+    if r.errors or _none_in(name, prefix, protocol, l3pool, log_dir, etcd, master, *decode, *prefill):
+        if not r.errors:  # pragma: no cover - every None above comes with an error
+            r.error("", "invalid config")
+        return None, r.problems
+    assert etcd is not None and master is not None
+    cfg = DeployConfig(path, name, prefix, protocol, l3pool, log_dir, etcd, master,
+                       tuple(d for d in decode if d), tuple(p for p in prefill if p), router)  # fmt: skip
+    _cross_check(r, cfg)
+    return (None if r.errors else cfg), r.problems
+
+
+def load_config(path: str | Path) -> tuple[DeployConfig | None, list[Problem]]:
+    """Read and validate a TOML cluster config; never raises for bad input."""
+    p = Path(path)
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        return None, [Problem("error", "", f"cannot read {p}: {getattr(e, 'strerror', None) or e}")]
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        return None, [Problem("error", "", f"{p} is not valid TOML: {e}")]
+    return parse_config(data, str(p))
