@@ -66,7 +66,7 @@ class Process:
     host: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    ready_port: int | None = None  # accepts TCP once the process is up (waited for before the next one)
+    ready_ports: tuple[int, ...] = ()  # accept TCP once the process is up (waited for before the next one)
 
     def shell(self) -> str:
         env = [f"{k}={v}" for k, v in self.env.items()]
@@ -111,19 +111,20 @@ def plan(cfg: DeployConfig) -> list[Process]:
         argv = [e.binary, "--name", e.name, "--data-dir", e.data_dir, "--listen-client-urls", listen,
                 "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"{e.name}={peer}", "--initial-cluster-state", "new"]  # fmt: skip
-        out.append(Process("etcd", "etcd", "etcd", e.host, argv, {}, e.client_port))
+        out.append(Process("etcd", "etcd", "etcd", e.host, argv, {}, (e.client_port,)))
     argv = [m.binary, f"--rpc_address={m.host}", f"--rpc_port={m.rpc_port}", "--enable_http_metadata_server",
             f"--http_metadata_server_host={m.host}", f"--http_metadata_server_port={m.metadata_port}",
             f"--metrics_host={m.host}", f"--metrics_port={m.admin_port}", f"--client_ttl={m.client_ttl}",
             f"--eviction_high_watermark_ratio={m.eviction_high_watermark_ratio:g}",
             f"--eviction_ratio={m.eviction_ratio:g}"]  # fmt: skip
     argv += [f"--default_kv_lease_ttl={m.default_kv_lease_ttl}"] if m.default_kv_lease_ttl else []
-    out.append(Process("master", "master", "master", m.host, argv + list(m.extra_args), {}, m.rpc_port))
+    ports = (m.rpc_port, m.metadata_port, m.admin_port)  # agents check rpc and metadata before starting
+    out.append(Process("master", "master", "master", m.host, argv + list(m.extra_args), {}, ports))
     for d in cfg.decode:
         numa = (
             ["numactl", f"--cpunodebind={d.numa_node}", f"--membind={d.numa_node}"] if d.numa_node is not None else []
         )
-        argv = [*numa, cfg.l3pool, "agent", "--master", m.rpc, "--metadata", m.metadata_url, "--etcd",
+        argv = [*numa, *shlex.split(cfg.l3pool), "agent", "--master", m.rpc, "--metadata", m.metadata_url, "--etcd",
                 e.endpoints_str, "--host", d.host, "--segment-size", d.donate, "--protocol", cfg.protocol]  # fmt: skip
         argv += ["--rdma-devices", d.rdma_devices] if d.rdma_devices else []
         argv += ["--key-prefix", cfg.key_prefix, "--lease-ttl", str(d.lease_ttl), "--id", d.name]
@@ -131,12 +132,12 @@ def plan(cfg: DeployConfig) -> list[Process]:
     for p in cfg.prefill:
         env = {"MC_TCP_BIND_ADDRESS": p.host, **p.sglang.env}
         argv = _prefill_argv(cfg, p)
-        out.append(Process(f"sglang-{p.name}", "sglang-prefill", p.name, p.host, argv, env, p.sglang.port))
+        out.append(Process(f"sglang-{p.name}", "sglang-prefill", p.name, p.host, argv, env, (p.sglang.port,)))
     for d in cfg.decode:
         if d.sglang is not None:
             env = {"MC_TCP_BIND_ADDRESS": d.host, **d.sglang.env}
             argv = _sglang_common(d.sglang, d.host, "decode") + list(d.sglang.extra_args)
-            out.append(Process(f"sglang-{d.name}", "sglang-decode", d.name, d.host, argv, env, d.sglang.port))
+            out.append(Process(f"sglang-{d.name}", "sglang-decode", d.name, d.host, argv, env, (d.sglang.port,)))
     if cfg.router is not None:
         r = cfg.router
         argv = [r.python, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
@@ -145,7 +146,7 @@ def plan(cfg: DeployConfig) -> list[Process]:
         for d in cfg.decode:
             argv += ["--decode", _url(d.host, d.sglang.port)] if d.sglang is not None else []
         argv += ["--host", r.host, "--port", str(r.port), *r.extra_args]
-        out.append(Process("router", "router", "router", r.host, argv, {}, r.port))
+        out.append(Process("router", "router", "router", r.host, argv, {}, (r.port,)))
     return out
 
 
@@ -209,8 +210,8 @@ def script(cfg: DeployConfig, node: str, procs: list[Process]) -> str:
     for i, p in enumerate(procs):
         env = ["env", *(f"{k}={v}" for k, v in p.env.items())] if p.env else []
         start.append(f"    _start {q(p.name)} {shlex.join([*env, *p.argv])}")
-        if p.ready_port is not None and i + 1 < len(procs):
-            start.append(f"    _wait_port {q(p.host)} {p.ready_port} {q(p.name)}")
+        if i + 1 < len(procs):
+            start += [f"    _wait_port {q(p.host)} {port} {q(p.name)}" for port in p.ready_ports]
     stop = [f"    _stop {q(p.name)}" for p in reversed(procs)]
     status = ["    rc=0", *(f"    _status {q(p.name)} || rc=1" for p in procs), "    exit $rc"]
     body = ["case ${1:-start} in", "  start)", *start, "    ;;", "  stop)", *stop, "    ;;", "  status)", *status,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import re
+import shlex
 import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -293,6 +294,15 @@ def _as_duration(v: Any) -> str:
     raise _Bad(f"expected milliseconds or a duration such as '10s', '500ms', '2m', got {v!r}")
 
 
+def _as_command(v: Any) -> str:
+    try:
+        if shlex.split(_as_nonempty(v)):
+            return str(v).strip()
+    except ValueError as e:
+        raise _Bad(f"{v!r} is not a shell command: {e}") from None
+    raise _Bad("must not be empty")
+
+
 def _as_id(v: Any) -> str:
     try:
         return check_id("name", _as_str(v))
@@ -335,10 +345,14 @@ class _Reader:
         self.problems: list[Problem] = []
 
     def error(self, path: str, message: str) -> None:
-        self.problems.append(Problem("error", path, message))
+        self._add(Problem("error", path, message))
 
     def warn(self, path: str, message: str) -> None:
-        self.problems.append(Problem("warning", path, message))
+        self._add(Problem("warning", path, message))
+
+    def _add(self, p: Problem) -> None:
+        if p not in self.problems:  # a bad [sglang] default is one problem, not one per node
+            self.problems.append(p)
 
     @property
     def errors(self) -> int:
@@ -455,7 +469,10 @@ def _read_master(r: _Reader, raw: Any) -> MasterSpec | None:
 
 
 def _read_l3(r: _Reader, src: Src, where: str) -> L3Spec | None:
-    model = r.get(src, "model", _as_fingerprint, where=where)
+    if "model" not in src:
+        r.error(f"{where}.model", "missing: set the model fingerprint in [l3] (or in this node's [prefill.l3])")
+        return None
+    model = r.get(src, "model", _as_fingerprint)
     checksum = r.get(src, "checksum", _as_bool, False)
     tenant = r.get(src, "tenant", _as_str, "")
     if _none_in(model, checksum, tenant):
@@ -578,7 +595,7 @@ def _read_prefill(
     own_sg = r.table(_sub(src, "sglang"), f"{where}.sglang", _SG_PREFILL)
     own_l3 = r.table(_sub(src, "l3"), f"{where}.l3", _L3)
     spec = _read_sglang(r, _merge(*sg, own_sg), f"{where}.sglang", prefill=True)
-    l3spec = _read_l3(r, _merge(l3, own_l3), f"{where}.l3 (or [l3])")
+    l3spec = _read_l3(r, _merge(l3, own_l3), f"{where}.l3")
     if spec is None or l3spec is None or _none_in(name, host):
         return None
     return PrefillNode(name, host, spec, l3spec)
@@ -695,7 +712,7 @@ def parse_config(data: dict[str, Any], path: str = "<config>") -> tuple[DeployCo
     name = r.get(cl, "name", _as_id, "l3pool")
     prefix = r.get(cl, "key_prefix", _as_prefix, DEFAULT_PREFIX)
     protocol = r.get(cl, "protocol", _choice(PROTOCOLS), "tcp")
-    l3pool = r.get(cl, "l3pool", _as_nonempty, "l3pool")
+    l3pool = r.get(cl, "l3pool", _as_command, "l3pool")
     log_dir = r.get(cl, "log_dir", _as_nonempty, "/var/log/l3pool")
     etcd = _read_etcd(r, _sub(top, "etcd"))
     master = _read_master(r, _sub(top, "master"))
