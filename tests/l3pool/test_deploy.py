@@ -444,3 +444,22 @@ def test_verify_unreachable_etcd(tmp_path: Path, capsys: pytest.CaptureFixture[s
     rc, out, _ = _cli(capsys, "verify", path)
     assert rc == 1 and f"error: etcd unreachable: 127.0.0.1:{c}" in out
     assert "UNKNOWN  dn0" in out
+
+
+def test_launch_sh(tmp_path: Path) -> None:
+    env = {**os.environ, "L3POOL": shlex.join([sys.executable, "-m", "l3pool.cli"]),
+           "L3POOL_DEPLOY_DIR": str(tmp_path / "d"), "L3POOL_LOG_DIR": str(tmp_path / "logs")}  # fmt: skip
+
+    def launch(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = ["bash", str(REPO / "deploy" / "launch.sh"), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+
+    r = launch(str(EXAMPLE), "decode-1", "print")
+    assert r.returncode == 0 and "# agent-decode-1 (agent) on 10.0.1.22" in r.stdout, r.stderr
+    r = launch(str(EXAMPLE), "prefill-0", "status")  # renders DIR/prefill-0.sh, nothing runs
+    assert r.returncode == 1 and r.stdout == "sglang-prefill-0: NOT running\n"
+    assert (tmp_path / "d" / "prefill-0.sh").is_file()
+    r = launch(str(EXAMPLE), "nope", "status")
+    assert r.returncode == 2 and "no node or host 'nope'" in r.stderr
+    r = launch(str(EXAMPLE), "prefill-0", "restart")
+    assert r.returncode == 2 and r.stdout.startswith("Start, stop or show") and "set -e" not in r.stdout
