@@ -33,26 +33,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .deploy_config import DeployConfig, PrefillNode, Problem, SGLangSpec, load_config
+from .deploy_config import ADAPTER, ADAPTER_KEYS, DeployConfig, PrefillNode, Problem, SGLangSpec, load_config
 
 log = logging.getLogger(__name__)
 
-# The SGLang adapter's identity and the extra-config keys it reads: the one place to change when
-# the adapter's keys change. `dynamic` makes SGLang import module_path and build class_name.
-ADAPTER = {"backend_name": "l3pool", "module_path": "l3pool.sglang_backend", "class_name": "L3PoolStorage"}
-
 
 def adapter_extra_config(cfg: DeployConfig, node: PrefillNode) -> dict[str, Any]:
-    """The JSON of `--hicache-storage-backend-extra-config` for one prefill node."""
-    return {
-        **ADAPTER,
+    """The JSON of `--hicache-storage-backend-extra-config` for one prefill node: ADAPTER plus the
+    ADAPTER_KEYS (deploy_config) filled from the config."""
+    values = {
         "master": cfg.master.rpc,
+        "metadata": cfg.master.metadata_url,
         "etcd": cfg.etcd.endpoints_str,
+        "key_prefix": cfg.key_prefix,
+        "protocol": cfg.protocol,
         "local_hostname": node.host,
         "model": node.l3.model,
         "checksum": node.l3.checksum,
         "tenant": node.l3.tenant,
     }
+    return {**ADAPTER, **{k: values[k] for k in ADAPTER_KEYS}}
 
 
 # -- render ------------------------------------------------------------------------------------

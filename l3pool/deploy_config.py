@@ -48,6 +48,14 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 MOONCAKE_CLIENT_PORTS = (12300, 14300)  # Mooncake clients take their RPC ports from this range
 RESERVED_NAMES = ("etcd", "master", "router")
 
+# The SGLang adapter: its identity (`--hicache-storage-backend dynamic` imports module_path and
+# builds class_name) and the keys of `--hicache-storage-backend-extra-config` it reads beyond
+# those. The one place to change when the adapter's keys change: `deploy.adapter_extra_config`
+# fills these from the config (of: master, metadata, etcd, key_prefix, protocol, local_hostname,
+# model, checksum, tenant), and `check` warns about settings the adapter cannot receive.
+ADAPTER = {"backend_name": "l3pool", "module_path": "l3pool.sglang_backend", "class_name": "L3PoolStorage"}
+ADAPTER_KEYS = ("master", "etcd", "local_hostname", "model", "checksum", "tenant")
+
 _TOP = ("cluster", "etcd", "master", "l3", "sglang", "decode", "prefill", "router")
 _CLUSTER = ("name", "key_prefix", "protocol", "l3pool", "log_dir")
 _ETCD_LAUNCH = ("host", "client_port", "peer_port", "data_dir", "name", "binary")
@@ -663,6 +671,14 @@ def _cross_check(r: _Reader, cfg: DeployConfig) -> None:
     if loop and len(loop) != len(hosts):
         r.error(loop[0][1], f"{loop[0][0]} is a loopback address but other nodes are on other hosts; use the node's IP")
 
+    # settings prefill nodes would need but the adapter's extra-config cannot carry (yet)
+    unsent = [("metadata", "master.metadata_port", cfg.master.metadata_port != 8080, "http://<master>:8080/metadata"),
+              ("key_prefix", "cluster.key_prefix", cfg.key_prefix != DEFAULT_PREFIX, DEFAULT_PREFIX),
+              ("protocol", "cluster.protocol", cfg.protocol != "tcp", "tcp")]  # fmt: skip
+    for key, path, differs, default in unsent:
+        if differs and key not in ADAPTER_KEYS:
+            r.warn(path, f"the SGLang adapter's extra-config has no {key!r} key (it has: {', '.join(ADAPTER_KEYS)}): "
+                         f"prefill nodes use their default ({default})")  # fmt: skip
     if cfg.protocol == "rdma":
         for i, d in enumerate(cfg.decode):
             if not d.rdma_devices:

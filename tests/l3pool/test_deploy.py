@@ -181,6 +181,12 @@ def test_warnings_do_not_fail(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     )
     rc, out, _ = _cli(capsys, "check", _write(tmp_path, text))
     assert rc == 0 and "warning: prefill[1].l3.model: 'other' differs from prefill[0]" in out
+    # settings the adapter's extra-config cannot carry: a warning each
+    text = _edit("metadata_port = 8080", "metadata_port = 8081", _edit('protocol = "tcp"', 'protocol = "rdma"'))
+    rc, out, _ = _cli(capsys, "check", _write(tmp_path, text))
+    assert rc == 0 and "warning: master.metadata_port: the SGLang adapter's extra-config has no 'metadata' key" in out
+    assert "warning: cluster.protocol: the SGLang adapter's extra-config has no 'protocol' key" in out
+    assert "warning: decode[0].rdma_devices: empty with protocol 'rdma'" in out
 
 
 def test_fingerprint_consistency_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -463,3 +469,9 @@ def test_launch_sh(tmp_path: Path) -> None:
     assert r.returncode == 2 and "no node or host 'nope'" in r.stderr
     r = launch(str(EXAMPLE), "prefill-0", "restart")
     assert r.returncode == 2 and r.stdout.startswith("Start, stop or show") and "set -e" not in r.stdout
+
+
+def test_deploy_imports_without_torch() -> None:
+    code = "import sys, l3pool.deploy, l3pool.deploy_config; sys.exit(1 if 'torch' in sys.modules else 0)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=30)
+    assert r.returncode == 0, "l3pool.deploy pulled in torch: `deploy check` must run on any node"
