@@ -50,7 +50,7 @@ def load() -> ModuleType:
         build_dir = Path(os.environ.get("L2CORE_BUILD_DIR", Path.home() / ".cache" / "l2core")) / tag
         build_dir.mkdir(parents=True, exist_ok=True)
         sources = [str(_ROOT / "csrc" / "bindings.cpp"), str(_ROOT / "csrc" / "cpu_kernels.cpp")]
-        cflags = ["-O3", "-std=c++17"]
+        cflags = ["-O3"]  # the C++ standard is the one the installed torch asks for (17 or 20)
         extra: dict[str, list[str]] = {}
         if cuda:
             sources.append(str(_ROOT / "csrc" / "cuda_kernels.cu"))

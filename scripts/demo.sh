@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# README command 1: the main job. Until the PD-disaggregated demo lands, this runs the L2
-# transfer benchmark on this machine (GPU if present, else CPU).
+# README command 1: the main job, the local PD-disaggregated demo (`l3pool demo`): local cluster
+# (etcd, mooncake_master, 2 decode agents in their own network namespaces), the reference engine's
+# prefill instances over L1/L2/L3, an agentic multi-turn trace; report + plots in ./demo-out.
+# Arguments go to `l3pool demo` (--quick, --json, --out DIR, ...; see `l3pool demo --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/sysdeps.sh
 source scripts/env.sh
-python -m bench.transfer "$@"
+l3pool demo "$@"

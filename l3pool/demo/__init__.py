@@ -1,0 +1,182 @@
+"""`l3pool demo`: the local PD-disaggregated demo (README command 1).
+
+    l3pool demo [--quick] [--json] [--out DIR] [--sessions N --turns N --min-context T --max-context T]
+    l3pool demo --master H:P --metadata URL --host MY_IP [--etcd URL]     # against a running pool
+
+Without endpoints it brings up the local cluster (etcd, mooncake_master, 2 decode agents in
+their own network namespaces), runs the reference engine's prefill instances (L1 on the GPU if
+there is one, else CPU tensors; an l2core L2 pool each; the L3 client) over a bundled agentic
+multi-turn workload, and tears everything down. It prints a summary table (or `--json`), and
+writes `report.json` and PNG plots into `--out`. Exit code 0 only when the logits with cache
+equal those without, no page had wrong bytes, and L3 served hits. See `run.py` for what is
+measured and `engine.py` for the cache path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+QUICK = {"sessions": 3, "turns": 4, "min_context": 768, "max_context": 2048, "cold": 2, "fit_points": 4}
+DEFAULTS_CPU = {"sessions": 6, "turns": 5, "min_context": 2048, "max_context": 6144, "cold": 3, "fit_points": 5}
+DEFAULTS_GPU = {"sessions": 8, "turns": 5, "min_context": 24576, "max_context": 65536, "cold": 3, "fit_points": 6}
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="local PD-disaggregated demo: reference engine + agentic trace over L1/L2/L3",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="short configuration (under two minutes on a 2-core CPU)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--out", type=Path, default=Path("demo-out"), help="directory for report.json and plots")
+    p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    p.add_argument("--sessions", type=int, help="agent sessions")
+    p.add_argument("--turns", type=int, help="turns per session")
+    p.add_argument("--min-context", type=int, help="first-turn length in tokens")
+    p.add_argument("--max-context", type=int, help="longest request in tokens")
+    p.add_argument("--reuse", type=float, default=0.8, help="target prefix reuse per turn (default 0.8)")
+    p.add_argument("--attention", choices=["mla", "mha"], default="mla")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="L1 device (auto: cuda if present)"
+    )
+    p.add_argument("--instances", type=int, default=2, help="prefill instances sharing the L3 pool")
+    p.add_argument("--l1-tokens", type=int, default=0, help="L1 capacity per instance (default max context + 2 pages)")
+    p.add_argument("--l2-tokens", type=int, default=0, help="L2 capacity per instance (default 3 x max context)")
+    p.add_argument("--layout", choices=["layer_first", "page_first", "page_first_direct"], default="page_first_direct")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--segment-size", default="1GB", help="DRAM each local decode agent donates")
+    p.add_argument("--master", help="host:port of a running pool's mooncake_master (default: start a local cluster)")
+    p.add_argument("--metadata", help="the running pool's Mooncake metadata URL")
+    p.add_argument("--host", help="this node's IP as Mooncake peers reach it (running pool)")
+    p.add_argument("--etcd", help="the running pool's etcd endpoints (namespace registry and stats)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(fn=_cmd)
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+def _options(a: argparse.Namespace) -> Any:
+    import torch
+
+    from .model import ModelConfig
+    from .run import DemoOptions
+    from .workload import WorkloadConfig
+
+    device = a.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DemoError("--device cuda: no CUDA device is available")
+    base = QUICK if a.quick else DEFAULTS_GPU if device == "cuda" else DEFAULTS_CPU
+    pick = {
+        k: getattr(a, k) if getattr(a, k, None) is not None else base[k]
+        for k in ("sessions", "turns", "min_context", "max_context")
+    }
+    model = ModelConfig(attention=a.attention, layers=a.layers, seed=a.seed)
+    wl = WorkloadConfig(**pick, reuse=a.reuse, vocab=model.vocab, seed=a.seed)
+    return DemoOptions(
+        model=model, workload=wl, device=device, instances=a.instances, l1_tokens=a.l1_tokens,
+        l2_tokens=a.l2_tokens, l2_layout=a.layout, cold_requests=base["cold"], fit_points=base["fit_points"],
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _endpoints(a: argparse.Namespace) -> Iterator[tuple[str, str, str, str | None, str]]:
+    """(master, metadata, this host, etcd, description), starting a local cluster when needed."""
+    if a.master:
+        if not a.metadata:
+            raise DemoError("--master needs --metadata (and --host: this node's IP)")
+        yield a.master, a.metadata, a.host or "127.0.0.1", a.etcd, f"running pool at {a.master}"
+        return
+    if a.metadata or a.etcd or a.host:
+        raise DemoError("--metadata/--etcd/--host need --master (or give none to start a local cluster)")
+    from ..cluster import LocalCluster
+
+    with LocalCluster(agents=2, segment_size=a.segment_size, name=f"demo{os.getpid() % 100000}") as c:
+        os.environ.update(c.client_env())  # this program is the application: Mooncake's address
+        how = f"local cluster ({c.mode}): etcd, mooncake_master, {len(c.agents)} decode agents"
+        yield c.master, c.metadata_url, c.client_host, c.etcd_endpoints, how
+
+
+def _cmd(a: argparse.Namespace) -> int:
+    from l2core.spec import ConfigError
+
+    from ..cluster import ClusterError
+    from ..store import StoreError
+
+    try:
+        opts = _options(a)
+        report = _run(a, opts)
+    except (ConfigError, DemoError, ClusterError, StoreError, ValueError) as e:
+        print(f"l3pool demo: {e}", file=sys.stderr)
+        return 2
+    ok = _write(a, report)
+    return 0 if ok else 1
+
+
+def _run(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
+    import torch
+    from tqdm import tqdm
+
+    from ..etcd import EtcdClient
+    from ..metadata import Metadata
+    from ..store import MooncakeStore, StoreConfig
+    from .run import run
+
+    torch.set_flush_denormal(True)  # random weights produce denormals; they cost 10x on x86
+    with _endpoints(a) as (master, metadata_url, host, etcd, how):
+        log.info("demo: %s", how)
+        store = MooncakeStore(StoreConfig(master=master, metadata=metadata_url, local_hostname=host))
+        md = Metadata(EtcdClient(etcd, timeout=2.0)) if etcd else None
+        bar = tqdm(total=1, desc="demo", unit="step", file=sys.stderr, disable=a.no_progress)
+        try:
+            rep = run(opts, store, md, bar)
+        finally:
+            bar.close()
+            store.close()
+        rep["setup"]["pool"] = how
+    return rep
+
+
+def _verdict(rep: dict[str, Any]) -> list[str]:
+    bad = []
+    if not rep["logits_identical"]:
+        bad.append("logits with cache differ from logits without cache")
+    if rep["wrong_pages"]:
+        bad.append(f"{rep['wrong_pages']} pages had wrong bytes")
+    if rep["hit_rate"]["L3"] <= 0:
+        bad.append("L3 served no hits")
+    return bad
+
+
+def _write(a: argparse.Namespace, rep: dict[str, Any]) -> bool:
+    from .report import plot, table
+
+    bad = _verdict(rep)
+    rep["ok"] = not bad
+    a.out.mkdir(parents=True, exist_ok=True)
+    rep["plots"] = [] if a.no_plots else plot(rep, a.out)
+    (a.out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    if a.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        print(table(rep))
+        print(f"report: {a.out / 'report.json'}" + (f"; plots: {', '.join(rep['plots'])}" if rep["plots"] else ""))
+    for b in bad:
+        print(f"l3pool demo: FAILED: {b}", file=sys.stderr)
+    return not bad

@@ -1,0 +1,108 @@
+"""Text table and PNG plots of a demo report."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+_NAMES = {"no_cache": "no cache", "l1_l2": "L1+L2", "l1_l2_l3": "L1+L2+L3"}
+
+
+def table(rep: dict[str, Any]) -> str:
+    tr, hr, ps, fit, t = rep["trace"], rep["hit_rate"], rep["prefill_s"], rep["fit"], rep["tiers"]
+    be = fit["break_even_tokens"]
+
+    def gb(x: dict[str, Any]) -> str:
+        g = x["GBps"]
+        return f"{x['bytes'] / 1e6:9.1f} MB  " + (f"{g:6.2f} GB/s" if g is not None else "      -")
+
+    lines = [
+        f"workload   {tr['requests']} requests ({tr['sessions']} sessions x <= {tr['turns']} turns), "
+        f"{tr['min_context']}-{tr['max_context']} tokens, prefix reuse {tr['prefix_reuse']:.2f}",
+        f"setup      {rep['setup']['device']}, {rep['setup']['instances']} prefill instances, {rep['setup']['pool']}",
+        "hit rate   "
+        + "  ".join(f"{k} {v:.1%}" for k, v in hr.items())
+        + "   (L1+L2 only: "
+        + "  ".join(f"{k} {v:.1%}" for k, v in rep["hit_rate_by_config"]["l1_l2"].items())
+        + ")",
+        "prefill    " + "  ".join(f"{_NAMES[k]} {v:.2f} s" for k, v in ps.items()),
+        f"benefit    net {rep['net_benefit_s']:.2f} s vs no cache; L3 adds {rep['l3_benefit_s']:.2f} s over L1+L2",
+        f"overhead   miss path {rep['cache_overhead']:+.1%} "
+        f"({rep['miss_path']['cache_tok_per_s']:.0f} vs {rep['miss_path']['no_cache_tok_per_s']:.0f} tok/s)",
+        f"fit        all-hit T(n) = {fit['a_ms']:.2f} ms + {fit['b_us_per_token']:.3f} us/token; no cache "
+        f"{fit['no_cache_a_ms']:.2f} ms + {fit['no_cache_b_us_per_token']:.2f} us/token; break-even "
+        + (f"{be:.0f} tokens" if be is not None else "none"),
+        f"L3->L2     {gb(t['L3_to_L2'])}    L2->L1 {gb(t['L2_to_L1'])}",
+        f"L1->L2     {gb(t['L1_to_L2_backup'])}    L2->L3 {gb(t['L2_to_L3_put'])}   (after each request)",
+        f"checks     logits identical: {rep['logits_identical']} ({rep['logits_compared']} compared), "
+        f"wrong pages: {rep['wrong_pages']} of {rep['pages_verified']} verified",
+    ]
+    return "\n".join(lines)
+
+
+def plot(rep: dict[str, Any], out: Path) -> list[str]:
+    """demo_prefill.png, demo_tiers.png, demo_fit.png in `out`; [] when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no plots")
+        return []
+    files = []
+    reqs = rep["requests"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for k, name in _NAMES.items():
+        ax.plot(range(len(reqs)), [r[f"{k}_ms"] for r in reqs], marker="o", ms=3, label=name)
+    ax.set_xlabel("request (arrival order)")
+    ax.set_ylabel("prefill time (ms)")
+    ax.set_title("Prefill time per request")
+    ax.legend()
+    files.append(_save(fig, out / "demo_prefill.png"))
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    cfgs = {"L1+L2": rep["hit_rate_by_config"]["l1_l2"], "L1+L2+L3": rep["hit_rate"]}
+    bottom = [0.0] * len(cfgs)
+    for tier in ("L1", "L2", "L3", "miss"):
+        vals = [c[tier] for c in cfgs.values()]
+        a1.bar(list(cfgs), vals, bottom=bottom, label=tier)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    a1.set_ylabel("fraction of prompt tokens")
+    a1.set_title("Where tokens came from")
+    a1.legend()
+    t = rep["tiers"]
+    names = ["L3->L2", "L2->L1", "L1->L2", "L2->L3"]
+    vals = [t[k]["GBps"] or 0.0 for k in ("L3_to_L2", "L2_to_L1", "L1_to_L2_backup", "L2_to_L3_put")]
+    a2.bar(names, vals)
+    a2.set_ylabel("GB/s")
+    a2.set_title("Bandwidth per tier move")
+    files.append(_save(fig, out / "demo_tiers.png"))
+
+    fit = rep["fit"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [p["tokens"] for p in fit["points"]]
+    ax.scatter(xs, [p["all_hit_ms"] for p in fit["points"]], label="all hit (L3)")
+    ax.scatter(xs, [p["no_cache_ms"] for p in fit["points"]], label="no cache")
+    x0, x1 = 0, max(xs)
+    ax.plot([x0, x1], [fit["a_ms"] + fit["b_us_per_token"] * x / 1e3 for x in (x0, x1)], "--")
+    ax.plot([x0, x1], [fit["no_cache_a_ms"] + fit["no_cache_b_us_per_token"] * x / 1e3 for x in (x0, x1)], "--")
+    if fit["break_even_tokens"] is not None:
+        ax.axvline(fit["break_even_tokens"], color="grey", lw=0.8, label=f"break-even {fit['break_even_tokens']:.0f}")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill time (ms)")
+    ax.set_title("All-hit fit T(n) = a + b n")
+    ax.legend()
+    files.append(_save(fig, out / "demo_fit.png"))
+    return files
+
+
+def _save(fig: Any, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,189 @@
+"""The demo: workload, reference model, tiered prefill instance, and `l3pool demo` end to end
+against a real local cluster (etcd, mooncake_master, 2 decode agents)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from l2core import ConfigError
+from l3pool.cli import main
+from l3pool.demo.engine import PrefillInstance
+from l3pool.demo.model import ModelConfig, RefModel
+from l3pool.demo.workload import WorkloadConfig, generate, prefix_reuse
+
+TINY = ["--quick", "--layers", "2", "--sessions", "2", "--turns", "3", "--min-context", "256", "--max-context", "640"]
+
+
+# -- workload ------------------------------------------------------------------------------------
+def test_workload_is_deterministic_and_grows_turn_by_turn() -> None:
+    cfg = WorkloadConfig(sessions=3, turns=4, min_context=512, max_context=4096, seed=5)
+    a, b = generate(cfg), generate(cfg)
+    assert [(r.session, r.turn) for r in a] == [(r.session, r.turn) for r in b]
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b, strict=True))
+    other = generate(WorkloadConfig(sessions=3, turns=4, min_context=512, max_context=4096, seed=6))
+    assert not np.array_equal(a[0].tokens, other[0].tokens)
+    by = {(r.session, r.turn): r.tokens for r in a}
+    for (s, t), toks in by.items():
+        if t:  # each turn extends the previous request of its session
+            prev = by[(s, t - 1)]
+            assert toks.size > prev.size and np.array_equal(toks[: prev.size], prev)
+    # sessions share the system prompt (3/8 of min_context)
+    assert all(np.array_equal(r.tokens[:192], a[0].tokens[:192]) for r in a)
+
+
+def test_workload_prefix_reuse_is_near_target() -> None:
+    reqs = generate(WorkloadConfig(sessions=8, turns=6, min_context=2048, max_context=16384, reuse=0.8))
+    assert 0.72 <= prefix_reuse(reqs, 64) <= 0.88
+    assert all(r.length <= 16384 for r in reqs)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"sessions": 0}, {"reuse": 1.0}, {"reuse": 0.0}, {"min_context": 100, "max_context": 50}, {"turns": "3"}],
+)
+def test_workload_rejects_bad_config(kw: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        WorkloadConfig(**kw)  # type: ignore[arg-type]
+
+
+# -- model ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("attention", ["mla", "mha"])
+def test_model_logits_identical_with_cached_prefix(attention: str) -> None:
+    cfg = ModelConfig(attention=attention, layers=2, hidden=64, heads=2, head_dim=32, kv_lora_rank=64,  # type: ignore[arg-type]
+                      rope_dim=16, kv_heads=1, mlp=128, vocab=512, page_size=16)  # fmt: skip
+    m = RefModel(cfg)
+    toks = torch.randint(0, cfg.vocab, (100,), generator=torch.Generator().manual_seed(1))
+    a_bufs, b_bufs = m.new_l1(256), m.new_l1(256)
+    a_slots, b_slots = torch.randperm(256)[:100], torch.randperm(256)[:100]
+    ref = m.prefill(toks, 0, a_slots, a_bufs)
+    for x, y in zip(a_bufs, b_bufs, strict=True):  # a cache hit of 4 pages lands in other slots
+        y[b_slots[:64]] = x[a_slots[:64]]
+    assert torch.equal(m.prefill(toks, 64, b_slots, b_bufs), ref)
+    b_bufs[0][b_slots[3]] += 1  # one wrong KV element in the cached part changes the answer
+    assert not torch.equal(m.prefill(toks, 64, b_slots, b_bufs), ref)
+    with pytest.raises(ValueError, match="page-aligned"):
+        m.prefill(toks, 5, b_slots, b_bufs)
+    with pytest.raises(ValueError, match="slots"):
+        m.prefill(toks, 0, b_slots[:50], b_bufs)
+
+
+def test_model_config_rejects_bad_values() -> None:
+    for kw in ({"attention": "gqa"}, {"layers": 0}, {"heads": 3, "kv_heads": 2}, {"rope_dim": 3}):
+        with pytest.raises(ConfigError):
+            ModelConfig(**kw)  # type: ignore[arg-type]
+
+
+# -- one prefill instance, L1 + L2 ----------------------------------------------------------------
+def _small() -> RefModel:
+    return RefModel(ModelConfig(layers=2, hidden=64, heads=2, head_dim=32, kv_lora_rank=64, rope_dim=16, mlp=128,
+                                vocab=512, page_size=16))  # fmt: skip
+
+
+def test_instance_hits_l1_then_l2_and_keeps_page_counts() -> None:
+    m = _small()
+    inst = PrefillInstance("t", m, l1_tokens=160, l2_tokens=512)  # L1: 10 pages, L2: 32 pages
+    try:
+        rng = np.random.default_rng(0)
+        a, b = rng.integers(0, 512, 129), rng.integers(0, 512, 129)  # 8 full pages + 1 token each
+        r1 = inst.prefill(a)
+        inst.backup(r1)
+        assert (r1.hit_pages, r1.computed_tokens, r1.backup_bytes) == (0, 129, 8 * inst.page_bytes)
+        r2 = inst.prefill(a)
+        assert (r2.hit_l1, r2.hit_l2, r2.computed_tokens) == (8, 0, 1)
+        assert torch.equal(r1.logits, r2.logits)
+        inst.backup(r2)
+        inst.backup(inst.prefill(b))  # evicts a's pages from the 10-page L1
+        r3 = inst.prefill(a)
+        assert r3.hit_l1 + r3.hit_l2 == 8 and r3.hit_l2 > 0 and r3.load_bytes == r3.hit_l2 * inst.page_bytes
+        assert torch.equal(r1.logits, r3.logits)
+        # every page is either free or indexed: nothing leaked
+        assert inst.l1.alloc_.free_pages + len(inst.l1.index) == 10
+        assert inst.l2.alloc_.free_pages + len(inst.l2.index) == inst.pool.num_pages
+    finally:
+        inst.close()
+
+
+def test_instance_too_small_l1_is_a_clear_error() -> None:
+    inst = PrefillInstance("t", _small(), l1_tokens=64, l2_tokens=512)
+    try:
+        with pytest.raises(ConfigError, match="cache too small"):
+            inst.prefill(np.arange(200) % 512)
+    finally:
+        inst.close()
+
+
+# -- l3pool demo, end to end ------------------------------------------------------------------------
+def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["demo", *TINY, "--json", "--no-progress", "--out", str(tmp_path)])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0, rep
+    assert rep == json.loads((tmp_path / "report.json").read_text())
+    assert rep["logits_identical"] is True and rep["logits_compared"] >= 3 * rep["trace"]["requests"] - 1
+    assert rep["wrong_pages"] == 0 and rep["pages_verified"] > 0
+    assert rep["hit_rate"]["L3"] > 0 and rep["hit_rate_by_config"]["l1_l2"]["L3"] == 0
+    assert abs(sum(rep["hit_rate"].values()) - 1) < 1e-3
+    assert rep["prefill_s"]["l1_l2_l3"] < rep["prefill_s"]["no_cache"]
+    assert rep["net_benefit_s"] == pytest.approx(rep["prefill_s"]["no_cache"] - rep["prefill_s"]["l1_l2_l3"], abs=1e-3)
+    assert set(rep["fit"]) >= {"a_ms", "b_us_per_token", "break_even_tokens"} and rep["fit"]["all_hit"]
+    assert isinstance(rep["cache_overhead"], float)
+    assert rep["tiers"]["L3_to_L2"]["bytes"] > 0 and rep["tiers"]["L2_to_L3_put"]["bytes"] > 0
+    for f in ("demo_prefill.png", "demo_tiers.png", "demo_fit.png"):
+        assert (tmp_path / f).stat().st_size > 1000
+
+
+def test_demo_detects_corrupted_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A byte flipped in every page that arrives from L3 must show up as wrong pages, different
+    logits and exit code 1: the demo's checks can fail."""
+    from l3pool.client import L3Client
+    from l3pool.store import Outcome
+
+    real_get = L3Client.get
+
+    def corrupting_get(self: L3Client, keys: list[str], pages: np.ndarray) -> list[Outcome]:
+        res = real_get(self, keys, pages)
+        for p, r in zip(np.asarray(pages).tolist(), res, strict=True):
+            if r is Outcome.OK:
+                self.pool.buffer[p * self.pool.layout.page_bytes + 7] ^= 0x40
+        return res
+
+    monkeypatch.setattr(L3Client, "get", corrupting_get)
+    rc = main(["demo", *TINY, "--json", "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    assert rep["wrong_pages"] > 0 and rep["logits_identical"] is False and rep["ok"] is False
+
+
+@pytest.mark.parametrize(
+    ("args", "msg"),
+    [
+        (["--master", "127.0.0.1:1"], "--master needs --metadata"),
+        (["--etcd", "http://127.0.0.1:1"], "need --master"),
+        (["--min-context", "900", "--max-context", "800"], "max_context"),
+        (["--l1-tokens", "100"], "l1_tokens"),
+        (["--sessions", "0"], "sessions"),
+        (["--reuse", "1.5"], "reuse"),
+        (["--segment-size", "12XB"], "size"),
+        (["--master", "127.0.0.1:1", "--metadata", "http://127.0.0.1:1/metadata"], "unreachable"),
+    ],
+)
+def test_demo_bad_input_is_one_clear_line(
+    args: list[str], msg: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(["demo", "--quick", "--no-progress", "--out", str(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert msg in err and "Traceback" not in err
+
+
+def test_demo_cuda_request_without_gpu_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["demo", "--quick", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
