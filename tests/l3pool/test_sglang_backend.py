@@ -1,0 +1,398 @@
+"""The SGLang HiCache backend (`l3pool.sglang_backend.L3PoolStorage`) against the installed
+sglang package, a real etcd + mooncake_master and a real decode agent donating DRAM.
+
+Host pools: SGLang's own `MHATokenToKVPoolHost` / `MLATokenToKVPoolHost` cannot be imported on
+a CPU machine with the light install (their package imports the device memory pool, which imports
+every model config, transformers and a CUDA-built torchvision). `FakeMHAHostPool` /
+`FakeMLAHostPool` therefore allocate `kv_buffer` with SGLang's shapes (`init_kv_buffer`) and run
+SGLang's *own* `get_page_buffer_meta` / `get_data_page` source, read from the installed package,
+so the byte ranges the adapter moves are checked against SGLang's.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib.util
+import textwrap
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage",
+    reason="sglang is not installed (scripts/env.sh: pip install --no-deps sglang==0.5.23 + the [sglang] extra)",
+)
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from l2core.spec import ConfigError
+from l3pool.etcd import EtcdClient
+from l3pool.metadata import Metadata
+from l3pool.sglang_backend import L3PoolStorage
+from l3pool.store import StoreUnavailable
+
+from .conftest import (
+    EtcdServer,
+    MasterServer,
+    _kill_group,
+    agent_args,
+    agent_process,
+    free_ports,
+    run_master,
+)
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+PAGE = 4
+
+
+# -- SGLang's own host-pool methods, bound to the fakes ------------------------------------------
+def _sglang_method(relpath: str, cls: str, name: str) -> Callable[..., Any]:
+    """A method's source from the installed sglang (without importing its heavy module)."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations
+    src = Path(next(iter(spec.submodule_search_locations)), relpath).read_text()
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == name:
+                    code = textwrap.dedent(ast.get_source_segment(src, fn) or "")
+                    ns: dict[str, Any] = {"torch": torch}
+                    exec(compile(code, f"<sglang {cls}.{name}>", "exec"), ns)
+                    return ns[name]  # type: ignore[no-any-return]
+    raise AssertionError(f"{cls}.{name} not found in sglang/{relpath}")
+
+
+MHA_SRC, MLA_SRC = "srt/mem_cache/pool_host/mha.py", "srt/mem_cache/pool_host/mla.py"
+
+
+class _FakeHostPool:
+    """What HostKVCache sets up (sizes, layout, dtype, layer range) for one host pool."""
+
+    def __init__(self, layer_num: int, page_num: int, layout: str, start_layer: int = 0, seed: int = 0) -> None:
+        self.layout, self.page_size, self.page_num = layout, PAGE, page_num
+        self.size = page_num * PAGE
+        self.layer_num, self.start_layer, self.end_layer = layer_num, start_layer, start_layer + layer_num - 1
+        self.dtype = torch.bfloat16
+        self.dcp_size, self.logical_page_size, self.logical_size = 1, PAGE, self.size
+        self.kv_buffer = torch.zeros(self._dims(), dtype=self.dtype)
+        g = torch.Generator().manual_seed(seed)
+        raw = self.kv_buffer.view(-1).view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8, generator=g))
+
+    def _dims(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def page_bytes(self, page: int) -> bytes:
+        """SGLang's flat data page (get_data_page) of the page starting at slot page * PAGE."""
+        t = self.get_data_page(page * PAGE, flat=True)  # type: ignore[attr-defined]
+        return bytes(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+class FakeMHAHostPool(_FakeHostPool):
+    get_page_buffer_meta = _sglang_method(MHA_SRC, "MHATokenToKVPoolHost", "get_page_buffer_meta")
+    get_data_page = _sglang_method(MHA_SRC, "MHATokenToKVPoolHost", "get_data_page")
+
+    def __init__(self, layout: str, heads: int = 2, head_dim: int = 16, layers: int = 3, **kw: Any) -> None:
+        self.head_num, self.head_dim, self.v_head_dim = heads, head_dim, head_dim
+        super().__init__(layers, kw.pop("page_num", 24), layout, **kw)
+
+    def _dims(self) -> tuple[int, ...]:  # MHATokenToKVPoolHost.init_kv_buffer
+        L, n, P, H, D = self.layer_num, self.page_num, PAGE, self.head_num, self.head_dim
+        return {
+            "layer_first": (2, L, n * P, H, D),
+            "page_first": (2, n * P, L, H, D),
+            "page_first_direct": (2, n, L, P, H, D),
+            "page_head": (2, n, H, P, L, D),
+        }[self.layout]
+
+
+class FakeMLAHostPool(_FakeHostPool):
+    get_page_buffer_meta = _sglang_method(MLA_SRC, "MLATokenToKVPoolHost", "get_page_buffer_meta")
+    get_data_page = _sglang_method(MLA_SRC, "MLATokenToKVPoolHost", "get_data_page")
+    _storage_page_index = _sglang_method(MLA_SRC, "MLATokenToKVPoolHost", "_storage_page_index")
+
+    def __init__(self, layout: str, dim: int = 40, layers: int = 3, **kw: Any) -> None:
+        self.kv_lora_rank, self.qk_rope_head_dim, self.kv_cache_dim = dim - 8, 8, dim
+        super().__init__(layers, kw.pop("page_num", 24), layout, **kw)
+
+    def _dims(self) -> tuple[int, ...]:  # MLATokenToKVPoolHost.init_kv_buffer
+        L, n, P, D = self.layer_num, self.page_num, PAGE, self.kv_cache_dim
+        return {
+            "layer_first": (L, n * P, 1, D),
+            "page_first": (n * P, L, 1, D),
+            "page_first_direct": (n, L, P, 1, D),
+        }[self.layout]
+
+
+def fake_pool(attention: str, layout: str, **kw: Any) -> _FakeHostPool:
+    return FakeMLAHostPool(layout, **kw) if attention == "mla" else FakeMHAHostPool(layout, **kw)
+
+
+# -- cluster and adapters -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def donor(etcd_server: EtcdServer, mooncake_master: MasterServer) -> Iterator[MasterServer]:
+    """A decode agent donating 128 MiB: the adapters are pure clients, as on a prefill node."""
+    prefix = f"/l3t-sgl{uuid.uuid4().hex[:6]}"
+    args = agent_args(etcd_server, mooncake_master, prefix, "--segment-size", "128MiB", "--id", "sgl-donor")
+    with agent_process(args) as agent:
+        agent.wait_registered()
+        yield mooncake_master
+
+
+def extra_config(master: MasterServer, **kw: Any) -> dict[str, Any]:
+    return {
+        "backend_name": "l3pool",
+        "module_path": "l3pool.sglang_backend",
+        "class_name": "L3PoolStorage",
+        "interface_v1": 1,
+        "master": master.rpc,
+        "metadata_server": master.metadata_url,
+        "model": "test-model",
+        "tenant": uuid.uuid4().hex,  # every test its own key space
+        **kw,
+    }
+
+
+def storage_config(extra: dict[str, Any] | None, *, mla: bool, tp: tuple[int, int] = (0, 1), **kw: Any) -> Any:
+    fields: dict[str, Any] = {
+        "tp_rank": tp[0],
+        "tp_size": tp[1],
+        "pp_rank": 0,
+        "pp_size": 1,
+        "attn_cp_rank": 0,
+        "attn_cp_size": 1,
+        "is_mla_model": mla,
+        "enable_storage_metrics": False,
+        "is_page_first_layout": False,
+        "model_name": "org/Model-7B",
+        "extra_config": extra,
+    }
+    return HiCacheStorageConfig(**{**fields, **kw})
+
+
+@pytest.fixture
+def adapters(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., L3PoolStorage]]:
+    """Build adapters as SGLang does (constructor, then register_mem_pool_host); closes them all."""
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # the test is the application here
+    made: list[L3PoolStorage] = []
+
+    def make(extra: dict[str, Any], host: _FakeHostPool, *, mla: bool, **kw: Any) -> L3PoolStorage:
+        a = L3PoolStorage(storage_config(extra, mla=mla, **kw), {})
+        made.append(a)
+        a.register_mem_pool_host(host)
+        return a
+
+    yield make
+    for a in made:
+        a.close()
+
+
+def hexkeys(n: int) -> list[str]:
+    return [uuid.uuid4().hex + uuid.uuid4().hex for _ in range(n)]
+
+
+def slots(pages: list[int] | range) -> torch.Tensor:
+    """SGLang's host_indices: page_size consecutive token slots per page."""
+    p = torch.tensor(list(pages), dtype=torch.int64)
+    return (p[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
+
+
+# -- tests ----------------------------------------------------------------------------------------
+def test_is_a_real_sglang_backend() -> None:
+    assert issubclass(L3PoolStorage, HiCacheStorage)
+    assert not getattr(L3PoolStorage, "__abstractmethods__", None)
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_matches_sglang_page_bytes(
+    donor: MasterServer, adapters: Callable[..., L3PoolStorage], attention: str, layout: str
+) -> None:
+    host = fake_pool(attention, layout, seed=hash((attention, layout)) % 997)
+    a = adapters(extra_config(donor), host, mla=attention == "mla")
+    src, dst = [3, 7, 1, 12, 5], [20, 15, 9, 22, 17]
+    # the adapter moves exactly SGLang's zero-copy byte ranges of each page
+    assert a.pool is not None
+    ptrs, sizes = host.get_page_buffer_meta(slots(src))  # type: ignore[attr-defined]
+    addrs, lens = a.pool.page_runs(src)
+    per = addrs.shape[1]
+    got = [sorted(zip(addrs[i].tolist(), lens[i].tolist(), strict=True)) for i in range(len(src))]
+    want = [
+        sorted(zip(ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per], strict=True)) for i in range(len(src))
+    ]
+    assert got == want
+    keys = hexkeys(5)
+    assert a.batch_exists(keys) == 0
+    assert a.batch_set_v1(keys, slots(src)) == [True] * 5
+    assert a.batch_exists(keys) == 5
+    assert a.batch_get_v1(keys, slots(dst)) == [True] * 5
+    assert [host.page_bytes(p) for p in dst] == [host.page_bytes(p) for p in src]
+    st = a.client_stats()
+    assert st["puts"] == 5 and st["gets"] == 5
+
+
+def test_prefix_count_and_per_page_results(donor: MasterServer, adapters: Callable[..., L3PoolStorage]) -> None:
+    host = FakeMLAHostPool("page_first_direct", seed=3)
+    a = adapters(extra_config(donor, checksum=True, batch_pages=2), host, mla=True)
+    keys = hexkeys(6)
+    stored = [0, 1, 3, 4, 5]  # page 2 never written
+    assert a.batch_set_v1([keys[i] for i in stored], slots(stored)) == [True] * 5
+    assert a.batch_exists(keys) == 2  # SGLang's contract: leading pages present
+    assert a.batch_exists(keys[3:]) == 3
+    before = host.page_bytes(10 + 2)
+    res = a.batch_get_v1(keys, slots(range(10, 16)))
+    assert res == [True, True, False, True, True, True]  # per page, the hole in the middle too
+    assert [host.page_bytes(10 + i) for i in (0, 1, 3)] == [host.page_bytes(i) for i in (0, 1, 3)]
+    assert host.page_bytes(12) == before  # a missing page's slots are not written
+    # a page whose host slots are not one aligned page fails alone
+    bad = slots([6, 7, 8])
+    bad[PAGE : 2 * PAGE] += 1
+    assert a.batch_set_v1(hexkeys(3), bad) == [True, False, True]
+    assert a.stats.bad_indices == 1
+    assert a.batch_set_v1([], torch.empty(0, dtype=torch.int64)) == [] and a.batch_exists([]) == 0
+
+
+def test_mla_tp_ranks_share_keys_and_one_writes(donor: MasterServer, adapters: Callable[..., L3PoolStorage]) -> None:
+    extra = extra_config(donor)
+    h0, h1 = FakeMLAHostPool("page_first", seed=5), FakeMLAHostPool("page_first", seed=6)
+    r0 = adapters(dict(extra), h0, mla=True, tp=(0, 2))
+    r1 = adapters(dict(extra), h1, mla=True, tp=(1, 2))
+    assert r0.is_writer and not r1.is_writer
+    assert r0.namespace == r1.namespace  # MLA keys do not depend on the TP rank
+    keys = hexkeys(4)
+    assert r1.batch_set_v1(keys, slots(range(4))) == [True] * 4  # non-writer: a no-op SGLang never needs
+    assert r0.batch_exists(keys) == 0 and r1.stats.set_skipped_not_writer == 4
+    assert r0.batch_set_v1(keys, slots(range(4))) == [True] * 4
+    assert r1.batch_exists(keys) == 4
+    assert r1.batch_get_v1(keys, slots(range(8, 12))) == [True] * 4
+    assert r0.batch_get_v1(keys, slots(range(8, 12))) == [True] * 4
+    assert [h1.page_bytes(8 + i) for i in range(4)] == [h0.page_bytes(i) for i in range(4)]
+    assert [h0.page_bytes(8 + i) for i in range(4)] == [h0.page_bytes(i) for i in range(4)]
+
+
+def test_mha_tp_ranks_and_pp_stages_are_isolated(donor: MasterServer, adapters: Callable[..., L3PoolStorage]) -> None:
+    extra = extra_config(donor)
+    r0 = adapters(dict(extra), FakeMHAHostPool("page_first_direct", seed=1), mla=False, tp=(0, 2))
+    r1 = adapters(dict(extra), FakeMHAHostPool("page_first_direct", seed=2), mla=False, tp=(1, 2))
+    # a second PP stage: same TP rank, layers [3, 6) of the model
+    s1 = adapters(
+        dict(extra), FakeMHAHostPool("page_first_direct", seed=3, start_layer=3), mla=False, tp=(0, 2), pp_size=2
+    )
+    assert r0.is_writer and r1.is_writer
+    assert len({r0.namespace, r1.namespace, s1.namespace}) == 3
+    assert s1.namespace is not None and (s1.namespace.layer_begin, s1.namespace.layer_end) == (3, 6)
+    keys = hexkeys(3)
+    assert r0.batch_set_v1(keys, slots(range(3))) == [True] * 3
+    assert r0.batch_exists(keys) == 3
+    assert r1.batch_exists(keys) == 0 and s1.batch_exists(keys) == 0
+    assert r1.batch_get_v1(keys, slots(range(3))) == [False] * 3
+
+
+def test_loaded_through_sglang_dynamic_factory(
+    donor: MasterServer, etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch, prefix: str
+) -> None:
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    monkeypatch.delenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", raising=False)
+    monkeypatch.delenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", raising=False)
+    host = FakeMHAHostPool("page_first", seed=9)
+    extra = extra_config(donor, etcd=etcd_server.endpoints, key_prefix=prefix, client_id="sgl-test")
+    extra.pop("model")  # falls back to SGLang's model name, with '/' made safe
+    cfg = storage_config(extra, mla=False)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, host)
+    try:
+        assert isinstance(backend, L3PoolStorage)
+        backend.register_mem_pool_host(host)  # what HiCacheController.attach_storage_backend does next
+        assert backend.namespace is not None and backend.namespace.model == "org-Model-7B"
+        keys = hexkeys(2)
+        assert backend.batch_set_v1(keys, slots([0, 1])) == [True, True]
+        assert backend.batch_exists(keys) == 2
+        assert backend.exists(keys[0]) and not backend.exists(hexkeys(1)[0])
+        md = Metadata(EtcdClient(etcd_server.endpoints), prefix)
+        assert md.namespace(backend.namespace.ns_id) == backend.namespace.record()
+        assert backend._writer is not None
+        backend._writer.publish_stats()
+        assert md.stats()["sgl-test-w"]["puts"] == 2
+        md.etcd.close()
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"mastr": "x:1"}, "unknown extra-config key(s) ['mastr']"),
+        ({"master": None}, "missing 'master'"),
+        ({"master": 5051}, "'master' must be str"),
+        ({"master": "no-port"}, "expected host:port"),
+        ({"checksum": "yes"}, "'checksum' must be bool"),
+        ({"batch_pages": True}, "'batch_pages' must be int"),
+        ({"segment_size": "lots"}, "cannot parse 'lots'"),
+        ({"layers": [3]}, "'layers' must be [begin, end]"),
+        ({"layer_first_mode": "fast"}, "'multi' or 'staging'"),
+        ({"interface_v1": None}, "interface_v1"),
+    ],
+)
+def test_bad_extra_config_is_refused_clearly(change: dict[str, Any], message: str) -> None:
+    extra: dict[str, Any] = {**extra_config_offline(), **change}
+    extra = {k: v for k, v in extra.items() if v is not None}
+    with pytest.raises(ConfigError) as e:
+        L3PoolStorage(storage_config(extra, mla=True), {})
+    assert message in str(e.value)
+    with pytest.raises(ConfigError):  # the same error through SGLang's dynamic loader
+        StorageBackendFactory.create_backend("dynamic", storage_config(extra, mla=True), None)
+
+
+def extra_config_offline() -> dict[str, Any]:
+    return {
+        "backend_name": "l3pool",
+        "module_path": "l3pool.sglang_backend",
+        "class_name": "L3PoolStorage",
+        "interface_v1": 1,
+        "master": "127.0.0.1:1",
+    }
+
+
+def test_unsupported_parallelism_and_unreachable_master() -> None:
+    with pytest.raises(ConfigError, match="attention context parallelism"):
+        L3PoolStorage(storage_config(extra_config_offline(), mla=True, attn_cp_size=2, attn_cp_rank=1), {})
+    port = free_ports(1)[0]
+    with pytest.raises(StoreUnavailable, match=f"127.0.0.1:{port}"):
+        L3PoolStorage(storage_config({**extra_config_offline(), "master": f"127.0.0.1:{port}"}, mla=True), {})
+
+
+def test_unsupported_host_pools_are_refused(donor: MasterServer, adapters: Callable[..., L3PoolStorage]) -> None:
+    with pytest.raises(ConfigError, match="layout 'page_head'"):
+        adapters(extra_config(donor), FakeMHAHostPool("page_head"), mla=False)
+    host = FakeMLAHostPool("page_first")
+    host.kv_buffer = host.kv_buffer.float()
+    with pytest.raises(ConfigError, match=r"dtype torch\.float32"):
+        adapters(extra_config(donor), host, mla=True)
+    a = adapters(extra_config(donor), FakeMLAHostPool("page_first"), mla=True)
+    with pytest.raises(ConfigError, match="side pools"):
+        a.register_mem_host_pool_v2(FakeMLAHostPool("page_first"), "mamba")
+
+
+def test_dead_master_gives_false_not_tracebacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    with run_master() as master:
+        host = FakeMLAHostPool("page_first_direct", seed=4)
+        # this adapter donates its own segment: no agent needed for a pool that is about to die
+        a = L3PoolStorage(storage_config(extra_config(master, segment_size="32MiB"), mla=True), {})
+        with contextlib.ExitStack() as stack:
+            stack.callback(a.close)
+            a.register_mem_pool_host(host)
+            keys = hexkeys(2)
+            assert a.batch_set_v1(keys, slots([0, 1])) == [True, True]
+            assert a.batch_exists(keys) == 2
+            _kill_group(master.proc)
+            assert a.batch_exists(keys) == 0
+            assert a.batch_get_v1(keys, slots([4, 5])) == [False, False]
+            assert a.batch_set_v1(hexkeys(1), slots([2])) == [False]
+            assert int(np.sum([a.client_stats()["get_failed"], a.client_stats()["put_failed"]])) == 3
