@@ -12,6 +12,9 @@ if [ ! -f "$_stamp" ] || [ "$_root/pyproject.toml" -nt "$_stamp" ]; then
   echo "[env] installing into $_root/.venv (first run only)"
   python -m pip install -q --upgrade pip setuptools
   python -m pip install -q torch==2.13.0
-  python -m pip install -q --no-build-isolation -e "$_root[dev]"
+  python -m pip install -q --no-build-isolation -e "$_root[dev,sglang]"
+  # sglang pins torch==2.14.1 (CUDA): only its package (its light import-time deps come from [sglang];
+  # pip would list every other requirement of it as missing, hence --no-warn-conflicts)
+  python -m pip install -q --no-deps --no-warn-conflicts sglang==0.5.23
   touch "$_stamp"
 fi
