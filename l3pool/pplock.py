@@ -21,6 +21,7 @@ still under its lease" that returns the marker count; the one report that sees t
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -28,8 +29,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .etcd import EtcdClient, EtcdError
 from .keys import Namespace
@@ -74,8 +78,12 @@ def _b64(s: str) -> str:
     return base64.b64encode(s.encode()).decode()
 
 
-def _prefix_len(res: Sequence[Outcome]) -> int:
-    return next((i for i, r in enumerate(res) if r is not Outcome.OK), len(res))
+def _prefix_lens(present: np.ndarray) -> tuple[int, ...]:
+    """Per row of a (stages, pages) bool array: the length of its leading run of True."""
+    if present.shape[1] == 0:
+        return (0,) * present.shape[0]
+    miss = ~present
+    return tuple(np.where(miss.any(axis=1), miss.argmax(axis=1), present.shape[1]).tolist())
 
 
 class StageLocks:
@@ -87,7 +95,9 @@ class StageLocks:
     `ttl` (etcd lease, s) bounds how long a lock outlives its last live holder; `refresh_s` is the
     period of lease keep-alives and Mooncake read-lease re-grants and must stay below both `ttl`/2
     and the master's `--default_kv_lease_ttl` minus `ttl` (10 s by default), so locked pages stay
-    leased without a gap (see DESIGN.md).
+    leased without a gap (see DESIGN.md). `parallel_lookup`: acquire checks the stages' keys with
+    one `batch_is_exist` per stage, issued concurrently (the binding releases the GIL), instead of
+    one call over all of them; the same keys are checked and leased either way.
     """
 
     def __init__(
@@ -101,6 +111,7 @@ class StageLocks:
         refresh_s: float | None = None,
         remember: int = 4096,
         spare_leases: int = 2,
+        parallel_lookup: bool = True,
     ) -> None:
         if not namespaces:
             raise ValueError("namespaces: one per pipeline stage, got none")
@@ -111,6 +122,7 @@ class StageLocks:
         self.md, self.etcd, self.store = metadata, metadata.etcd, store
         self.namespaces = list(namespaces)
         self.ns_ids = [ns.ns_id for ns in self.namespaces]
+        self._ns_prefixes = [f"{ns}/" for ns in self.ns_ids]
         self.stages, self.stage, self.ttl = len(namespaces), stage, ttl
         self.refresh_s = float(refresh_s) if refresh_s is not None else min(2.0, ttl / 3)
         if not 0 < self.refresh_s <= ttl / 2:
@@ -125,6 +137,9 @@ class StageLocks:
         self._mu = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._lookup_io: ThreadPoolExecutor | None = None
+        if parallel_lookup and self.stages > 1 and stage == 0:  # stage 0 acquires
+            self._lookup_io = ThreadPoolExecutor(self.stages - 1, thread_name_prefix=f"pplock-lookup-s{stage}")
         self._thread = threading.Thread(target=self._run, name=f"pplock-s{stage}", daemon=True)
         self._thread.start()
 
@@ -136,8 +151,18 @@ class StageLocks:
         return f"{self.lock_key(request_id)}/done/"
 
     def _keys(self, stage: int, page_hashes: Sequence[bytes]) -> list[str]:
-        ns = self.ns_ids[stage]
-        return [f"{ns}/{h.hex()}" for h in page_hashes]
+        p = self._ns_prefixes[stage]
+        return [p + h.hex() for h in page_hashes]
+
+    def _present(self, keys: list[list[str]]) -> np.ndarray:
+        """(stages, pages) bool: which keys of each stage are present (all of them read-leased)."""
+        assert self.store is not None
+        n = len(keys[0])
+        if self._lookup_io is None or n == 0:
+            return self.store.present([k for ks in keys for k in ks]).reshape(self.stages, n)
+        futs = [self._lookup_io.submit(self.store.present, ks) for ks in keys[1:]]
+        first = self.store.present(keys[0])
+        return np.stack([first, *(f.result() for f in futs)])
 
     # -- stage 0 -----------------------------------------------------------------------------
     def acquire(self, request_id: str, page_hashes: Sequence[bytes]) -> LockGrant:
@@ -149,23 +174,31 @@ class StageLocks:
             raise LockError("acquire needs a MooncakeStore")
         key = self.lock_key(request_id)
         n = len(page_hashes)
-        all_keys = [k for s in range(self.stages) for k in self._keys(s, page_hashes)]
+        hexes = [h.hex() for h in page_hashes]
+        stage_keys = [[p + x for x in hexes] for p in self._ns_prefixes]
         t0 = time.perf_counter()
-        res = self.store.exists(all_keys)
+        per_stage = _prefix_lens(self._present(stage_keys))
         t1 = time.perf_counter()
-        per_stage = tuple(_prefix_len(res[s * n : (s + 1) * n]) for s in range(self.stages))
-        length = min(per_stage) if per_stage else 0
+        length = min(per_stage)
         lease = self._grant()
         value = json.dumps(
-            {"length": length, "stages": self.stages, "pages": n, "created": time.time(), "holder": os.getpid()},
+            {
+                "length": length,
+                "stages": self.stages,
+                "pages": n,
+                "created": time.time(),
+                "holder": os.getpid(),
+                "ttl": self.ttl,
+            },
             separators=(",", ":"),
         )
         created, existing = self.etcd.put_if_absent(key, value, lease=lease)
         if not created:
             self._revoke_quietly(lease)
+            self._wake.set()  # top the spares up
             raise LockError(f"request {request_id!r} is already locked (lease {existing.lease if existing else 0:x})")
         t2 = time.perf_counter()
-        keys = [k for s in range(self.stages) for k in all_keys[s * n : s * n + length]]
+        keys = [k for ks in stage_keys for k in ks[:length]]
         self._hold(request_id, _Held(lease, keys, fresh=True))
         return LockGrant(request_id, length, self.stages, n, lease, per_stage, t1 - t0, t2 - t1)
 
@@ -197,7 +230,13 @@ class StageLocks:
         if stages != self.stages:
             raise LockError(f"request {request_id!r} was locked for {stages} stages, this client has {self.stages}")
         keys = self._keys(self.stage, page_hashes[:length]) if page_hashes is not None else []
-        self._hold(request_id, _Held(kv.lease, keys))
+        # A young lock's lease has more than ttl/2 left (stage 0 keeps its spares and locks alive
+        # every refresh_s <= ttl/2) and stage 0 leased every stage's pages: this holder's first
+        # keep-alive and read-lease touch can wait for its next periodic refresh. An older lock
+        # (stage 0 may be dead) gets them at once.
+        age, ttl = time.time() - float(rec.get("created", 0.0)), float(rec.get("ttl", 0))
+        young = abs(age) < (ttl / 2 - self.refresh_s) / 2
+        self._hold(request_id, _Held(kv.lease, keys, fresh=young), wake=not young)
         return length
 
     # -- every stage -------------------------------------------------------------------------
@@ -279,13 +318,14 @@ class StageLocks:
             spares, self._spare = self._spare, []
         for lease in spares:
             self._revoke_quietly(lease)
+        if self._lookup_io is not None:
+            self._lookup_io.shutdown(wait=True)
 
     # -- internals ---------------------------------------------------------------------------
     def _grant(self) -> int:
         with self._mu:
             lease = self._spare.pop() if self._spare else 0
-        if lease:
-            self._wake.set()  # top the spares up in the background
+        if lease:  # _hold wakes the background thread, which tops the spares up after the lock is taken
             return lease
         return self.etcd.lease_grant(self.ttl)
 
@@ -316,14 +356,15 @@ class StageLocks:
         except EtcdError as e:
             log.debug("revoke %x: %s", lease, e)
 
-    def _hold(self, request_id: str, held: _Held) -> None:
+    def _hold(self, request_id: str, held: _Held, wake: bool = True) -> None:
         with self._mu:
             self._held[request_id] = held
             self._seen[request_id] = held.lease
             self._seen.move_to_end(request_id)
             while len(self._seen) > self._remember:
                 self._seen.popitem(last=False)
-        self._wake.set()  # a joiner's first keep-alive goes out now, not a period later
+        if wake:  # a joiner's first keep-alive goes out now, not a period later; stage 0 tops up its spares
+            self._wake.set()
 
     def _run(self) -> None:
         next_refresh = 0.0
@@ -385,10 +426,18 @@ def measure_lock_latencies(
     key_prefix: str | None = None,
     ttl: int = 5,
     page_bytes: int = 4096,
+    parallel_lookup: bool = True,
 ) -> dict[str, float]:
     """Latencies of the lock protocol (ms): `lock_acquire_p50_ms`/`_p99_ms` (stage 0: lookup of
     `pages` pages in all `stages` namespaces + lock), `stage_join_p99_ms` (a later stage obtaining
     the locked length), `release_p99_ms` (the last stage's report until the lock is gone).
+
+    And the raw dependency floors, measured interleaved with the protocol (per request, raw and
+    protocol alternate who goes first): `raw_exists_*` (the binding's `batch_is_exist` of the same
+    `pages * stages` keys in one call), `raw_etcd_txn_*` (a put-if-absent txn with a lease, what
+    the lock costs in etcd), `raw_etcd_get_*` (one get, what a join costs), and the ratios
+    `lock_acquire_vs_raw` = acquire p99 / (raw exists p99 + raw txn p99) and `stage_join_vs_raw`
+    = join p99 / raw get p99 (1.0: no overhead over the dependencies).
 
     `cluster_or_endpoints`: a running `LocalCluster` (its etcd, master and key prefix are used; a
     store is created unless given: the caller must have `cluster.client_env()` in its environment)
@@ -418,12 +467,36 @@ def measure_lock_latencies(
     buf = np.random.default_rng(0).integers(0, 256, page_bytes, dtype=np.uint8)
     store.register(buf.ctypes.data, buf.nbytes)
     etcds = [EtcdClient(endpoints) for _ in range(stages)]
-    locks = [StageLocks(Metadata(etcds[s], prefix), store, nss, s, ttl=ttl) for s in range(stages)]
+    locks = [
+        StageLocks(Metadata(etcds[s], prefix), store, nss, s, ttl=ttl, parallel_lookup=parallel_lookup)
+        for s in range(stages)
+    ]
     acq: list[float] = []
+    raw_ex: list[float] = []
+    raw_txn: list[float] = []
+    raw_get: list[float] = []
     lookup: list[float] = []
     lock: list[float] = []
     join: list[float] = []
     rel: list[float] = []
+    all_keys = [k for ns in nss for k in ns.keys(hashes)]
+    raw_lease = etcds[0].lease_grant(max(60, 10 * ttl))
+    raw_prefix = f"{prefix.rstrip('/')}/bench-raw/{tag}-"
+
+    def raw(i: int) -> None:
+        t0 = time.perf_counter()
+        codes = store._s.batch_is_exist(all_keys)  # the binding itself: the floor of the lookup
+        t1 = time.perf_counter()
+        created, _ = etcds[0].put_if_absent(f"{raw_prefix}{i}", '{"length":0}', lease=raw_lease)
+        t2 = time.perf_counter()
+        kv = etcds[1 % stages].get(f"{raw_prefix}{i}")
+        t3 = time.perf_counter()
+        if sum(c == 1 for c in codes) != len(all_keys) or not created or kv is None:
+            raise LockError("benchmark: raw floor calls did not see the benchmark's own keys")
+        raw_ex.append(t1 - t0)
+        raw_txn.append(t2 - t1)
+        raw_get.append(t3 - t2)
+
     try:
         for ns in nss:
             keys = ns.keys(hashes)
@@ -432,6 +505,8 @@ def measure_lock_latencies(
                 raise LockError(f"benchmark setup: put failed: {sorted({r.value for r in res})}")
         for i in range(n_requests):
             rid = f"bench-{tag}-{i}"
+            if i % 2 == 0:
+                raw(i)
             t0 = time.perf_counter()
             g = locks[0].acquire(rid, hashes)
             acq.append(time.perf_counter() - t0)
@@ -450,15 +525,20 @@ def measure_lock_latencies(
             rel.append(time.perf_counter() - t0)
             if not released or etcds[0].get(locks[0].lock_key(rid)) is not None:
                 raise LockError(f"{rid}: lock not gone after the last report")
+            if i % 2 == 1:
+                raw(i)
     finally:
         for lk in locks:
             lk.close()
+        with contextlib.suppress(EtcdError):
+            etcds[0].lease_revoke(raw_lease)  # the raw floor's keys go with it
         for e in etcds:
             e.close()
         store.unregister(buf.ctypes.data)
         if own_store:
             store.close()
     ms = 1000.0
+    floor_acq = (_pct(raw_ex, 0.99) + _pct(raw_txn, 0.99)) * ms
     return {
         "lock_acquire_p50_ms": _pct(acq, 0.5) * ms,
         "lock_acquire_p99_ms": _pct(acq, 0.99) * ms,
@@ -470,4 +550,14 @@ def measure_lock_latencies(
         "stage_join_p99_ms": _pct(join, 0.99) * ms,
         "release_p50_ms": _pct(rel, 0.5) * ms,
         "release_p99_ms": _pct(rel, 0.99) * ms,
+        "raw_exists_p50_ms": _pct(raw_ex, 0.5) * ms,
+        "raw_exists_p99_ms": _pct(raw_ex, 0.99) * ms,
+        "raw_etcd_txn_p50_ms": _pct(raw_txn, 0.5) * ms,
+        "raw_etcd_txn_p99_ms": _pct(raw_txn, 0.99) * ms,
+        "raw_etcd_get_p50_ms": _pct(raw_get, 0.5) * ms,
+        "raw_etcd_get_p99_ms": _pct(raw_get, 0.99) * ms,
+        "lock_acquire_vs_raw": _pct(acq, 0.99) * ms / floor_acq,
+        "lock_acquire_p50_vs_raw": _pct(acq, 0.5) / (_pct(raw_ex, 0.5) + _pct(raw_txn, 0.5)),
+        "stage_join_vs_raw": _pct(join, 0.99) / _pct(raw_get, 0.99),
+        "stage_join_p50_vs_raw": _pct(join, 0.5) / _pct(raw_get, 0.5),
     }

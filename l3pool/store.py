@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 
@@ -154,6 +156,13 @@ class MooncakeStore:
             return []
         codes = self._s.batch_is_exist(list(keys))
         return [Outcome.OK if c == 1 else Outcome.MISS if c == 0 else Outcome.UNAVAILABLE for c in codes]
+
+    def present(self, keys: list[str]) -> np.ndarray:
+        """`exists` as a bool array (True: present), without building per-key Outcomes; like
+        `exists` it grants every present object a read lease. Takes a list (passed through)."""
+        if not keys:
+            return np.zeros(0, dtype=np.bool_)
+        return np.asarray(self._s.batch_is_exist(keys)) == 1
 
     def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
         if not keys:

@@ -31,7 +31,7 @@ from l3pool.cluster import LocalCluster, _find_master_bin
 from l3pool.etcd import EtcdClient
 from l3pool.keys import Namespace, page_hashes
 from l3pool.metadata import Metadata
-from l3pool.pplock import LockError, StageLocks, UnknownRequest, measure_lock_latencies
+from l3pool.pplock import LockError, StageLocks, UnknownRequest, _prefix_lens, measure_lock_latencies
 from l3pool.store import MooncakeStore, Outcome, StoreConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,12 +187,52 @@ def test_lock_expires_without_holders_and_unpins(store: MooncakeStore, md: Metad
         pool.close()
 
 
+def test_prefix_lens() -> None:
+    m = np.array([[1, 1, 0, 1], [1, 1, 1, 1], [0, 1, 1, 1]], dtype=bool)
+    assert _prefix_lens(m) == (2, 4, 0)
+    assert _prefix_lens(np.zeros((3, 0), dtype=bool)) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("join_after", [0.0, 0.6])
+def test_joiner_keeps_lock_after_stage0_dies(store: MooncakeStore, md: Metadata, join_after: float) -> None:
+    """Stage 0 stops holding right after acquire. A stage that joined at once (young lock: its
+    first keep-alive waits for its periodic refresh) or later (at once) keeps the lock and its
+    pages' read leases alive well past the TTL and the master's read lease."""
+    nss = _namespaces(uuid.uuid4().hex)
+    pool = _pool(8, seed=3)
+    clients = [L3Client(pool, store, ns) for ns in nss]
+    lk0 = StageLocks(md, store, nss, 0, ttl=LOCK_TTL, refresh_s=0.5)
+    lk2 = StageLocks(md, store, nss, 2, ttl=LOCK_TTL, refresh_s=0.5)
+    try:
+        hashes = _hashes(3, 4)
+        for cl, ns in zip(clients, nss, strict=True):
+            cl.put(ns.keys(hashes), range(4))
+        rid = f"req-{uuid.uuid4().hex[:8]}"
+        assert lk0.acquire(rid, hashes).length == 4
+        time.sleep(join_after)
+        assert lk2.join(rid, page_hashes=hashes) == 4
+        lk0.close()  # stage 0 is gone
+        time.sleep(LOCK_TTL + KV_LEASE_MS / 1000 + 0.5)
+        assert md.etcd.get(lk0.lock_key(rid)) is not None, "lock expired although stage 2 holds it"
+        assert store.remove(nss[2].keys(hashes)[0]) is Outcome.LEASE
+        assert lk2.report_done(rid) is False
+    finally:
+        lk0.close()
+        lk2.close()
+        for cl in clients:
+            cl.close()
+        pool.close()
+
+
 def test_measure_lock_latencies(cluster: LocalCluster, store: MooncakeStore) -> None:
     out = measure_lock_latencies(
         cluster.etcd_endpoints, 20, pages=64, stages=4, store=store, key_prefix=cluster.key_prefix
     )
     for k in ("lock_acquire_p50_ms", "lock_acquire_p99_ms", "stage_join_p99_ms", "release_p99_ms"):
         assert 0 < out[k] < 1000, out
+    for k in ("raw_exists_p50_ms", "raw_exists_p99_ms", "raw_etcd_txn_p99_ms", "raw_etcd_get_p99_ms"):
+        assert 0 < out[k] < 1000, out
+    assert 0 < out["lock_acquire_vs_raw"] < 100 and 0 < out["stage_join_vs_raw"] < 100, out
 
 
 # -- stages as separate processes --------------------------------------------------------------
