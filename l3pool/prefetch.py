@@ -1,6 +1,6 @@
 """Interruptible prefetch: pull a request's prefix from L3 into local L2 pages in the background.
 
-    pf = Prefetcher(l3_client, batch_pages=32, max_inflight=2)
+    pf = Prefetcher(l3_client, batch_pages=32, max_batch_pages=256, max_inflight=2)
     h = pf.submit("req-7", keys)          # returns at once; a worker thread moves the pages
     ...                                   # the engine decides to start loading into L1:
     res = h.interrupt()                   # stops once the batches in flight landed
@@ -8,14 +8,23 @@
     pool.free(res.pages)                  # ... the caller owns them now
     pf.close()
 
-Batches: the keys are fetched `batch_pages` at a time, with up to `pipeline` batches of one
-prefetch in flight (default 2: the next batch's transfer overlaps the current one, hiding part of
-Mooncake's per-call cost; `pipeline=1` gives strict one-batch interrupt latency). L2 pages are
-allocated per batch, so an interrupted prefetch never holds more than it returns plus the batches
-in flight. Each batch is one `L3Client.get` (zero-copy Mooncake `batch_get_into` into the L2
-pages); a miss or failure ends the prefix at the first non-OK page of that batch and every page
-after it (and every later batch) is freed. `interrupt()` stops issuing batches and returns once
-the ones in flight landed.
+Batches grow: the first is `batch_pages` pages (the first pages arrive fast), each later one
+`growth` times the one before, up to `max_batch_pages` (`batch_schedule`; a tail smaller than the
+first batch joins the batch before it when that stays within the cap). Mooncake's TCP gets cost
+a fixed amount per call and their throughput grows with the call size, so a few large calls
+approach one raw call of all the pages, while the cap bounds what `interrupt()` waits for;
+`growth=1` gives fixed `batch_pages` batches. Up to `pipeline` batches of one prefetch are in
+flight. Default 1: each Mooncake call keeps a thread busy waiting for its transfer, and on a
+host with few cores (measured on 2, TCP) a second call in flight slows the transfers more than
+it hides of the per-call cost; with growing batches that cost is small anyway. `pipeline=2`
+overlaps the next batch with the current one where cores are plentiful. L2 pages are allocated
+per batch (a batch shrinks to the free pages when L2 runs short, and the prefix ends there), so
+an interrupted prefetch never holds more than it returns plus the batches in flight. Each batch
+is one `L3Client.get` (zero-copy Mooncake `batch_get_into` into the L2 pages; give the client
+`batch_pages >= max_batch_pages`, or it cuts the batch into several calls); a miss or failure
+ends the prefix at the first non-OK page of that batch and every page after it (and every later
+batch) is freed. `interrupt()` stops issuing batches and returns once the ones in flight landed:
+it waits for at most `pipeline` batches of at most `max_batch_pages` pages.
 
 Ownership: until a result is *delivered* (returned by `wait()` or `interrupt()` of its handle)
 every L2 page of a prefetch belongs to the prefetcher, which frees it on `cancel()`, on failure,
@@ -55,7 +64,25 @@ from .store import Outcome
 log = logging.getLogger(__name__)
 _PRIORITY = {"interrupt": 0, "supersede": 1, "cancel": 2}
 
-__all__ = ["PrefetchClosed", "PrefetchHandle", "PrefetchResult", "Prefetcher"]
+__all__ = ["PrefetchClosed", "PrefetchHandle", "PrefetchResult", "Prefetcher", "batch_schedule"]
+
+
+def batch_schedule(n: int, first: int, cap: int, growth: float = 2.0) -> list[int]:
+    """Batch sizes for a prefetch of `n` pages: `first`, then each batch `growth` times the one
+    before, up to `cap`; a remainder smaller than `first` joins the batch before it when that
+    batch stays within `cap`. Every batch is <= `cap`; the sizes sum to `n`."""
+    if first < 1 or cap < 1 or growth < 1:
+        raise ValueError(f"bad batch schedule: first={first} cap={cap} growth={growth}")
+    out: list[int] = []
+    size, left = float(min(first, cap)), n
+    while left > 0:
+        k = min(int(size), left)
+        if 0 < left - k < first and left <= cap:
+            k = left  # fold a small tail into this batch
+        out.append(k)
+        left -= k
+        size = min(size * growth, float(cap))
+    return out
 
 
 class PrefetchClosed(RuntimeError):
@@ -173,12 +200,34 @@ class PrefetchHandle:
 class Prefetcher:
     """Background L3 -> L2 prefetch over one L3Client. See the module docstring."""
 
-    def __init__(self, client: L3Client, *, batch_pages: int = 32, max_inflight: int = 2, pipeline: int = 2) -> None:
-        for name, v in (("batch_pages", batch_pages), ("max_inflight", max_inflight), ("pipeline", pipeline)):
+    def __init__(
+        self,
+        client: L3Client,
+        *,
+        batch_pages: int = 32,
+        max_batch_pages: int | None = None,
+        growth: float = 2.0,
+        max_inflight: int = 2,
+        pipeline: int = 1,
+    ) -> None:
+        """`batch_pages`: the first batch; `max_batch_pages` (default: the larger of `batch_pages`
+        and the client's `batch_pages`): the cap later batches grow to by `growth` (>= 1)."""
+        cap = max(batch_pages, client.batch_pages) if max_batch_pages is None else max_batch_pages
+        for name, v in (
+            ("batch_pages", batch_pages), ("max_batch_pages", cap), ("max_inflight", max_inflight),
+            ("pipeline", pipeline),
+        ):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not growth >= 1:
+            raise ConfigError(f"growth must be a number >= 1, got {growth!r}")
+        if cap < batch_pages:
+            raise ConfigError(f"max_batch_pages ({cap}) must be >= batch_pages ({batch_pages})")
+        if cap > client.batch_pages:
+            log.info("prefetch batches up to %d pages are cut into L3Client calls of %d", cap, client.batch_pages)
         self.client, self.pool = client, client.pool
-        self.batch_pages, self.max_inflight, self.pipeline = batch_pages, max_inflight, pipeline
+        self.batch_pages, self.max_batch_pages, self.growth = batch_pages, cap, float(growth)
+        self.max_inflight, self.pipeline = max_inflight, pipeline
         self._lock = threading.Lock()
         self._gens: dict[str, int] = {}
         self._live: dict[int, PrefetchHandle] = {}  # handles whose result was not delivered
@@ -252,6 +301,18 @@ class Prefetcher:
         if len(pages):
             self.pool.free(pages)
 
+    def _alloc(self, n: int) -> tuple[np.ndarray, str | None]:
+        """`n` L2 pages, or as many as are free (then also why not all: L2 is full)."""
+        try:
+            return self.pool.alloc(n), None
+        except OutOfPages as e:
+            why = str(e)
+        k = self.pool.stats().free_pages
+        if 0 < k < n:
+            with contextlib.suppress(OutOfPages):  # another user may take them first
+                return self.pool.alloc(k), why
+        return np.empty(0, dtype=np.int64), why
+
     def _get(self, keys: list[str], pages: np.ndarray) -> list[Outcome]:
         if self._serial is None:
             return self.client.get(keys, pages)
@@ -268,7 +329,8 @@ class Prefetcher:
             queued_s=t0 - h.submitted_at,
         )  # fmt: skip
         got: list[np.ndarray] = []
-        n, b = len(h.keys), self.batch_pages
+        n = len(h.keys)
+        sizes = iter(batch_schedule(n, self.batch_pages, self.max_batch_pages, self.growth))
         flight: collections.deque[tuple[int, np.ndarray, Future[list[Outcome]], float]] = collections.deque()
         issued, issuing, ended = 0, True, False
         try:
@@ -277,12 +339,13 @@ class Prefetcher:
                     if h._stop.is_set():
                         issuing = False
                         break
-                    ks = h.keys[issued : issued + b]
-                    try:
-                        pages = self.pool.alloc(len(ks))
-                    except OutOfPages as e:
-                        res.error, issuing = f"L2 is full: {e}", False
-                        break
+                    ks = h.keys[issued : issued + next(sizes)]
+                    pages, full = self._alloc(len(ks))
+                    if full:
+                        res.error, issuing = f"L2 is full: {full}", False
+                        if not len(pages):
+                            break
+                        ks = ks[: len(pages)]
                     flight.append((issued, pages, self._io.submit(self._get, ks, pages), time.perf_counter()))
                     issued += len(ks)
                 if not flight:

@@ -4,6 +4,7 @@ input, and a `l3pool prefetch-test --json` smoke run. Bounded: every wait has a 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -24,7 +25,7 @@ from l2core import ConfigError, HostKVPool, KVSpec, L2Config
 from l3pool.client import L3Client
 from l3pool.cluster import LocalCluster
 from l3pool.keys import Namespace, page_hashes
-from l3pool.prefetch import PrefetchClosed, Prefetcher
+from l3pool.prefetch import PrefetchClosed, Prefetcher, batch_schedule
 from l3pool.store import MooncakeStore, Outcome, StoreConfig
 
 SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
@@ -91,11 +92,55 @@ def setup(store: MooncakeStore) -> Iterator[Setup]:
     s.close()
 
 
+# -- the batch schedule (pure) -------------------------------------------------------------------
+def test_batch_schedule_examples() -> None:
+    assert batch_schedule(512, 32, 128) == [32, 64, 128, 128, 128, 32]
+    assert batch_schedule(512, 64, 256) == [64, 128, 256, 64]
+    assert batch_schedule(96, 16, 32) == [16, 32, 32, 16]
+    assert batch_schedule(100, 16, 128) == [16, 32, 52]  # a tail < first joins the last batch
+    assert batch_schedule(20, 16, 128) == [20]
+    assert batch_schedule(96, 8, 8, growth=1) == [8] * 12  # fixed batches, the old behaviour
+    assert batch_schedule(10, 4, 4, growth=1) == [4, 4, 2]  # folding never exceeds the cap
+    assert batch_schedule(0, 16, 64) == [] and batch_schedule(1, 16, 64) == [1]
+    assert batch_schedule(100, 10, 1000, growth=1.5) == [10, 15, 22, 33, 20]
+    for bad in ((10, 0, 4, 2.0), (10, 4, 0, 2.0), (10, 4, 8, 0.5)):
+        with pytest.raises(ValueError):
+            batch_schedule(*bad)
+
+
+def test_batch_schedule_properties() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        n, first = rng.randrange(0, 3000), rng.randrange(1, 200)
+        cap, growth = rng.randrange(first, 600), rng.choice([1, 1.5, 2, 3, 4.5])
+        sizes = batch_schedule(n, first, cap, growth)
+        assert sum(sizes) == n and all(0 < k <= cap for k in sizes)
+        if n:
+            assert sizes[0] == min(n, first) or (len(sizes) == 1 and sizes[0] == n <= cap)
+        body = sizes[:-1]  # all but the last batch grow geometrically up to the cap
+        assert all(abs(b - min(cap, first * growth**i)) <= 1 for i, b in enumerate(body))
+        assert all(a <= b for a, b in itertools.pairwise(body))
+        assert len(sizes) < 2 or sizes[-1] >= first or sizes[-2] + sizes[-1] > cap
+
+
+def test_config_errors(setup: Setup) -> None:
+    with pytest.raises(ConfigError, match="growth"):
+        Prefetcher(setup.client, growth=0.5)
+    with pytest.raises(ConfigError, match="max_batch_pages"):
+        Prefetcher(setup.client, batch_pages=64, max_batch_pages=32)
+    with pytest.raises(ConfigError, match="max_batch_pages"):
+        Prefetcher(setup.client, max_batch_pages=0)
+    with Prefetcher(setup.client, batch_pages=8) as pf:  # the cap defaults to the client's batch
+        assert (pf.batch_pages, pf.max_batch_pages, pf.growth) == (8, setup.client.batch_pages, 2.0)
+
+
+# -- against the cluster ----------------------------------------------------------------------------
 def test_full_prefetch_is_exact(setup: Setup) -> None:
     with Prefetcher(setup.client, batch_pages=16) as pf:
         res = pf.submit("r", setup.keys).wait(20)
+        sizes = batch_schedule(N, 16, pf.max_batch_pages, pf.growth)
     assert res.complete and not res.interrupted and res.error is None and res.generation == 1
-    assert res.keys_loaded == N == len(res.pages) and len(res.batch_ms) == N // 16
+    assert res.keys_loaded == N == len(res.pages) and len(res.batch_ms) == len(sizes) == 4
     setup.check_prefix(res.pages)
     assert setup.used() == N  # the caller owns the prefix now
     setup.pool.free(res.pages)
@@ -131,6 +176,56 @@ def test_interrupt_at_random_points(setup: Setup) -> None:
                 setup.pool.free(res.pages)
             assert setup.used() == base
     assert partial > 0  # the trials really interrupted something
+
+
+@pytest.mark.parametrize(("first", "cap", "growth", "pipeline"), [(4, 64, 2.0, 2), (2, 32, 3.0, 3), (8, 8, 1.0, 1)])
+def test_growing_batches_interrupt_at_batch_boundaries(
+    setup: Setup, first: int, cap: int, growth: float, pipeline: int
+) -> None:
+    """Batches follow the schedule (each one Mooncake call of at most `cap` pages, at most
+    `pipeline` in flight); an interrupt at a random time returns a byte-exact prefix that ends
+    on a batch boundary, and nothing leaks."""
+    rng = random.Random(first * 100 + cap)
+    base = setup.used()
+    real = setup.client.get
+    index = {k: i for i, k in enumerate(setup.keys)}
+    calls: list[tuple[int, int]] = []
+    mu = threading.Lock()
+    inflight = [0, 0]  # now, most
+
+    def get(keys: list[str], pages: np.ndarray) -> list[Outcome]:
+        with mu:
+            calls.append((index[keys[0]], len(keys)))
+            inflight[0] += 1
+            inflight[1] = max(inflight[1], inflight[0])
+        time.sleep(0.001 + 0.0002 * len(keys))  # larger batches take longer, as on the wire
+        try:
+            return real(keys, pages)
+        finally:
+            with mu:
+                inflight[0] -= 1
+
+    setup.client.get = get  # type: ignore[method-assign]
+    sizes = batch_schedule(N, first, cap, growth)
+    bounds = set(np.cumsum([0, *sizes]).tolist())
+    with Prefetcher(setup.client, batch_pages=first, max_batch_pages=cap, growth=growth, pipeline=pipeline) as pf:
+        full = pf.submit("full", setup.keys).wait(20)
+        assert full.complete and sorted(calls) == list(zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes, strict=True))
+        setup.check_prefix(full.pages)
+        setup.pool.free(full.pages)
+        partial = 0
+        for trial in range(12):
+            h = pf.submit(f"g{trial}", setup.keys)
+            time.sleep(rng.uniform(0, 0.03))
+            res = h.interrupt(timeout=20)
+            assert res.error is None and res.keys_loaded == len(res.pages) and res.keys_loaded in bounds
+            assert res.interrupted == (res.keys_loaded < N)
+            setup.check_prefix(res.pages)
+            partial += res.keys_loaded < N
+            setup.pool.free(res.pages)
+            assert setup.used() == base
+    assert 1 <= inflight[1] <= pipeline and max(k for _, k in calls) <= cap
+    assert partial > 0
 
 
 def test_cancel_and_close_free_everything(setup: Setup) -> None:
@@ -206,13 +301,16 @@ def test_miss_ends_prefix_and_errors_free(setup: Setup) -> None:
         res = pf.submit("e", setup.keys).wait(20)
         assert res.keys_loaded == 0 and "transport exploded" in (res.error or "")
     assert setup.used() == base
-    # L2 too small: the prefix ends where the pool ran out, no error for the pages that fit
+    # L2 too small: the prefix ends where the pool ran out (the batch that did not fit shrinks to
+    # the free pages), byte-exact up to there
     small = HostKVPool(L2Config(kv=SPEC, layout=LAYOUT, tokens=40 * SPEC.page_size, pin="never"))
     client = L3Client(small, setup.client.store, setup.ns)
     try:
         with Prefetcher(client, batch_pages=16) as pf:
             res = pf.submit("s", setup.keys).wait(20)
-        assert res.keys_loaded == 32 and "L2 is full" in (res.error or "")
+        assert res.keys_loaded == 40 == len(res.pages) and "L2 is full" in (res.error or "")
+        got = small.buffer.view(small.num_pages, -1)[torch.from_numpy(res.pages)]
+        assert torch.equal(got, setup.want[:40])
         small.free(res.pages)
         assert small.stats().used_pages == 0
     finally:
