@@ -407,7 +407,7 @@ def bench_setup(
         for d in DIRECTIONS:
             to_host = d == "d2h"
             progress.set_postfix_str(f"{s.model} {layout} {d} {s.tokens}")
-            auto = ops.resolve_method("auto", pool.layout, s.device, to_host, (0, s.spec.num_layers))
+            auto = ops.resolve_method("auto", pool.layout, s.device, to_host, (0, s.spec.num_layers), s.n_pages)
             per, raw_t = bench_row(s, pool, to_host, methods, args, timer, rng)
             raw_all[d] += raw_t
             row = {

@@ -27,6 +27,7 @@ from .layout import HostLayout
 Method = Literal["auto", "direct", "staged", "naive"]
 DEFAULT_MAX_SMS = 16
 DEFAULT_STAGING_BYTES = 256 << 20
+LAYER_FIRST_STAGED_MIN_PAGES = 16  # layer_first H2D switches to staged DMAs from here (see resolve_method)
 
 
 def kv_buffers_shape(layout: HostLayout, num_slots: int) -> tuple[int, int, int]:
@@ -92,21 +93,33 @@ def _check_range(idx: torch.Tensor, bound: int, what: str) -> None:
 
 
 def resolve_method(
-    method: Method, layout: HostLayout, device: torch.device, to_host: bool, layers: tuple[int, int]
+    method: Method,
+    layout: HostLayout,
+    device: torch.device,
+    to_host: bool,
+    layers: tuple[int, int],
+    n_pages: int | None = None,
 ) -> str:
     """The concrete method "auto" stands for.
 
-    Measured on an H200 (bench/results/2026-11-29-h200-transfer.json): staged (device gather +
-    copy-engine DMAs, ~8 pipelined chunks) is best or tied for all-layer transfers of the
-    page-first layouts at 1K-32K tokens; for layer_first and for a layer subset (per-layer
-    loads) the runs are per (page, layer) — too many DMAs — and the direct kernel wins.
+    Measured on an H200 (bench/results/2026-11-29-h200-transfer.json, 2026-12-01-h200-*.json):
+    staged (device gather + copy-engine DMAs, ~8 pipelined chunks) is best or tied for all-layer
+    transfers of the page-first layouts at 1K-32K tokens. layer_first has one run per (layer,
+    page); submitted as one `cudaMemcpyBatchAsync` per chunk, its H2D reaches 0.98-0.99 of a raw
+    DMA from 8K tokens (the direct kernel: 0.82-0.85; at 1K tokens 0.94-0.95 against 0.89 in
+    one run, within noise of each other in another), but its D2H DMAs stay at ~0.86 (the direct
+    kernel: 0.94-0.95). Layer subsets (per-layer loads) use the direct kernel.
     """
     if method != "auto":
         return method
     if device.type == "cpu":
         return "direct"
-    full = layers == (0, layout.spec.num_layers)
-    return "staged" if full and layout.name != "layer_first" else "direct"
+    if layers != (0, layout.spec.num_layers):
+        return "direct"
+    if layout.name != "layer_first":
+        return "staged"
+    big = n_pages is not None and n_pages >= LAYER_FIRST_STAGED_MIN_PAGES
+    return "staged" if big and not to_host else "direct"
 
 
 def transfer(
@@ -159,7 +172,7 @@ def transfer(
     _check_range(pages_t, layout.num_pages, "host page index")
     if check_slots or slots_t.device.type == "cpu":
         _check_range(slots_t, bufs[0].shape[0], "device slot")
-    m = resolve_method(method, layout, device, to_host, (lb, le))
+    m = resolve_method(method, layout, device, to_host, (lb, le), pages_t.numel())
     if device.type == "cpu" and slots_t.device.type != "cpu":
         slots_t = slots_t.cpu()
     _native.load().transfer(

@@ -117,6 +117,45 @@ char* mapped_host_ptr(const torch::Tensor& host) {
   return static_cast<char*>(dptr);
 }
 
+// Submits `n` copies on `stream`: with CUDA >= 12.8 as one cudaMemcpyBatchAsync (one driver call
+// for thousands of small runs, copy engines preferred), else one cudaMemcpyAsync each. A batch the
+// driver refuses (old driver) falls back to the loop once and is not tried again.
+void memcpy_runs(const CopyRun* runs, size_t n, const char* src_base, char* dst_base, bool to_host,
+                 cudaStream_t stream) {
+  const cudaMemcpyKind kind = to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+#if CUDART_VERSION >= 12080
+  static bool batch_ok = true;
+  if (batch_ok && n >= 8) {
+    std::vector<void*> dsts(n);
+    std::vector<const void*> srcs(n);
+    std::vector<size_t> sizes(n);
+    for (size_t i = 0; i < n; ++i) {
+      dsts[i] = dst_base + runs[i].dst;
+      srcs[i] = src_base + runs[i].src;
+      sizes[i] = static_cast<size_t>(runs[i].bytes);
+    }
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;  // copy engines, not SMs
+    size_t attr_idx = 0;
+#if CUDART_VERSION >= 13000
+    cudaError_t e = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attr, &attr_idx, 1, stream);
+#else
+    size_t fail_idx = 0;
+    cudaError_t e =
+        cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attr, &attr_idx, 1, &fail_idx, stream);
+#endif
+    if (e == cudaSuccess) return;
+    cudaGetLastError();
+    TORCH_WARN_ONCE("cudaMemcpyBatchAsync unavailable (", cudaGetErrorString(e), "); using one copy per run");
+    batch_ok = false;
+  }
+#endif
+  for (size_t i = 0; i < n; ++i)
+    cuda_ok(cudaMemcpyAsync(dst_base + runs[i].dst, src_base + runs[i].src, runs[i].bytes, kind, stream),
+            "cudaMemcpyAsync");
+}
+
 // Staged path: kernel gather/scatter into a compact device staging area, plus one DMA per
 // contiguous host run (adjacent pages are merged). Returns false when the layout has no
 // page-contiguous runs for this layer range (the caller then uses the direct kernel).
@@ -189,13 +228,7 @@ void staged_transfer(const Checked& c, const torch::Tensor& slots_dev, const tor
         }
     const int64_t* slot_ptr = slots_dev.data_ptr<int64_t>() + p0 * P;
     auto dma = [&] {
-      for (const auto& r : runs) {
-        const char* src = (to_host ? st : host_base) + r.src;
-        char* dst = (to_host ? host_base : st) + r.dst;
-        cuda_ok(cudaMemcpyAsync(dst, src, r.bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
-                                copy_stream),
-                "cudaMemcpyAsync");
-      }
+      memcpy_runs(runs.data(), runs.size(), to_host ? st : host_base, to_host ? host_base : st, to_host, copy_stream);
       cuda_ok(cudaEventRecord(dma_done[half], copy_stream), "cudaEventRecord");
     };
     auto kernel = [&] {

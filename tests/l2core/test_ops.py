@@ -442,6 +442,13 @@ def test_resolve_method() -> None:
     assert auto(False, (0, 4)) == staged_pf
     assert auto(True, (0, 4)) == staged_pf
     assert auto(False, (1, 2)) == dict.fromkeys(LAYOUTS, "direct")  # a layer subset: per-layer runs
+    # layer_first: batched DMAs for large all-layer loads, the direct kernel otherwise
+    big, small = ops.LAYER_FIRST_STAGED_MIN_PAGES, ops.LAYER_FIRST_STAGED_MIN_PAGES - 1
+    lf = HostLayout(spec, "layer_first", 4)
+    assert ops.resolve_method("auto", lf, cuda, False, (0, 4), big) == "staged"
+    assert ops.resolve_method("auto", lf, cuda, False, (0, 4), small) == "direct"
+    assert ops.resolve_method("auto", lf, cuda, True, (0, 4), big) == "direct"
+    assert ops.resolve_method("auto", lf, cuda, False, (0, 2), big) == "direct"
 
 
 def test_flatten_kv_and_buffer_shape() -> None:
