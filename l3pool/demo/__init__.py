@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 QUICK = {"sessions": 3, "turns": 4, "min_context": 768, "max_context": 2048, "cold": 2, "fit_points": 4}
 DEFAULTS_CPU = {"sessions": 6, "turns": 5, "min_context": 2048, "max_context": 6144, "cold": 3, "fit_points": 5}
-DEFAULTS_GPU = {"sessions": 8, "turns": 5, "min_context": 24576, "max_context": 65536, "cold": 3, "fit_points": 6}
+DEFAULTS_GPU = {"sessions": 4, "turns": 4, "min_context": 24576, "max_context": 65536, "cold": 2, "fit_points": 5}
 
 
 def add_parser(subparsers: Any) -> None:

@@ -203,39 +203,34 @@ class Demo:
             "cache_overhead": round(1.0 - t_nc / t_ca, 4),
         }
 
-    def fit(self) -> dict[str, Any]:
-        """All-hit prefill time T(n) = a + b n (every full page from L3 on an instance that never
-        saw the prompt) against the no-cache time of the same prompts."""
-        P, mc = self.opts.model.page_size, self.opts.workload.max_context
-        npages = np.unique(np.linspace(max(2, mc // P // 8), (mc - 1) // P, self.opts.fit_points).astype(int))
-        rng = np.random.default_rng(self.opts.workload.seed + 11)
-        ns = self.namespace("fit")
-        writer = self.instance("fit-writer", "l1_l2_l3", ns)
-        nc = self.instance("fit-nc", "no_cache")
+    def fit(self, requests: list[Any], no_cache: list[Record]) -> dict[str, Any]:
+        """All-hit prefill time T(n) = a + b n, against the no-cache time of the trace.
+
+        All-hit points: `fit_points` trace prompts of spread-out lengths, cut to whole pages + one
+        token, on a fresh instance (empty L1/L2): every full page comes from L3, where the
+        l1_l2_l3 replay left it. No-cache line: every request of the no-cache replay."""
+        P = self.opts.model.page_size
+        order = sorted(range(len(requests)), key=lambda i: requests[i].length)
+        k = min(self.opts.fit_points, len(order))
+        picks = sorted({order[round(j * (len(order) - 1) / max(1, k - 1))] for j in range(k)})
+        ns = self.namespace("trace")
         points = []
-        try:
-            for k in npages.tolist():
-                n = k * P + 1
-                toks = rng.integers(0, self.opts.model.vocab, size=n, dtype=np.int64)
-                wr = writer.prefill(toks)
-                writer.backup(wr)
-                ref = nc.prefill(toks)
-                reader = self.instance("fit-reader", "l1_l2_l3", ns)  # fresh L1/L2: all hits from L3
-                try:
-                    hit = reader.prefill(toks)
-                finally:
-                    reader.close()
-                self.verifier.compare(ref.logits, hit.logits)
-                self.verifier.compare(ref.logits, wr.logits)
-                ms = {"all_hit_ms": hit.prefill_s * 1e3, "no_cache_ms": ref.prefill_s * 1e3}
-                points.append({"tokens": n, "hit_pages": hit.hit_l3, **ms})
-                self.tick("fit")
-        finally:
-            writer.close()
-            nc.close()
+        for i in picks:
+            toks = requests[i].tokens
+            toks = toks[: (toks.size - 1) // P * P + 1]
+            reader = self.instance("fit-reader", "l1_l2_l3", ns)
+            try:
+                hit = reader.prefill(toks)
+            finally:
+                reader.close()
+            points.append({"tokens": int(toks.size), "hit_pages": hit.hit_l3, "all_hit_ms": hit.prefill_s * 1e3})
+            self.tick("fit")
         x = np.array([p["tokens"] for p in points], dtype=float)
-        b, a = np.polyfit(x, [p["all_hit_ms"] for p in points], 1)
-        d, c = np.polyfit(x, [p["no_cache_ms"] for p in points], 1)
+        b, a = (
+            np.polyfit(x, [p["all_hit_ms"] for p in points], 1) if len(points) > 1 else (0.0, points[0]["all_hit_ms"])
+        )
+        nx = np.array([r.tokens for r in no_cache], dtype=float)
+        d, c = np.polyfit(nx, [r.prefill_s * 1e3 for r in no_cache], 1)
         # break-even: the prompt length above which loading from L3 beats recomputing
         be: float | None = None if d <= b else max(0.0, (a - c) / (d - b))
         return {
@@ -325,7 +320,7 @@ def run(opts: DemoOptions, store: MooncakeStore, metadata: object = None, bar: A
     recs = demo.replay(requests)
     median = int(np.median([r.length for r in requests]))
     cold = demo.cold(median)
-    fit = demo.fit()
+    fit = demo.fit(requests, recs["no_cache"])
     spec = opts.model.kv_spec()
     rep = summarize(opts, requests, recs, demo.model.cfg.kv_spec().page_bytes)
     v = demo.verifier
