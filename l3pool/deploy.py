@@ -43,7 +43,7 @@ def adapter_extra_config(cfg: DeployConfig, node: PrefillNode) -> dict[str, Any]
     ADAPTER_KEYS (deploy_config) filled from the config."""
     values = {
         "master": cfg.master.rpc,
-        "metadata": cfg.master.metadata_url,
+        "metadata_server": cfg.master.metadata_url,
         "etcd": cfg.etcd.endpoints_str,
         "key_prefix": cfg.key_prefix,
         "protocol": cfg.protocol,

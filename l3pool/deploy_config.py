@@ -51,10 +51,17 @@ RESERVED_NAMES = ("etcd", "master", "router")
 # The SGLang adapter: its identity (`--hicache-storage-backend dynamic` imports module_path and
 # builds class_name) and the keys of `--hicache-storage-backend-extra-config` it reads beyond
 # those. The one place to change when the adapter's keys change: `deploy.adapter_extra_config`
-# fills these from the config (of: master, metadata, etcd, key_prefix, protocol, local_hostname,
+# fills these from the config (of: master, metadata_server, etcd, key_prefix, protocol, local_hostname,
 # model, checksum, tenant), and `check` warns about settings the adapter cannot receive.
-ADAPTER = {"backend_name": "l3pool", "module_path": "l3pool.sglang_backend", "class_name": "L3PoolStorage"}
-ADAPTER_KEYS = ("master", "etcd", "local_hostname", "model", "checksum", "tenant")
+ADAPTER = {
+    "backend_name": "l3pool",
+    "module_path": "l3pool.sglang_backend",
+    "class_name": "L3PoolStorage",
+    "interface_v1": 1,  # SGLang calls the zero-copy batch_get_v1/batch_set_v1 only with this
+}
+ADAPTER_KEYS = (
+    "master", "metadata_server", "etcd", "key_prefix", "protocol", "local_hostname", "model", "checksum", "tenant",
+)  # fmt: skip
 
 _TOP = ("cluster", "etcd", "master", "l3", "sglang", "decode", "prefill", "router")
 _CLUSTER = ("name", "key_prefix", "protocol", "l3pool", "log_dir")
@@ -672,7 +679,7 @@ def _cross_check(r: _Reader, cfg: DeployConfig) -> None:
         r.error(loop[0][1], f"{loop[0][0]} is a loopback address but other nodes are on other hosts; use the node's IP")
 
     # settings prefill nodes would need but the adapter's extra-config cannot carry (yet)
-    unsent = [("metadata", "master.metadata_port", cfg.master.metadata_port != 8080, "http://<master>:8080/metadata"),
+    unsent = [("metadata_server", "master.metadata_port", cfg.master.metadata_port != 8080, "http://<master>:8080/metadata"),
               ("key_prefix", "cluster.key_prefix", cfg.key_prefix != DEFAULT_PREFIX, DEFAULT_PREFIX),
               ("protocol", "cluster.protocol", cfg.protocol != "tcp", "tcp")]  # fmt: skip
     for key, path, differs, default in unsent:

@@ -181,11 +181,10 @@ def test_warnings_do_not_fail(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     )
     rc, out, _ = _cli(capsys, "check", _write(tmp_path, text))
     assert rc == 0 and "warning: prefill[1].l3.model: 'other' differs from prefill[0]" in out
-    # settings the adapter's extra-config cannot carry: a warning each
+    # the adapter receives the metadata URL and protocol: no warning for them; rdma without devices warns
     text = _edit("metadata_port = 8080", "metadata_port = 8081", _edit('protocol = "tcp"', 'protocol = "rdma"'))
     rc, out, _ = _cli(capsys, "check", _write(tmp_path, text))
-    assert rc == 0 and "warning: master.metadata_port: the SGLang adapter's extra-config has no 'metadata' key" in out
-    assert "warning: cluster.protocol: the SGLang adapter's extra-config has no 'protocol' key" in out
+    assert rc == 0 and "extra-config has no" not in out
     assert "warning: decode[0].rdma_devices: empty with protocol 'rdma'" in out
 
 
@@ -242,7 +241,10 @@ def test_render_json_prefill_flags(capsys: pytest.CaptureFixture[str]) -> None:
         assert extra == {
             **ADAPTER,
             "master": "10.0.0.1:50051",
+            "metadata_server": "http://10.0.0.1:8080/metadata",
             "etcd": "http://10.0.0.1:2379",
+            "key_prefix": "/l3pool",
+            "protocol": "tcp",
             "local_hostname": host,
             "model": "deepseek-v3@0324",
             "checksum": False,

@@ -396,3 +396,22 @@ def test_dead_master_gives_false_not_tracebacks(monkeypatch: pytest.MonkeyPatch)
             assert a.batch_get_v1(keys, slots([4, 5])) == [False, False]
             assert a.batch_set_v1(hexkeys(1), slots([2])) == [False]
             assert int(np.sum([a.client_stats()["get_failed"], a.client_stats()["put_failed"]])) == 3
+
+
+def test_deploy_rendered_extra_config_is_accepted() -> None:
+    """`l3pool deploy render` writes the extra-config of every prefill node; the adapter must accept
+    it as is (same keys, types, and the interface_v1 switch), pointing at the configured pool."""
+    from l3pool.deploy import adapter_extra_config
+    from l3pool.deploy_config import load_config
+    from l3pool.sglang_backend import BackendConfig
+
+    cfg, problems = load_config(Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml")
+    assert cfg is not None and cfg.prefill and not [p for p in problems if p.severity == "error"]
+    for node in cfg.prefill:
+        bc = BackendConfig.from_extra_config(adapter_extra_config(cfg, node))
+        assert (bc.master, bc.metadata_server, bc.local_hostname) == (
+            cfg.master.rpc, cfg.master.metadata_url, node.host,
+        )  # fmt: skip
+        assert (bc.etcd, bc.key_prefix, bc.protocol, bc.model) == (
+            cfg.etcd.endpoints_str, cfg.key_prefix, cfg.protocol, node.l3.model,
+        )  # fmt: skip
