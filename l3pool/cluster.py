@@ -36,7 +36,6 @@ CLI: `l3pool cluster up|down|status` (see `add_parser`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import importlib.util
@@ -47,17 +46,36 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._cluster_os import (  # noqa: F401 (re-exported: tests patch/use some of these by this module's name)
+    _GRACE_S,
+    ClusterError,
+    _alive,
+    _delete_network,
+    _existing_links,
+    _existing_netns,
+    _free_ports,
+    _ip,
+    _listening,
+    _log_tail,
+    _netns_unavailable,
+    _Proc,
+    _proc_stat,
+    _proc_state,
+    _signal,
+    _signals_deferred,
+    _stop,
+    _subnet_user,
+    _wait_dead,
+)
 from .etcd import EtcdClient, EtcdError
 
 log = logging.getLogger(__name__)
@@ -66,12 +84,7 @@ STATE_FILE = "state.json"
 DEFAULT_NAME = "l3p"
 DEFAULT_SUBNET = "10.77.0.0/24"  # taken: the next free 10.77.N.0/24 (only when no subnet is given)
 _REPO_ROOT = Path(__file__).resolve().parent.parent
-_GRACE_S = 5.0
 _NAME_MAX = 10  # "{name}-br0" and "{name}-v{K}" must fit in 15 characters (IFNAMSIZ - 1)
-
-
-class ClusterError(RuntimeError):
-    """The local cluster could not be started, or a command on it failed."""
 
 
 class ClusterConfigError(ValueError):
@@ -92,112 +105,6 @@ class AgentInfo:
     ip: str
     log: Path
     pid: int | None = None
-
-
-@dataclass
-class _Proc:
-    role: str  # "etcd" | "master" | "agent"
-    id: str
-    pid: int
-    pgid: int
-    start_time: int  # /proc/<pid>/stat field 22: identifies the process across pid reuse
-    log: str
-    cmd: list[str]
-    netns: str | None = None
-    ip: str | None = None
-    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
-    log_from: int = 0  # where this run's output starts in the (appended) log
-
-    def tail(self) -> str:
-        """The end of this run's log, for error messages."""
-        return f"last lines of {self.log}:\n{_log_tail(self.log, self.log_from)}"
-
-    def to_json(self) -> dict[str, Any]:
-        keys = ("role", "id", "pid", "pgid", "start_time", "log", "cmd", "netns", "ip")
-        return {k: getattr(self, k) for k in keys}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> _Proc:
-        return cls(
-            str(d["role"]), str(d["id"]), int(d["pid"]), int(d["pgid"]), int(d["start_time"]), str(d["log"]),
-            list(d["cmd"]), d.get("netns"), d.get("ip"),
-        )  # fmt: skip
-
-
-# -- processes -------------------------------------------------------------------------------
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time) of a pid, or None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return rest[0], int(rest[19])
-
-
-def _proc_state(p: _Proc) -> str:
-    """'alive', 'zombie' (exited, not reaped) or 'gone' (also: the pid now belongs to another process)."""
-    if p.popen is not None:
-        p.popen.poll()  # reap our own children
-    st = _proc_stat(p.pid)
-    if st is None or st[1] != p.start_time:
-        return "gone"
-    return "zombie" if st[0] in ("Z", "X") else "alive"
-
-
-def _alive(p: _Proc) -> bool:
-    return _proc_state(p) == "alive"
-
-
-def _signal(p: _Proc, sig: int) -> bool:
-    """Signal p's process group, but only while its leader is verifiably still ours."""
-    if _proc_state(p) == "gone":
-        return False
-    try:
-        os.killpg(p.pgid, sig)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _wait_dead(procs: Sequence[_Proc], timeout: float) -> list[_Proc]:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in procs if _alive(p)]
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.05)
-
-
-def _stop(procs: Sequence[_Proc], grace: float = _GRACE_S) -> list[_Proc]:
-    """SIGTERM every group, SIGKILL what is left after `grace` s; returns the ones still alive."""
-    for p in procs:
-        _signal(p, signal.SIGTERM)
-    left = _wait_dead(procs, grace)
-    for p in left:
-        log.warning("%s (pid %d) ignored SIGTERM for %.0f s: SIGKILL", p.id, p.pid, grace)
-        _signal(p, signal.SIGKILL)
-    left = _wait_dead(left, 5.0)
-    for p in procs:
-        if _proc_state(p) == "zombie":  # the leader exited; kill stragglers left in its group
-            _signal(p, signal.SIGKILL)
-        if p.popen is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.popen.wait(timeout=1.0)
-    for p in left:
-        log.error("%s (pid %d) survived SIGKILL", p.id, p.pid)
-    return left
-
-
-def _log_tail(path: str | Path, start: int = 0, lines: int = 25) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(start, f.tell() - 16384))
-            text = f.read().decode(errors="replace")
-    except OSError as e:
-        return f"(no log: {e})"
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def _child_env(bind_ip: str | None = None) -> dict[str, str]:
@@ -235,66 +142,6 @@ def _find_master_bin() -> str:
     return found
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("0.0.0.0", 0))  # free on every address, so also on the bridge IP
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _listening(pid: int) -> set[int]:
-    """TCP ports on which process `pid` itself holds a listening socket (so a port that another
-    process grabbed between our choice and the server's bind never counts as ready)."""
-    inodes: dict[str, int] = {}
-    for table in ("tcp", "tcp6"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
-            for line in list(f)[1:]:
-                parts = line.split()
-                if parts[3] == "0A":  # TCP_LISTEN
-                    inodes[parts[9]] = int(parts[1].rsplit(":", 1)[1], 16)
-    ports = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    ports.add(inodes[link[8:-1]])
-    return ports
-
-
-# -- network namespaces ----------------------------------------------------------------------
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=15)
-    if check and r.returncode != 0:
-        raise ClusterError(f"`ip {' '.join(args)}` failed: {r.stderr.strip() or r.returncode}")
-    return r
-
-
-def _netns_unavailable(mode: str) -> str | None:
-    if mode == "off":
-        return "netns='off' was asked for"
-    if os.geteuid() != 0:
-        return "not running as root"
-    if shutil.which("ip") is None:
-        return "iproute2's `ip` is not installed"
-    return None
-
-
-def _existing_netns() -> set[str]:
-    return {line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.strip()}
-
-
-def _existing_links() -> set[str]:
-    out = _ip("-o", "link", "show", check=False).stdout
-    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line.count(":") >= 2}
-
-
 class _ProcessExited(ClusterError):
     """A process of the cluster exited while start() waited for it."""
 
@@ -303,54 +150,10 @@ class _NetworkTaken(ClusterError):
     """Names or addresses of the network are already in use (never a reason to fall back)."""
 
 
-def _subnet_user(net: ipaddress.IPv4Network, ignore: str = "") -> str | None:
-    """'ADDR on IFACE' of the first root-namespace address overlapping `net`, or None."""
-    for line in _ip("-o", "-4", "addr", "show", check=False).stdout.splitlines():
-        parts = line.split()
-        if "inet" in parts and parts[1] != ignore:
-            addr = parts[parts.index("inet") + 1]
-            if ipaddress.ip_interface(addr).network.overlaps(net):
-                return f"{addr} on {parts[1]}"
-    return None
-
-
 def default_state_dir(name: str = DEFAULT_NAME) -> Path:
     """/tmp/l3pool-cluster for the default name, /tmp/l3pool-cluster-{name} for others, so that
     clusters with different names never share a state file or logs."""
     return Path("/tmp/l3pool-cluster" if name == DEFAULT_NAME else f"/tmp/l3pool-cluster-{name}")
-
-
-def _delete_network(links: Sequence[str], netns: Sequence[str]) -> list[str]:
-    """Delete the given links (reverse order: veths before their bridge) and namespaces; returns errors."""
-    errors = []
-    for name in reversed(links):
-        r = _ip("link", "del", name, check=False)
-        if r.returncode != 0 and "Cannot find device" not in r.stderr:
-            errors.append(f"link {name}: {r.stderr.strip()}")
-    for ns in netns:
-        r = _ip("netns", "del", ns, check=False)
-        if r.returncode != 0 and "No such file" not in r.stderr:
-            errors.append(f"netns {ns}: {r.stderr.strip()}")
-    for e in errors:
-        log.warning("cleanup: %s", e)
-    return errors
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM during teardown (so a second Ctrl-C cannot leave half a cluster); re-raise after."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got: list[int] = []
-    old = {s: signal.signal(s, lambda n, _f: got.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        if got:
-            signal.raise_signal(got[0])
 
 
 # -- state file ------------------------------------------------------------------------------
@@ -928,121 +731,8 @@ def status(state_dir: str | Path) -> dict[str, Any] | None:
     }
 
 
-def _print_endpoints(state: dict[str, Any]) -> None:
-    for k, v in state.get("endpoints", {}).items():
-        print(f"{k:12s} {v}")
-
-
-def _state_dir(args: argparse.Namespace) -> Path:
-    return Path(args.state_dir) if args.state_dir else default_state_dir(args.name)
-
-
-def _cmd_up(args: argparse.Namespace) -> int:
-    try:
-        cluster = LocalCluster(
-            agents=args.agents, segment_size=args.segment_size, state_dir=args.state_dir, netns=args.netns,
-            lease_ttl=args.lease_ttl, client_ttl=args.client_ttl, name=args.name, subnet=args.subnet,
-            key_prefix=args.key_prefix, agent_cmd=shlex.split(args.agent_cmd) if args.agent_cmd else None,
-            ready_timeout=args.timeout,
-        )  # fmt: skip
-    except ClusterConfigError as e:
-        print(f"l3pool cluster up: {e}", file=sys.stderr)
-        return 2
-    old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM during up: clean up like SIGINT
-    try:
-        cluster.start()
-    except ClusterError as e:
-        print(f"l3pool cluster up: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("l3pool cluster up: interrupted; everything started was stopped", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, old)
-    state = cluster.detach()
-    if args.json:
-        print(json.dumps(state, indent=2))
-        return 0
-    if cluster.fallback_reason:
-        print(f"namespaces unavailable: {cluster.fallback_reason}; falling back to loopback ports")
-    print(f"cluster {cluster.name!r} up in {cluster.up_seconds:.1f} s ({cluster.mode})")
-    _print_endpoints(state)
-    for a in cluster.agents:
-        print(f"agent {a.id}: ip {a.ip} netns {a.netns or '-'} pid {a.pid} log {a.log}")
-    print(f"stop with: l3pool cluster down --state-dir {cluster.state_dir}")
-    return 0
-
-
-def _cmd_down(args: argparse.Namespace) -> int:
-    try:
-        result = down(_state_dir(args))
-    except ClusterError as e:
-        print(f"l3pool cluster down: {e}", file=sys.stderr)
-        return 1
-    if result is None:
-        msg = f"nothing to stop: no cluster state in {_state_dir(args)}"
-        print(json.dumps({"stopped": [], "message": msg}) if args.json else msg)
-        return 0
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(f"stopped: {', '.join(result['stopped']) or 'nothing was running'}")
-        print(f"deleted: {', '.join(result['links'] + result['netns']) or 'no network (loopback mode)'}")
-        for err in result["errors"]:
-            print(f"warning: {err}")
-    if result["survivors"]:
-        print(f"l3pool cluster down: pids {result['survivors']} survived SIGKILL", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    try:
-        st = status(_state_dir(args))
-    except ClusterError as e:
-        print(f"l3pool cluster status: {e}", file=sys.stderr)
-        return 1
-    if st is None:
-        msg = f"no cluster up: no state in {_state_dir(args)}"
-        print(json.dumps({"up": False, "message": msg}) if args.json else msg)
-        return 1
-    if args.json:
-        print(json.dumps({"up": st["all_alive"] and st["ready"], **st}, indent=2))
-    else:
-        print(f"cluster {st['name']!r} ({st['mode']}) in {st['state_dir']}")
-        if not st["ready"]:
-            print("its start never completed (the launcher was killed?): run `down`, then `up` again")
-        _print_endpoints(st)
-        for p in st["processes"]:
-            where = f" netns {p['netns']}" if p["netns"] else ""
-            print(f"{p['id']:12s} pid {p['pid']:<8d} {'alive' if p['alive'] else 'DEAD'}{where} log {p['log']}")
-    return 0 if st["all_alive"] and st["ready"] else 1
-
-
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("cluster", help="local etcd + mooncake_master + agents (one netns per agent)")
-    sub = p.add_subparsers(dest="cluster_cmd", required=True)
-    up = sub.add_parser("up", help="start a local cluster and leave it running")
-    up.add_argument("--agents", type=int, default=2)
-    up.add_argument("--segment-size", default="256MB", help="DRAM each agent donates (e.g. 256MB, 1GiB)")
-    dirs = "logs and state.json (default /tmp/l3pool-cluster, or /tmp/l3pool-cluster-NAME for --name NAME)"
-    names = f"prefix of netns/link names (default {DEFAULT_NAME})"
-    up.add_argument("--state-dir", help=dirs)
-    up.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
-                    help="one network namespace per agent (auto: when root with iproute2)")  # fmt: skip
-    up.add_argument("--subnet", help=f"bridge .1, agent K .10+K (default {DEFAULT_SUBNET} or the next free /24)")
-    up.add_argument("--lease-ttl", type=int, default=5, help="agents' etcd lease TTL, seconds")
-    up.add_argument("--client-ttl", type=int, default=5, help="mooncake_master --client_ttl, seconds")
-    up.add_argument("--name", default=DEFAULT_NAME, help=names)
-    up.add_argument("--key-prefix", default="/l3pool", help="etcd key prefix (default %(default)s)")
-    up.add_argument("--agent-cmd", default=None, help="agent command (default: python -m l3pool.cli agent)")
-    up.add_argument("--timeout", type=float, default=60.0, help="readiness timeout, seconds")
-    up.add_argument("--json", action="store_true", help="print the state as JSON")
-    up.set_defaults(fn=_cmd_up)
-    for name, fn, text in (("down", _cmd_down, "stop the cluster recorded in the state dir"),
-                           ("status", _cmd_status, "each process alive/dead, and the endpoints")):  # fmt: skip
-        s = sub.add_parser(name, help=text)
-        s.add_argument("--state-dir", help=dirs)
-        s.add_argument("--name", default=DEFAULT_NAME, help="the cluster's name, when --state-dir is not given")
-        s.add_argument("--json", action="store_true")
-        s.set_defaults(fn=fn)
+    """`l3pool cluster up|down|status` (in cluster_cli.py)."""
+    from .cluster_cli import add_parser as add
+
+    add(subparsers)
