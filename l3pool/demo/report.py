@@ -86,6 +86,7 @@ def plot(rep: dict[str, Any], out: Path) -> list[str]:
     xs = [p["tokens"] for p in fit["points"]]
     ax.scatter(xs, [p["all_hit_ms"] for p in fit["points"]], label="all hit (from L3)")
     nc = [(r["tokens"], r["no_cache_ms"]) for r in rep["requests"]]
+    nc += [(p["tokens"], p["no_cache_ms"]) for p in fit["points"] if "no_cache_ms" in p]
     ax.scatter([t for t, _ in nc], [m for _, m in nc], marker="x", label="no cache (trace)")
     x0, x1 = 0, max(xs + [t for t, _ in nc])
     ax.plot([x0, x1], [fit["a_ms"] + fit["b_us_per_token"] * x / 1e3 for x in (x0, x1)], "--")

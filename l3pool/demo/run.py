@@ -17,6 +17,7 @@ equal the bytes recomputation produced (per-page digests recorded in the no-cach
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -38,6 +39,27 @@ from .workload import WorkloadConfig, generate, prefix_reuse
 log = logging.getLogger(__name__)
 CONFIGS = ("no_cache", "l1_l2", "l1_l2_l3")
 TIERS = ("L1", "L2", "L3", "miss")
+SHORT_PAGES = (1, 2, 4, 8, 16)  # short prompts (pages + 1 token) measured for the break-even
+
+
+def break_even(points: list[dict[str, Any]]) -> float | None:
+    """Prompt length where loading every page from L3 starts to beat recomputing it, from measured
+    (tokens, all_hit_ms, no_cache_ms) points in increasing length: the first crossing of
+    no_cache - all_hit from <= 0 to > 0, linearly interpolated; when hits already win at the
+    shortest prompt, the line through the two shortest points extended down (clamped to 0);
+    None when hits never win."""
+    pts = sorted((p["tokens"], p["no_cache_ms"] - p["all_hit_ms"]) for p in points)
+    if not pts or all(dv <= 0 for _, dv in pts):
+        return None
+    if pts[0][1] > 0:
+        if len(pts) < 2 or pts[1][1] <= pts[0][1]:
+            return 0.0
+        (n0, d0), (n1, d1) = pts[0], pts[1]
+        return round(max(0.0, n0 - d0 * (n1 - n0) / (d1 - d0)), 1)
+    for (n0, d0), (n1, d1) in itertools.pairwise(pts):
+        if d0 <= 0 < d1:
+            return round(n0 + (0 - d0) * (n1 - n0) / (d1 - d0), 1)
+    return None
 
 
 @dataclass(frozen=True)
@@ -203,48 +225,85 @@ class Demo:
             "cache_overhead": round(1.0 - t_nc / t_ca, 4),
         }
 
-    def fit(self, requests: list[Any], no_cache: list[Record]) -> dict[str, Any]:
-        """All-hit prefill time T(n) = a + b n, against the no-cache time of the trace.
+    def _all_hit(self, toks: np.ndarray, ns: Namespace, tries: int = 1) -> Record:
+        """Prefill of `toks` on fresh instances (empty L1/L2: every full page from L3); the fastest."""
+        best: Record | None = None
+        for _ in range(tries):
+            reader = self.instance("fit-reader", "l1_l2_l3", ns)
+            try:
+                rec = reader.prefill(toks)
+            finally:
+                reader.close()
+            if best is None or rec.prefill_s < best.prefill_s:
+                best = rec
+        assert best is not None
+        return best
 
-        All-hit points: `fit_points` trace prompts of spread-out lengths, cut to whole pages + one
-        token, on a fresh instance (empty L1/L2): every full page comes from L3, where the
-        l1_l2_l3 replay left it. No-cache line: every request of the no-cache replay."""
+    def short_prompts(self) -> list[dict[str, Any]]:
+        """All-hit and no-cache times of short prompts (1-16 pages + 1 token), where the break-even
+        lies: each written to L3 by one instance, recomputed without cache, and read back on fresh
+        instances (best of 2 each; logits compared)."""
+        P, mc = self.opts.model.page_size, self.opts.workload.max_context
+        rng = np.random.default_rng(self.opts.workload.seed + 13)
+        ns = self.namespace("short")
+        writer = self.instance("short-writer", "l1_l2_l3", ns)
+        nc = self.instance("short-nc", "no_cache")
+        points = []
+        try:
+            for k in [k for k in SHORT_PAGES if k * P < mc]:
+                toks = rng.integers(0, self.opts.model.vocab, size=k * P + 1, dtype=np.int64)
+                writer.backup(writer.prefill(toks))
+                ref = min((nc.prefill(toks) for _ in range(2)), key=lambda r: r.prefill_s)
+                hit = self._all_hit(toks, ns, tries=2)
+                self.verifier.compare(ref.logits, hit.logits)
+                ms = {"all_hit_ms": hit.prefill_s * 1e3, "no_cache_ms": ref.prefill_s * 1e3}
+                points.append({"tokens": int(toks.size), "hit_pages": hit.hit_l3, **ms})
+                self.tick("short")
+        finally:
+            writer.close()
+            nc.close()
+        return points
+
+    def fit(self, requests: list[Any], no_cache: list[Record]) -> dict[str, Any]:
+        """All-hit prefill time T(n) = a + b n and the break-even prompt length.
+
+        All-hit points: the short prompts, plus `fit_points` trace prompts of spread-out lengths
+        cut to whole pages + one token, on fresh instances (empty L1/L2): every full page comes
+        from L3, where the l1_l2_l3 replay left it. The no-cache line (for reference) is fit over
+        the short prompts and every request of the no-cache replay. The break-even length is
+        where the measured no-cache and all-hit times of the short prompts cross (interpolated;
+        extrapolated to 0 from the two shortest when hits win everywhere), not an extrapolation
+        of the lines."""
         P = self.opts.model.page_size
+        short = self.short_prompts()
         order = sorted(range(len(requests)), key=lambda i: requests[i].length)
         k = min(self.opts.fit_points, len(order))
         picks = sorted({order[round(j * (len(order) - 1) / max(1, k - 1))] for j in range(k)})
         ns = self.namespace("trace")
-        points = []
+        points = list(short)
         for i in picks:
             toks = requests[i].tokens
             toks = toks[: (toks.size - 1) // P * P + 1]
-            reader = self.instance("fit-reader", "l1_l2_l3", ns)
-            try:
-                hit = reader.prefill(toks)
-            finally:
-                reader.close()
+            hit = self._all_hit(toks, ns)
             points.append({"tokens": int(toks.size), "hit_pages": hit.hit_l3, "all_hit_ms": hit.prefill_s * 1e3})
             self.tick("fit")
         x = np.array([p["tokens"] for p in points], dtype=float)
-        b, a = (
-            np.polyfit(x, [p["all_hit_ms"] for p in points], 1) if len(points) > 1 else (0.0, points[0]["all_hit_ms"])
-        )
-        nx = np.array([r.tokens for r in no_cache], dtype=float)
-        d, c = np.polyfit(nx, [r.prefill_s * 1e3 for r in no_cache], 1)
-        # break-even: the prompt length above which loading from L3 beats recomputing
-        be: float | None = None if d <= b else max(0.0, (a - c) / (d - b))
+        b, a = np.polyfit(x, [p["all_hit_ms"] for p in points], 1)
+        nx = [p["tokens"] for p in short] + [r.tokens for r in no_cache]
+        ny = [p["no_cache_ms"] for p in short] + [r.prefill_s * 1e3 for r in no_cache]
+        d, c = np.polyfit(np.array(nx, dtype=float), ny, 1)
         return {
             "a_ms": round(float(a), 3),
             "b_us_per_token": round(float(b) * 1e3, 4),
             "no_cache_a_ms": round(float(c), 3),
             "no_cache_b_us_per_token": round(float(d) * 1e3, 4),
-            "break_even_tokens": None if be is None else round(be, 1),
+            "break_even_tokens": break_even(short),
             "all_hit": all(p["hit_pages"] == (p["tokens"] - 1) // P for p in points),
             "points": [{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()} for p in points],
         }
 
     def total_ticks(self, n_requests: int) -> int:
-        return len(CONFIGS) * n_requests + self.opts.cold_requests + self.opts.fit_points
+        return len(CONFIGS) * n_requests + self.opts.cold_requests + self.opts.fit_points + len(SHORT_PAGES)
 
 
 def summarize(opts: DemoOptions, requests: list[Any], recs: dict[str, list[Record]], page_bytes: int) -> dict[str, Any]:

@@ -187,3 +187,18 @@ def test_demo_cuda_request_without_gpu_is_an_error(tmp_path: Path, capsys: pytes
         pytest.skip("this machine has a GPU")
     assert main(["demo", "--quick", "--device", "cuda", "--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_break_even_from_measured_points() -> None:
+    from l3pool.demo.run import break_even
+
+    def pts(*rows: tuple[int, float, float]) -> list[dict[str, float]]:
+        return [{"tokens": n, "all_hit_ms": h, "no_cache_ms": c} for n, h, c in rows]
+
+    # recomputing is cheaper up to somewhere between 129 and 257 tokens: interpolated crossing
+    assert break_even(pts((65, 10, 5), (129, 10, 8), (257, 10, 14))) == pytest.approx(129 + 2 / 6 * 128, abs=0.1)
+    # hits win already at one page: the line through the two shortest points, down to where it crosses
+    assert break_even(pts((65, 5, 10), (129, 6, 20))) == pytest.approx(65 - 5 * 64 / 9, abs=0.1)
+    assert break_even(pts((65, 1, 100), (129, 1, 101))) == 0.0  # clamped
+    assert break_even(pts((65, 10, 5), (129, 20, 8))) is None  # hits never win
+    assert break_even([]) is None
