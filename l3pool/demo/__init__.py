@@ -139,6 +139,9 @@ def _run(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     from .run import run
 
     torch.set_flush_denormal(True)  # random weights produce denormals; they cost 10x on x86
+    if not getattr(a, "verbose", False):  # the demo makes dozens of pools and clients: their INFO lines are noise
+        logging.getLogger("l2core").setLevel(logging.WARNING)
+        logging.getLogger("l3pool.store").setLevel(logging.WARNING)
     with _endpoints(a) as (master, metadata_url, host, etcd, how):
         log.info("demo: %s", how)
         store = MooncakeStore(StoreConfig(master=master, metadata=metadata_url, local_hostname=host))
