@@ -131,6 +131,20 @@ def _cmd(a: argparse.Namespace) -> int:
 
 def _run(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     import torch
+
+    torch.set_flush_denormal(True)  # random weights produce denormals; they cost 10x on x86
+    quiet = [] if getattr(a, "verbose", False) else [logging.getLogger(n) for n in ("l2core", "l3pool.store")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:  # the demo makes dozens of pools and clients: their INFO lines are noise
+        lg.setLevel(logging.WARNING)
+    try:
+        return _run_demo(a, opts)
+    finally:
+        for lg, lvl in zip(quiet, levels, strict=True):
+            lg.setLevel(lvl)
+
+
+def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     from tqdm import tqdm
 
     from ..etcd import EtcdClient
@@ -138,10 +152,6 @@ def _run(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     from ..store import MooncakeStore, StoreConfig
     from .run import run
 
-    torch.set_flush_denormal(True)  # random weights produce denormals; they cost 10x on x86
-    if not getattr(a, "verbose", False):  # the demo makes dozens of pools and clients: their INFO lines are noise
-        logging.getLogger("l2core").setLevel(logging.WARNING)
-        logging.getLogger("l3pool.store").setLevel(logging.WARNING)
     with _endpoints(a) as (master, metadata_url, host, etcd, how):
         log.info("demo: %s", how)
         store = MooncakeStore(StoreConfig(master=master, metadata=metadata_url, local_hostname=host))
