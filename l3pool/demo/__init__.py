@@ -101,6 +101,8 @@ def _endpoints(a: argparse.Namespace) -> Iterator[tuple[str, str, str, str | Non
     if a.master:
         if not a.metadata:
             raise DemoError("--master needs --metadata (and --host: this node's IP)")
+        if a.host:  # this program is the application: Mooncake advertises this address to peers
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", a.host)
         yield a.master, a.metadata, a.host or "127.0.0.1", a.etcd, f"running pool at {a.master}"
         return
     if a.metadata or a.etcd or a.host:
