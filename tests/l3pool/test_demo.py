@@ -4,6 +4,7 @@ against a real local cluster (etcd, mooncake_master, 2 decode agents)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -202,3 +203,19 @@ def test_break_even_from_measured_points() -> None:
     assert break_even(pts((65, 1, 100), (129, 1, 101))) == 0.0  # clamped
     assert break_even(pts((65, 10, 5), (129, 20, 8))) is None  # hits never win
     assert break_even([]) is None
+
+
+def test_demo_against_a_running_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--master/--metadata/--host/--etcd: the demo uses an existing pool (namespace and stats land in
+    its etcd) and leaves it running."""
+    from l3pool.cluster import LocalCluster
+    from l3pool.metadata import Metadata
+
+    with LocalCluster(agents=2, segment_size="256MB", name=f"dm{os.getpid() % 10000}") as c:
+        args = ["--master", c.master, "--metadata", c.metadata_url, "--host", c.client_host, "--etcd", c.etcd_endpoints]
+        rc = main(["demo", *TINY, "--json", "--no-progress", "--no-plots", "--out", str(tmp_path), *args])
+        rep = json.loads(capsys.readouterr().out)
+        assert rc == 0 and rep["setup"]["pool"] == f"running pool at {c.master}"
+        assert rep["hit_rate"]["L3"] > 0 and rep["wrong_pages"] == 0
+        spaces = Metadata(c.etcd()).namespaces()
+        assert any(ns.get("model", "").startswith("l3pool-demo-mla") for ns in spaces.values())
