@@ -182,7 +182,11 @@ class PrefillInstance:
         if found:
             t = time.perf_counter()
             got = self.l2.alloc(found, l2_pinned)
-            res = self.l3.get(keys[:found], got) if self.l3 is not None else []
+            try:
+                res = self.l3.get(keys[:found], got) if self.l3 is not None else []
+            except BaseException:
+                self.l2.alloc_.free(got)  # nothing leaks when the pool errs
+                raise
             ok = 0
             while ok < len(res) and res[ok] is Outcome.OK:
                 ok += 1
