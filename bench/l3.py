@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.client import L3Client
-from l3pool.keys import Namespace, page_hashes
-from l3pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.client import L3Client
+from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
 MODELS = {"mla": lambda: KVSpec.mla(78), "mha": lambda: KVSpec.mha(32, 8, 128)}
 
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                             p.error("--master needs --metadata")
                         master, metadata, host = args.master, args.metadata, args.host
                     else:
-                        from l3pool.cluster import LocalCluster
+                        from l3pool.cluster.local import LocalCluster
 
                         cl = stack.enter_context(LocalCluster(agents=2, segment_size=args.segment_size))
                         master, metadata, host = cl.master, cl.metadata_url, cl.client_host

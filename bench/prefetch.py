@@ -19,7 +19,7 @@ ramp-up, a second call in flight costs CPU the transfer needs, and the 256-page 
 interrupt() within one ~100 ms batch. `prefetch_ratio` = raw time / prefetch time (medians);
 `prefetch_vs_batched_ratio` compares with raw_batched, i.e. the prefetcher's own overhead over
 Mooncake at the same call sizes (on TCP, Mooncake's per-call cost makes 64-page calls slower than
-one 512-page call). The PP-lock latencies come from `l3pool.pplock.measure_lock_latencies`
+one 512-page call). The PP-lock latencies come from `l3pool.pool.pplock.measure_lock_latencies`
 (4 stages x `--pages` pages), with the raw dependency floors measured in the same run, interleaved:
 `raw_exists_*` (one `batch_is_exist` of the same 4 x pages keys), `raw_etcd_txn_*` (a put-if-absent
 txn), `raw_etcd_get_*`, and `lock_acquire_vs_raw` = acquire p99 / (raw exists p99 + raw txn p99),
@@ -45,10 +45,10 @@ from typing import Any
 import torch
 
 from l2core import HostKVPool, L2Config
-from l3pool.client import L3Client
-from l3pool.prefetch import Prefetcher, batch_schedule
-from l3pool.prefetch_test import LAYOUT, Endpoints, PrefixSet, run_writer
-from l3pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.client import L3Client
+from l3pool.pool.prefetch import Prefetcher, batch_schedule
+from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.tools.prefetch_check import LAYOUT, Endpoints, PrefixSet, run_writer
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -64,11 +64,11 @@ def _lock_latencies(cluster: Any, requests: int, pages: int) -> tuple[dict[str, 
         "raw_etcd_get_p50_ms", "raw_etcd_get_p99_ms", "lock_acquire_vs_raw", "lock_acquire_p50_vs_raw",
         "stage_join_vs_raw", "stage_join_p50_vs_raw",
     )  # fmt: skip
-    if importlib.util.find_spec("l3pool.pplock") is None:
-        return dict.fromkeys(keys), "l3pool/pplock.py does not exist yet"
+    if importlib.util.find_spec("l3pool.pool.pplock") is None:
+        return dict.fromkeys(keys), "l3pool/pool/pplock.py does not exist yet"
     if cluster is None:
         return dict.fromkeys(keys), "pplock latencies need the local cluster (no endpoints given)"
-    from l3pool.pplock import measure_lock_latencies
+    from l3pool.pool.pplock import measure_lock_latencies
 
     got = measure_lock_latencies(cluster, requests, pages=pages, stages=4)
     return {k: round(v, 3) if isinstance(v := got.get(k), float) else v for k in keys}, None
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             import os
 
-            from l3pool.cluster import LocalCluster
+            from l3pool.cluster.local import LocalCluster
 
             cluster = stack.enter_context(
                 LocalCluster(agents=2, segment_size=args.segment_size, name=f"l3bp{uuid.uuid4().hex[:4]}")

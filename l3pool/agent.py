@@ -34,9 +34,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from l2core.units import parse_size
-
-from .etcd import EtcdClient, EtcdError, LeaseKeeper, parse_endpoints
-from .metadata import DEFAULT_PREFIX, MemberInfo, Metadata, check_id, check_prefix
+from l3pool.pool.etcd import EtcdClient, EtcdError, LeaseKeeper, parse_endpoints
+from l3pool.pool.metadata import DEFAULT_PREFIX, MemberInfo, Metadata, check_id, check_prefix
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +157,7 @@ class Agent:
     """The running agent: one Mooncake client (the donation) and its member key in etcd."""
 
     def __init__(self, settings: AgentSettings, etcd: EtcdClient) -> None:
-        from .store import MooncakeStore, StoreConfig  # mooncake loads here, not at import
+        from l3pool.pool.store import MooncakeStore, StoreConfig  # mooncake loads here, not at import
 
         s = self.settings = settings
         self.metadata = Metadata(etcd, s.key_prefix)
@@ -259,7 +258,7 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
             check_reachable(s, etcd)
         except ConnectionError as e:
             return _fail(2, str(e))
-        from .store import StoreError
+        from l3pool.pool.store import StoreError
 
         try:
             agent = Agent(s, etcd)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from . import __version__
+from l3pool import __version__
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -42,7 +42,14 @@ def _info(args: argparse.Namespace) -> int:
 # Subcommand modules: each defines add_parser(subparsers) that registers its command with
 # set_defaults(fn=callable(args) -> exit code). Imported lazily so `l3pool info` works even
 # where mooncake is missing.
-_COMMANDS = ("agent", "cluster", "demo", "deploy", "inspect", "prefetch_test")
+_COMMANDS = (
+    "l3pool.agent",
+    "l3pool.cluster.cli",
+    "l3pool.adapters.demo",
+    "l3pool.tools.deploy",
+    "l3pool.tools.inspect",
+    "l3pool.tools.prefetch_check",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     info.set_defaults(fn=_info)
     for name in _COMMANDS:
         try:
-            mod = importlib.import_module(f"l3pool.{name}")
+            mod = importlib.import_module(name)
         except ModuleNotFoundError as e:
-            if e.name != f"l3pool.{name}":
+            if e.name != name:
                 raise
             continue
         mod.add_parser(sub)

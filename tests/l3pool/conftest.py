@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from l3pool.etcd import EtcdClient, EtcdError
+from l3pool.pool.etcd import EtcdClient, EtcdError
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[2]

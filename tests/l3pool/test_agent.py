@@ -12,7 +12,7 @@ import time
 import pytest
 
 from l3pool.agent import parse_size
-from l3pool.etcd import EtcdClient
+from l3pool.pool.etcd import EtcdClient
 
 from .conftest import (
     REPO,
@@ -262,6 +262,6 @@ def test_parse_size_agrees_with_l2core(text: str) -> None:
 
 
 def test_agent_and_cli_import_without_torch() -> None:
-    code = "import sys, l3pool.cli, l3pool.agent, l3pool.inspect; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, l3pool.cli, l3pool.agent, l3pool.tools.inspect; sys.exit(1 if 'torch' in sys.modules else 0)"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=30)
     assert r.returncode == 0, "importing the agent pulled in torch (slow start on decode nodes)"

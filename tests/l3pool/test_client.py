@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from l2core import LAYOUTS, ConfigError, HostKVPool, KVSpec, L2Config
-from l3pool.client import L3Client
-from l3pool.cluster import LocalCluster
-from l3pool.etcd import EtcdClient
-from l3pool.keys import Namespace, page_hashes
-from l3pool.store import MooncakeStore, Outcome, StoreConfig, StoreUnavailable
+from l3pool.cluster.local import LocalCluster
+from l3pool.pool.client import L3Client
+from l3pool.pool.etcd import EtcdClient
+from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, StoreUnavailable
 
 SPECS = {"mla": KVSpec.mla(6, page_size=16), "mha": KVSpec.mha(4, 2, 64, page_size=16)}
 
@@ -274,7 +274,7 @@ def test_checksum_mismatch_is_a_miss_never_wrong_bytes(store: MooncakeStore) -> 
 
 
 def test_unknown_namespace_and_published_stats(store: MooncakeStore, cluster: LocalCluster) -> None:
-    from l3pool.metadata import Metadata
+    from l3pool.pool.metadata import Metadata
 
     md = Metadata(EtcdClient(cluster.etcd_endpoints), cluster.key_prefix)
     spec = SPECS["mla"]

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-import l3pool.cluster as cluster_mod
-from l3pool.cluster import ClusterAlreadyUp, ClusterError, LocalCluster, down, read_state
-from l3pool.etcd import EtcdClient
-from l3pool.store import MooncakeStore, Outcome, StoreConfig
+import l3pool.cluster.local as cluster_mod
+from l3pool.cluster.local import ClusterAlreadyUp, ClusterError, LocalCluster, down, read_state
+from l3pool.pool.etcd import EtcdClient
+from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
 REPO = Path(__file__).resolve().parents[2]
 HAVE_NETNS = os.geteuid() == 0 and subprocess.run(["which", "ip"], capture_output=True).returncode == 0
@@ -40,8 +40,8 @@ NETNS_SKIP = "network namespaces need root and iproute2's `ip`; the loopback fal
 # under {prefix}/members/{id} with a lease, exit 0 on SIGTERM.
 STANDIN = r"""
 import argparse, json, signal, sys, threading
-from l3pool.etcd import EtcdClient, LeaseKeeper
-from l3pool.store import MooncakeStore, StoreConfig
+from l3pool.pool.etcd import EtcdClient, LeaseKeeper
+from l3pool.pool.store import MooncakeStore, StoreConfig
 p = argparse.ArgumentParser()
 for f in ("--master", "--metadata", "--etcd", "--host", "--segment-size", "--key-prefix", "--id", "--lease-ttl"):
     p.add_argument(f)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from l2core import ConfigError
+from l3pool.adapters.demo.engine import PrefillInstance
+from l3pool.adapters.demo.model import ModelConfig, RefModel
+from l3pool.adapters.demo.workload import WorkloadConfig, generate, prefix_reuse
 from l3pool.cli import main
-from l3pool.demo.engine import PrefillInstance
-from l3pool.demo.model import ModelConfig, RefModel
-from l3pool.demo.workload import WorkloadConfig, generate, prefix_reuse
 
 TINY = ["--quick", "--layers", "2", "--sessions", "2", "--turns", "3", "--min-context", "256", "--max-context", "640"]
 
@@ -142,8 +142,8 @@ def test_demo_detects_corrupted_pages(
 ) -> None:
     """A byte flipped in every page that arrives from L3 must show up as wrong pages, different
     logits and exit code 1: the demo's checks can fail."""
-    from l3pool.client import L3Client
-    from l3pool.store import Outcome
+    from l3pool.pool.client import L3Client
+    from l3pool.pool.store import Outcome
 
     real_get = L3Client.get
 
@@ -191,7 +191,7 @@ def test_demo_cuda_request_without_gpu_is_an_error(tmp_path: Path, capsys: pytes
 
 
 def test_break_even_from_measured_points() -> None:
-    from l3pool.demo.run import break_even
+    from l3pool.adapters.demo.run import break_even
 
     def pts(*rows: tuple[int, float, float]) -> list[dict[str, float]]:
         return [{"tokens": n, "all_hit_ms": h, "no_cache_ms": c} for n, h, c in rows]
@@ -208,8 +208,8 @@ def test_break_even_from_measured_points() -> None:
 def test_demo_against_a_running_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--master/--metadata/--host/--etcd: the demo uses an existing pool (namespace and stats land in
     its etcd) and leaves it running."""
-    from l3pool.cluster import LocalCluster
-    from l3pool.metadata import Metadata
+    from l3pool.cluster.local import LocalCluster
+    from l3pool.pool.metadata import Metadata
 
     with LocalCluster(agents=2, segment_size="256MB", name=f"dm{os.getpid() % 10000}") as c:
         args = ["--master", c.master, "--metadata", c.metadata_url, "--host", c.client_host, "--etcd", c.etcd_endpoints]

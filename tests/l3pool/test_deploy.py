@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from l3pool.cli import main
-from l3pool.cluster import LocalCluster
-from l3pool.deploy import ADAPTER, plan, select
-from l3pool.deploy_config import LAYOUTS, load_config
+from l3pool.cluster.local import LocalCluster
+from l3pool.tools.deploy import ADAPTER, plan, select
+from l3pool.tools.deploy_config import LAYOUTS, load_config
 
 from .conftest import REPO, free_ports
 
@@ -250,7 +250,7 @@ def test_render_json_prefill_flags(capsys: pytest.CaptureFixture[str]) -> None:
             "checksum": False,
             "tenant": "",
         }
-        assert extra["module_path"] == "l3pool.sglang_backend" and extra["class_name"] == "L3PoolStorage"
+        assert extra["module_path"] == "l3pool.adapters.sglang_hicache" and extra["class_name"] == "L3PoolStorage"
         assert shlex.split(p["shell"]) == ["env", f"MC_TCP_BIND_ADDRESS={host}", *argv]  # copy-paste safe
     a = procs["agent-decode-3"]["argv"]
     assert a[:3] == ["numactl", "--cpunodebind=1", "--membind=1"] and a[3:5] == ["l3pool", "agent"]
@@ -418,7 +418,7 @@ def test_verify_local_cluster_all_present(
     rc, out, _ = _cli(capsys, "verify", path)
     assert rc == 0, out
     assert "OK: 2 of 2 decode nodes donating as configured" in out
-    hint = f"l3pool prefetch-test --etcd {cluster.etcd_endpoints} --master {cluster.master} --metadata "
+    hint = f"l3pool prefetch-check --etcd {cluster.etcd_endpoints} --master {cluster.master} --metadata "
     assert f"{hint}{cluster.metadata_url} --host {cluster.client_host}" in out
     rc, out, _ = _cli(capsys, "verify", path, "--json")
     v = json.loads(out)
@@ -474,6 +474,6 @@ def test_launch_sh(tmp_path: Path) -> None:
 
 
 def test_deploy_imports_without_torch() -> None:
-    code = "import sys, l3pool.deploy, l3pool.deploy_config; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, l3pool.tools.deploy, l3pool.tools.deploy_config; sys.exit(1 if 'torch' in sys.modules else 0)"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=30)
-    assert r.returncode == 0, "l3pool.deploy pulled in torch: `deploy check` must run on any node"
+    assert r.returncode == 0, "l3pool.tools.deploy pulled in torch: `deploy check` must run on any node"

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from l3pool.cli import main
-from l3pool.etcd import LeaseKeeper
-from l3pool.inspect import InspectError, collect
-from l3pool.metadata import Metadata
+from l3pool.pool.etcd import LeaseKeeper
+from l3pool.pool.metadata import Metadata
+from l3pool.tools.inspect import InspectError, collect
 
 from .conftest import REPO, AgentProc, EtcdServer, MasterServer, agent_args, agent_process, free_ports
 
@@ -38,7 +38,7 @@ NS_RECORD = {
 
 _WRITER = """
 import ctypes, json, sys
-from l3pool.store import MooncakeStore, StoreConfig
+from l3pool.pool.store import MooncakeStore, StoreConfig
 master, metadata, page, keys = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 store = MooncakeStore(StoreConfig(master=master, metadata=metadata, local_hostname="127.0.0.1"))
 buf = ctypes.create_string_buffer(len(keys) * page)

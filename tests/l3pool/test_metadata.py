@@ -1,4 +1,4 @@
-"""The etcd schema (l3pool.metadata) against a real etcd."""
+"""The etcd schema (l3pool.pool.metadata) against a real etcd."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from l3pool import __version__
-from l3pool.etcd import EtcdClient, LeaseKeeper
-from l3pool.metadata import MemberInfo, Metadata, MetadataError, check_id, check_prefix
+from l3pool.pool.etcd import EtcdClient, LeaseKeeper
+from l3pool.pool.metadata import MemberInfo, Metadata, MetadataError, check_id, check_prefix
 
 from .conftest import EtcdServer, wait_for
 

@@ -26,13 +26,13 @@ import pytest
 import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.client import L3Client
-from l3pool.cluster import LocalCluster, _find_master_bin
-from l3pool.etcd import EtcdClient
-from l3pool.keys import Namespace, page_hashes
-from l3pool.metadata import Metadata
-from l3pool.pplock import LockError, StageLocks, UnknownRequest, _prefix_lens, measure_lock_latencies
-from l3pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.cluster.local import LocalCluster, _find_master_bin
+from l3pool.pool.client import L3Client
+from l3pool.pool.etcd import EtcdClient
+from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.metadata import Metadata
+from l3pool.pool.pplock import LockError, StageLocks, UnknownRequest, _prefix_lens, measure_lock_latencies
+from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = 4

@@ -1,6 +1,6 @@
 """Prefetcher against the real local cluster (etcd, mooncake_master, 2 agents in their own network
 namespaces when root): interrupt at random points, generations, cancel/close, a dead agent, bad
-input, and a `l3pool prefetch-test --json` smoke run. Bounded: every wait has a timeout."""
+input, and a `l3pool prefetch-check --json` smoke run. Bounded: every wait has a timeout."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from l2core import ConfigError, HostKVPool, KVSpec, L2Config
-from l3pool.client import L3Client
-from l3pool.cluster import LocalCluster
-from l3pool.keys import Namespace, page_hashes
-from l3pool.prefetch import PrefetchClosed, Prefetcher, batch_schedule
-from l3pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.cluster.local import LocalCluster
+from l3pool.pool.client import L3Client
+from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.prefetch import PrefetchClosed, Prefetcher, batch_schedule
+from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
 SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
 LAYOUT = "page_first_direct"
@@ -371,9 +371,9 @@ def test_dead_agent_gives_shorter_prefix() -> None:
             st.close()
 
 
-def test_cli_prefetch_test_json() -> None:
+def test_cli_prefetch_check_json() -> None:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "l3pool.cli", "prefetch-test", "--json", "--pages", "48", "--batch", "8",
+    cmd = [sys.executable, "-m", "l3pool.cli", "prefetch-check", "--json", "--pages", "48", "--batch", "8",
            "--requests", "2", "--interrupt-after", "0.5", "--layers", "2", "--page-size", "16",
            "--segment-size", "64MB", "--name", f"l3pq{uuid.uuid4().hex[:4]}"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)

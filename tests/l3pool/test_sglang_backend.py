@@ -1,4 +1,4 @@
-"""The SGLang HiCache backend (`l3pool.sglang_backend.L3PoolStorage`) against the installed
+"""The SGLang HiCache backend (`l3pool.adapters.sglang_hicache.L3PoolStorage`) against the installed
 sglang package, a real etcd + mooncake_master and a real decode agent donating DRAM.
 
 Host pools: SGLang's own `MHATokenToKVPoolHost` / `MLATokenToKVPoolHost` cannot be imported on
@@ -33,10 +33,10 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from l2core.spec import ConfigError
-from l3pool.etcd import EtcdClient
-from l3pool.metadata import Metadata
-from l3pool.sglang_backend import L3PoolStorage
-from l3pool.store import StoreUnavailable
+from l3pool.adapters.sglang_hicache import L3PoolStorage
+from l3pool.pool.etcd import EtcdClient
+from l3pool.pool.metadata import Metadata
+from l3pool.pool.store import StoreUnavailable
 
 from .conftest import (
     EtcdServer,
@@ -149,7 +149,7 @@ def donor(etcd_server: EtcdServer, mooncake_master: MasterServer) -> Iterator[Ma
 def extra_config(master: MasterServer, **kw: Any) -> dict[str, Any]:
     return {
         "backend_name": "l3pool",
-        "module_path": "l3pool.sglang_backend",
+        "module_path": "l3pool.adapters.sglang_hicache",
         "class_name": "L3PoolStorage",
         "interface_v1": 1,
         "master": master.rpc,
@@ -352,7 +352,7 @@ def test_bad_extra_config_is_refused_clearly(change: dict[str, Any], message: st
 def extra_config_offline() -> dict[str, Any]:
     return {
         "backend_name": "l3pool",
-        "module_path": "l3pool.sglang_backend",
+        "module_path": "l3pool.adapters.sglang_hicache",
         "class_name": "L3PoolStorage",
         "interface_v1": 1,
         "master": "127.0.0.1:1",
@@ -401,9 +401,9 @@ def test_dead_master_gives_false_not_tracebacks(monkeypatch: pytest.MonkeyPatch)
 def test_deploy_rendered_extra_config_is_accepted() -> None:
     """`l3pool deploy render` writes the extra-config of every prefill node; the adapter must accept
     it as is (same keys, types, and the interface_v1 switch), pointing at the configured pool."""
-    from l3pool.deploy import adapter_extra_config
-    from l3pool.deploy_config import load_config
-    from l3pool.sglang_backend import BackendConfig
+    from l3pool.adapters.sglang_hicache import BackendConfig
+    from l3pool.tools.deploy import adapter_extra_config
+    from l3pool.tools.deploy_config import load_config
 
     cfg, problems = load_config(Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml")
     assert cfg is not None and cfg.prefill and not [p for p in problems if p.severity == "error"]

@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from .etcd import EtcdClient, EtcdError
-from .keys import Namespace
-from .metadata import Metadata, check_id
-from .store import MooncakeStore, Outcome
+from l3pool.pool.etcd import EtcdClient, EtcdError
+from l3pool.pool.keys import Namespace
+from l3pool.pool.metadata import Metadata, check_id
+from l3pool.pool.store import MooncakeStore, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -405,7 +405,7 @@ class StageLocks:
 
 
 def _range_end(prefix: str) -> bytes:
-    from .etcd import prefix_end
+    from l3pool.pool.etcd import prefix_end
 
     return prefix_end(prefix)
 
@@ -445,7 +445,7 @@ def measure_lock_latencies(
     its own `StageLocks` and etcd connection; `pages` small objects per stage are put first."""
     import numpy as np
 
-    from .store import StoreConfig
+    from l3pool.pool.store import StoreConfig
 
     own_store = False
     if isinstance(cluster_or_endpoints, str):

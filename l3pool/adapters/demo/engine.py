@@ -4,7 +4,7 @@
     rec = eng.prefill(tokens)         # timed: match L1 -> L2 -> L3, load, compute the misses
     eng.backup(rec)                   # after the request, as a backup thread would: L1 -> L2 -> L3
 
-Matching is by chained page hash (l3pool.keys.page_hashes): the longest prefix in L1, then its
+Matching is by chained page hash (l3pool.pool.keys.page_hashes): the longest prefix in L1, then its
 continuation in L2, then in L3 (`L3Client.lookup` + `get` into freshly allocated L2 pages; only
 the leading run of pages that arrived intact counts). At least the last token is always computed,
 so the engine returns logits. Hits move L3 -> L2 -> L1 with l2core's batched scatter, all layers in
@@ -30,11 +30,10 @@ from l2core import ops
 from l2core.allocator import PageAllocator
 from l2core.pool import HostKVPool, L2Config
 from l2core.spec import ConfigError
-
-from ..client import L3Client
-from ..keys import Namespace, page_hashes
-from ..store import MooncakeStore, Outcome
-from .model import RefModel
+from l3pool.adapters.demo.model import RefModel
+from l3pool.pool.client import L3Client
+from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.store import MooncakeStore, Outcome
 
 
 @dataclass

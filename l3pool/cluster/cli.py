@@ -1,4 +1,4 @@
-"""`l3pool cluster up|down|status`: the command line of `l3pool.cluster`."""
+"""`l3pool cluster up|down|status`: the command line of `l3pool.cluster.local`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cluster import (
+from l3pool.cluster.local import (
     DEFAULT_NAME,
     DEFAULT_SUBNET,
     ClusterConfigError,

@@ -73,9 +73,9 @@ class DemoError(RuntimeError):
 def _options(a: argparse.Namespace) -> Any:
     import torch
 
-    from .model import ModelConfig
-    from .run import DemoOptions
-    from .workload import WorkloadConfig
+    from l3pool.adapters.demo.model import ModelConfig
+    from l3pool.adapters.demo.run import DemoOptions
+    from l3pool.adapters.demo.workload import WorkloadConfig
 
     device = a.device
     if device == "auto":
@@ -107,7 +107,7 @@ def _endpoints(a: argparse.Namespace) -> Iterator[tuple[str, str, str, str | Non
         return
     if a.metadata or a.etcd or a.host:
         raise DemoError("--metadata/--etcd/--host need --master (or give none to start a local cluster)")
-    from ..cluster import LocalCluster
+    from l3pool.cluster.local import LocalCluster
 
     with LocalCluster(agents=2, segment_size=a.segment_size, name=f"demo{os.getpid() % 100000}") as c:
         os.environ.update(c.client_env())  # this program is the application: Mooncake's address
@@ -117,9 +117,8 @@ def _endpoints(a: argparse.Namespace) -> Iterator[tuple[str, str, str, str | Non
 
 def _cmd(a: argparse.Namespace) -> int:
     from l2core.spec import ConfigError
-
-    from ..cluster import ClusterError
-    from ..store import StoreError
+    from l3pool.cluster.local import ClusterError
+    from l3pool.pool.store import StoreError
 
     try:
         opts = _options(a)
@@ -135,7 +134,7 @@ def _run(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     import torch
 
     torch.set_flush_denormal(True)  # random weights produce denormals; they cost 10x on x86
-    quiet = [] if getattr(a, "verbose", False) else [logging.getLogger(n) for n in ("l2core", "l3pool.store")]
+    quiet = [] if getattr(a, "verbose", False) else [logging.getLogger(n) for n in ("l2core", "l3pool.pool.store")]
     levels = [lg.level for lg in quiet]
     for lg in quiet:  # the demo makes dozens of pools and clients: their INFO lines are noise
         lg.setLevel(logging.WARNING)
@@ -149,10 +148,10 @@ def _run(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
 def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from ..etcd import EtcdClient
-    from ..metadata import Metadata
-    from ..store import MooncakeStore, StoreConfig
-    from .run import run
+    from l3pool.adapters.demo.run import run
+    from l3pool.pool.etcd import EtcdClient
+    from l3pool.pool.metadata import Metadata
+    from l3pool.pool.store import MooncakeStore, StoreConfig
 
     with _endpoints(a) as (master, metadata_url, host, etcd, how):
         log.info("demo: %s", how)
@@ -180,7 +179,7 @@ def _verdict(rep: dict[str, Any]) -> list[str]:
 
 
 def _write(a: argparse.Namespace, rep: dict[str, Any]) -> bool:
-    from .report import plot, table
+    from l3pool.adapters.demo.report import plot, table
 
     bad = _verdict(rep)
     rep["ok"] = not bad

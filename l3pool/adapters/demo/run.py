@@ -29,12 +29,11 @@ import numpy as np
 import torch
 
 from l2core.spec import ConfigError
-
-from ..keys import Namespace, page_hashes
-from ..store import MooncakeStore
-from .engine import L3Side, PrefillInstance, Record
-from .model import ModelConfig, RefModel
-from .workload import WorkloadConfig, generate, prefix_reuse
+from l3pool.adapters.demo.engine import L3Side, PrefillInstance, Record
+from l3pool.adapters.demo.model import ModelConfig, RefModel
+from l3pool.adapters.demo.workload import WorkloadConfig, generate, prefix_reuse
+from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.store import MooncakeStore
 
 log = logging.getLogger(__name__)
 CONFIGS = ("no_cache", "l1_l2", "l1_l2_l3")

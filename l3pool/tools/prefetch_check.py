@@ -1,7 +1,7 @@
-"""`l3pool prefetch-test`: cross-node prefetch against a running pool, or a local cluster.
+"""`l3pool prefetch-check`: cross-node prefetch against a running pool, or a local cluster.
 
-    l3pool prefetch-test [--json] [--plot FILE.png] [--pages 512 --batch 32 --requests 4]
-    l3pool prefetch-test --master H:P --metadata URL --host MY_IP     # a running pool
+    l3pool prefetch-check [--json] [--plot FILE.png] [--pages 512 --batch 32 --requests 4]
+    l3pool prefetch-check --master H:P --metadata URL --host MY_IP     # a running pool
 
 1. A *writer* process puts a test prefix set (`--requests` prefixes of `--pages` pages whose bytes
    come from `--seed`) from one node: without endpoints the local cluster is started
@@ -16,7 +16,7 @@
    (a new generation of the request) and frees it.
 Reports bandwidth, p50/p99 per-batch latency, interrupt latency (interrupt() call to result),
 and the L2 pages left in use (must be 0). Exit code 0 only when every byte was right and
-nothing leaked. `python -m l3pool.prefetch_test writer ...` is the writer's entry point.
+nothing leaked. `python -m l3pool.tools.prefetch_check writer ...` is the writer's entry point.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = "page_first_direct"  # page bytes contiguous: one zero-copy fragment per page
-MODEL = "l3pool-prefetch-test"
+MODEL = "l3pool-prefetch-check"
 
 
 @dataclass(frozen=True)
@@ -59,14 +59,14 @@ class PrefixSet:
         return KVSpec.mla(self.layers, page_size=self.page_size)
 
     def namespace(self) -> Any:
-        from .keys import Namespace
+        from l3pool.pool.keys import Namespace
 
         return Namespace.for_pool(self.spec(), LAYOUT, MODEL, tenant=self.tenant)
 
     def keys(self, r: int) -> list[str]:
         import numpy as np
 
-        from .keys import page_hashes
+        from l3pool.pool.keys import page_hashes
 
         toks = np.random.default_rng([self.seed, r]).integers(0, 1 << 30, self.pages * self.page_size)
         return self.namespace().keys(page_hashes(toks, self.page_size))  # type: ignore[no-any-return]
@@ -101,7 +101,7 @@ def _pages_view(pool: Any) -> Any:
 
 # -- writer (runs in another process, normally another network namespace) -------------------------
 def _writer_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m l3pool.prefetch_test writer")
+    p = argparse.ArgumentParser(prog="python -m l3pool.tools.prefetch_check writer")
     for k in ("layers", "page_size", "pages", "requests", "seed"):
         p.add_argument(f"--{k.replace('_', '-')}", type=int, required=True)
     p.add_argument("--tenant", required=True)
@@ -110,9 +110,8 @@ def _writer_main(argv: list[str]) -> int:
     p.add_argument("--host", required=True)
     a = p.parse_args(argv)
     from l2core import HostKVPool, L2Config
-
-    from .client import L3Client
-    from .store import MooncakeStore, Outcome, StoreConfig
+    from l3pool.pool.client import L3Client
+    from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
     ps = PrefixSet(a.layers, a.page_size, a.pages, a.requests, a.seed, a.tenant)
     spec = ps.spec()
@@ -141,7 +140,7 @@ def _writer_main(argv: list[str]) -> int:
 def run_writer(ps: PrefixSet, ep: Endpoints, timeout: float = 300) -> dict[str, Any]:
     """Write the prefix set from another process (inside `ep.writer_netns` when given)."""
     host = ep.writer_host or ep.host
-    cmd = [sys.executable, "-m", "l3pool.prefetch_test", "writer", *ps.to_args(),
+    cmd = [sys.executable, "-m", "l3pool.tools.prefetch_check", "writer", *ps.to_args(),
            f"--master={ep.master}", f"--metadata={ep.metadata}", f"--host={host}"]  # fmt: skip
     if ep.writer_netns:
         cmd = ["ip", "netns", "exec", ep.writer_netns, *cmd]
@@ -168,7 +167,7 @@ def endpoints(args: argparse.Namespace) -> Iterator[Endpoints]:
         return
     if args.metadata or args.etcd:
         raise SystemExit("--metadata/--etcd need --master too (or give none to start a local cluster)")
-    from .cluster import LocalCluster
+    from l3pool.cluster.local import LocalCluster
 
     name = args.name or f"l3pt{uuid.uuid4().hex[:4]}"
     with LocalCluster(agents=2, segment_size=args.segment_size, name=name) as c:
@@ -196,12 +195,11 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
     from tqdm import tqdm
 
     from l2core import HostKVPool, L2Config
+    from l3pool.pool.client import L3Client
+    from l3pool.pool.prefetch import Prefetcher
+    from l3pool.pool.store import MooncakeStore, StoreConfig
 
-    from .client import L3Client
-    from .prefetch import Prefetcher
-    from .store import MooncakeStore, StoreConfig
-
-    bar = tqdm(total=2 * ps.requests + 1, desc="prefetch-test", unit="step", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=2 * ps.requests + 1, desc="prefetch-check", unit="step", file=sys.stderr, disable=not progress)
     bar.set_postfix_str("writing")
     writer = run_writer(ps, ep)
     bar.update(1)
@@ -337,13 +335,13 @@ def _interrupt_arg(v: str) -> str:
 def _cmd(args: argparse.Namespace) -> int:
     for name in ("pages", "batch", "requests", "inflight", "layers", "page_size"):
         if getattr(args, name) < 1:
-            print(f"l3pool prefetch-test: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            print(f"l3pool prefetch-check: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("l3pool prefetch-test: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            print("l3pool prefetch-check: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
             return 2
     ps = PrefixSet(args.layers, args.page_size, args.pages, args.requests, args.seed, uuid.uuid4().hex)
     try:
@@ -352,7 +350,7 @@ def _cmd(args: argparse.Namespace) -> int:
                 ep = Endpoints(**{**ep.__dict__, "writer_netns": None})
             rep = run_test(ps, ep, args, progress=not args.no_progress)
     except (RuntimeError, OSError) as e:  # ClusterError, StoreError, writer failures
-        print(f"l3pool prefetch-test: {e}", file=sys.stderr)
+        print(f"l3pool prefetch-check: {e}", file=sys.stderr)
         return 1
     if args.plot:
         _plot(rep, args.plot)
@@ -363,7 +361,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "prefetch-test", help="cross-node prefetch test: write from one node, prefetch + verify on another"
+        "prefetch-check", help="cross-node prefetch test: write from one node, prefetch + verify on another"
     )
     p.add_argument("--etcd", help="etcd endpoints of a running pool (informational)")
     p.add_argument("--master", help="mooncake_master host:port of a running pool (default: start a local cluster)")
@@ -389,5 +387,5 @@ def add_parser(subparsers: Any) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["writer"]:
         sys.exit(_writer_main(sys.argv[2:]))
-    print("usage: l3pool prefetch-test ... (or python -m l3pool.prefetch_test writer ...)", file=sys.stderr)
+    print("usage: l3pool prefetch-check ... (or python -m l3pool.tools.prefetch_check writer ...)", file=sys.stderr)
     sys.exit(2)

@@ -6,7 +6,7 @@ with its `dynamic` storage backend:
     python -m sglang.launch_server ... --enable-hierarchical-cache \\
         --hicache-mem-layout page_first_direct --hicache-storage-backend dynamic \\
         --hicache-storage-backend-extra-config '{
-            "backend_name": "l3pool", "module_path": "l3pool.sglang_backend",
+            "backend_name": "l3pool", "module_path": "l3pool.adapters.sglang_hicache",
             "class_name": "L3PoolStorage", "interface_v1": 1,
             "master": "10.0.0.1:50051", "metadata_server": "http://10.0.0.1:8080/metadata",
             "etcd": "http://10.0.0.1:2379", "local_hostname": "10.0.0.2",
@@ -77,10 +77,9 @@ from l2core.memory import HostMemory
 from l2core.pool import HostKVPool, L2Config
 from l2core.spec import ConfigError, KVSpec
 from l2core.units import parse_size
-
-from .client import L3Client
-from .keys import Namespace
-from .store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.client import L3Client
+from l3pool.pool.keys import Namespace
+from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +256,8 @@ class L3PoolStorage(HiCacheStorage):
             )
         )
         if c.etcd is not None:
-            from .etcd import EtcdClient
-            from .metadata import Metadata, check_prefix
+            from l3pool.pool.etcd import EtcdClient
+            from l3pool.pool.metadata import Metadata, check_prefix
 
             try:
                 check_prefix(c.key_prefix)

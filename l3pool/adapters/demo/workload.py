@@ -97,7 +97,7 @@ def generate(cfg: WorkloadConfig) -> list[Request]:
 def prefix_reuse(requests: list[Request], page_size: int) -> float:
     """Fraction of all tokens that lie in full pages whose prefix appeared in an earlier request
     (what an unbounded cache could hit)."""
-    from l3pool.keys import page_hashes
+    from l3pool.pool.keys import page_hashes
 
     seen: set[bytes] = set()
     hit = total = 0

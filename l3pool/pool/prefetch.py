@@ -57,9 +57,8 @@ import numpy as np
 
 from l2core.allocator import OutOfPages
 from l2core.spec import ConfigError
-
-from .client import L3Client
-from .store import Outcome
+from l3pool.pool.client import L3Client
+from l3pool.pool.store import Outcome
 
 log = logging.getLogger(__name__)
 _PRIORITY = {"interrupt": 0, "supersede": 1, "cancel": 2}

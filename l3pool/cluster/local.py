@@ -31,7 +31,7 @@ signalled), process groups, ports, namespaces and links; it is rewritten after e
 start(), so `down` can clean up even after the launching process was killed. Logs go to
 `state_dir/{etcd,master,agent-K}.log`.
 
-CLI: `l3pool cluster up|down|status` (see `add_parser`).
+CLI: `l3pool cluster up|down|status` (`l3pool.cluster.cli`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._cluster_os import (  # noqa: F401 (re-exported: tests patch/use some of these by this module's name)
+from l3pool.cluster._os import (  # noqa: F401 (re-exported: tests patch/use some of these by this module's name)
     _GRACE_S,
     ClusterError,
     _alive,
@@ -76,7 +76,7 @@ from ._cluster_os import (  # noqa: F401 (re-exported: tests patch/use some of t
     _subnet_user,
     _wait_dead,
 )
-from .etcd import EtcdClient, EtcdError
+from l3pool.pool.etcd import EtcdClient, EtcdError
 
 log = logging.getLogger(__name__)
 
@@ -729,10 +729,3 @@ def status(state_dir: str | Path) -> dict[str, Any] | None:
         "links": {x: x in links for x in state.get("links", [])},
         "netns": {x: x in nss for x in state.get("netns", [])},
     }
-
-
-def add_parser(subparsers: Any) -> None:
-    """`l3pool cluster up|down|status` (in cluster_cli.py)."""
-    from .cluster_cli import add_parser as add
-
-    add(subparsers)

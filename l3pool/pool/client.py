@@ -33,9 +33,8 @@ import torch
 
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
-
-from .keys import Namespace
-from .store import MooncakeStore, Outcome
+from l3pool.pool.keys import Namespace
+from l3pool.pool.store import MooncakeStore, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +284,7 @@ class L3Client:
 
     # -- stats ---------------------------------------------------------------------------------
     def _publish_loop(self, interval: float, ttl: int) -> None:
-        from .etcd import EtcdError, LeaseKeeper
+        from l3pool.pool.etcd import EtcdError, LeaseKeeper
 
         keeper = None
         while True:

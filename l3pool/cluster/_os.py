@@ -1,4 +1,4 @@
-"""OS plumbing of the local cluster (`l3pool.cluster`): its processes (identified by pid + start
+"""OS plumbing of the local cluster (`l3pool.cluster.local`): its processes (identified by pid + start
 time, signalled by process group), free ports and listening sockets, and the iproute2 calls that
 create and delete network namespaces, veths and the bridge."""
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("l3pool.cluster")
+log = logging.getLogger("l3pool.cluster.local")
 _GRACE_S = 5.0
 
 

@@ -25,8 +25,8 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from .etcd import EtcdClient, EtcdError
-from .metadata import DEFAULT_PREFIX, Metadata
+from l3pool.pool.etcd import EtcdClient, EtcdError
+from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata
 
 ADMIN_TIMEOUT = 3.0
 _NS_FIELDS = ("model", "attention", "layout", "dtype", "page_size", "page_bytes")

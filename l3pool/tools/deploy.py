@@ -4,12 +4,12 @@
     l3pool deploy render CONFIG [--node NAME|IP] [--out DIR] [--json]
     l3pool deploy verify CONFIG [--wait SECONDS] [--json]         # is every decode node donating?
 
-The config format is documented in `deploy/cluster.example.toml` and `l3pool.deploy_config`.
+The config format is documented in `deploy/cluster.example.toml` and `l3pool.tools.deploy_config`.
 
 `render` turns the config into the exact processes of each node: etcd and mooncake_master (when
 the config launches them), `l3pool agent` on every decode node (with MC_TCP_BIND_ADDRESS and
 optional numactl), `python -m sglang.launch_server` on every prefill node (PD prefill, HiCache
-with the `dynamic` storage backend loading `l3pool.sglang_backend.L3PoolStorage`) and decode node
+with the `dynamic` storage backend loading `l3pool.adapters.sglang_hicache.L3PoolStorage`) and decode node
 (PD decode), and the PD router. `--node` takes a node name (a decode/prefill name, `etcd`,
 `master`, `router`) or a host IP (everything on that host). `--out DIR` writes `DIR/<node>.sh`,
 a start/stop/status script per node (what `deploy/launch.sh` runs).
@@ -33,7 +33,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .deploy_config import ADAPTER, ADAPTER_KEYS, DeployConfig, PrefillNode, Problem, SGLangSpec, load_config
+from l3pool.tools.deploy_config import (
+    ADAPTER,
+    ADAPTER_KEYS,
+    DeployConfig,
+    PrefillNode,
+    Problem,
+    SGLangSpec,
+    load_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +230,7 @@ def script(cfg: DeployConfig, node: str, procs: list[Process]) -> str:
 # -- verify ------------------------------------------------------------------------------------
 def verify(cfg: DeployConfig) -> dict[str, Any]:
     """Check the live pool against the config; `ok` is True when every decode node is a healthy member."""
-    from .inspect import InspectError, collect
+    from l3pool.tools.inspect import InspectError, collect
 
     m = cfg.master
     problems: list[str] = []
@@ -268,7 +276,7 @@ def verify(cfg: DeployConfig) -> dict[str, Any]:
     first = cfg.prefill[0].host
     next_steps = [
         f"l3pool inspect --etcd {cfg.etcd.endpoints_str} --master-admin {m.admin_url} --key-prefix {cfg.key_prefix}",
-        f"MC_TCP_BIND_ADDRESS={first} l3pool prefetch-test --etcd {cfg.etcd.endpoints_str} --master {m.rpc} "
+        f"MC_TCP_BIND_ADDRESS={first} l3pool prefetch-check --etcd {cfg.etcd.endpoints_str} --master {m.rpc} "
         f"--metadata {m.metadata_url} --host {first}   # on a prefill node ({first}); --json for a report",
     ]
     ok = report is not None and not problems and all(n["status"] == "ok" for n in nodes)

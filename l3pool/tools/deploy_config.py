@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from l2core.units import ConfigError, parse_size
-
-from .agent import MIN_SEGMENT_BYTES, PROTOCOLS
-from .metadata import DEFAULT_PREFIX, check_id, check_prefix
+from l3pool.agent import MIN_SEGMENT_BYTES, PROTOCOLS
+from l3pool.pool.metadata import DEFAULT_PREFIX, check_id, check_prefix
 
 # SGLang's host layouts (l2core.layout.LAYOUTS; repeated so this module stays torch-free).
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -55,7 +54,7 @@ RESERVED_NAMES = ("etcd", "master", "router")
 # model, checksum, tenant), and `check` warns about settings the adapter cannot receive.
 ADAPTER = {
     "backend_name": "l3pool",
-    "module_path": "l3pool.sglang_backend",
+    "module_path": "l3pool.adapters.sglang_hicache",
     "class_name": "L3PoolStorage",
     "interface_v1": 1,  # SGLang calls the zero-copy batch_get_v1/batch_set_v1 only with this
 }
@@ -433,7 +432,7 @@ def _read_etcd(r: _Reader, raw: Any) -> EtcdSpec | None:
         eps = r.get(src, "endpoints", _as_strlist)
         if eps is None:
             return None
-        from .etcd import parse_endpoints
+        from l3pool.pool.etcd import parse_endpoints
 
         try:
             parsed = parse_endpoints(eps)

@@ -25,8 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from . import __version__
-from .etcd import KV, EtcdClient, EtcdError, LeaseKeeper
+from l3pool import __version__
+from l3pool.pool.etcd import KV, EtcdClient, EtcdError, LeaseKeeper
 
 log = logging.getLogger(__name__)
 
