@@ -211,14 +211,14 @@ def _interference(t0: tuple[float, float, float] | None, wall_s: float) -> dict[
 
 
 def _git_state() -> dict[str, Any] | None:
-    """The commit measured, and which files of l2core/ and native/ differ from it."""
+    """The commit measured, and which files of l2core/ (its native/ sources included) differ from it."""
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "l2core", "native"],
+            ["git", "status", "--porcelain", "--", "l2core"],
             cwd=root,
             capture_output=True,
             text=True,

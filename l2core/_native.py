@@ -1,4 +1,4 @@
-"""Builds and loads the native extension (native/) against the torch already installed.
+"""Builds and loads the native extension (l2core/native/) against the torch already installed.
 
 The build happens at first use and is cached on disk (default `~/.cache/l2core/<torch>-<cuda>`,
 override with the L2CORE_BUILD_DIR environment variable), so `pip` never needs an isolated
@@ -18,7 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_ROOT = Path(__file__).resolve().parent.parent / "native"
+_ROOT = Path(__file__).resolve().parent / "native"  # shipped as package data (pyproject.toml)
 _lock = threading.Lock()
 _module: ModuleType | None = None
 

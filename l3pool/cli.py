@@ -10,32 +10,44 @@ from l3pool import __version__
 
 
 def _info(args: argparse.Namespace) -> int:
-    import torch
-
-    from l2core import _native
-
-    try:
-        native_cuda: bool | str = _native.has_cuda()
-    except _native.NativeBuildError as e:
-        native_cuda = f"build failed: {e}"
+    """Versions, device and whether the native kernels are usable; exit 1 when they are not (an
+    agent-only install without torch included: it can donate DRAM but not run the prefill side)."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             thp = f.read().strip()
     except OSError:
         thp = "unknown"
-    info = {
-        "version": __version__,
-        "torch": torch.__version__,
-        "cuda_available": torch.cuda.is_available(),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "native_with_cuda": native_cuda,
-        "transparent_hugepage": thp,
-    }
+    info: dict[str, object] = {"version": __version__}
+    problem = None
+    try:
+        import torch
+    except ImportError:
+        info.update({"torch": None, "cuda_available": False, "device": "cpu"})
+        problem = "torch is not installed (an agent-only install); the prefill side needs 'l3pool[prefill]'"
+    else:
+        from l2core import _native
+
+        info.update(
+            {
+                "torch": torch.__version__,
+                "cuda_available": torch.cuda.is_available(),
+                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            }
+        )
+        try:
+            info["native_with_cuda"] = _native.has_cuda()
+        except _native.NativeBuildError as e:
+            problem = f"the native kernels could not be built: {e}"
+    info["kernels_usable"] = problem is None
+    info["transparent_hugepage"] = thp
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(json.dumps(info | {"problem": problem}, indent=2))
     else:
         for k, v in info.items():
             print(f"{k:22s} {v}")
+    if problem is not None:
+        print(f"l3pool info: {problem}", file=sys.stderr)
+        return 1
     return 0
 
 
