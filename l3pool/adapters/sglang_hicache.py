@@ -37,6 +37,26 @@ Extra-config keys (unknown keys are refused with a ConfigError naming them):
 | layer_first_mode | "multi"/"staging" | "multi" | how layer_first pages move (see l3pool/README.md) |
 | stats_interval | number | 5.0 | seconds between stats publications to etcd |
 | client_id | str | generated | id under which stats are published (suffixes -r/-w) |
+| clear_force | bool | true | `clear()` also removes pages under a read lease (see `clear`) |
+
+SGLang's Mooncake backend names are accepted too, so a user switching backends keeps their
+config: `master_server_address` (= master), `global_segment_size` (= segment_size), `device_name`
+(= rdma_devices; also its JSON form mapping TP ranks to devices, '{"0": "mlx5_0", ...}') and
+`tenant_id` (= tenant; "default", SGLang's name for none, is no tenant). Giving one key under both
+names is refused. Keys still absent are read, like that backend does, from MOONCAKE_MASTER,
+MOONCAKE_TE_META_DATA_SERVER, MOONCAKE_GLOBAL_SEGMENT_SIZE, MOONCAKE_PROTOCOL, MOONCAKE_DEVICE,
+MOONCAKE_LOCAL_HOSTNAME (then LOCAL_HOSTNAME) and MOONCAKE_TENANT_ID; otherwise our defaults
+apply (protocol "tcp" and segment 0, where SGLang's would be "rdma" and "4gb"). Precedence:
+extra-config, then environment — also for local_hostname, which SGLang's Mooncake backend takes
+from the environment first. `master_metrics_port` and `check_server` are ignored;
+`client_server_address`, `standalone_storage`, SSD offload, `extra_backend_tag` and
+`enable_group_semantics` are refused by name.
+
+Size units: our own size keys use l2core's units — "4GB" is 4 * 10**9 bytes, "4GiB" 4 * 2**30,
+a bare number is bytes. SGLang's Mooncake backend (0.5.23, `_parse_global_segment_size`) reads
+"4gb"/"4GB" as 4 GiB (4 * 2**30) and any other text as a plain byte count, so a size given
+under its names (`global_segment_size`, MOONCAKE_GLOBAL_SEGMENT_SIZE) is read its way: the same
+string donates the same bytes under both backends.
 
 SGLang also reads `prefetch_threshold`, `prefetch_timeout_base`, `prefetch_timeout_per_ki_token`,
 `hicache_storage_pass_prefix_keys` and `tp_lcm_size` from the same JSON (it pops them before the
@@ -59,7 +79,10 @@ with a ConfigError at construction or registration, never silently mis-keyed.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import re
 import threading
 import time
@@ -94,6 +117,36 @@ SGLANG_CONTROLLER_KEYS = frozenset(
         "tp_lcm_size",
     }
 )
+# SGLang's Mooncake backend (mooncake_store.py, 0.5.23) names -> ours, so a user switching backends
+# keeps their extra-config; giving both names of one key is refused.
+MOONCAKE_ALIASES = {
+    "master_server_address": "master",
+    "global_segment_size": "segment_size",
+    "device_name": "rdma_devices",
+    "tenant_id": "tenant",
+}
+# Environment fallbacks, read (as SGLang's Mooncake backend does) only when the key is absent.
+MOONCAKE_ENV = {
+    "master": ("MOONCAKE_MASTER",),
+    "metadata_server": ("MOONCAKE_TE_META_DATA_SERVER",),
+    "segment_size": ("MOONCAKE_GLOBAL_SEGMENT_SIZE",),
+    "protocol": ("MOONCAKE_PROTOCOL",),
+    "rdma_devices": ("MOONCAKE_DEVICE",),
+    "local_hostname": ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"),
+    "tenant": ("MOONCAKE_TENANT_ID",),
+}
+# Other keys of SGLang's Mooncake backend: harmless ones are accepted and ignored; the rest change
+# where or how pages are stored, which this backend does not do, so they are refused by name.
+MOONCAKE_IGNORED = frozenset({"master_metrics_port", "check_server"})
+MOONCAKE_REFUSED = {
+    "client_server_address": "a standalone Mooncake client process (MOONCAKE_CLIENT) is not supported",
+    "standalone_storage": "standalone storage is not supported",
+    "enable_ssd_offload": "SSD offload is not supported (the pool is decode-node DRAM)",
+    "ssd_offload_path": "SSD offload is not supported (the pool is decode-node DRAM)",
+    "extra_backend_tag": "use 'tenant' to separate key spaces",
+    "enable_group_semantics": "group semantics are not supported",
+}
+SGLANG_DEFAULT_TENANT = "default"  # SGLang's Mooncake backend's name for "no tenant"
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8"}
 _HOSTPORT = re.compile(r"^\[?[A-Za-z0-9.:-]+\]?:\d{1,5}$")
 
@@ -129,16 +182,20 @@ class BackendConfig:
     layer_first_mode: str = "multi"
     stats_interval: float = 5.0
     client_id: str | None = None
+    clear_force: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> BackendConfig:
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> BackendConfig:
+        """Parse the extra-config; SGLang Mooncake names and `MOONCAKE_*` variables of `env`
+        (default: the process environment) fill in what the extra-config leaves out."""
         if extra is None:
             raise ConfigError("l3pool backend needs --hicache-storage-backend-extra-config with at least 'master'")
         if not isinstance(extra, Mapping):
             raise ConfigError(f"extra-config must be a JSON object, got {type(extra).__name__}")
+        extra, sglang_sized = _normalize_mooncake(extra, os.environ if env is None else env)
         ours = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        unknown = sorted(set(extra) - ours - SGLANG_KEYS - SGLANG_CONTROLLER_KEYS)
+        unknown = sorted(set(extra) - ours - SGLANG_KEYS - SGLANG_CONTROLLER_KEYS - MOONCAKE_IGNORED)
         if unknown:
             raise ConfigError(
                 f"unknown extra-config key(s) {unknown} for the l3pool backend; known: {sorted(ours | SGLANG_KEYS)}"
@@ -150,7 +207,10 @@ class BackendConfig:
             )
         master = _typed(extra, "master", (str,), None)
         if master is None:
-            raise ConfigError("extra-config is missing 'master' (the mooncake_master RPC address, host:port)")
+            raise ConfigError(
+                "extra-config is missing 'master' (the mooncake_master RPC address, host:port; "
+                "also read as 'master_server_address' or from MOONCAKE_MASTER)"
+            )
         if not _HOSTPORT.match(master):
             raise ConfigError(f"extra-config 'master' {master!r}: expected host:port")
         s = {k: _typed(extra, k, (str,), None) for k in ("metadata_server", "local_hostname", "protocol")}
@@ -174,9 +234,10 @@ class BackendConfig:
             layers = (layers[0], layers[1])
         return cls(
             master=master,
-            segment_size=_size(extra, "segment_size", 0),
+            segment_size=_sglang_size(extra["segment_size"]) if sglang_sized else _size(extra, "segment_size", 0),
             local_buffer_size=_size(extra, "local_buffer_size", 16 << 20),
             checksum=_typed(extra, "checksum", (bool,), False),
+            clear_force=_typed(extra, "clear_force", (bool,), True),
             layers=layers,
             batch_pages=batch,
             layer_first_mode=mode,
@@ -186,11 +247,88 @@ class BackendConfig:
         )
 
 
+def _normalize_mooncake(extra: Mapping[str, Any], env: Mapping[str, str]) -> tuple[dict[str, Any], bool]:
+    """SGLang Mooncake names -> ours, then `MOONCAKE_*` fallbacks for keys still absent.
+
+    Returns the extra-config under our names and whether `segment_size` came from SGLang's
+    `global_segment_size` or MOONCAKE_GLOBAL_SEGMENT_SIZE (read with SGLang's units: "4gb" = 4 GiB)."""
+    out = dict(extra)
+    refused = sorted(k for k in out if k in MOONCAKE_REFUSED)
+    if refused:
+        key = refused[0]
+        raise ConfigError(f"extra-config key {key!r} of SGLang's Mooncake backend: {MOONCAKE_REFUSED[key]}")
+    sglang_sized = False
+    for alias, ours in MOONCAKE_ALIASES.items():
+        if alias not in out:
+            continue
+        if ours in out:
+            raise ConfigError(
+                f"extra-config gives {ours!r} twice: as {ours!r} and as SGLang's Mooncake name {alias!r}; keep one"
+            )
+        out[ours] = out.pop(alias)
+        sglang_sized |= ours == "segment_size"
+        if ours == "tenant":
+            out[ours] = _sglang_tenant(out[ours])
+    for ours, names in MOONCAKE_ENV.items():
+        if ours in out:
+            continue
+        for name in names:
+            value = env.get(name)
+            if value:  # set and non-empty
+                out[ours] = _sglang_tenant(value) if ours == "tenant" else value
+                sglang_sized |= ours == "segment_size"
+                log.info("l3pool backend: %s taken from $%s", ours, name)
+                break
+    return out, sglang_sized
+
+
+def _sglang_tenant(value: Any) -> Any:
+    """SGLang's Mooncake backend reads an empty tenant id as "default"; both mean no tenant here."""
+    if isinstance(value, str):
+        value = value.strip()
+        return "" if value == SGLANG_DEFAULT_TENANT else value
+    return value
+
+
+def _sglang_size(value: Any) -> int:
+    """A size under SGLang's Mooncake names: an int is bytes; text ending in "gb" (any case) is
+    GiB, as sglang 0.5.23's `_parse_global_segment_size` reads it ("4gb" = 4 * 2**30); anything
+    else is parsed as our own sizes (bytes, "512MiB", ...)."""
+    what = "extra-config 'global_segment_size' (or MOONCAKE_GLOBAL_SEGMENT_SIZE)"
+    if isinstance(value, str) and value.strip().lower().endswith("gb"):
+        num = value.strip()[:-2].strip()
+        if not num.isdigit():
+            raise ConfigError(f"{what}: cannot parse {value!r}; SGLang's Mooncake names take whole GiB such as '4gb'")
+        return int(num) << 30
+    if value == 0 or value == "0":
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{what} must be int or str, got {type(value).__name__} {value!r}")
+    return parse_size(value, what)
+
+
 def _size(d: Mapping[str, Any], key: str, default: int) -> int:
     v = _typed(d, key, (int, str), default)
     if v == 0 or v == "0":
         return 0
     return parse_size(v, f"extra-config {key!r}")
+
+
+def _devices_for_rank(devices: str, tp_rank: int) -> str:
+    """`rdma_devices` as a string, or (like SGLang's Mooncake `device_name`) a JSON object
+    mapping TP ranks to device lists: '{"0": "mlx5_0", "1": "mlx5_1"}'."""
+    if not devices.strip().startswith("{"):
+        return devices
+    try:
+        table = json.loads(devices)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"extra-config 'rdma_devices'/'device_name' looks like JSON but is not: {e}") from None
+    if not isinstance(table, dict):
+        raise ConfigError("extra-config 'rdma_devices'/'device_name' JSON must map TP ranks to device names")
+    value = table.get(str(tp_rank), table.get(tp_rank))  # type: ignore[call-overload]
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"extra-config 'rdma_devices'/'device_name' has no device for TP rank {tp_rank}: {devices}")
+    return value
 
 
 def _sglang_model_fingerprint(name: str | None) -> str | None:
@@ -207,6 +345,7 @@ class AdapterStats:
     set_skipped_not_writer: int = 0  # pages a non-writer MLA rank was asked to set (no-op)
     bad_indices: int = 0  # pages refused because their host slots were not one aligned page
     errors: int = 0  # exceptions caught on the data path (reported as misses/failures)
+    cleared_pages: int = 0  # pages removed by clear()
     prefetch_pgs: list[int] = field(default_factory=list)
     backup_pgs: list[int] = field(default_factory=list)
     prefetch_bandwidth: list[float] = field(default_factory=list)  # GB/s per call
@@ -238,6 +377,8 @@ class L3PoolStorage(HiCacheStorage):
         self.is_writer = bool(cfg.is_storage_writer)
         self.stats = AdapterStats()
         self._stats_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._metrics_warned = False
         self.namespace: Namespace | None = None
         self.pool: HostKVPool | None = None
         self._reader: L3Client | None = None
@@ -250,7 +391,7 @@ class L3PoolStorage(HiCacheStorage):
                 metadata=c.metadata_server,
                 local_hostname=c.local_hostname,
                 protocol=c.protocol,
-                rdma_devices=c.rdma_devices,
+                rdma_devices=_devices_for_rank(c.rdma_devices, cfg.tp_rank),
                 segment_bytes=c.segment_size,
                 local_buffer_bytes=c.local_buffer_size,
             )
@@ -455,21 +596,33 @@ class L3PoolStorage(HiCacheStorage):
         if sel.size == 0:
             return out
         full = self._keys(keys)
-        t0 = time.perf_counter()
-        try:
-            sub = [full[i] for i in sel.tolist()]
-            res = client.put(sub, pages[sel]) if write else client.get(sub, pages[sel])
-        except Exception as e:
-            self._failed("batch_set_v1" if write else "batch_get_v1", e)
-            return out
-        dt = max(time.perf_counter() - t0, 1e-9)
+        sub = [full[i] for i in sel.tolist()]
+        with self._write_lock if write else contextlib.nullcontext():
+            before = client.stats.as_dict() if write else None
+            t0 = time.perf_counter()
+            try:
+                res = client.put(sub, pages[sel]) if write else client.get(sub, pages[sel])
+            except Exception as e:
+                self._failed("batch_set_v1" if write else "batch_get_v1", e)
+                return out
+            dt = max(time.perf_counter() - t0, 1e-9)
+            after = client.stats.as_dict() if write else None
         for i, r in zip(sel.tolist(), res, strict=True):
             out[i] = r is Outcome.OK
         if self.storage_config.enable_storage_metrics:
-            gbps = sum(out) * self.pool.layout.page_bytes / dt / 1e9
-            with self._stats_lock:
-                (self.stats.backup_pgs if write else self.stats.prefetch_pgs).append(len(keys))
-                (self.stats.backup_bandwidth if write else self.stats.prefetch_bandwidth).append(gbps)
+            if before is not None and after is not None:
+                # Only pages this call stored: present pages were skipped (no bytes moved). One
+                # writer at a time (`_write_lock`), so the counter deltas are this call's.
+                written = after["puts"] + after["put_failed"] - before["puts"] - before["put_failed"]
+                moved = after["bytes_put"] - before["bytes_put"]
+                if written:
+                    with self._stats_lock:
+                        self.stats.backup_pgs.append(written)
+                        self.stats.backup_bandwidth.append(moved / dt / 1e9)
+            else:
+                with self._stats_lock:
+                    self.stats.prefetch_pgs.append(len(keys))
+                    self.stats.prefetch_bandwidth.append(sum(out) * self.pool.layout.page_bytes / dt / 1e9)
         with self._stats_lock:
             if write:
                 self.stats.set_calls += 1
@@ -494,9 +647,24 @@ class L3PoolStorage(HiCacheStorage):
 
     # -- housekeeping -----------------------------------------------------------------------
     def clear(self) -> None:
-        """SGLang's cache flush. L3 pages are shared with other instances and keyed by content, so
-        they stay (they can never be wrong for this namespace); only local state would go."""
-        log.info("l3pool backend: clear() leaves the shared L3 pages in place")
+        """SGLang's cache flush (`/flush_cache`): remove every page of this backend's namespace
+        from the pool, for every instance that shares the namespace; other namespaces (other
+        models, layouts, TP shards, PP stages, tenants) keep theirs.
+
+        With `clear_force` (default) pages under a read lease go too: SGLang flushes only an idle
+        engine, and without force every page looked up in the last lease TTL (10 s) would stay
+        (measured: 0 of 4 removed right after a lookup). Another instance reading the namespace at
+        that moment gets misses, or with `checksum` a mismatch counted as a miss."""
+        if self.namespace is None:
+            log.warning("l3pool backend: clear() before register_mem_pool_host: nothing to remove")
+            return
+        outcome, n = self.store.remove_prefix(self.namespace.ns_id + "/", force=self.config.clear_force)
+        with self._stats_lock:
+            self.stats.cleared_pages += n
+        if outcome is not Outcome.OK:
+            log.warning("l3pool backend: clear() of namespace %s failed: %s", self.namespace.ns_id, outcome.value)
+        else:
+            log.info("l3pool backend: clear() removed %d pages of namespace %s", n, self.namespace.ns_id)
 
     def client_stats(self) -> dict[str, int]:
         """L3Client counters of the reader and writer, summed."""
@@ -513,7 +681,10 @@ class L3PoolStorage(HiCacheStorage):
             return None
         try:
             from sglang.srt.observability.metrics_collector import StorageMetrics
-        except ImportError:  # pragma: no cover - part of every sglang that can enable metrics
+        except ImportError as e:  # a server that enables metrics has imported it already
+            if not self._metrics_warned:
+                self._metrics_warned = True
+                log.warning("l3pool backend: storage metrics unavailable (%s)", e)
             return None
         m = StorageMetrics()
         with self._stats_lock:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -196,6 +197,23 @@ class MooncakeStore:
 
     def remove(self, key: str) -> Outcome:
         return outcome_of(self._s.remove(key))
+
+    def remove_prefix(self, prefix: str, force: bool = False) -> tuple[Outcome, int]:
+        """Remove every object whose key starts with `prefix`: (OK, objects removed) or (failure, 0).
+
+        One master RPC (`remove_by_regex`; 0.3.13 searches the key with the regex, so it is anchored
+        here and the prefix escaped). Without `force` the master skips objects under a read lease
+        (any `exists`/get in the last `--default_kv_lease_ttl`, 10 s by default) and objects being
+        replicated: measured here, 0 of 4 objects removed right after a lookup, all 4 with force.
+        `force` also takes objects another client may be reading right now."""
+        if not prefix:
+            raise ValueError("remove_prefix needs a non-empty prefix (use a namespace id + '/')")
+        pattern = "^" + re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\1", prefix)
+        code = int(self._s.remove_by_regex(pattern, bool(force)))
+        if code < 0:
+            log.warning("mooncake remove_by_regex(%r) returned %d", pattern, code)
+            return outcome_of(code), 0
+        return Outcome.OK, code
 
     def healthy(self) -> bool:
         return int(self._s.health_check()) == 0

@@ -14,7 +14,9 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib.util
+import sys
 import textwrap
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -415,3 +417,247 @@ def test_deploy_rendered_extra_config_is_accepted() -> None:
         assert (bc.etcd, bc.key_prefix, bc.protocol, bc.model) == (
             cfg.etcd.endpoints_str, cfg.key_prefix, cfg.protocol, node.l3.model,
         )  # fmt: skip
+
+
+# -- clear(), SGLang Mooncake names, storage metrics ----------------------------------------------
+def test_clear_removes_this_namespace_only(donor: MasterServer, adapters: Callable[..., L3PoolStorage]) -> None:
+    extra = extra_config(donor)
+    a = adapters(dict(extra), FakeMLAHostPool("page_first_direct", seed=11), mla=True)
+    twin = adapters(dict(extra), FakeMLAHostPool("page_first_direct", seed=12), mla=True)  # another instance
+    other = adapters(extra_config(donor), FakeMLAHostPool("page_first_direct", seed=13), mla=True)  # other tenant
+    mha = adapters(dict(extra), FakeMHAHostPool("page_first_direct", seed=14), mla=False)  # same tenant, other ns
+    assert a.namespace == twin.namespace and len({a.namespace, other.namespace, mha.namespace}) == 3
+    keys = hexkeys(6)
+    for x in (a, other, mha):
+        assert x.batch_set_v1(keys, slots(range(6))) == [True] * 6
+    assert a.batch_exists(keys) == 6 and twin.batch_exists(keys) == 6  # both now hold read leases
+    a.clear()  # clear_force (default): leased pages go too
+    assert a.stats.cleared_pages == 6
+    assert a.batch_exists(keys) == 0 and twin.batch_exists(keys) == 0
+    assert twin.batch_get_v1(keys, slots(range(8, 14))) == [False] * 6
+    assert other.batch_exists(keys) == 6 and mha.batch_exists(keys) == 6
+    assert other.batch_get_v1(keys, slots(range(8, 14))) == [True] * 6
+    # the namespace is usable again after a flush
+    assert a.batch_set_v1(keys[:2], slots([0, 1])) == [True, True] and twin.batch_exists(keys) == 2
+
+
+def test_clear_without_force_keeps_leased_pages(donor: MasterServer, adapters: Callable[..., L3PoolStorage]) -> None:
+    a = adapters(extra_config(donor, clear_force=False), FakeMHAHostPool("page_first", seed=15), mla=False)
+    keys = hexkeys(4)
+    assert a.batch_set_v1(keys, slots(range(4))) == [True] * 4  # the put's existence check leases nothing new
+    assert a.batch_exists(keys[:2]) == 2  # pages 0 and 1 now under a read lease (10 s)
+    a.clear()
+    assert a.stats.cleared_pages == 2  # the two unleased pages went
+    assert a.batch_exists(keys[:2]) == 2 and a.batch_exists(keys[2:]) == 0
+    with pytest.raises(ValueError, match="non-empty prefix"):
+        assert a.store is not None
+        a.store.remove_prefix("")
+
+
+def test_clear_before_registration_and_with_the_master_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    with run_master() as master:
+        a = L3PoolStorage(storage_config(extra_config(master, segment_size="32MiB"), mla=True), {})
+        with contextlib.ExitStack() as stack:
+            stack.callback(a.close)
+            a.clear()  # nothing registered yet: a warning, no exception
+            a.register_mem_pool_host(FakeMLAHostPool("page_first", seed=16))
+            assert a.batch_set_v1(hexkeys(2), slots([0, 1])) == [True, True]
+            _kill_group(master.proc)
+            a.clear()  # SGLang's flush must not raise; nothing was removed
+            assert a.stats.cleared_pages == 0
+
+
+def _offline(**kw: Any) -> dict[str, Any]:
+    d = extra_config_offline()
+    d.pop("master")
+    return {**d, **kw}
+
+
+def test_sglang_mooncake_names_and_env_fallbacks() -> None:
+    from l3pool.adapters.sglang_hicache import BackendConfig, _devices_for_rank
+
+    parse = BackendConfig.from_extra_config
+    c = parse(
+        _offline(
+            master_server_address="10.0.0.1:50051", global_segment_size="4gb", device_name="mlx5_0", tenant_id="t1"
+        ),
+        env={},
+    )
+    assert (c.master, c.segment_size, c.rdma_devices, c.tenant) == ("10.0.0.1:50051", 4 << 30, "mlx5_0", "t1")
+    # our own key keeps our units: GB is decimal there, GiB binary
+    assert parse(_offline(master="h:1", segment_size="4GB"), env={}).segment_size == 4 * 10**9
+    assert parse(_offline(master="h:1", global_segment_size="4GB"), env={}).segment_size == 4 << 30
+    assert parse(_offline(master="h:1", global_segment_size=1 << 20), env={}).segment_size == 1 << 20
+    assert parse(_offline(master="h:1", tenant_id="default"), env={}).tenant == ""
+    env = {
+        "MOONCAKE_MASTER": "10.0.0.9:50051",
+        "MOONCAKE_TE_META_DATA_SERVER": "http://10.0.0.9:8080/metadata",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "2gb",
+        "MOONCAKE_PROTOCOL": "rdma",
+        "MOONCAKE_DEVICE": "mlx5_1",
+        "MOONCAKE_LOCAL_HOSTNAME": "10.0.0.3",
+        "MOONCAKE_TENANT_ID": "teamA",
+    }
+    c = parse(_offline(), env=env)
+    assert (c.master, c.metadata_server, c.segment_size, c.protocol) == (
+        "10.0.0.9:50051", "http://10.0.0.9:8080/metadata", 2 << 30, "rdma",
+    )  # fmt: skip
+    assert (c.rdma_devices, c.local_hostname, c.tenant) == ("mlx5_1", "10.0.0.3", "teamA")
+    # the extra-config wins over the environment, under either name
+    c = parse(_offline(master_server_address="h:2", protocol="tcp", local_hostname="10.0.0.4"), env=env)
+    assert (c.master, c.protocol, c.local_hostname) == ("h:2", "tcp", "10.0.0.4")
+    assert parse(_offline(master="h:1"), env={"LOCAL_HOSTNAME": "10.0.0.5"}).local_hostname == "10.0.0.5"
+    assert parse(_offline(master="h:1"), env={"MOONCAKE_MASTER": ""}).master == "h:1"
+    # SGLang keys that change nothing here are accepted
+    assert parse(_offline(master="h:1", master_metrics_port=9003, check_server=False), env={}).master == "h:1"
+    # device_name's JSON form: one device list per TP rank
+    assert _devices_for_rank('{"0": "mlx5_0", "1": "mlx5_1"}', 1) == "mlx5_1"
+    assert _devices_for_rank("mlx5_0,mlx5_1", 3) == "mlx5_0,mlx5_1"
+
+
+@pytest.mark.parametrize(
+    ("extra", "env", "message"),
+    [
+        ({"master": "h:1", "master_server_address": "h:2"}, {}, "'master' twice"),
+        ({"master": "h:1", "segment_size": 0, "global_segment_size": "1gb"}, {}, "'segment_size' twice"),
+        ({"master": "h:1", "tenant": "a", "tenant_id": "b"}, {}, "'tenant' twice"),
+        ({"master": "h:1", "rdma_devices": "x", "device_name": "y"}, {}, "'rdma_devices' twice"),
+        ({}, {}, "MOONCAKE_MASTER"),
+        ({}, {"MOONCAKE_MASTER": "nohostport"}, "expected host:port"),
+        ({"master": "h:1", "global_segment_size": "1.5gb"}, {}, "whole GiB"),
+        ({"master": "h:1"}, {"MOONCAKE_GLOBAL_SEGMENT_SIZE": "lots"}, "MOONCAKE_GLOBAL_SEGMENT_SIZE"),
+        ({"master": "h:1", "global_segment_size": [1]}, {}, "must be int or str"),
+        ({"master": "h:1", "client_server_address": "h:3"}, {}, "standalone Mooncake client"),
+        ({"master": "h:1", "enable_ssd_offload": True}, {}, "SSD offload"),
+        ({"master": "h:1", "clear_force": "yes"}, {}, "'clear_force' must be bool"),
+    ],
+)
+def test_sglang_mooncake_names_refused_clearly(extra: dict[str, Any], env: dict[str, str], message: str) -> None:
+    from l3pool.adapters.sglang_hicache import BackendConfig
+
+    with pytest.raises(ConfigError) as e:
+        BackendConfig.from_extra_config(_offline(**extra), env=env)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("devices", ['{"0": "mlx5_0"', '{"0": 5}', '{"1": "mlx5_1"}'])
+def test_device_name_json_refused_clearly(devices: str) -> None:
+    from l3pool.adapters.sglang_hicache import _devices_for_rank
+
+    with pytest.raises(ConfigError, match="rdma_devices'/'device_name'"):
+        _devices_for_rank(devices, 0)
+
+
+def test_configured_by_sglang_mooncake_names_and_env(donor: MasterServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user of SGLang's Mooncake backend switches: same names, same MOONCAKE_* variables."""
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    monkeypatch.setenv("MOONCAKE_MASTER", donor.rpc)
+    monkeypatch.setenv("MOONCAKE_TE_META_DATA_SERVER", donor.metadata_url)
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
+    extra = {**_offline(), "model": "test-model", "tenant_id": uuid.uuid4().hex, "global_segment_size": 0}
+    host = FakeMHAHostPool("page_first_direct", seed=17)
+    a = L3PoolStorage(storage_config(extra, mla=False), {})
+    try:
+        assert a.config.master == donor.rpc and a.config.metadata_server == donor.metadata_url
+        a.register_mem_pool_host(host)
+        assert a.namespace is not None and a.namespace.tenant == extra["tenant_id"]
+        keys = hexkeys(3)
+        assert a.batch_set_v1(keys, slots(range(3))) == [True] * 3
+        assert a.batch_get_v1(keys, slots(range(5, 8))) == [True] * 3
+        assert [host.page_bytes(5 + i) for i in range(3)] == [host.page_bytes(i) for i in range(3)]
+    finally:
+        a.close()
+
+
+class FakeHistogram:
+    """Stands in for prometheus_client's Histogram (not installed here) under SGLang's collector."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def labels(self, **kw: Any) -> FakeHistogram:
+        return self
+
+    def observe(self, v: float) -> None:
+        self.values.append(v)
+
+
+METRICS_SRC = "srt/observability/metrics_collector.py"
+
+
+def _sglang_class_source(relpath: str, cls: str) -> str:
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations
+    src = Path(next(iter(spec.submodule_search_locations)), relpath).read_text()
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return textwrap.dedent(ast.get_source_segment(src, node) or "")
+    raise AssertionError(f"{cls} not found in sglang/{relpath}")
+
+
+def fake_metrics_module() -> types.ModuleType:
+    """`sglang.srt.observability.metrics_collector` as far as storage metrics go, built from the
+    installed sglang's own source: the real module imports transformers (not installed here).
+    Holds SGLang's `StorageMetrics` dataclass and a collector whose `log_storage_metrics` /
+    `_log_histogram` are SGLang's, over FakeHistograms."""
+    import dataclasses
+    import typing
+
+    mod = types.ModuleType("sglang.srt.observability.metrics_collector")
+    ns: dict[str, Any] = {"dataclass": dataclasses.dataclass, "field": dataclasses.field, **vars(typing)}
+    exec(compile(_sglang_class_source(METRICS_SRC, "StorageMetrics"), "<sglang StorageMetrics>", "exec"), ns)
+    ns["StorageMetrics"] = dataclasses.dataclass(ns["StorageMetrics"])
+    mod.StorageMetrics = ns["StorageMetrics"]  # type: ignore[attr-defined]
+
+    class FakeStorageMetricsCollector:
+        log_storage_metrics = _sglang_method(METRICS_SRC, "StorageMetricsCollector", "log_storage_metrics")
+        _log_histogram = _sglang_method(METRICS_SRC, "StorageMetricsCollector", "_log_histogram")
+
+        def __init__(self) -> None:
+            self.labels: dict[str, str] = {}
+            for n in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"):
+                setattr(self, f"histogram_{n}", FakeHistogram())
+
+    for fn in (FakeStorageMetricsCollector.log_storage_metrics, FakeStorageMetricsCollector._log_histogram):
+        fn.__globals__.update(ns)  # type: ignore[attr-defined]
+    mod.StorageMetricsCollector = FakeStorageMetricsCollector  # type: ignore[attr-defined]
+    return mod
+
+
+def test_storage_metrics_count_only_pages_moved(
+    donor: MasterServer, adapters: Callable[..., L3PoolStorage], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    try:
+        from sglang.srt.observability import metrics_collector as mc
+
+        collector: Any = None
+    except ImportError:  # no transformers on this machine: SGLang's source, the histograms faked
+        mc = fake_metrics_module()  # type: ignore[assignment]
+        monkeypatch.setitem(sys.modules, mc.__name__, mc)
+        collector = mc.StorageMetricsCollector()  # type: ignore[call-arg]
+    host = FakeMHAHostPool("page_first_direct", seed=18)
+    a = adapters(extra_config(donor), host, mla=False, enable_storage_metrics=True)
+    assert a.pool is not None
+    pb = a.pool.layout.page_bytes
+    keys = hexkeys(5)
+    assert a.batch_set_v1(keys[:3], slots(range(3))) == [True] * 3
+    assert a.batch_set_v1(keys, slots(range(5))) == [True] * 5  # 3 present (skipped), 2 stored
+    assert a.batch_set_v1(keys, slots(range(5))) == [True] * 5  # all present: nothing moved, no sample
+    assert a.batch_get_v1(keys, slots(range(10, 15))) == [True] * 5
+    st = a.client_stats()
+    assert (st["puts"], st["put_skipped"], st["bytes_put"]) == (5, 8, 5 * pb)
+    m = a.get_stats()
+    assert isinstance(m, mc.StorageMetrics)
+    assert m.backup_pgs == [3, 2] and m.prefetch_pgs == [5]
+    assert len(m.backup_bandwidth) == 2 and all(b > 0 for b in m.backup_bandwidth)
+    assert len(m.prefetch_bandwidth) == 1 and m.prefetch_bandwidth[0] > 0
+    if collector is not None:  # SGLang's own collector code consumes what get_stats returns
+        m.prefetch_stats = {}  # what UnifiedRadixCache attaches before logging
+        collector.log_storage_metrics(m)
+        assert collector.histogram_backup_pgs.values == [3, 2]
+        assert collector.histogram_prefetch_bandwidth.values == m.prefetch_bandwidth
+    empty = a.get_stats()  # drained
+    assert empty.backup_pgs == [] and empty.prefetch_pgs == []
+    off = adapters(extra_config(donor), FakeMHAHostPool("page_first", seed=19), mla=False)
+    assert off.get_stats() is None  # metrics disabled
