@@ -59,6 +59,7 @@ _COMMANDS = (
     "l3pool.cluster.cli",
     "l3pool.adapters.demo",
     "l3pool.tools.deploy",
+    "l3pool.tools.doctor",
     "l3pool.tools.inspect",
     "l3pool.tools.prefetch_check",
 )

@@ -13,12 +13,13 @@ endpoint named, so callers never see a socket traceback.
 from __future__ import annotations
 
 import base64
+import email.utils
 import http.client
 import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -223,6 +224,35 @@ class EtcdClient:
 
     def status(self) -> dict[str, Any]:
         return self.call("/v3/maintenance/status", {})
+
+    def date_sample(self, clock: Callable[[], float] = time.time) -> tuple[float, float, float, str]:
+        """One `GET /version` on the preferred endpoint: (local clock before, local clock after,
+        the server's HTTP Date header in unix seconds, etcd's server version). The Date header has
+        1 s resolution; callers bound the clock offset by sampling across its second boundaries."""
+        idx = self._preferred
+        host, port = self.endpoints[idx]
+        for attempt in range(2):
+            c = self._conn(idx)
+            t0 = clock()
+            try:
+                c.request("GET", "/version")
+                r = c.getresponse()
+                data = r.read()
+            except (OSError, http.client.HTTPException) as e:
+                self._drop(idx)
+                if attempt == 0 and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError)):
+                    continue
+                raise EtcdUnavailable(f"etcd unreachable: {host}:{port}: {e or type(e).__name__}") from None
+            t1 = clock()
+            date = r.getheader("Date")
+            if r.status != 200 or not date:
+                raise EtcdError(f"etcd /version: HTTP {r.status}, Date header {date!r}")
+            try:
+                version = str(json.loads(data).get("etcdserver", "?"))
+            except (json.JSONDecodeError, AttributeError):
+                version = "?"
+            return t0, t1, email.utils.parsedate_to_datetime(date).timestamp(), version
+        raise EtcdUnavailable(f"etcd unreachable: {host}:{port}")  # pragma: no cover - loop returns or raises
 
     def close(self) -> None:
         for idx in list(getattr(self._local, "conns", {})):
