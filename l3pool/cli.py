@@ -62,6 +62,7 @@ _COMMANDS = (
     "l3pool.tools.doctor",
     "l3pool.tools.inspect",
     "l3pool.tools.prefetch_check",
+    "l3pool.tools.purge",
 )
 
 

@@ -227,6 +227,11 @@ class Metadata:
         kv = self.etcd.get(self.namespace_key(ns_id))
         return None if kv is None else dict(_loads(kv))
 
+    def delete_namespace(self, ns_id: str) -> bool:
+        """Forget a namespace record (an operator's purge); True if it existed. A client still
+        running with it keeps working; the next client of the namespace registers it again."""
+        return self.etcd.delete(self.namespace_key(ns_id)) > 0
+
     def namespaces(self) -> dict[str, dict[str, Any]]:
         out = {}
         for ns_id, kv in self._list("namespaces"):
