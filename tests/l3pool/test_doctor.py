@@ -184,6 +184,8 @@ def test_native_kernels_in_a_child(tmp_path: Path) -> None:
 def test_agent_imports_without_torch() -> None:
     ok = check_agent_import()
     assert ok.status == "PASS" and "without torch" in ok.detail
+    for tool in ("l3pool.tools.doctor", "l3pool.tools.purge"):  # operator tools run on decode nodes too
+        assert check_agent_import(module=tool).status == "PASS"
     heavy = check_agent_import(module="l3pool.pool.client")  # a module that does import torch
     assert heavy.status == "FAIL" and "imports torch" in heavy.detail
     missing = check_agent_import(module="l3pool.no_such_module")
