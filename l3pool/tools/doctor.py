@@ -517,7 +517,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--master-admin", metavar="URL", help="master admin http://HOST:METRICS_PORT (or env L3POOL_MASTER_ADMIN)"
     )
-    p.add_argument("--l2-size", metavar="SIZE", help="planned pinned L2 pool size (e.g. 64GB) for the memlock check")
+    p.add_argument(
+        "--l2-size",
+        metavar="SIZE",
+        help="memory this node will pin/register (prefill: the L2 pool; decode: the donated segment), e.g. 64GB",
+    )
     p.add_argument("--protocol", choices=("tcp", "rdma"), help="the Mooncake protocol this node will use")
     p.add_argument("--gpu", type=int, metavar="N", help="the GPU (by PCI order) this node's engine uses")
     p.add_argument("--max-skew", type=float, default=1.0, metavar="S", help="clock skew vs etcd that fails (s)")
