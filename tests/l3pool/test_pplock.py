@@ -27,7 +27,7 @@ import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.client import L3Client
-from l3pool.cluster import LocalCluster, _find_master_bin
+from l3pool.cluster import LocalCluster, master_binary
 from l3pool.etcd import EtcdClient
 from l3pool.keys import Namespace, page_hashes
 from l3pool.metadata import Metadata
@@ -66,7 +66,7 @@ def _hashes(r: int, pages: int) -> list[bytes]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     wrapper = tmp_path_factory.mktemp("master") / "mooncake_master"
-    wrapper.write_text(f'#!/bin/sh\nexec {_find_master_bin()} --default_kv_lease_ttl={KV_LEASE_MS} "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\nexec {master_binary()} --default_kv_lease_ttl={KV_LEASE_MS} "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     with LocalCluster(agents=1, segment_size="32MB", name=f"l3pl{uuid.uuid4().hex[:4]}", master_bin=str(wrapper)) as c:
         yield c
