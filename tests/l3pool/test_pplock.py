@@ -31,7 +31,7 @@ from l3pool.cluster import LocalCluster, master_binary
 from l3pool.etcd import EtcdClient
 from l3pool.keys import Namespace, page_hashes
 from l3pool.metadata import Metadata
-from l3pool.pplock import LockError, StageLocks, UnknownRequest, _prefix_lens, measure_lock_latencies
+from l3pool.pplock import LockError, StageLocks, UnknownRequest, _prefix_lens
 from l3pool.store import MooncakeStore, Outcome, StoreConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -222,17 +222,6 @@ def test_joiner_keeps_lock_after_stage0_dies(store: MooncakeStore, md: Metadata,
         for cl in clients:
             cl.close()
         pool.close()
-
-
-def test_measure_lock_latencies(cluster: LocalCluster, store: MooncakeStore) -> None:
-    out = measure_lock_latencies(
-        cluster.etcd_endpoints, 20, pages=64, stages=4, store=store, key_prefix=cluster.key_prefix
-    )
-    for k in ("lock_acquire_p50_ms", "lock_acquire_p99_ms", "stage_join_p99_ms", "release_p99_ms"):
-        assert 0 < out[k] < 1000, out
-    for k in ("raw_exists_p50_ms", "raw_exists_p99_ms", "raw_etcd_txn_p99_ms", "raw_etcd_get_p99_ms"):
-        assert 0 < out[k] < 1000, out
-    assert 0 < out["lock_acquire_vs_raw"] < 100 and 0 < out["stage_join_vs_raw"] < 100, out
 
 
 # -- stages as separate processes --------------------------------------------------------------
