@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench._transfer_report import _loadavg
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.client import L3Client
 from l3pool.keys import Namespace, page_hashes
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.l3", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON report here")
+    p.add_argument("--note", help="free text stored in the report (e.g. what else ran on the machine)")
     p.add_argument("--master", help="mooncake_master host:port (default: start the local cluster)")
     p.add_argument("--metadata", help="metadata server URL (with --master)")
     p.add_argument(
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default="page_first_direct,layer_first")
     p.add_argument("--segment-size", default="2GB", help="per agent, when starting the local cluster")
     args = p.parse_args(argv)
+    load_start = _loadavg()
     rows = []
     for model in args.models.split(","):
         for layout in args.layouts.split(","):
@@ -196,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "benchmark": "bench.l3",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "note": args.note,
+        # other work on the machine skews the numbers (shared 2-core boxes especially): 1-min load
+        "loadavg_1m": {"start": load_start, "end": _loadavg()},
         "transport": "/".join(sorted({r["transport"] for r in rows})),  # what the stores were set up with
         "raw_put_GBps": round(statistics.mean(r["raw_put_GBps"] for r in zc), 3),
         "raw_get_GBps": round(statistics.mean(r["raw_get_GBps"] for r in zc), 3),

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from bench._transfer_report import _loadavg
 from l2core import HostKVPool, L2Config
 from l3pool.client import L3Client
 from l3pool.prefetch import Prefetcher, batch_schedule
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.prefetch", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON report here")
+    p.add_argument("--note", help="free text stored in the report (e.g. what else ran on the machine)")
     p.add_argument("--master", help="mooncake_master host:port (default: start the local cluster)")
     p.add_argument("--metadata", help="metadata server URL (with --master)")
     p.add_argument("--host", default="127.0.0.1", help="this client's address (with --master; export "
@@ -218,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment-size", default="1GB", help="per agent, when starting the local cluster")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    load_start = _loadavg()
     ps = PrefixSet(8, 64, args.pages, args.requests, args.seed, uuid.uuid4().hex)
     cluster = None
     with contextlib.ExitStack() as stack:
@@ -244,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "benchmark": "bench.prefetch",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "note": args.note,
+        # other work on the machine skews the numbers (shared 2-core boxes especially): 1-min load
+        "loadavg_1m": {"start": load_start, "end": _loadavg()},
         "transport": row.pop("transport"),  # the protocol the benchmark's store was set up with
         "mode": ep.mode,
         "writer_netns": writer.get("netns"),
