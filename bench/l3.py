@@ -6,9 +6,13 @@ Without endpoints it starts the local cluster (etcd, mooncake_master, 2 decode a
 own network namespaces when root) and tears it down afterwards. For each bench model (the L2
 benchmark's MLA and MHA page sizes) and round, the same L2 pages go through raw
 `batch_put_from` / `batch_get_into` (fresh keys) and through `L3Client.put` / `get` (fresh
-keys), interleaved, every byte checked after each get. Ratios are l3pool / raw. `lookup_ms_512`
-is the median time of `L3Client.lookup` over 512 present keys. layer_first is measured in both
-modes (Mooncake multi-buffer vs staging) for the record.
+keys), interleaved, who goes first alternating per round. Before each get every destination page
+is poisoned (0xA5) and after it every page is compared with the source (`wrong_pages`), so a get
+that writes nothing or the wrong page fails `correct`. Ratios are raw time / l3pool time paired
+per round (back to back): the median over rounds, and min/max as the spread. `lookup_ms_512` is
+the median time of `L3Client.lookup` over 512 distinct present keys (tiny objects), also checked
+to stop at an absent key. layer_first is measured in both modes (Mooncake multi-buffer vs
+staging) for the record. Exit status 1 when any row is not correct.
 """
 
 from __future__ import annotations
@@ -29,12 +33,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench._transfer_report import _loadavg
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
 MODELS = {"mla": lambda: KVSpec.mla(78), "mha": lambda: KVSpec.mha(32, 8, 128)}
+
+
+POISON = 0xA5  # written over every destination page right before the get it checks
 
 
 def _fill(pool: HostKVPool, seed: int) -> None:
@@ -48,12 +56,33 @@ def _keys(ns: Namespace, n: int, rng: np.random.Generator) -> list[str]:
     return ns.keys(page_hashes(toks, ns.page_size))
 
 
+def _spread(xs: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
+
+
+def _lookup_512(client: L3Client, store: MooncakeStore, ns: Namespace, rng: np.random.Generator) -> dict[str, Any]:
+    """Median time of `L3Client.lookup` over 512 DISTINCT present keys of the namespace (tiny objects:
+    lookup cost is per key, not per byte), and that it stops at an absent key (checked, untimed)."""
+    keys = _keys(ns, 512, rng)
+    ptr = client.pool.buffer.data_ptr()  # registered by the client; 64 bytes per object
+    ok = all(x is Outcome.OK for x in store.put(keys, [ptr] * len(keys), [64] * len(keys)))
+    times, hits = [], []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        hits.append(client.lookup(keys))
+        times.append(time.perf_counter() - t0)
+    ok &= len(set(keys)) == 512 and all(h == 512 for h in hits)
+    ok &= client.lookup([*keys[:256], _keys(ns, 1, rng)[0], *keys[256:]]) == 256
+    return {"lookup_ms_512": round(statistics.median(times) * 1e3, 3), "lookup_correct": bool(ok)}
+
+
 def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Namespace, mode: str) -> dict[str, Any]:
     spec = MODELS[model]()
     n = args.pages
     pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=2 * n * spec.page_size, pin="never"))
     _fill(pool, 1)
     src, dst = pool.alloc(n), pool.alloc(n)
+    want = pool.read_pages(src)
     ns = Namespace.for_pool(spec, layout, "bench-l3", tenant=uuid.uuid4().hex)
     client = L3Client(pool, store, ns, batch_pages=args.batch, layer_first_mode=mode)  # type: ignore[arg-type]
     rng = np.random.default_rng(0)
@@ -62,7 +91,8 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
     contiguous = addrs.shape[1] == 1
     nbytes = n * spec.page_bytes
     t: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "put": [], "get": []}
-    correct = True  # every outcome OK and every byte equal (a full pool would show here too)
+    outcomes_ok = True  # every outcome OK (a full pool would show here too)
+    wrong_pages = 0  # destination pages whose bytes differ from the source after a get
     for rnd in range(args.rounds):
         raw_keys = [f"raw-{uuid.uuid4().hex}" for _ in range(n)]
         keys = _keys(ns, n, rng)
@@ -82,42 +112,46 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
         # puts before gets; who goes first alternates per round so neither side always follows
         order = ["raw_put", "put", "raw_get", "get"] if rnd % 2 == 0 else ["put", "raw_put", "get", "raw_get"]
         for name in order:
+            is_get = name in ("raw_get", "get")
+            if is_get:  # every destination page holds the sentinel, not the source, before the get
+                pool.fill_pages(dst, POISON)
             t0 = time.perf_counter()
             res = ops[name]()
             t[name].append(time.perf_counter() - t0)
-            correct &= all(x is Outcome.OK for x in res)
-            if name in ("raw_get", "get"):  # each get landed the source bytes in dst
-                correct &= all(
-                    pool.page_bytes_of(int(a)) == pool.page_bytes_of(int(b)) for a, b in zip(src, dst, strict=True)
-                )
-    # lookup of 512 present keys (fewer when fewer pages exist)
-    lk = keys * (512 // len(keys) + 1)
-    lk = lk[:512]
-    lookups = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        hit = client.lookup(lk)
-        lookups.append(time.perf_counter() - t0)
-        correct &= hit == 512
+            outcomes_ok &= len(res) == n and all(x is Outcome.OK for x in res)
+            if is_get:  # every page of this get landed the source bytes (one vectorised compare)
+                wrong_pages += int((pool.read_pages(dst) != want).any(dim=1).sum())
+    lk = _lookup_512(client, store, ns, rng)
+    staging_bytes = client.staging_bytes
     client.close()
     pool.close()
     gb = nbytes / 1e9
     med = {k: statistics.median(v) for k, v in t.items()}
+    # paired per-round ratios (raw and l3pool ran back to back in the same round): the median is the
+    # headline, min/max show the spread on a shared, noisy machine
+    put_r = [r / x for r, x in zip(t["raw_put"], t["put"], strict=True)]
+    get_r = [r / x for r, x in zip(t["raw_get"], t["get"], strict=True)]
     return {
         "model": model,
         "layout": layout,
         "layer_first_mode": mode if layout == "layer_first" else None,
         "pages": n,
         "page_bytes": spec.page_bytes,
+        "rounds": args.rounds,
         "raw_put_GBps": round(gb / med["raw_put"], 3),
         "raw_get_GBps": round(gb / med["raw_get"], 3),
         "put_GBps": round(gb / med["put"], 3),
         "get_GBps": round(gb / med["get"], 3),
-        "put_ratio": round(med["raw_put"] / med["put"], 4),
-        "get_ratio": round(med["raw_get"] / med["get"], 4),
-        "lookup_ms_512": round(statistics.median(lookups) * 1e3, 3),
-        "staging_bytes": client.staging_bytes,
-        "correct": bool(correct),
+        "put_ratio": round(statistics.median(put_r), 4),
+        "get_ratio": round(statistics.median(get_r), 4),
+        "put_ratio_spread": _spread(put_r),
+        "get_ratio_spread": _spread(get_r),
+        **lk,
+        "staging_bytes": staging_bytes,
+        "outcomes_ok": bool(outcomes_ok),
+        "wrong_pages": wrong_pages,
+        "pages_checked": 2 * n * args.rounds,
+        "correct": bool(outcomes_ok and wrong_pages == 0 and lk["lookup_correct"]),
     }
 
 
@@ -125,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.l3", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON report here")
+    p.add_argument("--note", help="free text stored in the report (e.g. what else ran on the machine)")
     p.add_argument("--master", help="mooncake_master host:port (default: start the local cluster)")
     p.add_argument("--metadata", help="metadata server URL (with --master)")
     p.add_argument(
@@ -137,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default="page_first_direct,layer_first")
     p.add_argument("--segment-size", default="2GB", help="per agent, when starting the local cluster")
     args = p.parse_args(argv)
+    load_start = _loadavg()
     rows = []
     for model in args.models.split(","):
         for layout in args.layouts.split(","):
@@ -157,13 +193,16 @@ def main(argv: list[str] | None = None) -> int:
                         os.environ.update(cl.client_env())
                     store = MooncakeStore(StoreConfig(master=master, metadata=metadata, local_hostname=host))
                     stack.callback(store.close)
-                    rows.append(bench_model(model, layout, store, args, mode))
+                    rows.append({**bench_model(model, layout, store, args, mode), "transport": store.cfg.protocol})
     # headline numbers: page-first rows (zero-copy), all models
     zc = [r for r in rows if r["layout"] != "layer_first"] or rows
     report: dict[str, Any] = {
         "benchmark": "bench.l3",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "transport": "tcp",
+        "note": args.note,
+        # other work on the machine skews the numbers (shared 2-core boxes especially): 1-min load
+        "loadavg_1m": {"start": load_start, "end": _loadavg()},
+        "transport": "/".join(sorted({r["transport"] for r in rows})),  # what the stores were set up with
         "raw_put_GBps": round(statistics.mean(r["raw_put_GBps"] for r in zc), 3),
         "raw_get_GBps": round(statistics.mean(r["raw_get_GBps"] for r in zc), 3),
         "put_GBps": round(statistics.mean(r["put_GBps"] for r in zc), 3),

@@ -10,20 +10,26 @@ machine). Then, per round and request, in this process (root namespace):
   raw       one Mooncake `batch_get_into` of all the request's pages into L2 pages (timed)
   prefetch  `Prefetcher.submit(...).wait()` of the same keys into other L2 pages (timed; batches
             grow from `--batch` pages by `--growth` up to `--max-batch`, `--pipeline` in
-            flight), every byte compared with the writer's
+            flight)
   interrupt a prefetch interrupted after a random fraction of its time: interrupt() latency
   raw_batched  the same raw calls cut into the prefetcher's batches, `--pipeline` in flight
-raw and prefetch alternate who goes first. The default schedule (64, 256, 192 pages for 512)
-is what measured best on a 2-core TCP host: every further Mooncake call costs a few ms of
-ramp-up, a second call in flight costs CPU the transfer needs, and the 256-page cap keeps
-interrupt() within one ~100 ms batch. `prefetch_ratio` = raw time / prefetch time (medians);
-`prefetch_vs_batched_ratio` compares with raw_batched, i.e. the prefetcher's own overhead over
-Mooncake at the same call sizes (on TCP, Mooncake's per-call cost makes 64-page calls slower than
-one 512-page call). The PP-lock latencies come from `l3pool.pool.pplock.measure_lock_latencies`
-(4 stages x `--pages` pages), with the raw dependency floors measured in the same run, interleaved:
-`raw_exists_*` (one `batch_is_exist` of the same 4 x pages keys), `raw_etcd_txn_*` (a put-if-absent
-txn), `raw_etcd_get_*`, and `lock_acquire_vs_raw` = acquire p99 / (raw exists p99 + raw txn p99),
-`stage_join_vs_raw` = join p99 / raw get p99.
+raw and prefetch alternate who goes first. Byte checks: before every raw get the destination pages,
+and before every prefetch (full or interrupted) the whole L2 pool, are filled with 0xA5 (untimed),
+so no page can already hold the expected bytes from an earlier round (the LIFO allocator hands
+the just-freed pages back); after each, every delivered page is compared with the writer's bytes
+(one vectorised compare), and a full prefetch must be complete. The default schedule (64, 256,
+192 pages for 512) is what measured best on a 2-core TCP host: every further Mooncake call costs
+a few ms of ramp-up, a second call in flight costs CPU the transfer needs, and the 256-page cap
+keeps interrupt() within one ~100 ms batch. `prefetch_ratio` = raw time / prefetch time
+(medians); `prefetch_vs_batched_ratio` compares with raw_batched, i.e. the prefetcher's own
+overhead over Mooncake at the same call sizes (on TCP, Mooncake's per-call cost makes 64-page
+calls slower than one 512-page call). The PP-lock latencies come from
+`bench._locks.measure_lock_latencies` (4 stages x `--pages` pages), with the raw dependency floors
+measured in the same run, interleaved: `raw_exists_*` (one `batch_is_exist` of the same 4 x pages
+keys), `raw_etcd_txn_*` (a put-if-absent txn), `raw_etcd_get_*`; `lock_acquire_vs_raw` = median
+over requests of acquire / (raw exists + raw txn) of the same request, `lock_acquire_p99_vs_raw` =
+acquire p99 / p99 of those per-request sums, `stage_join_vs_raw` (median of paired ratios) and
+`stage_join_p99_vs_raw` = join p99 / raw get p99. Exit status 1 unless `correct`.
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ import argparse
 import collections
 import contextlib
 import datetime as dt
-import importlib.util
 import json
 import random
 import statistics
@@ -44,11 +49,14 @@ from typing import Any
 
 import torch
 
+from bench._transfer_report import _loadavg
 from l2core import HostKVPool, L2Config
 from l3pool.pool.client import L3Client
 from l3pool.pool.prefetch import Prefetcher, batch_schedule
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 from l3pool.tools.prefetch_check import LAYOUT, Endpoints, PrefixSet, run_writer
+
+from ._locks import measure_lock_latencies
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -56,30 +64,30 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
-def _lock_latencies(cluster: Any, requests: int, pages: int) -> tuple[dict[str, Any], str | None]:
-    keys = (
-        "lock_acquire_p50_ms", "lock_acquire_p99_ms", "stage_join_p50_ms", "stage_join_p99_ms", "release_p99_ms",
-        "lock_lookup_p50_ms", "lock_lookup_p99_ms", "lock_etcd_p50_ms", "lock_etcd_p99_ms",
-        "raw_exists_p50_ms", "raw_exists_p99_ms", "raw_etcd_txn_p50_ms", "raw_etcd_txn_p99_ms",
-        "raw_etcd_get_p50_ms", "raw_etcd_get_p99_ms", "lock_acquire_vs_raw", "lock_acquire_p50_vs_raw",
-        "stage_join_vs_raw", "stage_join_p50_vs_raw",
-    )  # fmt: skip
-    if importlib.util.find_spec("l3pool.pool.pplock") is None:
-        return dict.fromkeys(keys), "l3pool/pool/pplock.py does not exist yet"
-    if cluster is None:
-        return dict.fromkeys(keys), "pplock latencies need the local cluster (no endpoints given)"
-    from l3pool.pool.pplock import measure_lock_latencies
+LOCK_KEYS = (
+    "lock_acquire_p50_ms", "lock_acquire_p99_ms", "stage_join_p50_ms", "stage_join_p99_ms", "release_p99_ms",
+    "lock_lookup_p50_ms", "lock_lookup_p99_ms", "lock_etcd_p50_ms", "lock_etcd_p99_ms",
+    "raw_exists_p50_ms", "raw_exists_p99_ms", "raw_etcd_txn_p50_ms", "raw_etcd_txn_p99_ms",
+    "raw_acquire_floor_p50_ms", "raw_acquire_floor_p99_ms", "raw_etcd_get_p50_ms", "raw_etcd_get_p99_ms",
+    "lock_acquire_vs_raw", "lock_acquire_p99_vs_raw", "stage_join_vs_raw", "stage_join_p99_vs_raw",
+)  # fmt: skip
+POISON = 0xA5  # fill of every destination before the operation whose bytes are checked
 
+
+def _lock_latencies(cluster: Any, requests: int, pages: int) -> tuple[dict[str, Any], str | None]:
+    if cluster is None:
+        return dict.fromkeys(LOCK_KEYS), "pplock latencies need the local cluster (no endpoints given)"
     got = measure_lock_latencies(cluster, requests, pages=pages, stages=4)
-    return {k: round(v, 3) if isinstance(v := got.get(k), float) else v for k in keys}, None
+    return {k: round(v, 3) if isinstance(v := got.get(k), float) else v for k in LOCK_KEYS}, None
 
 
 def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, Any]:
     spec = ps.spec()
     pb = spec.page_bytes
     pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=3 * ps.pages * ps.page_size, pin="never"))
-    pool.buffer.zero_()  # fault every page in before timing
+    pool.buffer.fill_(POISON)  # faults every page in before timing; no page holds expected bytes
     store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
+    transport = store.cfg.protocol
     client = L3Client(pool, store, ps.namespace(), batch_pages=max(64, args.batch, args.max_batch))
     pf = Prefetcher(
         client, batch_pages=args.batch, max_batch_pages=args.max_batch, growth=args.growth,
@@ -98,7 +106,24 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
     int_ms: list[float] = []
     batch_ms: list[float] = []
     correct = True
+    wrong = 0  # delivered pages whose bytes differ from the writer's
     raw_pages = pool.alloc(ps.pages)
+
+    def check(pages: Any, r: int) -> bool:
+        """Every delivered page holds request r's bytes, in key order (one vectorised compare)."""
+        nonlocal wrong
+        got = view[torch.from_numpy(pages)]
+        bad = int((got != want[r][: len(pages)]).any(dim=1).sum())
+        wrong += bad
+        return bad == 0
+
+    def poison_pool() -> None:
+        """Before a prefetch (untimed): no page may already hold expected bytes when the allocator
+        hands it out (LIFO returns the pages just freed, holding this request's bytes; the
+        prefetcher also frees pages of dropped batches itself). Only raw_pages are allocated
+        now, and they are poisoned again before each raw get anyway."""
+        pool.buffer.fill_(POISON)
+
     addrs, sizes = pool.page_runs(raw_pages)
     a_list, s_list = addrs[:, 0].tolist(), sizes[:, 0].tolist()
 
@@ -107,7 +132,7 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
         out = pf.submit(f"req{r}", keys[r]).wait(300)
         pf_s.append(time.perf_counter() - t0)
         batch_ms.extend(out.batch_ms)
-        good = out.complete and torch.equal(view[torch.from_numpy(out.pages)], want[r])
+        good = out.complete and out.error is None and len(out.pages) == ps.pages and check(out.pages, r)
         pool.free(out.pages)
         return good
 
@@ -117,14 +142,17 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
                 print(f"[bench.prefetch] round {rnd} request {r}", file=sys.stderr, flush=True)
                 prefetch_first = (rnd * ps.requests + r) % 2 == 1
                 if prefetch_first:
+                    poison_pool()
                     correct &= prefetch(r)
+                pool.fill_pages(raw_pages, POISON)
                 t0 = time.perf_counter()
                 res = store.get(keys[r], a_list, s_list)
                 raw_s.append(time.perf_counter() - t0)
-                correct &= all(x is Outcome.OK for x in res)
-                correct &= torch.equal(view[torch.from_numpy(raw_pages)], want[r])
+                correct &= all(x is Outcome.OK for x in res) and check(raw_pages, r)
                 if not prefetch_first:
+                    poison_pool()
                     correct &= prefetch(r)
+                pool.fill_pages(raw_pages, POISON)
                 t0 = time.perf_counter()  # raw again, in the prefetcher's batches and pipeline depth
                 window: collections.deque[Future[list[Outcome]]] = collections.deque()
                 ok = True
@@ -134,14 +162,15 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
                     window.append(io.submit(store.get, keys[r][i : i + k], a_list[i : i + k], s_list[i : i + k]))
                 ok &= all(x is Outcome.OK for f in window for x in f.result())
                 raw_b_s.append(time.perf_counter() - t0)
-                correct &= ok
+                correct &= ok and check(raw_pages, r)
+                poison_pool()
                 h = pf.submit(f"req{r}", keys[r])
                 time.sleep(rng.random() * statistics.median(pf_s))
                 ti = time.perf_counter()
                 out = h.interrupt(60)
                 int_ms.append((time.perf_counter() - ti) * 1e3)
                 n = out.keys_loaded
-                correct &= out.error is None and torch.equal(view[torch.from_numpy(out.pages)], want[r][:n])
+                correct &= out.error is None and len(out.pages) == n and check(out.pages, r)
                 pool.free(out.pages)
     finally:
         pf.close()
@@ -154,6 +183,7 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
     gb = ps.pages * pb / 1e9
     raw, pre = statistics.median(raw_s), statistics.median(pf_s)
     return {
+        "transport": transport,
         "raw_get_GBps": round(gb / raw, 3),
         "prefetch_GBps": round(gb / pre, 3),
         "prefetch_ratio": round(raw / pre, 4),
@@ -164,7 +194,8 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
         "batch_p50_ms": round(_pct(batch_ms, 50), 3),
         "batch_p99_ms": round(_pct(batch_ms, 99), 3),
         "leaked_pages": leaked,
-        "correct": bool(correct) and leaked == 0,
+        "wrong_pages": wrong,
+        "correct": bool(correct) and leaked == 0 and wrong == 0,
     }
 
 
@@ -172,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.prefetch", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON report here")
+    p.add_argument("--note", help="free text stored in the report (e.g. what else ran on the machine)")
     p.add_argument("--master", help="mooncake_master host:port (default: start the local cluster)")
     p.add_argument("--metadata", help="metadata server URL (with --master)")
     p.add_argument("--host", default="127.0.0.1", help="this client's address (with --master; export "
@@ -188,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment-size", default="1GB", help="per agent, when starting the local cluster")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    load_start = _loadavg()
     ps = PrefixSet(8, 64, args.pages, args.requests, args.seed, uuid.uuid4().hex)
     cluster = None
     with contextlib.ExitStack() as stack:
@@ -214,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "benchmark": "bench.prefetch",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "transport": "tcp",
+        "note": args.note,
+        # other work on the machine skews the numbers (shared 2-core boxes especially): 1-min load
+        "loadavg_1m": {"start": load_start, "end": _loadavg()},
+        "transport": row.pop("transport"),  # the protocol the benchmark's store was set up with
         "mode": ep.mode,
         "writer_netns": writer.get("netns"),
         "spec": "KVSpec.mla(8, page_size=64) bf16 page_first_direct",

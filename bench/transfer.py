@@ -27,9 +27,12 @@ Numbers per row:
   engines only). CPU: threads (naive is single-threaded: 1).
 * naive_GBps: method "naive", one copy per (page, layer, kv). It needs token-contiguous host
   pages, so it is n/a (null, with the error) for layout page_first.
-* correct: for every method, a random moved page is poisoned at the destination before a call
-  and compared byte for byte with the source after it (once before and once after the timed
-  calls, on different pages).
+* correct: for every method, every moved page (all layers) is poisoned at the destination before
+  a call and compared bit for bit with the source after it (vectorised, in chunks of layers),
+  for the first call and again after the timed calls; `wrong_pages` counts the pages that
+  differed. A method that raises is a failure (correct false, `error`); only a method/layout
+  pair unsupported by design (naive on page_first) is n/a (correct null, supported false). The
+  exit status is 1 when any row is not correct.
 
 CUDA indices: by default slots and pages are pinned CPU tensors, so the op's index copies are
 async DMAs; `--indices engine` passes them as l2core.transfer.TransferEngine does (slots on the
@@ -247,55 +250,77 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def host_page_view(pool: HostKVPool, page: int) -> torch.Tensor:
-    """[kv, layers, page_size, heads, dim] view of one host page, from the layout's documented
-    tensor shape (independent of the strides the kernels get)."""
+def _host_tokens(s: Setup, pool: HostKVPool, lb: int, le: int) -> torch.Tensor:
+    """[kv, le - lb, n_pages * page_size, heads, dim] copy of layers [lb, le) of the moved host
+    pages, token order = moved-page order, from the layout's documented tensor shape
+    (independent of the strides the kernels get)."""
     v = pool.view()
     if pool.spec.attention == "mla":
         v = v.unsqueeze(0)
     P, name = pool.spec.page_size, pool.layout.name
+    hp = s.pages.cpu()
+    if name == "page_first_direct":  # [kv, pages, L, P, H, D]
+        x = v[:, hp, lb:le].transpose(1, 2)  # [kv, l, n, P, H, D]
+        return x.reshape(x.shape[0], le - lb, -1, *x.shape[4:])
+    hslots = (hp[:, None] * P + torch.arange(P)).reshape(-1)
     if name == "layer_first":  # [kv, L, slots, H, D]
-        return v[:, :, page * P : (page + 1) * P]
-    if name == "page_first":  # [kv, slots, L, H, D]
-        return v[:, page * P : (page + 1) * P].transpose(1, 2)
-    return v[:, page]  # page_first_direct: [kv, pages, L, P, H, D]
+        return v[:, lb:le][:, :, hslots]
+    return v[:, hslots, lb:le].transpose(1, 2)  # page_first: [kv, slots, L, H, D]
 
 
-def _page_slots(s: Setup, j: int) -> torch.Tensor:
-    P = s.spec.page_size
-    return s.slots_cpu[j * P : (j + 1) * P].to(s.device)
-
-
-def dev_page(s: Setup, j: int) -> torch.Tensor:
-    """[kv, layers, page_size, heads, dim] copy (on CPU) of the device slots of moved page j."""
+def _dev_tokens(s: Setup, lb: int, le: int) -> torch.Tensor:
+    """[kv, le - lb, n_pages * page_size, heads, dim] copy of layers [lb, le) of the moved device slots."""
     sp = s.spec
-    x = s.dev[:, _page_slots(s, j)]  # [L * kv, P, H, D]
-    return x.reshape(sp.num_layers, sp.num_kv, sp.page_size, sp.heads, sp.dim).transpose(0, 1).cpu()
+    x = s.dev[lb * sp.num_kv : le * sp.num_kv][:, s.slots_cpu.to(s.device)]  # [l * kv, nP, H, D]
+    return x.reshape(le - lb, sp.num_kv, *x.shape[1:]).transpose(0, 1)
 
 
-def poison(s: Setup, pool: HostKVPool, j: int, to_host: bool) -> None:
-    """Overwrite the destination of moved page j with SENTINEL bytes."""
+CHECK_CHUNK_BYTES = 1 << 28  # layers compared at once: bounds the check's extra memory (per side)
+
+
+def wrong_pages(s: Setup, pool: HostKVPool) -> int:
+    """How many moved pages differ, bit for bit, between their device slots and their host page
+    (every byte of every moved page, all layers; compared in chunks of layers, vectorised)."""
+    sp = s.spec
+    n = s.n_pages
+    per_layer = max(1, s.nbytes // sp.num_layers)
+    step = max(1, CHECK_CHUNK_BYTES // per_layer)
+    bad = torch.zeros(n, dtype=torch.bool, device=s.device)
+    for lb in range(0, sp.num_layers, step):
+        le = min(sp.num_layers, lb + step)
+        d, h = _dev_tokens(s, lb, le), _host_tokens(s, pool, lb, le).to(s.device)
+        diff = _bits(d) != _bits(h)  # [kv, l, n * P, H, D]
+        bad |= diff.reshape(sp.num_kv, le - lb, n, -1).any(dim=3).any(dim=1).any(dim=0)
+    return int(bad.sum())
+
+
+def poison(s: Setup, pool: HostKVPool, to_host: bool) -> None:
+    """Overwrite the destination of every moved page (all layers) with SENTINEL bytes."""
     if to_host:
-        _bits(host_page_view(pool, int(s.pages[j]))).fill_(_sentinel(s.spec.elem_bytes))
+        pool.fill_pages(s.pages.cpu().numpy(), SENTINEL)
     else:
-        _bits(s.dev)[:, _page_slots(s, j)] = _sentinel(s.spec.elem_bytes)
+        _bits(s.dev)[:, s.slots_cpu.to(s.device)] = _sentinel(s.spec.elem_bytes)
 
 
 def _sentinel(elem_bytes: int) -> int:
     return int.from_bytes(bytes([SENTINEL]) * elem_bytes, "little", signed=True)
 
 
-def page_matches(s: Setup, pool: HostKVPool, j: int) -> bool:
-    return torch.equal(_bits(dev_page(s, j)), _bits(host_page_view(pool, int(s.pages[j]))))
-
-
-def checked_call(s: Setup, pool: HostKVPool, to_host: bool, fn: Callable[[], object], timer: Timer, j: int) -> bool:
+def checked_call(s: Setup, pool: HostKVPool, to_host: bool, fn: Callable[[], object], timer: Timer) -> int:
+    """Poison every destination page, call `fn`, return how many moved pages are wrong (0: all right)."""
     timer.sync()  # earlier calls must not land after the poison
-    poison(s, pool, j, to_host)
+    poison(s, pool, to_host)
     timer.sync()
     fn()
     timer.sync()
-    return page_matches(s, pool, j)
+    return wrong_pages(s, pool)
+
+
+def unsupported(method: str, pool: HostKVPool) -> str | None:
+    """Why `method` cannot move this layout by design (then it is reported, not run), or None."""
+    if method == "naive" and pool.layout.strides[1] != pool.spec.item_bytes:
+        return "method 'naive' needs token-contiguous host pages (one copy per page, layer and kv)"
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,41 +379,45 @@ def bench_row(
     methods: Sequence[str],
     args: argparse.Namespace,
     timer: Timer,
-    rng: np.random.Generator,
 ) -> tuple[dict[str, dict[str, Any]], list[float]]:
-    """Per-method results and the raw-copy samples of one (layout, direction)."""
+    """Per-method results and the raw-copy samples of one (layout, direction). Every method's
+    first (cold) call and one call after the timed ones are checked on all moved pages; a method
+    that raises is a failure (correct False, its error kept), only a pair `unsupported` by design
+    is reported as not applicable (correct None, supported False)."""
     per: dict[str, dict[str, Any]] = {}
     live: dict[str, Callable[[], object]] = {}
-    checked: dict[str, list[int]] = {}
     for m in methods:
         per[m] = {"sms": method_sms(m, s.device, args)}
-        fn = transfer_fn(s, pool, to_host, m, args)
-        j = int(rng.integers(s.n_pages))
-        try:
-            per[m]["correct"] = checked_call(s, pool, to_host, fn, timer, j)  # cold first call
-        except Exception as e:  # an unsupported method/layout pair is reported, not fatal
-            timer.sync()
-            per[m].update(GBps=None, correct=None, error=_error_text(e))
+        why = unsupported(m, pool)
+        if why is not None:
+            per[m].update(GBps=None, correct=None, supported=False, error=why)
             continue
-        live[m] = fn
-        checked[m] = [int(s.pages[j])]
-    times = timer.measure({"raw": raw_copy_fn(s, to_host, args.threads), **live}, args.warmup, args.iters)
-    for m in live:
-        j = int(rng.integers(s.n_pages))
-        try:  # again after the back-to-back timed calls, on another random page
-            ok = checked_call(s, pool, to_host, live[m], timer, j)
+        fn = transfer_fn(s, pool, to_host, m, args)
+        try:
+            per[m]["wrong_pages"] = checked_call(s, pool, to_host, fn, timer)  # cold first call
         except Exception as e:
             timer.sync()
-            ok = False
+            per[m].update(GBps=None, correct=False, supported=True, error=_error_text(e), wrong_pages=None)
+            continue
+        live[m] = fn
+    times = timer.measure({"raw": raw_copy_fn(s, to_host, args.threads), **live}, args.warmup, args.iters)
+    for m in live:
+        try:  # again after the back-to-back timed calls
+            wrong: int | None = checked_call(s, pool, to_host, live[m], timer)
+        except Exception as e:
+            timer.sync()
+            wrong = None
             per[m]["error"] = _error_text(e)
-        checked[m].append(int(s.pages[j]))
+        first = per[m]["wrong_pages"]
         per[m].update(
             GBps=_median_gbps(s.nbytes, times[m]),
             GBps_best=s.nbytes / min(times[m]) / 1e9,
             ms=statistics.median(times[m]) * 1e3,
             ms_all=[t * 1e3 for t in times[m]],
-            correct=per[m]["correct"] and ok,
-            checked_pages=checked[m],
+            supported=True,
+            correct=first == 0 and wrong == 0,
+            wrong_pages=None if wrong is None else first + wrong,
+            pages_checked=2 * s.n_pages,
         )
     return per, times["raw"]
 
@@ -399,7 +428,6 @@ def bench_setup(
     methods: Sequence[str],
     args: argparse.Namespace,
     timer: Timer,
-    rng: np.random.Generator,
     progress: tqdm,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """All rows of one setup, plus its raw-copy summary per direction."""
@@ -411,7 +439,7 @@ def bench_setup(
             to_host = d == "d2h"
             progress.set_postfix_str(f"{s.model} {layout} {d} {s.tokens}")
             auto = ops.resolve_method("auto", pool.layout, s.device, to_host, (0, s.spec.num_layers), s.n_pages)
-            per, raw_t = bench_row(s, pool, to_host, methods, args, timer, rng)
+            per, raw_t = bench_row(s, pool, to_host, methods, args, timer)
             raw_all[d] += raw_t
             row = {
                 "model": s.model,
@@ -460,7 +488,8 @@ def finish_row(row: dict[str, Any], raw_seconds: Sequence[float], nbytes: int) -
         naive_GBps=naive.get("GBps"),
         naive_ratio=naive.get("ratio"),
         best_method=max(fast, key=lambda k: fast[k]["GBps"]) if fast else None,
-        correct=all(v["correct"] is not False for v in per.values()) and a["correct"] is True,
+        # every supported method right on every page; the row's own method must have run
+        correct=all(v["correct"] is True or v.get("supported") is False for v in per.values()) and a["correct"] is True,
     )
     # keep the readable keys first
     order = [
@@ -577,7 +606,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 progress.set_postfix_str(f"{model} {tokens}: allocating")
                 s = make_setup(model, tokens, device, rng, args)
                 try:
-                    setup_rows, setup_raw = bench_setup(s, args.layouts, methods, args, timer, rng, progress)
+                    setup_rows, setup_raw = bench_setup(s, args.layouts, methods, args, timer, progress)
                 finally:
                     timer.sync()
                     s.close()
@@ -666,7 +695,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out is not None:
             print(f"JSON written to {args.out}")
     sys.stdout.flush()
-    return 0
+    bad = [r for r in report["results"] if r["correct"] is not True]
+    for r in bad:
+        errors = {m: v.get("error") or f"{v.get('wrong_pages')} wrong pages" for m, v in r["methods"].items()
+                  if v["correct"] is False}  # fmt: skip
+        print(f"NOT CORRECT: {r['model']} {r['layout']} {r['direction']} {r['tokens']}: {errors}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

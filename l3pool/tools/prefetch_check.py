@@ -10,7 +10,8 @@
    separate process on this host.
 2. This process (root namespace, another node) prefetches every prefix into its own L2 pool
    with a `Prefetcher` (all requests submitted at once, `--inflight` at a time), verifies every
-   byte against the recomputed expectation, and frees the pages.
+   byte against the recomputed expectation, and frees the pages. The L2 pool is filled with 0xA5
+   before each checked prefetch, so no page already holds expected bytes when it is handed out.
 3. It prefetches each prefix again, alone, and interrupts it after `--interrupt-after` (a fraction
    of one request's time at the bandwidth of step 2, or `random`), verifies the returned prefix
    (a new generation of the request) and frees it.
@@ -39,6 +40,7 @@ from typing import Any
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = "page_first_direct"  # page bytes contiguous: one zero-copy fragment per page
 MODEL = "l3pool-prefetch-check"
+POISON = 0xA5  # fill of the reader's L2 pool before each checked prefetch (never a page's bytes)
 
 
 @dataclass(frozen=True)
@@ -213,8 +215,12 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
     keys = [ps.keys(r) for r in range(ps.requests)]
     rng = random.Random(ps.seed)
     try:
+        # Every byte check runs on pages poisoned just before (nothing is held at those points):
+        # the LIFO allocator hands the just-freed pages back, and they would still hold the
+        # expected bytes of the full prefetch, so a batch that wrote nothing would pass.
         # 1. full prefetches, all submitted at once
         bar.set_postfix_str("prefetching")
+        view.fill_(POISON)
         t0 = time.perf_counter()
         hs = [pf.submit(f"req{r}", keys[r]) for r in range(ps.requests)]
         results = [h.wait(600) for h in hs]
@@ -237,6 +243,7 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
         for r in range(ps.requests):
             frac = rng.random() if args.interrupt_after == "random" else float(args.interrupt_after)
             fracs.append(round(frac, 3))
+            view.fill_(POISON)
             h = pf.submit(f"req{r}", keys[r])
             time.sleep(frac * solo_s)
             ti = time.perf_counter()

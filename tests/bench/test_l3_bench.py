@@ -1,40 +1,76 @@
-"""bench.l3 smoke run: tiny sizes against its own local cluster; checks the JSON contract."""
+"""bench.l3 smoke runs: tiny sizes against its own local cluster; the JSON contract, and that
+`correct` turns false (exit status 1) when the l3pool get writes nothing, writes the wrong page, or
+the lookup answers wrong."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from bench import l3
+from l3pool.pool.client import L3Client
+from l3pool.pool.store import Outcome
+
+TINY = ["--pages", "4", "--rounds", "2", "--models", "mla", "--segment-size", "256MB"]
 
 
 def test_l3_bench_json_contract(tmp_path: Path) -> None:
     out = tmp_path / "l3.json"
-    rc = l3.main(
-        [
-            "--pages",
-            "4",
-            "--rounds",
-            "1",
-            "--models",
-            "mla",
-            "--layouts",
-            "page_first_direct,layer_first",
-            "--segment-size",
-            "256MB",
-            "--out",
-            str(out),
-        ]
-    )
+    rc = l3.main([*TINY, "--layouts", "page_first_direct,layer_first", "--out", str(out)])
     report = json.loads(out.read_text())
-    assert rc == 0 and report["correct"] is True
+    assert rc == 0 and report["correct"] is True and report["transport"] == "tcp"
     for key in ("raw_put_GBps", "raw_get_GBps", "put_GBps", "get_GBps", "put_ratio", "get_ratio", "lookup_ms_512"):
         assert isinstance(report[key], float) and report[key] > 0, key
     modes = {(r["layout"], r["layer_first_mode"]) for r in report["rows"]}
     assert modes == {("page_first_direct", None), ("layer_first", "multi"), ("layer_first", "staging")}
     for r in report["rows"]:
-        assert abs(r["put_ratio"] - r["put_GBps"] / r["raw_put_GBps"]) < 0.05 * r["put_ratio"] + 0.01
+        assert r["wrong_pages"] == 0 and r["pages_checked"] == 2 * 4 * 2 and r["lookup_correct"] is True
+        for op in ("put", "get"):  # the headline ratio is the median of the paired per-round ratios
+            sp = r[f"{op}_ratio_spread"]
+            assert sp["min"] <= r[f"{op}_ratio"] == sp["median"] <= sp["max"]
         # page-first rows move zero-copy (no staging); layer_first staging is bounded by one batch
         want = 64 * r["page_bytes"] if r["layer_first_mode"] == "staging" else 0
         assert r["staging_bytes"] == want
+    assert report["put_ratio"] == min(r["put_ratio"] for r in report["rows"] if r["layout"] != "layer_first")
     assert set(report["targets"]) == {"put_ratio>=0.90", "get_ratio>=0.90", "lookup_ms_512<=2"}
+
+
+def _writes_nothing(self: L3Client, keys: list[str], pages: np.ndarray) -> list[Outcome]:
+    return [Outcome.OK] * len(keys)
+
+
+def _one_page_off(self: L3Client, keys: list[str], pages: np.ndarray) -> list[Outcome]:
+    res = REAL_GET(self, keys, pages)
+    self.pool.fill_pages(np.asarray(pages)[-1:], 0)  # the last page of each get is wrong
+    return res
+
+
+REAL_GET = L3Client.get
+
+
+@pytest.mark.parametrize(
+    ("what", "layout"),
+    [("get_writes_nothing", "page_first_direct"), ("get_one_page_wrong", "layer_first"), ("lookup", "page_first")],
+)
+def test_l3_bench_correct_can_become_false(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str, layout: str
+) -> None:
+    if what == "get_writes_nothing":
+        monkeypatch.setattr(L3Client, "get", _writes_nothing)
+    elif what == "get_one_page_wrong":
+        monkeypatch.setattr(L3Client, "get", _one_page_off)
+    else:  # a lookup that always claims 512 hits misses the absent-key check
+        monkeypatch.setattr(L3Client, "lookup", lambda self, keys: 512)
+    out = tmp_path / "l3.json"
+    rc = l3.main([*TINY, "--rounds", "1", "--layouts", layout, "--out", str(out)])
+    report = json.loads(out.read_text())
+    (row,) = report["rows"][:1]
+    assert rc == 1 and report["correct"] is False and row["correct"] is False
+    if what == "lookup":
+        assert row["lookup_correct"] is False and row["wrong_pages"] == 0
+    else:
+        assert row["lookup_correct"] is True
+        assert row["wrong_pages"] == (4 if what == "get_writes_nothing" else 1)

@@ -54,11 +54,14 @@ def _check_report(rep: dict, layouts: list[str], models: list[str], tokens: list
         assert set(r["methods"]) == {"direct", "naive"}
         d = r["methods"]["direct"]
         assert d["correct"] is True and _close(d["GBps"], r["GBps"])
+        pages = r["tokens"] // 64
+        assert d["wrong_pages"] == 0 and d["pages_checked"] == 2 * pages  # every page, twice
         n = r["methods"]["naive"]
-        if r["layout"] == "page_first":  # naive needs token-contiguous host pages
+        if r["layout"] == "page_first":  # naive needs token-contiguous host pages: n/a by design
             assert r["naive_GBps"] is None and r["naive_ratio"] is None and "error" in n
+            assert n["supported"] is False and n["correct"] is None
         else:
-            assert n["correct"] is True and n["sms"] == 1
+            assert n["correct"] is True and n["sms"] == 1 and n["wrong_pages"] == 0
             assert r["naive_GBps"] > 0 and _close(r["naive_ratio"], r["naive_GBps"] / r["raw_GBps"])
         rkey = (r["model"], r["tokens"], r["direction"])
         raw = [w for w in rep["raw"] if (w["model"], w["tokens"], w["direction"]) == rkey]
@@ -125,6 +128,8 @@ def test_targets_are_not_softened() -> None:
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("to_host", [True, False], ids=["d2h", "h2d"])
 def test_correctness_check_catches_wrong_transfers(layout: str, to_host: bool) -> None:
+    """checked_call compares every moved page: nothing moved, wrong pages, half the pages, one
+    layer missing of one page, all are counted."""
     import numpy as np
     import torch
 
@@ -136,13 +141,58 @@ def test_correctness_check_catches_wrong_transfers(layout: str, to_host: bool) -
     try:
         pool = s.pool(layout)
         timer = bt.Timer(s.device)
+        n, P = s.n_pages, s.spec.page_size
 
-        def move(pages: torch.Tensor) -> None:
-            ops.transfer(s.bufs, s.slots, pool.buffer, pages, pool.layout, to_host=to_host)
+        def move(pages: torch.Tensor, k: int = n) -> None:
+            ops.transfer(s.bufs, s.slots[: k * P], pool.buffer, pages[:k], pool.layout, to_host=to_host)
 
-        for j in range(s.n_pages):
-            assert bt.checked_call(s, pool, to_host, lambda: move(s.pages), timer, j)
-            assert not bt.checked_call(s, pool, to_host, lambda: None, timer, j)  # nothing moved
-            assert not bt.checked_call(s, pool, to_host, lambda: move(s.pages.roll(1)), timer, j)  # wrong pages
+        def last_layer_of_page0_missing() -> None:
+            L = s.spec.num_layers
+            ops.transfer(s.bufs, s.slots[P:], pool.buffer, s.pages[1:], pool.layout, to_host=to_host)
+            ops.transfer(s.bufs, s.slots[:P], pool.buffer, s.pages[:1], pool.layout, to_host=to_host, layers=(0, L - 1))
+
+        assert bt.checked_call(s, pool, to_host, lambda: move(s.pages), timer) == 0
+        assert bt.checked_call(s, pool, to_host, lambda: None, timer) == n  # nothing moved
+        assert bt.checked_call(s, pool, to_host, lambda: move(s.pages.roll(1)), timer) == n  # wrong pages
+        assert bt.checked_call(s, pool, to_host, lambda: move(s.pages, k=n // 2), timer) == n - n // 2
+        assert bt.checked_call(s, pool, to_host, last_layer_of_page0_missing, timer) == 1
     finally:
         s.close()
+
+
+def _fail_method(monkeypatch: pytest.MonkeyPatch, method: str, how: str) -> None:
+    """Make ops.transfer misbehave for one method: raise, or move the pages in the wrong order."""
+    from l2core import ops
+
+    real = ops.transfer
+
+    def transfer(bufs, slots, host, pages, layout, **kw):  # type: ignore[no-untyped-def]
+        if kw.get("method") == method:
+            if how == "crash":
+                raise RuntimeError("simulated kernel failure")
+            pages = pages.roll(1)
+        return real(bufs, slots, host, pages, layout, **kw)
+
+    monkeypatch.setattr(ops, "transfer", transfer)
+
+
+@pytest.mark.parametrize(("method", "how"), [("naive", "crash"), ("direct", "crash"), ("naive", "wrong")])
+def test_a_failing_method_makes_the_row_incorrect_and_exit_nonzero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], method: str, how: str
+) -> None:
+    from bench import transfer
+
+    _fail_method(monkeypatch, method, how)
+    out = tmp_path / "r.json"
+    argv = ["--device", "cpu", "--models", "mla", "--layouts", "layer_first", "--tokens", "128", "--iters", "1"]
+    assert transfer.main([*argv, "--warmup", "0", "--out", str(out), "--no-progress", "--json"]) == 1
+    assert "NOT CORRECT" in capsys.readouterr().err
+    rep = json.loads(out.read_text())
+    assert len(rep["results"]) == 2
+    for r in rep["results"]:
+        m = r["methods"][method]
+        assert r["correct"] is False and m["correct"] is False and m["supported"] is True
+        if how == "crash":
+            assert "simulated kernel failure" in m["error"] and m["GBps"] is None
+        else:
+            assert m["wrong_pages"] == 2 * 2  # both pages wrong, in both checked calls

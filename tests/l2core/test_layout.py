@@ -194,3 +194,29 @@ def test_unknown_layout(name: str) -> None:
 def test_bad_num_pages(n: object) -> None:
     with pytest.raises(ConfigError, match="num_pages"):
         HostLayout(KVSpec.mla(2), "page_first", n)  # type: ignore[arg-type]
+
+
+def test_pool_read_and_fill_pages(spec: KVSpec, layout_name: str) -> None:
+    """read_pages row i == page_bytes_of(pages[i]); fill_pages sets exactly those pages' bytes."""
+    from l2core import HostKVPool, L2Config
+
+    pool = HostKVPool(L2Config(kv=spec, layout=layout_name, tokens=NUM_PAGES * spec.page_size, pin="never"))
+    try:
+        g = torch.Generator().manual_seed(3)
+        pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8, generator=g))
+        pages, others = np.array([5, 0, 3]), [1, 2, 4, 6]
+        got = pool.read_pages(pages)
+        assert got.shape == (3, spec.page_bytes) and got.dtype == torch.uint8
+        assert [bytes(r.numpy()) for r in got] == [pool.page_bytes_of(int(p)) for p in pages]
+        kept = pool.read_pages(others)
+        pool.fill_pages(pages, 0xA5)
+        assert bool((pool.read_pages(pages) == 0xA5).all())
+        assert int((pool.buffer == 0xA5).sum()) >= 3 * spec.page_bytes
+        assert torch.equal(pool.read_pages(others), kept)  # nothing else touched
+        assert pool.read_pages([]).shape == (0, spec.page_bytes)
+        with pytest.raises(ValueError, match="byte"):
+            pool.fill_pages(pages, 256)
+        with pytest.raises(IndexError):
+            pool.read_pages([NUM_PAGES])
+    finally:
+        pool.close()

@@ -141,3 +141,61 @@ def test_wait_layer_blocks_until_layer_arrives() -> None:
             eng.wait_layer(j, 99, timeout=60)
         with pytest.raises(KeyError):
             eng.wait_layer(424242, 0)
+
+
+@pytest.mark.parametrize("layers_per_step", [1, 2, 3])
+def test_wait_layer_returns_while_later_layers_are_pending(
+    monkeypatch: pytest.MonkeyPatch, layers_per_step: int
+) -> None:
+    """The load thread is held inside the copy of its second step (layers [k, 2k)): waits on the
+    layers of the first step return, with their bytes in place, while the job is unfinished,
+    later layers still hold their old bytes and a wait on them times out. Steps cover the
+    layers in order, the last one partial (7 layers)."""
+    from l2core import ops
+
+    spec, pool, src, dst = _setup("cpu", layers=7)
+    pages = pool.alloc(4)
+    slots = _page_slots([9, 2, 30, 14], "cpu")
+    with TransferEngine(pool, src) as up:
+        (r,) = up.wait([up.submit_backup(slots, pages)], timeout=60)
+        assert r.ok
+    k = layers_per_step
+    held = (k, min(spec.num_layers, 2 * k))
+    reached, gate = threading.Event(), threading.Event()
+    steps: list[tuple[int, int]] = []
+    real = ops.transfer
+
+    def transfer(*args, **kw):  # type: ignore[no-untyped-def]
+        if not kw["to_host"]:
+            steps.append(kw["layers"])
+            if kw["layers"] == held:
+                reached.set()
+                assert gate.wait(30), "never released"
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ops, "transfer", transfer)
+
+    def loaded(layer: int) -> bool:
+        return torch.equal(dst[2 * layer][slots], src[2 * layer][slots]) and torch.equal(
+            dst[2 * layer + 1][slots], src[2 * layer + 1][slots]
+        )
+
+    with TransferEngine(pool, dst, layers_per_step=k) as down:
+        jid = down.submit_load(slots, pages)
+        try:
+            assert reached.wait(30)
+            for layer in range(k):
+                down.wait_layer(jid, layer, timeout=5)  # returns although the job is held
+                assert loaded(layer)
+            assert down.poll(jid) is None  # not finished
+            for layer in range(k, spec.num_layers):  # nothing of the held step or later landed
+                assert bool((dst[2 * layer][slots] == 3.0).all()) and not loaded(layer)
+            with pytest.raises(TimeoutError):
+                down.wait_layer(jid, k, timeout=0.2)
+        finally:
+            gate.set()
+        down.wait_layer(jid, spec.num_layers - 1, timeout=30)
+        (r,) = down.wait([jid], timeout=30)
+    assert r.ok and all(loaded(layer) for layer in range(spec.num_layers))
+    want = [(b, min(spec.num_layers, b + k)) for b in range(0, spec.num_layers, k)]
+    assert steps == want

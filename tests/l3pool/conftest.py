@@ -7,6 +7,11 @@ failed. A port taken between choosing and binding (other processes on this machi
 with new ports. The fixtures `etcd_server` and `mooncake_master` are module-scoped; tests isolate
 themselves with their own key prefix. The master runs with --client_ttl 3 so a killed agent's
 segment disappears within seconds.
+
+The binaries are found exactly as `LocalCluster` finds them (`l3pool.cluster.local.etcd_binary` /
+`master_binary`: PATH, the installed mooncake package, this environment's bin/), so the tests do
+not depend on an activated venv. They are required parts of the suite: a missing one fails the
+tests that need it, with the install hint, rather than skipping them.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from l3pool.cluster.local import ClusterError, etcd_binary, master_binary
 from l3pool.pool.etcd import EtcdClient, EtcdError
 
 HOST = "127.0.0.1"
@@ -81,6 +87,19 @@ def _tail(path: Path, n: int = 15) -> str:
         return "(no log)"
 
 
+def required(find: Callable[[], str]) -> str:
+    """`find()` (etcd_binary or master_binary); fails the calling test when the binary is missing."""
+    try:
+        return find()
+    except ClusterError as e:
+        pytest.fail(f"required component missing: {e}", pytrace=False)
+
+
+def required_binaries() -> tuple[str, str]:
+    """(etcd, mooncake_master) paths; fails the calling test when either is missing."""
+    return required(etcd_binary), required(master_binary)
+
+
 def _start(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as f:
         return subprocess.Popen(list(cmd), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -103,9 +122,7 @@ class EtcdServer:
 
 @contextlib.contextmanager
 def run_etcd(attempts: int = 3) -> Iterator[EtcdServer]:
-    exe = shutil.which("etcd")
-    if exe is None:
-        pytest.skip("etcd is not installed (Debian: etcd-server)")
+    exe = required(etcd_binary)
     tmp = Path(_tmpdir("etcd"))
     proc = None
     try:
@@ -176,9 +193,7 @@ class MasterServer:
 
 @contextlib.contextmanager
 def run_master(client_ttl: int = 3, attempts: int = 3) -> Iterator[MasterServer]:
-    exe = shutil.which("mooncake_master")
-    if exe is None:
-        pytest.skip("mooncake_master is not installed (pip: mooncake-transfer-engine-non-cuda)")
+    exe = required(master_binary)
     tmp = Path(_tmpdir("master"))
     proc = None
     try:

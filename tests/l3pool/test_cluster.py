@@ -1,7 +1,6 @@
 """The local-cluster launcher: real etcd, mooncake_master and agents, one network namespace per agent.
 
-Agents are the real `l3pool agent` once l3pool/agent.py exists (a stand-in that donates a segment
-and registers in etcd otherwise, or when L3POOL_TEST_STANDIN_AGENT=1). Every test uses its own
+Agents are the real `l3pool agent` (`python -m l3pool.cli agent`). Every test uses its own
 name prefix (`l3pt...` + random suffix), subnet and state dir, and cleans up in `finally`.
 """
 
@@ -10,7 +9,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import shlex
 import shutil
 import signal
 import socket
@@ -35,34 +33,6 @@ from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 REPO = Path(__file__).resolve().parents[2]
 HAVE_NETNS = os.geteuid() == 0 and subprocess.run(["which", "ip"], capture_output=True).returncode == 0
 NETNS_SKIP = "network namespaces need root and iproute2's `ip`; the loopback fallback test covers the rest"
-
-# A stand-in decode agent with the real agent's command line: donate a segment, register in etcd
-# under {prefix}/members/{id} with a lease, exit 0 on SIGTERM.
-STANDIN = r"""
-import argparse, json, signal, sys, threading
-from l3pool.pool.etcd import EtcdClient, LeaseKeeper
-from l3pool.pool.store import MooncakeStore, StoreConfig
-p = argparse.ArgumentParser()
-for f in ("--master", "--metadata", "--etcd", "--host", "--segment-size", "--key-prefix", "--id", "--lease-ttl"):
-    p.add_argument(f)
-a = p.parse_args()
-stop = threading.Event()
-signal.signal(signal.SIGTERM, lambda *_: stop.set())
-store = MooncakeStore(StoreConfig(a.master, a.metadata, local_hostname=a.host, segment_bytes=int(a.segment_size)))
-etcd = EtcdClient(a.etcd)
-keeper = LeaseKeeper(etcd, int(a.lease_ttl))
-rec = {"id": a.id, "host": a.host, "segment_bytes": int(a.segment_size)}
-etcd.put(f"{a.key_prefix}/members/{a.id}", json.dumps(rec), lease=keeper.lease)
-stop.wait()
-keeper.close()
-store.close()
-"""
-
-
-def _agent_cmd() -> list[str] | None:
-    if (REPO / "l3pool" / "agent.py").exists() and os.environ.get("L3POOL_TEST_STANDIN_AGENT") != "1":
-        return None  # the real `python -m l3pool.cli agent`
-    return [sys.executable, "-c", STANDIN]
 
 
 def _name(tag: str) -> str:
@@ -99,11 +69,10 @@ def _members(c: LocalCluster) -> dict[str, dict[str, Any]]:
 def _check_advertised(c: LocalCluster, members: dict[str, dict[str, Any]]) -> None:
     """Each agent's Mooncake RPC address (what peers connect to) is its own IP, never the host's NIC."""
     for a in c.agents:
-        seg = members[a.id].get("segment")  # the real agent publishes its segment name; the stand-in does not
-        if seg:
-            key = urllib.parse.quote(f"mooncake/rpc_meta/{seg}", safe="")
-            with urllib.request.urlopen(f"{c.metadata_url}?key={key}", timeout=5) as r:
-                assert json.loads(r.read())["ip_or_host_name"] == a.ip
+        seg = members[a.id]["segment"]  # the agent publishes its Mooncake segment name
+        key = urllib.parse.quote(f"mooncake/rpc_meta/{seg}", safe="")
+        with urllib.request.urlopen(f"{c.metadata_url}?key={key}", timeout=5) as r:
+            assert json.loads(r.read())["ip_or_host_name"] == a.ip
 
 
 def _lease(c: LocalCluster, k: int) -> int | None:
@@ -161,7 +130,7 @@ def test_netns_unavailable_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_netns_cluster(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     name = _name("1")
     c = LocalCluster(agents=2, segment_size="32MiB", state_dir=state_dir, netns="on", lease_ttl=3, name=name,
-                     subnet="10.77.101.0/24", agent_cmd=_agent_cmd())  # fmt: skip
+                     subnet="10.77.101.0/24")  # fmt: skip
     try:
         c.start()
         print(f"\n[cluster] up with 2 agents in {c.up_seconds:.2f} s ({c.mode})")
@@ -209,8 +178,8 @@ def test_netns_cluster(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.skipif(not HAVE_NETNS, reason=NETNS_SKIP)
 def test_concurrent_clusters_get_own_subnets_and_dirs(tmp_path: Path) -> None:
     """No subnet given: two clusters up at once take different free 10.77.N.0/24."""
-    a = LocalCluster(agents=1, segment_size="16MiB", netns="on", name=_name("6"), agent_cmd=_agent_cmd())
-    b = LocalCluster(agents=1, segment_size="16MiB", netns="on", name=_name("7"), agent_cmd=_agent_cmd())
+    a = LocalCluster(agents=1, segment_size="16MiB", netns="on", name=_name("6"))
+    b = LocalCluster(agents=1, segment_size="16MiB", netns="on", name=_name("7"))
     assert a.state_dir != b.state_dir and a.state_dir.name.startswith("l3pool-cluster-l3pt6")
     try:
         with a, b:
@@ -253,10 +222,8 @@ def _cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
 
 def test_cli_up_status_down(state_dir: Path) -> None:
     name = _name("2")
-    cmd = _agent_cmd()
-    extra = ["--agent-cmd", shlex.join(cmd)] if cmd else []
     r = _cli("up", "--agents", "2", "--segment-size", "16MiB", "--state-dir", str(state_dir), "--name", name,
-             "--subnet", "10.77.102.0/24", "--json", *extra)  # fmt: skip
+             "--subnet", "10.77.102.0/24", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     up = json.loads(r.stdout)
     pids = [p["pid"] for p in up["processes"]]
@@ -338,8 +305,7 @@ def test_agent_failure_tears_down_and_shows_log(state_dir: Path) -> None:
 
 def test_loopback_fallback(state_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     name = _name("5")
-    c = LocalCluster(agents=2, segment_size="32MiB", state_dir=state_dir, netns="off", lease_ttl=3, name=name,
-                     agent_cmd=_agent_cmd())  # fmt: skip
+    c = LocalCluster(agents=2, segment_size="32MiB", state_dir=state_dir, netns="off", lease_ttl=3, name=name)
     try:
         c.start()
         print(f"\n[cluster] namespaces off: {c.fallback_reason}; loopback up in {c.up_seconds:.2f} s")
@@ -357,3 +323,18 @@ def test_loopback_fallback(state_dir: Path, monkeypatch: pytest.MonkeyPatch, cap
     assert pids and not [p for p in pids if _pid_alive(p)]
     if HAVE_NETNS:
         assert _my_links(name) == [] and _my_netns(name) == []
+
+
+def test_binaries_found_without_the_venv_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One lookup for LocalCluster and the fixtures: it works with PATH lacking the venv's bin (the
+    master ships inside the mooncake package), and a missing binary is a ClusterError with a hint."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    etcd, master = cluster_mod.etcd_binary(), cluster_mod.master_binary()
+    for exe in (etcd, master):
+        assert os.path.isfile(exe) and os.access(exe, os.X_OK), exe
+    assert os.path.basename(etcd) == "etcd" and os.path.basename(master) == "mooncake_master"
+    monkeypatch.setattr(cluster_mod, "_first_executable", lambda candidates: None)
+    with pytest.raises(ClusterError, match=r"etcd not found.*etcd-server"):
+        cluster_mod.etcd_binary()
+    with pytest.raises(ClusterError, match=r"mooncake_master not found.*mooncake-transfer-engine"):
+        cluster_mod.master_binary()

@@ -131,7 +131,9 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert rep["prefill_s"]["l1_l2_l3"] < rep["prefill_s"]["no_cache"]
     assert rep["net_benefit_s"] == pytest.approx(rep["prefill_s"]["no_cache"] - rep["prefill_s"]["l1_l2_l3"], abs=1e-3)
     assert set(rep["fit"]) >= {"a_ms", "b_us_per_token", "break_even_tokens"} and rep["fit"]["all_hit"]
-    assert isinstance(rep["cache_overhead"], float)
+    mp = rep["miss_path"]  # the overhead is the same statistic as the two throughputs it comes from
+    assert rep["cache_overhead"] == mp["cache_overhead"]
+    assert rep["cache_overhead"] == pytest.approx(1 - mp["cache_tok_per_s"] / mp["no_cache_tok_per_s"], abs=2e-3)
     assert rep["tiers"]["L3_to_L2"]["bytes"] > 0 and rep["tiers"]["L2_to_L3_put"]["bytes"] > 0
     for f in ("demo_prefill.png", "demo_tiers.png", "demo_fit.png"):
         assert (tmp_path / f).stat().st_size > 1000
@@ -188,6 +190,18 @@ def test_demo_cuda_request_without_gpu_is_an_error(tmp_path: Path, capsys: pytes
         pytest.skip("this machine has a GPU")
     assert main(["demo", "--quick", "--device", "cuda", "--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_cache_overhead_known_inputs() -> None:
+    from l3pool.adapters.demo.run import cache_overhead
+
+    assert cache_overhead(1.0, 1.0) == 0.0
+    assert cache_overhead(0.9, 1.0) == pytest.approx(0.1)  # the cache adds 10 % of its own time
+    assert cache_overhead(1.0, 2.0) == pytest.approx(0.5)
+    assert cache_overhead(1.1, 1.0) == pytest.approx(-0.1)  # the cache run was faster
+    for bad in ((0.0, 1.0), (1.0, 0.0), (-1.0, 1.0)):
+        with pytest.raises(ValueError, match="> 0"):
+            cache_overhead(*bad)
 
 
 def test_break_even_from_measured_points() -> None:

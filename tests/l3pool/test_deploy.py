@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import uuid
@@ -22,7 +21,7 @@ from l3pool.cluster.local import LocalCluster
 from l3pool.tools.deploy import ADAPTER, plan, select
 from l3pool.tools.deploy_config import LAYOUTS, load_config
 
-from .conftest import REPO, free_ports
+from .conftest import REPO, free_ports, required_binaries
 
 EXAMPLE = REPO / "deploy" / "cluster.example.toml"
 EXAMPLE_TEXT = EXAMPLE.read_text()
@@ -339,9 +338,7 @@ def _local_config(
 
 
 def test_scripts_start_verify_stop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    etcd_bin, master_bin = shutil.which("etcd"), shutil.which("mooncake_master")
-    if etcd_bin is None or master_bin is None:
-        pytest.skip("needs etcd (etcd-server) and mooncake_master (mooncake-transfer-engine-non-cuda)")
+    etcd_bin, master_bin = required_binaries()
     c, p, rpc, meta, admin = free_ports(5)
     etcd = (
         f'[etcd]\nhost = "127.0.0.1"\nclient_port = {c}\npeer_port = {p}\ndata_dir = "{tmp_path}/etcd"\n'
@@ -387,8 +384,7 @@ def test_scripts_start_verify_stop(tmp_path: Path, capsys: pytest.CaptureFixture
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Two agents (32 MiB each), in their own network namespaces when root."""
-    if shutil.which("etcd") is None or shutil.which("mooncake_master") is None:
-        pytest.skip("needs etcd and mooncake_master")
+    required_binaries()
     name, state_dir = f"l3pd{uuid.uuid4().hex[:4]}", tmp_path_factory.mktemp("deploy-cluster")
     with LocalCluster(agents=2, segment_size="32MiB", name=name, state_dir=state_dir, ready_timeout=60) as c:
         if c.fallback_reason:

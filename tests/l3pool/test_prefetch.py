@@ -4,6 +4,7 @@ input, and a `l3pool prefetch-check --json` smoke run. Bounded: every wait has a
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -31,6 +32,7 @@ from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
 LAYOUT = "page_first_direct"
 N = 96  # pages per test prefix
+POISON = 0xA5  # byte every reader page holds until a prefetch writes it
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -67,8 +69,20 @@ class Setup:
         self.keys = self.ns.keys(page_hashes(toks, SPEC.page_size))
         assert self.writer.put(self.keys, range(n)) == [Outcome.OK] * n
         self.pool = HostKVPool(L2Config(kv=SPEC, layout=LAYOUT, tokens=reader_pages * SPEC.page_size, pin="never"))
+        self.poison_pool()
         self.client = L3Client(self.pool, store, self.ns, batch_pages=32)
         self.want = self.wpool.buffer.view(n, -1)
+
+    def poison_pool(self) -> None:
+        """Every reader page holds POISON (call while no checked result is held): a page the
+        prefetcher hands out without writing it never already holds a key's bytes."""
+        self.pool.buffer.fill_(POISON)
+
+    def release(self, pages: np.ndarray) -> None:
+        """Poison, then free: the LIFO allocator hands these very pages out next, and they must
+        not still hold the expected bytes (that made the interrupted-prefetch checks vacuous)."""
+        self.pool.fill_pages(pages, POISON)
+        self.pool.free(pages)
 
     def check_prefix(self, pages: np.ndarray) -> None:
         """pages[i] holds key i's bytes, for every i of the prefix."""
@@ -143,8 +157,31 @@ def test_full_prefetch_is_exact(setup: Setup) -> None:
     assert res.keys_loaded == N == len(res.pages) and len(res.batch_ms) == len(sizes) == 4
     setup.check_prefix(res.pages)
     assert setup.used() == N  # the caller owns the prefix now
-    setup.pool.free(res.pages)
+    setup.release(res.pages)
     assert setup.used() == 0
+
+
+def test_check_catches_a_skipped_batch_on_recycled_pages(setup: Setup) -> None:
+    """The byte check can fail: after a full prefetch is released, a prefetch of the same keys
+    gets the same pages back (LIFO); one batch that writes nothing yet says OK is caught."""
+    with Prefetcher(setup.client, batch_pages=16, max_batch_pages=16) as pf:
+        first = pf.submit("a", setup.keys).wait(20)
+        setup.release(first.pages)
+        real, calls = setup.client.get, [0]
+
+        def skips_second_batch(keys: list[str], pages: np.ndarray) -> list[Outcome]:
+            calls[0] += 1
+            return [Outcome.OK] * len(keys) if calls[0] == 2 else real(keys, pages)
+
+        setup.client.get = skips_second_batch  # type: ignore[method-assign]
+        again = pf.submit("b", setup.keys).wait(20)
+    assert again.complete and sorted(again.pages.tolist()) == sorted(first.pages.tolist())  # recycled
+    with pytest.raises(AssertionError):
+        setup.check_prefix(again.pages)
+    got = setup.pool.read_pages(again.pages[16:32])
+    assert bool((got == POISON).all())  # exactly the skipped batch holds the sentinel
+    setup.check_prefix(again.pages[:16])
+    setup.release(again.pages)
 
 
 def test_interrupt_at_random_points(setup: Setup) -> None:
@@ -162,6 +199,7 @@ def test_interrupt_at_random_points(setup: Setup) -> None:
     partial = 0
     with Prefetcher(setup.client, batch_pages=8, max_inflight=2) as pf:
         for trial in range(10):
+            setup.poison_pool()  # nothing is held between trials
             hs = [pf.submit(f"t{trial}-{j}", setup.keys) for j in range(3)]  # the third one queues
             time.sleep(rng.uniform(0, 0.05))
             for h in hs:
@@ -173,7 +211,7 @@ def test_interrupt_at_random_points(setup: Setup) -> None:
                 assert len(set(res.pages.tolist())) == len(res.pages)
                 setup.check_prefix(res.pages)
                 partial += res.keys_loaded < N
-                setup.pool.free(res.pages)
+                setup.release(res.pages)
             assert setup.used() == base
     assert partial > 0  # the trials really interrupted something
 
@@ -212,9 +250,10 @@ def test_growing_batches_interrupt_at_batch_boundaries(
         full = pf.submit("full", setup.keys).wait(20)
         assert full.complete and sorted(calls) == list(zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes, strict=True))
         setup.check_prefix(full.pages)
-        setup.pool.free(full.pages)
+        setup.release(full.pages)
         partial = 0
         for trial in range(12):
+            setup.poison_pool()  # nothing is held between trials
             h = pf.submit(f"g{trial}", setup.keys)
             time.sleep(rng.uniform(0, 0.03))
             res = h.interrupt(timeout=20)
@@ -222,7 +261,7 @@ def test_growing_batches_interrupt_at_batch_boundaries(
             assert res.interrupted == (res.keys_loaded < N)
             setup.check_prefix(res.pages)
             partial += res.keys_loaded < N
-            setup.pool.free(res.pages)
+            setup.release(res.pages)
             assert setup.used() == base
     assert 1 <= inflight[1] <= pipeline and max(k for _, k in calls) <= cap
     assert partial > 0
@@ -251,7 +290,7 @@ def test_cancel_and_close_free_everything(setup: Setup) -> None:
         res = h.wait(20)
         assert not h.cancel()
     assert setup.used() == base + N
-    setup.pool.free(res.pages)
+    setup.release(res.pages)
 
 
 def test_older_generation_never_overwrites_newer(setup: Setup) -> None:
@@ -279,8 +318,8 @@ def test_older_generation_never_overwrites_newer(setup: Setup) -> None:
         g3._done.wait(20)
         g4 = pf.submit("req2", setup.keys[:8])
         assert g3.wait(1).superseded and g4.wait(20).keys_loaded == 8
-        setup.pool.free(g4.wait().pages)
-    setup.pool.free(r_new.pages)
+        setup.release(g4.wait().pages)
+    setup.release(r_new.pages)
     assert setup.used() == base
 
 
@@ -292,7 +331,7 @@ def test_miss_ends_prefix_and_errors_free(setup: Setup) -> None:
         res = pf.submit("m", keys).wait(20)
         assert res.keys_loaded == 37 and res.stopped_by == Outcome.MISS.value and res.error is None
         setup.check_prefix(res.pages)
-        setup.pool.free(res.pages)
+        setup.release(res.pages)
 
         def boom(keys: list[str], pages: np.ndarray) -> list[Outcome]:
             raise RuntimeError("transport exploded")
@@ -338,7 +377,7 @@ def test_bad_input(setup: Setup, store: MooncakeStore) -> None:
                 h.wait(0.05)
             finally:
                 gate.set()
-        setup.pool.free(h.wait(20).pages)
+        setup.release(h.wait(20).pages)
         empty = pf.submit("empty", []).wait(5)
         assert empty.keys_loaded == 0 and empty.complete
     assert setup.used() == 0
@@ -361,10 +400,10 @@ def test_dead_agent_gives_shorter_prefix() -> None:
             # ground truth: the first page that cannot be read now is where the prefix ended
             scratch = s.pool.alloc(64)
             truth = s.client.get(s.keys, scratch)
-            s.pool.free(scratch)
+            s.release(scratch)
             first_bad = next(i for i, r in enumerate(truth) if r is not Outcome.OK)
             assert res.keys_loaded == first_bad
-            s.pool.free(res.pages)
+            s.release(res.pages)
             assert s.used() == 0
         finally:
             s.close()
@@ -382,3 +421,33 @@ def test_cli_prefetch_check_json() -> None:
     assert rep["correct"] is True and rep["requests"] == 2
     assert rep["prefetch_GBps"] > 0 and rep["batch_p99_ms"] >= rep["batch_p50_ms"] > 0
     assert rep["interrupt_p99_ms"] is not None and rep["leaked_pages"] == 0
+
+
+def test_prefetch_check_catches_interrupted_batches_that_write_nothing(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefetch check's interrupted phase lands on the pages the full phase just freed (LIFO),
+    which held the expected bytes: a get that writes nothing there must still fail the check."""
+    from l3pool import prefetch_check as pt
+
+    for k, v in cluster.client_env().items():
+        monkeypatch.setenv(k, v)
+    seen: set[str] = set()
+    real = L3Client.get
+
+    def nothing_on_repeat(self: L3Client, keys: list[str], pages: np.ndarray) -> list[Outcome]:
+        if keys[0] in seen:  # the second pass over a batch (the interrupted phase): write nothing
+            return [Outcome.OK] * len(keys)
+        seen.add(keys[0])
+        return real(self, keys, pages)
+
+    monkeypatch.setattr(L3Client, "get", nothing_on_repeat)
+    ps = pt.PrefixSet(2, 16, 48, 2, 0, uuid.uuid4().hex)
+    wa = cluster.agents[-1]
+    ep = pt.Endpoints(cluster.master, cluster.metadata_url, cluster.client_host, cluster.etcd_endpoints,
+                      wa.netns, wa.ip if wa.netns else None, cluster.mode)  # fmt: skip
+    args = argparse.Namespace(batch=8, inflight=2, interrupt_after="1.0")
+    rep = pt.run_test(ps, ep, args, progress=False)
+    phases = {f["phase"] for f in rep["failures"]}
+    assert rep["correct"] is False and phases == {"interrupt"}, rep["failures"]
+    assert rep["leaked_pages"] == 0

@@ -1,0 +1,98 @@
+"""L3Client's layer_first `staging` mode against the real local cluster: round trips of MHA and MLA
+pages through the bounded staging area (batches larger and smaller than it), every destination
+page poisoned before the get and compared after it, and byte compatibility with `multi` mode
+(both modes share keys, so their objects must hold the same bytes)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from l2core import HostKVPool, KVSpec, L2Config
+from l3pool.cluster.local import LocalCluster
+from l3pool.pool.client import L3Client
+from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+
+SPECS = {"mla": KVSpec.mla(6, page_size=16), "mha": KVSpec.mha(4, 2, 64, page_size=16)}
+POISON = 0xA5
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[MooncakeStore]:
+    with LocalCluster(agents=2, segment_size="128MB", name=f"l3ps{uuid.uuid4().hex[:4]}") as c:
+        with pytest.MonkeyPatch.context() as mp:  # the test is the application: Mooncake's address
+            for k, v in c.client_env().items():
+                mp.setenv(k, v)
+            s = MooncakeStore(StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host))
+        yield s
+        s.close()
+
+
+def _pool(spec: KVSpec, pages: int, seed: int) -> HostKVPool:
+    pool = HostKVPool(L2Config(kv=spec, layout="layer_first", tokens=pages * spec.page_size, pin="never"))
+    g = torch.Generator().manual_seed(seed)
+    pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8, generator=g))
+    return pool
+
+
+def _keys(ns: Namespace, n: int, seed: int) -> list[str]:
+    toks = np.random.default_rng(seed).integers(0, 1 << 20, n * ns.page_size)
+    return ns.keys(page_hashes(toks, ns.page_size))
+
+
+@pytest.mark.parametrize("attention", ["mla", "mha"])
+@pytest.mark.parametrize("n", [3, 20])  # within one staging batch; 8 + 8 + 4
+def test_staging_round_trip(store: MooncakeStore, attention: str, n: int) -> None:
+    spec = SPECS[attention]
+    pool = _pool(spec, 64, seed=n)
+    ns = Namespace.for_pool(spec, "layer_first", "staging", tenant=uuid.uuid4().hex)
+    client = L3Client(pool, store, ns, batch_pages=BATCH, layer_first_mode="staging")
+    try:
+        assert client.staging_bytes == BATCH * spec.page_bytes
+        rng = np.random.default_rng(n)
+        src = rng.choice(32, size=n, replace=False)
+        dst = 32 + rng.choice(32, size=n, replace=False)
+        want = pool.read_pages(src)
+        keys = _keys(ns, n, seed=n + 1)
+        assert client.put(keys, src) == [Outcome.OK] * n
+        pool.fill_pages(dst, POISON)
+        assert client.get(keys, dst) == [Outcome.OK] * n
+        got = pool.read_pages(dst)
+        assert int((got != want).any(dim=1).sum()) == 0  # every page, every byte
+        assert client.stats.gets == n and client.stats.bytes_got == n * spec.page_bytes
+        # a miss writes nothing: the page keeps the poison
+        pool.fill_pages(dst[:1], POISON)
+        missing = ns.keys([b"\x02" * 16])
+        assert client.get(missing, dst[:1]) == [Outcome.MISS]
+        assert bool((pool.read_pages(dst[:1]) == POISON).all())
+    finally:
+        client.close()
+        pool.close()
+
+
+@pytest.mark.parametrize("attention", ["mla", "mha"])
+def test_staging_and_multi_objects_are_the_same_bytes(store: MooncakeStore, attention: str) -> None:
+    spec = SPECS[attention]
+    pool = _pool(spec, 64, seed=7)
+    ns = Namespace.for_pool(spec, "layer_first", "staging", tenant=uuid.uuid4().hex)
+    staging = L3Client(pool, store, ns, batch_pages=BATCH, layer_first_mode="staging")
+    multi = L3Client(pool, store, ns, batch_pages=BATCH, layer_first_mode="multi")
+    try:
+        n = 12
+        for writer, reader, src, dst, seed in ((staging, multi, 0, 32, 1), (multi, staging, 16, 48, 2)):
+            src_pages, dst_pages = np.arange(src, src + n), np.arange(dst, dst + n)
+            keys = _keys(ns, n, seed=seed)
+            assert writer.put(keys, src_pages) == [Outcome.OK] * n
+            pool.fill_pages(dst_pages, POISON)
+            assert reader.get(keys, dst_pages) == [Outcome.OK] * n
+            assert torch.equal(pool.read_pages(dst_pages), pool.read_pages(src_pages))
+    finally:
+        staging.close()
+        multi.close()
+        pool.close()
