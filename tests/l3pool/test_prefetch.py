@@ -428,7 +428,7 @@ def test_prefetch_check_catches_interrupted_batches_that_write_nothing(
 ) -> None:
     """The prefetch check's interrupted phase lands on the pages the full phase just freed (LIFO),
     which held the expected bytes: a get that writes nothing there must still fail the check."""
-    from l3pool import prefetch_check as pt
+    from l3pool.tools import prefetch_check as pt
 
     for k, v in cluster.client_env().items():
         monkeypatch.setenv(k, v)
