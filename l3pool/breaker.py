@@ -81,6 +81,7 @@ class Breaker:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._probe_lock = threading.Lock()
+        self._seen_up = False  # a trip is logged as a warning only once the dependency had answered
 
     # -- hot path ------------------------------------------------------------------------
     def allow(self, items: int = 1) -> bool:
@@ -91,6 +92,10 @@ class Breaker:
             self._stats.short_circuits += 1
             self._stats.short_circuit_items += items
         return False
+
+    def ok(self) -> None:
+        """A call got an answer (cheap: one attribute write)."""
+        self._seen_up = True
 
     @property
     def is_open(self) -> bool:
@@ -132,7 +137,9 @@ class Breaker:
             self._stats.last_reason = reason
             self._ensure_thread()
             self._cv.notify_all()
-        log.warning("%s unavailable (%s): calls fail fast until a probe sees it again", self.name, reason)
+        # never reached (a start-up check, a CLI pointed at the wrong port): the caller reports it
+        level = logging.WARNING if self._seen_up else logging.DEBUG
+        log.log(level, "%s unavailable (%s): calls fail fast until a probe sees it again", self.name, reason)
 
     def probe(self) -> bool:
         """Run the probe now (one at a time; a concurrent caller waits for the running one).
@@ -148,6 +155,7 @@ class Breaker:
             if not ok:
                 self._stats.probe_failures += 1
         if ok:
+            self._seen_up = True
             self._close_breaker()
         else:
             self.trip("probe failed")

@@ -42,7 +42,7 @@ def _info(args: argparse.Namespace) -> int:
 # Subcommand modules: each defines add_parser(subparsers) that registers its command with
 # set_defaults(fn=callable(args) -> exit code). Imported lazily so `l3pool info` works even
 # where mooncake is missing.
-_COMMANDS = ("agent", "cluster", "demo", "deploy", "inspect", "prefetch_test")
+_COMMANDS = ("agent", "chaos", "cluster", "demo", "deploy", "inspect", "prefetch_test")
 
 
 def main(argv: list[str] | None = None) -> int:

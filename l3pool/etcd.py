@@ -138,10 +138,12 @@ class EtcdClient:
         if not self.breaker.allow():
             raise EtcdUnavailable(f"etcd unreachable (failing fast since: {self.breaker.last_reason})")
         try:
-            return self._call(path, body)
+            out = self._call(path, body)
         except EtcdUnavailable as e:
             self.breaker.trip(str(e)[:300])
             raise
+        self.breaker.ok()
+        return out
 
     def _probe(self) -> bool:
         """Any endpoint answers /v3/maintenance/status within probe_timeout (own connection)."""

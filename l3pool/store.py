@@ -214,6 +214,7 @@ class MooncakeStore:
             self.breaker.trip(f"{what}: failed after {took:.1f} s")
         elif outs:
             self._last_ok = time.monotonic()
+            self.breaker.ok()
 
     def _probe(self) -> bool:
         """The master answers: TCP connect, then a one-key batch_is_exist within probe_timeout_s,
@@ -266,6 +267,7 @@ class MooncakeStore:
             self._judge([Outcome.UNAVAILABLE], r[1], "exists")
         else:
             self._last_ok = time.monotonic()
+            self.breaker.ok()
         return codes == 1
 
     def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
