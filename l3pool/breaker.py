@@ -80,6 +80,7 @@ class Breaker:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._idle = False  # the thread waits with no deadline: a new call must wake it
         self._probe_lock = threading.Lock()
         self._seen_up = False  # a trip is logged as a warning only once the dependency had answered
 
@@ -114,8 +115,10 @@ class Breaker:
         with self._cv:
             cid = next(self._ids)
             self._inflight[cid] = time.monotonic()
-            if len(self._inflight) == 1:
+            if self._thread is None:
                 self._ensure_thread()
+            elif self._idle:
+                self._idle = False
                 self._cv.notify_all()
         try:
             yield
@@ -175,12 +178,19 @@ class Breaker:
             return time.monotonic() - min(self._inflight.values()) if self._inflight else 0.0
 
     def close(self) -> None:
+        """Stop the thread and close the breaker; a later trip() starts a new thread."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
             t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=5)
+            if t.is_alive():
+                return  # a probe still inside its dependency: stay closed for good
+        with self._cv:
+            if self._open:
+                self._stats.open_s += time.monotonic() - self._opened_at
+            self._open, self._closed, self._thread, self._idle = False, False, None, False
 
     # -- internals -----------------------------------------------------------------------
     def _close_breaker(self) -> None:
@@ -221,7 +231,9 @@ class Breaker:
                                 break
                             wait = due if wait is None else min(wait, due)
                 if suspect is None:
+                    self._idle = wait is None
                     self._cv.wait(wait)
+                    self._idle = False
                     if self._closed:
                         return
                     if not self._open:
