@@ -54,7 +54,12 @@ def test_etcd_calls_fail_fast_while_etcd_hangs(etcd_alone: EtcdServer) -> None:
         first = time.monotonic() - t0
         lat = []
         for i in range(60):
-            fn = (md.namespaces, md.members, lambda i=i: locks.lock_info(f"r{i}"))[i % 3]
+            fn = (
+                md.namespaces,
+                md.members,
+                lambda i=i: locks.lock_info(f"r{i}"),
+                lambda i=i: locks.join(f"r{i}", timeout=0.5),
+            )[i % 4]
             t = time.monotonic()
             with pytest.raises(EtcdUnavailable, match="failing fast"):
                 fn()
