@@ -98,12 +98,10 @@ class Ctx:
     """The cluster, one store client, and the knobs of a run."""
 
     def __init__(self, cluster: Any, quick: bool, inject_wrong: bool) -> None:
-        from l2core import KVSpec
-
         from .store import MooncakeStore, StoreConfig
 
         self.c, self.quick, self.inject_wrong = cluster, quick, inject_wrong
-        self.spec = KVSpec.mla(4, page_size=16)  # 72 KB pages
+        self.spec = _spec()
         self.store = MooncakeStore(StoreConfig(master=cluster.master, metadata=cluster.metadata_url,
                                                local_hostname=cluster.client_host))  # fmt: skip
         self.bound = 20.0 if quick else 45.0  # longest wait for a recovery
@@ -112,25 +110,52 @@ class Ctx:
         self.store.close()
 
 
+def _spec() -> Any:
+    from l2core import KVSpec
+
+    return KVSpec.mla(4, page_size=16)  # 72 KB pages
+
+
+def _page_set(tenant: str, n: int, seed: int, pool: Any) -> tuple[Any, list[str]]:
+    """The namespace and keys of a seeded page set, its bytes written into `pool` pages 0..n-1:
+    the same seed gives the same keys and bytes in every process."""
+    import torch
+
+    from .keys import Namespace, page_hashes
+
+    spec = pool.spec
+    ns = Namespace.for_pool(spec, LAYOUT, "chaos", tenant=tenant)
+    g = torch.Generator().manual_seed(seed)
+    pool.buffer.view(pool.num_pages, -1)[:n] = torch.randint(0, 256, (n, pool.layout.page_bytes), dtype=torch.uint8,
+                                                             generator=g)  # fmt: skip
+    toks = np.random.default_rng(seed).integers(0, 1 << 30, n * spec.page_size)
+    return ns, list(ns.keys(page_hashes(toks, spec.page_size)))
+
+
+def _child_env(host: str) -> dict[str, str]:
+    path = os.pathsep.join(x for x in (str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")) if x)
+    return {**os.environ, "MC_TCP_BIND_ADDRESS": host, "PYTHONPATH": path}
+
+
 class Data:
-    """`n` pages of random bytes under fresh keys: a writer pool/client and a reader pool/client."""
+    """`n` pages of seeded random bytes under fresh keys: a writer pool/client and a reader pool/client."""
 
-    def __init__(self, ctx: Ctx, n: int, tag: str, *, store: Any = None, metadata: Any = None, **kw: Any) -> None:
-        import torch
-
+    def __init__(
+        self, ctx: Ctx, n: int, tag: str, *, seed: int | None = None, tenant: str | None = None, store: Any = None,
+        metadata: Any = None, **kw: Any,
+    ) -> None:  # fmt: skip
         from l2core import HostKVPool, L2Config
 
         from .client import L3Client
-        from .keys import Namespace, page_hashes
 
         self.ctx, self.n = ctx, n
+        self.seed = int(np.random.default_rng().integers(1 << 30)) if seed is None else seed
+        self.tenant = tenant or f"{tag}-{uuid.uuid4().hex[:8]}"
         st = store or ctx.store
-        self.ns = Namespace.for_pool(ctx.spec, LAYOUT, "chaos", tenant=f"{tag}-{uuid.uuid4().hex[:8]}")
         tokens = n * ctx.spec.page_size
         self.src = HostKVPool(L2Config(kv=ctx.spec, layout=LAYOUT, tokens=tokens, pin="never"))
-        self.src.buffer.copy_(torch.randint(0, 256, (self.src.buffer.numel(),), dtype=torch.uint8))
+        self.ns, self.keys = _page_set(self.tenant, n, self.seed, self.src)
         self.dst = HostKVPool(L2Config(kv=ctx.spec, layout=LAYOUT, tokens=2 * tokens, pin="never"))
-        self.keys = self.ns.keys(page_hashes(np.random.default_rng().integers(0, 1 << 30, tokens), ctx.spec.page_size))
         self.writer = L3Client(self.src, st, self.ns, batch_pages=64, metadata=metadata, **kw)
         self.reader = L3Client(self.dst, st, self.ns, batch_pages=64)
         self.want = self.src.buffer.view(n, -1)
@@ -292,48 +317,92 @@ def _ok() -> Any:
     return Outcome.OK
 
 
+def _read_all_since(rounds: list[dict[str, int]], mark: int, n: int) -> bool:
+    return any(r["ok"] == n for r in rounds[mark:])
+
+
 def sc_master_restart(ctx: Ctx, res: Result) -> None:
-    d = Data(ctx, 64, "mrestart")
+    """Read traffic in this process, and a reader process that is SIGSTOPped at a random moment
+    (most of its time is inside one batched get) while the master restarts and other keys are
+    written into the freed space, then SIGCONTed: the stalled get must not return OK pages with
+    the other keys' bytes (issue 10, case 1)."""
+    n = 128
+    d = Data(ctx, n, "mrestart")
     stop = threading.Event()
     errors: list[str] = []
+    rng = np.random.default_rng()
 
     def traffic() -> None:
-        rng = np.random.default_rng()
         while not stop.is_set():
             try:
-                d.read(res, np.sort(rng.choice(64, 16, replace=False)))
+                d.read(res, np.sort(rng.choice(n, 16, replace=False)))
             except Exception as e:  # counted: the scenario fails
                 errors.append(f"{type(e).__name__}: {e}")
                 return
 
     t = threading.Thread(target=traffic, name="chaos-traffic", daemon=True)
     others: list[Data] = []
+    tmp = tempfile.mkdtemp(prefix="l3pool-chaos-")
+    stop_file = os.path.join(tmp, "stop")
+    rounds: list[dict[str, int]] = []
+    child = subprocess.Popen(_child_cmd(ctx, "reader", d, "--stop-file", stop_file), stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, env=_child_env(ctx.c.client_host))  # fmt: skip
+
+    def collect() -> None:
+        assert child.stdout is not None
+        for line in child.stdout:
+            with contextlib.suppress(ValueError):
+                rounds.append(json.loads(line))
+
+    reader = threading.Thread(target=collect, name="chaos-reader-out", daemon=True)
+    reader.start()
     try:
-        assert d.put() == 64, "initial put failed"
         t.start()
-        time.sleep(0.3)
-        ctx.c.stop_master()
-        ctx.c.start_master()
-        t0 = time.monotonic()
-        for k in range(2):  # other keys written into the space the old objects had
-            o = Data(ctx, 64, f"other{k}")
-            others.append(o)
-            if _wait(functools.partial(_all_put, o), ctx.bound, 0.5) is None:
-                raise RuntimeError(f"puts not working {ctx.bound:.0f} s after the master restart")
-            if res.recover_s is None:
-                res.recover_s = time.monotonic() - t0
+        for cycle in range(2 if ctx.quick else 3):
+            if _wait(functools.partial(_all_put, d), ctx.bound, 0.5) is None:
+                raise RuntimeError(f"puts of the reader's keys not working within {ctx.bound:.0f} s")
+            mark = len(rounds)
+            if _wait(functools.partial(_read_all_since, rounds, mark, n), ctx.bound) is None:
+                raise RuntimeError(f"the reader process never read all {n} pages (code {child.poll()})")
+            time.sleep(float(rng.uniform(0, 0.03)))
+            child.send_signal(signal.SIGSTOP)
+            ctx.c.stop_master()
+            ctx.c.start_master()
+            t0 = time.monotonic()
+            for k in range(2):  # other keys written into the space the old objects had
+                o = Data(ctx, n, f"other{cycle}{k}")
+                others.append(o)
+                if _wait(functools.partial(_all_put, o), ctx.bound, 0.5) is None:
+                    raise RuntimeError(f"puts not working {ctx.bound:.0f} s after the master restart")
+                if res.recover_s is None:
+                    res.recover_s = time.monotonic() - t0
+            child.send_signal(signal.SIGCONT)
+            time.sleep(0.3)
         stop.set()
         t.join(30)
-        for _ in range(3):
-            res.figures["old_keys_ok"] = d.read(res, np.arange(64))
+        res.figures["old_keys_ok"] = d.read(res, np.arange(n))  # after the last restart: misses
         if errors:
             res.error = errors[0]
     finally:
         stop.set()
         t.join(30)
+        child.send_signal(signal.SIGCONT)
+        Path(stop_file).touch()
+        try:
+            child.wait(20)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(5)
+        reader.join(5)
+        with contextlib.suppress(OSError):
+            os.unlink(stop_file)
+            os.rmdir(tmp)
         for o in others:
             o.close()
         d.close()
+    res.pages_checked += sum(r["pages"] for r in rounds)
+    res.wrong += sum(r["wrong"] for r in rounds)
+    res.figures.update(reader_rounds=len(rounds), reader_wrong=sum(r["wrong"] for r in rounds))
 
 
 def sc_agent_killed(ctx: Ctx, res: Result) -> None:
@@ -455,15 +524,10 @@ def sc_writer_killed(ctx: Ctx, res: Result) -> None:
     admin = MasterAdmin(ctx.c.admin_url)
     n = 128
     d = Data(ctx, n, "wkill")
-    seed = int(np.random.default_rng().integers(1 << 30))
     try:
         base = admin.metrics().get("master_allocated_bytes", 0.0)
-        cmd = [sys.executable, "-m", "l3pool.chaos", "_writer", "--master", ctx.c.master, "--metadata",
-               ctx.c.metadata_url, "--host", ctx.c.client_host, "--tenant", d.ns.tenant, "--pages", str(n),
-               "--seed", str(seed)]  # fmt: skip
-        path = os.pathsep.join(x for x in (str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")) if x)
-        env = {**os.environ, "MC_TCP_BIND_ADDRESS": ctx.c.client_host, "PYTHONPATH": path}
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        p = subprocess.Popen(_child_cmd(ctx, "writer", d), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True, env=_child_env(ctx.c.client_host))  # fmt: skip
         assert p.stdout is not None
         line = p.stdout.readline()  # "putting" right before the put
         if "putting" not in line:
@@ -472,7 +536,6 @@ def sc_writer_killed(ctx: Ctx, res: Result) -> None:
         time.sleep(0.01)
         p.kill()
         p.wait(10)
-        d.keys = _writer_keys(ctx, d.ns, n, seed)
         peak = admin.metrics().get("master_allocated_bytes", 0.0)
         out = d.writer.put(d.keys, range(n))
         from .store import Outcome
@@ -494,43 +557,54 @@ def sc_writer_killed(ctx: Ctx, res: Result) -> None:
         d.close()
 
 
-def _writer_keys(ctx: Ctx, ns: Any, n: int, seed: int) -> list[str]:
-    from .keys import page_hashes
+def _child_cmd(ctx: Ctx, role: str, d: Data, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "l3pool.chaos", "_child", role, "--master", ctx.c.master, "--metadata",
+            ctx.c.metadata_url, "--host", ctx.c.client_host, "--tenant", d.tenant, "--pages", str(d.n),
+            "--seed", str(d.seed), *extra]  # fmt: skip
 
-    toks = np.random.default_rng(seed).integers(0, 1 << 30, n * ctx.spec.page_size)
-    return list(ns.keys(page_hashes(toks, ctx.spec.page_size)))
 
+def _child_main(argv: list[str]) -> int:
+    """A second client process over a seeded page set (`Data` with the same tenant and seed).
 
-def _writer_main(argv: list[str]) -> int:
-    """The writer process that sc_writer_killed SIGKILLs in the middle of its put: the same bytes
-    (seeded) as the live client will put later under the same keys."""
-    import torch
-
-    from l2core import HostKVPool, KVSpec, L2Config
+    writer: prints "putting", then puts every page in one call (sc_writer_killed SIGKILLs it).
+    reader: gets every page in one call, round after round, into poisoned pages, compares every
+    OK page with the seeded bytes and prints one JSON line per round, until --stop-file exists
+    (sc_master_restart SIGSTOPs it in the middle of a get)."""
+    from l2core import HostKVPool, L2Config
 
     from .client import L3Client
-    from .keys import Namespace
-    from .store import MooncakeStore, StoreConfig
+    from .store import MooncakeStore, Outcome, StoreConfig
 
-    p = argparse.ArgumentParser(prog="python -m l3pool.chaos _writer")
+    p = argparse.ArgumentParser(prog="python -m l3pool.chaos _child")
+    p.add_argument("role", choices=("writer", "reader"))
     for k in ("master", "metadata", "host", "tenant"):
         p.add_argument(f"--{k}", required=True)
     p.add_argument("--pages", type=int, required=True)
     p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--stop-file", default="")
     a = p.parse_args(argv)
-    spec = KVSpec.mla(4, page_size=16)
-    ns = Namespace.for_pool(spec, LAYOUT, "chaos", tenant=a.tenant)
-    pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=a.pages * spec.page_size, pin="never"))
-    pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8))
+    spec = _spec()
+    pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=2 * a.pages * spec.page_size, pin="never"))
+    ns, keys = _page_set(a.tenant, a.pages, a.seed, pool)
     store = MooncakeStore(StoreConfig(master=a.master, metadata=a.metadata, local_hostname=a.host))
     client = L3Client(pool, store, ns, batch_pages=a.pages)
-    toks = np.random.default_rng(a.seed).integers(0, 1 << 30, a.pages * spec.page_size)
-    from .keys import page_hashes
+    if a.role == "writer":
+        print("putting", flush=True)
+        client.put(keys, range(a.pages))
+        print("done", flush=True)
+        return 0
+    import torch
 
-    keys = ns.keys(page_hashes(toks, spec.page_size))
-    print("putting", flush=True)
-    client.put(keys, range(a.pages))
-    print("done", flush=True)
+    rows = pool.buffer.view(pool.num_pages, -1)
+    want, dst = rows[: a.pages].clone(), np.arange(a.pages, 2 * a.pages)
+    while not os.path.exists(a.stop_file):
+        rows[a.pages :] = _POISON
+        out = client.get(keys, dst)
+        ok = np.flatnonzero([o is Outcome.OK for o in out])
+        wrong = int((rows[torch.from_numpy(dst[ok])] != want[torch.from_numpy(ok)]).any(dim=1).sum())
+        print(json.dumps({"ok": len(ok), "wrong": wrong, "pages": a.pages}), flush=True)
+        if not len(ok):
+            time.sleep(0.05)
     return 0
 
 
@@ -641,6 +715,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["_writer"]:
-        sys.exit(_writer_main(sys.argv[2:]))
-    sys.exit("usage: l3pool chaos (python -m l3pool.chaos _writer is internal)")
+    if sys.argv[1:2] == ["_child"]:
+        sys.exit(_child_main(sys.argv[2:]))
+    sys.exit("usage: l3pool chaos (python -m l3pool.chaos _child is internal)")
