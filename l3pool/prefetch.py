@@ -24,9 +24,9 @@ is one `L3Client.get` (zero-copy Mooncake `batch_get_into` into the L2 pages; gi
 `batch_pages >= max_batch_pages`, or it cuts the batch into several calls); a miss or failure
 ends the prefix at the first non-OK page of that batch and every page after it (and every later
 batch) is freed. `interrupt()` stops issuing batches and waits for the ones in flight for at most
-`interrupt_wait_s` (default 80 ms); a batch still in flight then (a Mooncake call hanging while
-the master is down: 4.3-30 s, measured) is left behind and the prefix that landed before it is
-returned at once.
+`interrupt_wait_s` (default 50 ms: half the 100 ms target, the rest is slack for a loaded host);
+a batch still in flight then (a Mooncake call hanging while the master is down: 4.3-30 s,
+measured) is left behind and the prefix that landed before it is returned at once.
 
 Quarantine: the L2 pages of a batch left behind stay allocated, owned by the worker, until its
 Mooncake call returns (a hung `batch_get_into` may still write into them), and only then are
@@ -257,7 +257,7 @@ class Prefetcher:
         growth: float = 2.0,
         max_inflight: int = 2,
         pipeline: int = 1,
-        interrupt_wait_s: float = 0.08,
+        interrupt_wait_s: float = 0.05,
     ) -> None:
         """`batch_pages`: the first batch; `max_batch_pages` (default: the larger of `batch_pages`
         and the client's `batch_pages`): the cap later batches grow to by `growth` (>= 1)."""

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from l3pool.chaos import SCENARIOS, render
 
+from .conftest import slack
+
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = {"scenario", "pages_checked", "wrong", "false_ok", "leaked", "recover_s", "figures", "note", "error",
           "elapsed_s", "passed"}  # fmt: skip
@@ -35,8 +37,10 @@ def test_quick_json_contract_and_figures() -> None:
         assert s["passed"] and s["error"] is None and s["wrong"] == 0 and s["leaked"] == 0, s
         assert s["pages_checked"] > 0 and s["recover_s"] is not None and s["recover_s"] < 30, s
     down, hung = rep["scenarios"][0]["figures"], rep["scenarios"][1]["figures"]
-    assert down["block_p99_ms"] <= 50 and down["interrupt_p99_ms"] <= 100 and not down["healthy_while_down"], down
-    assert hung["block_p99_ms"] <= 50 and hung["interrupt_p99_ms"] <= 100 and hung["quarantined"] > 0, hung
+    k = slack()
+    assert down["block_p99_ms"] <= 50 * k and down["interrupt_p99_ms"] <= 100 * k, down
+    assert hung["block_p99_ms"] <= 50 * k and hung["interrupt_p99_ms"] <= 100 * k and hung["quarantined"] > 0, hung
+    assert down["healthy_while_down"] is False and hung["healthy_while_hung"] is False
     assert r.returncode == 0
     assert "pages checked" in render(rep) and "PASS" in render(rep).splitlines()[-1]
 

@@ -22,6 +22,8 @@ from l3pool.keys import Namespace, page_hashes
 from l3pool.prefetch import Prefetcher
 from l3pool.store import MooncakeStore, Outcome, StoreConfig, StoreError
 
+from .conftest import slack
+
 SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
 LAYOUT = "page_first_direct"
 N = 64
@@ -113,7 +115,8 @@ def test_breaker_master_killed_fails_fast_and_recovers(cluster: LocalCluster) ->
                 out = fn()
                 lat.append(time.monotonic() - t)
                 assert Outcome.OK not in out and i >= 0  # a lookup of 0 pages: nothing trusted
-        assert _p99(lat) <= 0.05, f"blocking per call p99 {_p99(lat) * 1e3:.1f} ms (first failure {first_s:.2f} s)"
+        p99 = _p99(lat)
+        assert p99 <= 0.05 * slack(), f"blocking per call p99 {p99 * 1e3:.1f} ms (first failure {first_s:.2f} s)"
         s = st.stats()
         assert s["state"] == "open" and s["trips"] == 1 and s["short_circuits"] >= 90, s
         cluster.start_master()
@@ -167,7 +170,7 @@ def test_hung_master_interrupt_is_bounded_and_quarantines(cluster: LocalCluster)
         t = time.monotonic()
         res = h.interrupt()
         took = time.monotonic() - t
-        assert took <= 0.1, f"interrupt() took {took * 1e3:.0f} ms while a batch hangs"
+        assert took <= 0.1 * slack(), f"interrupt() took {took * 1e3:.0f} ms while a batch hangs"
         assert res.interrupted and res.keys_loaded == 16 and res.left_in_flight == 16
         p.check_prefix(res.pages)
         assert pf.quarantined_pages() == 16
@@ -188,7 +191,7 @@ def test_hung_master_interrupt_is_bounded_and_quarantines(cluster: LocalCluster)
             r2 = h2.interrupt()
             ilat.append(time.monotonic() - t)
             assert r2.keys_loaded == 0 and len(r2.pages) == 0
-        assert _p99(lat) <= 0.05 and _p99(ilat) <= 0.1, (_p99(lat), _p99(ilat))
+        assert _p99(lat) <= 0.05 * slack() and _p99(ilat) <= 0.1 * slack(), (_p99(lat), _p99(ilat))
         assert not st.healthy()
         assert pf.quarantined_pages() == 16  # the hung call has not returned: its pages stay out
         cluster.signal_master(signal.SIGCONT)

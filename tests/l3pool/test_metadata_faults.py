@@ -25,7 +25,7 @@ from l3pool.metadata import Metadata
 from l3pool.pplock import StageLocks
 from l3pool.store import MooncakeStore, Outcome, StoreConfig
 
-from .conftest import EtcdServer, agent_process, run_etcd
+from .conftest import EtcdServer, agent_process, run_etcd, slack
 
 SPEC = KVSpec.mla(2, page_size=16)
 
@@ -65,7 +65,7 @@ def test_etcd_calls_fail_fast_while_etcd_hangs(etcd_alone: EtcdServer) -> None:
                 fn()
             lat.append(time.monotonic() - t)
         p99 = float(np.percentile(lat, 99))
-        assert p99 <= 0.05, f"blocking per call p99 {p99 * 1e3:.1f} ms (first failure {first:.2f} s)"
+        assert p99 <= 0.05 * slack(), f"blocking per call p99 {p99 * 1e3:.1f} ms (first failure {first:.2f} s)"
         assert c.breaker.stats().short_circuits >= 60
         time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))  # a 3 s outage, TTL 6
         os.killpg(etcd_alone.proc.pid, signal.SIGCONT)
