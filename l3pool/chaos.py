@@ -317,6 +317,10 @@ def _ok() -> Any:
     return Outcome.OK
 
 
+def _grew(xs: list[float], k: int) -> bool:
+    return len(xs) > k
+
+
 def _read_all_since(rounds: list[dict[str, int]], mark: int, n: int) -> bool:
     return any(r["ok"] == n for r in rounds[mark:])
 
@@ -345,6 +349,7 @@ def sc_master_restart(ctx: Ctx, res: Result) -> None:
     tmp = tempfile.mkdtemp(prefix="l3pool-chaos-")
     stop_file = os.path.join(tmp, "stop")
     rounds: list[dict[str, int]] = []
+    starts: list[float] = []  # when the reader announced a get
     child = subprocess.Popen(_child_cmd(ctx, "reader", d, "--stop-file", stop_file), stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True, env=_child_env(ctx.c.client_host))  # fmt: skip
 
@@ -352,7 +357,11 @@ def sc_master_restart(ctx: Ctx, res: Result) -> None:
         assert child.stdout is not None
         for line in child.stdout:
             with contextlib.suppress(ValueError):
-                rounds.append(json.loads(line))
+                r = json.loads(line)
+                if "start" in r:
+                    starts.append(time.monotonic())
+                else:
+                    rounds.append(r)
 
     reader = threading.Thread(target=collect, name="chaos-reader-out", daemon=True)
     reader.start()
@@ -364,7 +373,10 @@ def sc_master_restart(ctx: Ctx, res: Result) -> None:
             mark = len(rounds)
             if _wait(functools.partial(_read_all_since, rounds, mark, n), ctx.bound) is None:
                 raise RuntimeError(f"the reader process never read all {n} pages (code {child.poll()})")
-            time.sleep(float(rng.uniform(0, 0.03)))
+            k = len(starts)  # stop it 0-5 ms into its next get (a get of 128 pages takes ~10-30 ms here)
+            if _wait(functools.partial(_grew, starts, k), 5.0, 0.0005) is None:
+                raise RuntimeError("the reader process stopped reading")
+            time.sleep(float(rng.uniform(0, 0.005)))
             child.send_signal(signal.SIGSTOP)
             ctx.c.stop_master()
             ctx.c.start_master()
@@ -599,6 +611,7 @@ def _child_main(argv: list[str]) -> int:
     want, dst = rows[: a.pages].clone(), np.arange(a.pages, 2 * a.pages)
     while not os.path.exists(a.stop_file):
         rows[a.pages :] = _POISON
+        print('{"start": 1}', flush=True)  # the parent stops this process a few ms after this line
         out = client.get(keys, dst)
         ok = np.flatnonzero([o is Outcome.OK for o in out])
         wrong = int((rows[torch.from_numpy(dst[ok])] != want[torch.from_numpy(ok)]).any(dim=1).sum())
