@@ -283,7 +283,7 @@ def sc_master_hung(ctx: Ctx, res: Result) -> None:
         r = h.interrupt()
         ilat = [time.monotonic() - t]
         d.check(res, np.arange(r.keys_loaded), r.pages, [_ok()] * r.keys_loaded)
-        res.figures["quarantined"] = pf.quarantined_pages()
+        res.figures.update(hung_interrupt_ms=round(ilat[0] * 1e3, 2), quarantined=pf.quarantined_pages())
         d.dst.free(r.pages)
         _wait(lambda: ctx.store.breaker.is_open, 5)
         lat = []
