@@ -25,7 +25,7 @@ from l3pool.metadata import Metadata
 from l3pool.pplock import StageLocks
 from l3pool.store import MooncakeStore, Outcome, StoreConfig
 
-from .conftest import EtcdServer, agent_process, run_etcd, slack
+from .conftest import EtcdServer, agent_args, agent_process, run_etcd, run_master, slack
 
 SPEC = KVSpec.mla(2, page_size=16)
 
@@ -173,3 +173,30 @@ def test_agent_rejects_bad_stop_timeout(etcd_alone: EtcdServer) -> None:
         with agent_process([*args, "--stop-timeout", bad]) as a:
             assert a.wait(20) == 2
             assert any("--stop-timeout" in ln for ln in a.our_lines()), a.our_lines()
+
+
+def test_agent_stops_within_its_timeout_while_the_master_hangs(etcd_alone: EtcdServer) -> None:
+    """A registered agent whose master stops answering (SIGSTOP): SIGTERM deregisters it (etcd
+    still answers) and the process ends within --stop-timeout, without Mooncake's teardown."""
+    prefix = f"/l3t-{uuid.uuid4().hex[:8]}"
+    extra = ["--segment-size", "16MiB", "--lease-ttl", "3", "--stop-timeout", "4", "--id", "hung-m"]
+    with run_master() as m, agent_process([*agent_args(etcd_alone, m, prefix), *extra]) as a:
+        a.wait_registered()
+        c = etcd_alone.client()
+        try:
+            key = f"{prefix}/members/hung-m"
+            assert c.get(key) is not None
+            os.killpg(m.proc.pid, signal.SIGSTOP)
+            try:
+                time.sleep(1.5)  # the agent's health probe finds the master hung
+                t0 = time.monotonic()
+                a.proc.send_signal(signal.SIGTERM)
+                rc = a.wait(20)
+                took = time.monotonic() - t0
+            finally:
+                os.killpg(m.proc.pid, signal.SIGCONT)
+            assert took <= 4.0 * slack(), f"agent took {took:.1f} s to stop (stop timeout 4 s)"
+            assert rc == 0 and c.get(key) is None, (rc, a.our_lines()[-5:])
+            assert any("exiting without unmounting" in ln for ln in a.our_lines()), a.our_lines()
+        finally:
+            c.close()
