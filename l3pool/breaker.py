@@ -108,10 +108,17 @@ class Breaker:
 
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
-        """Track one call into the dependency (for hung-call detection)."""
-        if self.suspect_s is None or not self.enabled:
+        """Track one call into the dependency (for hung-call detection); see `enter`."""
+        cid = self.enter()
+        try:
             yield
-            return
+        finally:
+            self.exit(cid)
+
+    def enter(self) -> int:
+        """Start tracking one call (the hot-path form of `call()`); pass the id to `exit`."""
+        if self.suspect_s is None or not self.enabled:
+            return -1
         with self._cv:
             cid = next(self._ids)
             self._inflight[cid] = time.monotonic()
@@ -120,12 +127,14 @@ class Breaker:
             elif self._idle:
                 self._idle = False
                 self._cv.notify_all()
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._inflight.pop(cid, None)
-                self._checked.discard(cid)
+        return cid
+
+    def exit(self, cid: int) -> None:
+        if cid < 0:
+            return
+        with self._cv:
+            del self._inflight[cid]
+            self._checked.discard(cid)
 
     def trip(self, reason: str) -> None:
         """The dependency failed: open (no-op when already open or disabled)."""

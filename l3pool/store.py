@@ -202,8 +202,11 @@ class MooncakeStore:
         if not self.breaker.allow(n):
             return None
         t0 = time.monotonic()
-        with self.breaker.call():
+        cid = self.breaker.enter()
+        try:
             codes = fn(*args)
+        finally:
+            self.breaker.exit(cid)
         return codes, time.monotonic() - t0
 
     def _judge(self, outs: Sequence[Outcome], took: float, what: str) -> None:
