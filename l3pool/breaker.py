@@ -213,7 +213,7 @@ class Breaker:
         log.warning("%s answers again after %.2f s: breaker closed", self.name, down)
 
     def _ensure_thread(self) -> None:
-        if self._thread is None and not self._closed:
+        if (self._thread is None or not self._thread.is_alive()) and not self._closed:  # (gone after a fork)
             self._thread = threading.Thread(target=self._run, name="l3pool-breaker", daemon=True)
             self._thread.start()
 
