@@ -56,6 +56,7 @@ def _info(args: argparse.Namespace) -> int:
 # where mooncake is missing.
 _COMMANDS = (
     "l3pool.agent",
+    "l3pool.tools.chaos",
     "l3pool.cluster.cli",
     "l3pool.adapters.demo",
     "l3pool.tools.deploy",

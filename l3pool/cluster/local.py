@@ -640,7 +640,7 @@ class LocalCluster:
             time.sleep(0.05)
 
     def _wait_etcd(self) -> None:
-        client = EtcdClient(self.etcd_endpoints, timeout=1.0)
+        client = EtcdClient(self.etcd_endpoints, timeout=1.0, fail_fast=False)  # polls until it answers
 
         def ready() -> bool:
             if self.ports["etcd"] not in _listening(self._procs["etcd"].pid):
@@ -665,7 +665,7 @@ class LocalCluster:
     def _wait_agents(self, indices: Sequence[int], before: dict[str, tuple[int, int]]) -> None:
         """Wait until each agent's member key exists (and, for ids in `before`, is a new registration)."""
         waiting = {self.agents[k].id for k in indices}
-        client = EtcdClient(self.etcd_endpoints, timeout=1.0)
+        client = EtcdClient(self.etcd_endpoints, timeout=1.0, fail_fast=False)  # polls until it answers
 
         def ready() -> bool:
             with contextlib.suppress(EtcdError):
@@ -731,6 +731,24 @@ class LocalCluster:
         self._spawn("master", "master", p.cmd, Path(p.log))
         if wait:
             self._wait_master(["master_rpc", "master_metadata", "master_admin"])
+
+    def signal_master(self, sig: int) -> bool:
+        """Send `sig` to the master's process group (SIGSTOP: it accepts TCP but answers nothing)."""
+        return _signal(self._procs["master"], sig)
+
+    def stop_etcd(self, wipe: bool = False) -> None:
+        """Stop etcd; `wipe`: delete its data dir too (a restart then comes back empty)."""
+        _stop([self._procs["etcd"]])
+        if wipe and self._data_dir:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
+
+    def start_etcd(self, wait: bool = True) -> None:
+        """Start etcd again on the same ports and data dir (after stop_etcd)."""
+        if _alive(self._procs["etcd"]):
+            raise ClusterError("etcd is still running; stop_etcd() first")
+        self._start_etcd()
+        if wait:
+            self._wait_etcd()
 
     def processes(self) -> list[dict[str, Any]]:
         """Each process with its current state ('alive' / 'zombie' / 'gone')."""

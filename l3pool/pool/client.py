@@ -112,6 +112,7 @@ class L3Client:
             store.register(self._trailer.ctypes.data, self._trailer.nbytes)
             self._registered.append(self._trailer.ctypes.data)
         self.metadata = metadata
+        self.reregistrations = 0  # namespace records written again after etcd lost them
         self._stop = threading.Event()
         self._stats_thread: threading.Thread | None = None
         if metadata is not None:
@@ -290,14 +291,32 @@ class L3Client:
         while True:
             try:
                 if keeper is None or keeper.lost.is_set():
+                    if keeper is not None:
+                        keeper.close(revoke=False)
                     keeper = LeaseKeeper(self.metadata.etcd, ttl)
+                self._ensure_namespace()
                 self.publish_stats(keeper.lease)
             except EtcdError as e:
+                if keeper is not None and "lease not found" in str(e):  # etcd came back without our lease
+                    keeper.close(revoke=False)
+                    keeper = None
                 log.debug("stats publish failed: %s", e)
             if self._stop.wait(interval):
                 break
         if keeper is not None:
             keeper.close(revoke=True)
+
+    def _ensure_namespace(self) -> None:
+        """Self-healing: write the namespace record again when etcd lost it (restarted empty),
+        so readers that do not create namespaces can attach again. One etcd read per interval."""
+        if self.metadata.namespace(self.ns_id) is not None:
+            return
+        stored = self.metadata.register_namespace(self.ns_id, self.ns.record())
+        if stored != self.ns.record():
+            log.warning("namespace %s came back with a different record: %s", self.ns_id, stored)
+            return
+        self.reregistrations += 1
+        log.warning("namespace %s was missing from etcd (restarted empty?): registered again", self.ns_id)
 
     def publish_stats(self, lease: int = 0) -> None:
         with self._lock:

@@ -8,6 +8,13 @@ JSON gateway that every etcd >= 3.4 serves on its client port gives exactly that
 This client keeps one persistent connection per thread (no handshake per call), tries the
 configured endpoints in order, and turns every transport problem into `EtcdUnavailable` with the
 endpoint named, so callers never see a socket traceback.
+
+Fail fast: after a call found no endpoint answering, a circuit breaker (`l3pool.pool.breaker`) opens
+and every later call raises `EtcdUnavailable` at once (microseconds, instead of up to `timeout`
+per endpoint and call while etcd hangs) until a background probe (a fresh connection and
+/v3/maintenance/status within `probe_timeout`) sees an endpoint answer again; the probe retries
+after 50 ms, doubling up to 0.5 s. Lease keep-alives from `LeaseKeeper`'s own thread bypass the
+breaker (their thread may block; the lease's TTL decides, as before).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+from l3pool.pool.breaker import Breaker
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +98,21 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
 class EtcdClient:
     """Thread-safe; each thread uses its own keep-alive connection."""
 
-    def __init__(self, endpoints: str | Sequence[str], timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        timeout: float = 2.0,
+        *,
+        fail_fast: bool = True,
+        probe_timeout: float = 0.5,
+    ) -> None:
         self.endpoints = parse_endpoints(endpoints)
         self.timeout = timeout
+        self.probe_timeout = probe_timeout
         self._local = threading.local()
         self._preferred = 0
+        names = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        self.breaker = Breaker(f"etcd {names}", self._probe, backoff_s=(0.05, 0.5), enabled=fail_fast)
 
     # -- transport -----------------------------------------------------------------------
     def _conn(self, idx: int) -> http.client.HTTPConnection:
@@ -112,7 +131,36 @@ class EtcdClient:
         if c is not None:
             c.close()
 
-    def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def call(self, path: str, body: dict[str, Any], *, bypass: bool = False) -> dict[str, Any]:
+        """POST one request. `bypass`: leave the breaker out (call even while it is open; a
+        failure does not open it)."""
+        if bypass:
+            return self._call(path, body)
+        if not self.breaker.allow():
+            raise EtcdUnavailable(f"etcd unreachable (failing fast since: {self.breaker.last_reason})")
+        try:
+            out = self._call(path, body)
+        except EtcdUnavailable as e:
+            self.breaker.trip(str(e)[:300])
+            raise
+        self.breaker.ok()
+        return out
+
+    def _probe(self) -> bool:
+        """Any endpoint answers /v3/maintenance/status within probe_timeout (own connection)."""
+        for host, port in self.endpoints:
+            c = http.client.HTTPConnection(host, port, timeout=self.probe_timeout)
+            try:
+                c.request("POST", "/v3/maintenance/status", b"{}", {"Content-Type": "application/json"})
+                if c.getresponse().status == 200:
+                    return True
+            except (OSError, http.client.HTTPException):
+                pass
+            finally:
+                c.close()
+        return False
+
+    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         payload = json.dumps(body).encode()  # bytes: headers and body leave in one segment
         errors = []
         n = len(self.endpoints)
@@ -205,9 +253,9 @@ class EtcdClient:
     def lease_grant(self, ttl: int) -> int:
         return int(self.call("/v3/lease/grant", {"TTL": str(int(ttl)), "ID": "0"})["ID"])
 
-    def lease_keepalive(self, lease: int) -> int:
-        """Refresh a lease; returns the TTL left (<= 0: the lease is gone)."""
-        out = self.call("/v3/lease/keepalive", {"ID": str(lease)})
+    def lease_keepalive(self, lease: int, *, bypass: bool = False) -> int:
+        """Refresh a lease; returns the TTL left (<= 0: the lease is gone). `bypass`: see `call`."""
+        out = self.call("/v3/lease/keepalive", {"ID": str(lease)}, bypass=bypass)
         return int(out.get("result", {}).get("TTL", 0))
 
     def lease_ttl(self, lease: int) -> int:
@@ -222,8 +270,8 @@ class EtcdClient:
             if "not found" not in str(e):
                 raise
 
-    def status(self) -> dict[str, Any]:
-        return self.call("/v3/maintenance/status", {})
+    def status(self, *, bypass: bool = False) -> dict[str, Any]:
+        return self.call("/v3/maintenance/status", {}, bypass=bypass)
 
     def date_sample(self, clock: Callable[[], float] = time.time) -> tuple[float, float, float, str]:
         """One `GET /version` on the preferred endpoint: (local clock before, local clock after,
@@ -255,6 +303,8 @@ class EtcdClient:
         raise EtcdUnavailable(f"etcd unreachable: {host}:{port}")  # pragma: no cover - loop returns or raises
 
     def close(self) -> None:
+        """Close this thread's connections and stop the breaker's probe (later calls still work)."""
+        self.breaker.close()
         for idx in list(getattr(self._local, "conns", {})):
             self._drop(idx)
 
@@ -288,12 +338,16 @@ class LeaseKeeper:
         last_ok = time.monotonic()
         while not self._stop.wait(max(0.2, self.ttl / 3)):
             try:
-                if self.client.lease_keepalive(self.lease) <= 0:
+                if self.client.lease_keepalive(self.lease, bypass=True) <= 0:
                     log.warning("etcd lease %x expired", self.lease)
                     self.lost.set()
                     return
                 last_ok = time.monotonic()
             except EtcdError as e:
+                if "not found" in str(e) and not isinstance(e, EtcdUnavailable):  # etcd lost it (wiped)
+                    log.warning("etcd lease %x is gone: %s", self.lease, e)
+                    self.lost.set()
+                    return
                 if time.monotonic() - last_ok > self.ttl:
                     log.warning("etcd lease %x lost: %s", self.lease, e)
                     self.lost.set()

@@ -23,8 +23,15 @@ an interrupted prefetch never holds more than it returns plus the batches in fli
 is one `L3Client.get` (zero-copy Mooncake `batch_get_into` into the L2 pages; give the client
 `batch_pages >= max_batch_pages`, or it cuts the batch into several calls); a miss or failure
 ends the prefix at the first non-OK page of that batch and every page after it (and every later
-batch) is freed. `interrupt()` stops issuing batches and returns once the ones in flight landed:
-it waits for at most `pipeline` batches of at most `max_batch_pages` pages.
+batch) is freed. `interrupt()` stops issuing batches and waits for the ones in flight for at most
+`interrupt_wait_s` (default 50 ms: half the 100 ms target, the rest is slack for a loaded host);
+a batch still in flight then (a Mooncake call hanging while the master is down: 4.3-30 s,
+measured) is left behind and the prefix that landed before it is returned at once.
+
+Quarantine: the L2 pages of a batch left behind stay allocated, owned by the worker, until its
+Mooncake call returns (a hung `batch_get_into` may still write into them), and only then are
+freed; `quarantined_pages()` counts them. They are never delivered and never handed out again
+before the call returned. `close()` waits for such calls.
 
 Ownership: until a result is *delivered* (returned by `wait()` or `interrupt()` of its handle)
 every L2 page of a prefetch belongs to the prefetcher, which frees it on `cancel()`, on failure,
@@ -100,6 +107,7 @@ class PrefetchResult:
     error: str | None = None  # an exception ended it (the prefix before it is still valid)
     cancelled: bool = False  # cancel()/close(): nothing delivered, everything freed
     superseded: bool = False  # a newer generation of the request exists: discarded, freed
+    left_in_flight: int = 0  # interrupt() returned before these pages' batch landed (quarantined)
     stopped_by: str | None = None  # Outcome value of the first non-OK page that ended the prefix
     keys_total: int = 0
     batch_ms: list[float] = field(default_factory=list)  # latency of each batch (get + bookkeeping)
@@ -122,6 +130,12 @@ class PrefetchHandle:
         self._why: str | None = None  # "interrupt" | "cancel" | "supersede"
         self._result: PrefetchResult | None = None
         self._delivered = False
+        # worker -> interrupt() hand-over (under _lock): the prefix that landed, pages in flight
+        self._got: list[np.ndarray] = []
+        self._loaded = 0
+        self._inflight_pages = 0
+        self._detached = False  # interrupt() delivered without waiting for the batches in flight
+        self._batch_ms: list[float] = []
         self.submitted_at = time.perf_counter()
 
     # -- caller side -----------------------------------------------------------------------
@@ -135,9 +149,40 @@ class PrefetchHandle:
         return self._deliver()
 
     def interrupt(self, timeout: float | None = None) -> PrefetchResult:
-        """Stop at the end of the batch in flight and return the prefix that arrived (usable)."""
+        """Stop issuing batches and return the prefix that arrived (usable). Waits at most
+        `timeout` s (default: the prefetcher's `interrupt_wait_s`) for the batches in flight;
+        when they have not landed by then, returns the prefix before them and leaves their pages
+        quarantined until their Mooncake calls return (`result.left_in_flight`)."""
         self._ask("interrupt")
-        return self.wait(timeout)
+        wait = self._owner.interrupt_wait_s if timeout is None else timeout
+        if self._done.wait(wait):
+            return self._deliver()
+        with self._lock:
+            if not self._done.is_set():
+                return self._detach_locked()
+        return self._deliver()
+
+    def _detach_locked(self) -> PrefetchResult:
+        """Deliver the prefix that landed now; the worker frees the rest when its calls return."""
+        self._detached = True
+        pages = np.concatenate(self._got) if self._got else np.empty(0, dtype=np.int64)
+        self._got = []
+        r = PrefetchResult(
+            self.request_id, self.generation, pages, self._loaded, interrupted=True, keys_total=len(self.keys),
+            batch_ms=list(self._batch_ms), elapsed_s=time.perf_counter() - self.submitted_at,
+            left_in_flight=self._inflight_pages,
+        )  # fmt: skip
+        self._owner._quarantine(self._inflight_pages)
+        self._result = r
+        if not self._owner._is_current(self):
+            self._discard_locked("supersede")
+        self._delivered = True
+        self._owner._forget(self)
+        log.warning(
+            "prefetch %s gen %d: interrupt() returned %d pages without waiting for %d pages in flight (quarantined)",
+            self.request_id, self.generation, self._loaded, self._inflight_pages,
+        )  # fmt: skip
+        return r
 
     def cancel(self) -> bool:
         """Stop and free everything. False when the result was already delivered (the caller
@@ -160,6 +205,9 @@ class PrefetchHandle:
     def _finish(self, result: PrefetchResult) -> None:
         """Worker: publish the result; free it at once when it must not be delivered."""
         with self._lock:
+            if self._detached:  # interrupt() delivered already; the worker freed the rest
+                self._done.set()
+                return
             self._result = result
             self._done.set()
             why = self._why
@@ -208,6 +256,7 @@ class Prefetcher:
         growth: float = 2.0,
         max_inflight: int = 2,
         pipeline: int = 1,
+        interrupt_wait_s: float = 0.05,
     ) -> None:
         """`batch_pages`: the first batch; `max_batch_pages` (default: the larger of `batch_pages`
         and the client's `batch_pages`): the cap later batches grow to by `growth` (>= 1)."""
@@ -220,6 +269,8 @@ class Prefetcher:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
         if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not growth >= 1:
             raise ConfigError(f"growth must be a number >= 1, got {growth!r}")
+        if isinstance(interrupt_wait_s, bool) or not isinstance(interrupt_wait_s, (int, float)) or interrupt_wait_s < 0:
+            raise ConfigError(f"interrupt_wait_s must be a number >= 0, got {interrupt_wait_s!r}")
         if cap < batch_pages:
             raise ConfigError(f"max_batch_pages ({cap}) must be >= batch_pages ({batch_pages})")
         if cap > client.batch_pages:
@@ -227,6 +278,9 @@ class Prefetcher:
         self.client, self.pool = client, client.pool
         self.batch_pages, self.max_batch_pages, self.growth = batch_pages, cap, float(growth)
         self.max_inflight, self.pipeline = max_inflight, pipeline
+        self.interrupt_wait_s = float(interrupt_wait_s)
+        self._quarantined = 0  # pages of left-behind batches whose Mooncake call has not returned
+        self.quarantined_total = 0
         self._lock = threading.Lock()
         self._gens: dict[str, int] = {}
         self._live: dict[int, PrefetchHandle] = {}  # handles whose result was not delivered
@@ -273,8 +327,14 @@ class Prefetcher:
         with self._lock:
             return sum(1 for h in self._live.values() if not h.done())
 
+    def quarantined_pages(self) -> int:
+        """L2 pages held by batches that interrupt() left behind and whose call has not returned."""
+        with self._lock:
+            return self._quarantined
+
     def close(self) -> None:
-        """Cancel every prefetch whose result was not delivered, free its pages, join the threads."""
+        """Cancel every prefetch whose result was not delivered, free its pages, join the threads
+        (waiting for calls still inside Mooncake: their pages are freed only after they return)."""
         with self._lock:
             self._closed = True
             handles = list(self._live.values())
@@ -295,6 +355,11 @@ class Prefetcher:
     def _is_current(self, h: PrefetchHandle) -> bool:
         with self._lock:
             return self._gens.get(h.request_id) == h.generation
+
+    def _quarantine(self, n: int) -> None:
+        with self._lock:
+            self._quarantined += n
+            self.quarantined_total += n
 
     def _free(self, pages: np.ndarray) -> None:
         if len(pages):
@@ -327,7 +392,6 @@ class Prefetcher:
             h.request_id, h.generation, np.empty(0, dtype=np.int64), 0, keys_total=len(h.keys),
             queued_s=t0 - h.submitted_at,
         )  # fmt: skip
-        got: list[np.ndarray] = []
         n = len(h.keys)
         sizes = iter(batch_schedule(n, self.batch_pages, self.max_batch_pages, self.growth))
         flight: collections.deque[tuple[int, np.ndarray, Future[list[Outcome]], float]] = collections.deque()
@@ -345,6 +409,12 @@ class Prefetcher:
                         if not len(pages):
                             break
                         ks = ks[: len(pages)]
+                    with h._lock:
+                        if h._detached:
+                            self._free(pages)
+                            issuing = False
+                            break
+                        h._inflight_pages += len(pages)
                     flight.append((issued, pages, self._io.submit(self._get, ks, pages), time.perf_counter()))
                     issued += len(ks)
                 if not flight:
@@ -353,6 +423,7 @@ class Prefetcher:
                 try:
                     out = fut.result()
                 except BaseException as e:
+                    self._landed(h, pages)
                     self._free(pages)
                     if not ended:
                         res.error = f"{type(e).__name__}: {e}"
@@ -360,13 +431,17 @@ class Prefetcher:
                     ended = True
                     issuing = False
                     continue
-                if ended:  # a later batch after the prefix ended: its bytes are not part of it
+                if self._landed(h, pages) or ended:  # left behind by interrupt(), or after the prefix ended
                     self._free(pages)
+                    ended = True
                     continue
                 k = next((i for i, r in enumerate(out) if r is not Outcome.OK), len(out))
                 self._free(pages[k:])
-                got.append(pages[:k])
                 ms = (time.perf_counter() - tb) * 1e3
+                with h._lock:
+                    h._got.append(pages[:k])
+                    h._loaded += k
+                    h._batch_ms.append(ms)
                 res.batch_ms.append(ms)
                 self.batch_ms.append(ms)
                 res.keys_loaded += k
@@ -376,12 +451,26 @@ class Prefetcher:
             for _, pages, fut, _ in flight:  # only on an unexpected exception above
                 with contextlib.suppress(BaseException):
                     fut.result()
+                self._landed(h, pages)
                 self._free(pages)
+            with h._lock:
+                got, h._got = h._got, []
             res.pages = np.concatenate(got) if got else np.empty(0, dtype=np.int64)
             res.elapsed_s = time.perf_counter() - t0
             stopped_early = res.keys_loaded < n and res.stopped_by is None and res.error is None
             res.interrupted = h._stop.is_set() and h._why == "interrupt" and stopped_early
             h._finish(res)
+
+    def _landed(self, h: PrefetchHandle, pages: np.ndarray) -> bool:
+        """A batch's call returned: its pages are no longer in flight. True when interrupt()
+        left it behind (the caller frees its pages; they leave the quarantine)."""
+        with h._lock:
+            h._inflight_pages -= len(pages)
+            detached = h._detached
+        if detached:
+            with self._lock:
+                self._quarantined -= len(pages)
+        return detached
 
     def _forget(self, h: PrefetchHandle) -> None:
         """The handle's pages are delivered or freed: nothing left for close() to free."""

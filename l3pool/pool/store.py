@@ -9,6 +9,18 @@ Facts this relies on (mooncake-transfer-engine 0.3.13, checked here): `put` of a
 returns 0 without overwriting; `batch_is_exist` returns 1/0/-1; `batch_get_into` returns the
 object's size or a negative code (-704 not found, -600 destination too small); a pool over its
 high watermark answers puts with -200.
+
+Circuit breaker (`l3pool.pool.breaker.Breaker`): while the master is down Mooncake blocks every call
+~4.3 s (master killed: connection refused, then RPC retries; measured on 0.3.13, a put = exists +
+put 8.8 s) or 30 s (master stopped: TCP accepted, no answer), and its `health_check()` keeps
+returning 0. So every call here goes through a breaker: an UNAVAILABLE answer, or a failure that
+took longer than `breaker_slow_s`, opens it; a call still inside Mooncake after
+`breaker_suspect_s` makes the breaker probe the master (TCP connect, then a one-key
+`batch_is_exist` on its own thread with `probe_timeout_s`) and a failed probe opens it. While
+open, every call answers UNAVAILABLE per item at once (microseconds) and one background probe
+retries with backoff; the first successful probe closes it. Calls already inside Mooncake when
+it opens cannot be interrupted: they return when Mooncake gives up. `healthy()` is the breaker's
+state, refreshed by a probe when no call succeeded recently.
 """
 
 from __future__ import annotations
@@ -17,11 +29,15 @@ import enum
 import logging
 import re
 import socket
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from l3pool.pool.breaker import Breaker
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +94,26 @@ class StoreConfig:
     rdma_devices: str = ""
     segment_bytes: int = 0  # > 0: donate this much DRAM to the pool (a decode agent)
     local_buffer_bytes: int = 16 << 20
+    # circuit breaker (see the module docstring); breaker=False: every call goes to Mooncake
+    breaker: bool = True
+    breaker_slow_s: float = 1.0  # a failed call slower than this opens the breaker
+    breaker_suspect_s: float = 1.0  # a call in flight this long makes the breaker probe the master
+    probe_timeout_s: float = 1.0  # a probe's batch_is_exist must answer within this (healthy: ~1 ms)
+    probe_backoff_s: tuple[float, float] = (0.05, 0.5)  # first and longest wait between probes
+    health_max_age_s: float = 1.0  # healthy() probes when no call succeeded for this long
+
+    def __post_init__(self) -> None:
+        for name in ("breaker_slow_s", "breaker_suspect_s", "probe_timeout_s", "health_max_age_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise StoreError(f"StoreConfig.{name} must be a number > 0, got {v!r}")
+        lo, hi = self.probe_backoff_s
+        if not 0 < lo <= hi:
+            raise StoreError(f"StoreConfig.probe_backoff_s must be (first, max) with 0 < first <= max, got {lo, hi}")
+
+
+PROBE_KEY = "__l3pool_probe__"  # never stored: a probe's batch_is_exist answers 0 when the master is up
+_FAILED = (Outcome.UNAVAILABLE, Outcome.ERROR)
 
 
 def _check_reachable(master: str, timeout: float = 2.0) -> None:
@@ -126,6 +162,15 @@ class MooncakeStore:
                 f"host {cfg.local_hostname}, protocol {cfg.protocol}"
             )
         self._registered: dict[tuple[int, int], int] = {}  # (ptr, size) -> references
+        self._last_ok = time.monotonic()
+        self._probe_thread: threading.Thread | None = None
+        self.breaker = Breaker(
+            f"mooncake master {cfg.master}",
+            self._probe,
+            backoff_s=cfg.probe_backoff_s,
+            suspect_s=cfg.breaker_suspect_s,
+            enabled=cfg.breaker,
+        )
         log.info("mooncake client up: host=%s master=%s segment=%d", cfg.local_hostname, cfg.master, cfg.segment_bytes)
 
     def register(self, ptr: int, nbytes: int) -> None:
@@ -152,30 +197,103 @@ class MooncakeStore:
                     log.warning("mooncake unregister_buffer(0x%x) returned %d", ptr, rc)
                 return
 
+    # -- breaker plumbing ------------------------------------------------------------------
+    def _guarded(self, n: int, fn: Callable[..., Any], *args: Any) -> tuple[Any, float] | None:
+        """Run one Mooncake call unless the breaker is open (then None: answer UNAVAILABLE)."""
+        if not self.breaker.allow(n):
+            return None
+        t0 = time.monotonic()
+        cid = self.breaker.enter()
+        try:
+            codes = fn(*args)
+        finally:
+            self.breaker.exit(cid)
+        return codes, time.monotonic() - t0
+
+    def _judge(self, outs: Sequence[Outcome], took: float, what: str) -> None:
+        """Open the breaker on an UNAVAILABLE answer or a slow failure; note a healthy answer."""
+        if any(o is Outcome.UNAVAILABLE for o in outs):
+            self.breaker.trip(f"{what}: unavailable after {took * 1e3:.0f} ms")
+        elif took > self.cfg.breaker_slow_s and any(o in _FAILED for o in outs):
+            self.breaker.trip(f"{what}: failed after {took:.1f} s")
+        elif outs:
+            self._last_ok = time.monotonic()
+            self.breaker.ok()
+
+    def _probe(self) -> bool:
+        """The master answers: TCP connect, then a one-key batch_is_exist within probe_timeout_s,
+        on a thread of its own (a hung probe holds only that thread; no second one starts)."""
+        host, _, port = self.cfg.master.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=min(0.5, self.cfg.probe_timeout_s)).close()
+        except OSError:
+            return False
+        t = self._probe_thread
+        if t is not None and t.is_alive():
+            return False  # the previous probe is still inside Mooncake
+        out: list[int] = []
+        t = self._probe_thread = threading.Thread(
+            target=lambda: out.extend(self._s.batch_is_exist([PROBE_KEY])), name="l3pool-store-probe", daemon=True
+        )
+        t.start()
+        t.join(self.cfg.probe_timeout_s)
+        ok = not t.is_alive() and len(out) == 1 and out[0] in (0, 1)
+        if ok:
+            self._last_ok = time.monotonic()
+        return ok
+
+    def stats(self) -> dict[str, object]:
+        """Breaker counters: state, trips, short_circuits (calls / items), probes, recoveries, open_s."""
+        return self.breaker.stats().as_dict()
+
+    # -- data ------------------------------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[Outcome]:
         if not keys:
             return []
-        codes = self._s.batch_is_exist(list(keys))
-        return [Outcome.OK if c == 1 else Outcome.MISS if c == 0 else Outcome.UNAVAILABLE for c in codes]
+        r = self._guarded(len(keys), self._s.batch_is_exist, list(keys))
+        if r is None:
+            return [Outcome.UNAVAILABLE] * len(keys)
+        out = [Outcome.OK if c == 1 else Outcome.MISS if c == 0 else Outcome.UNAVAILABLE for c in r[0]]
+        self._judge(out, r[1], "exists")
+        return out
 
     def present(self, keys: list[str]) -> np.ndarray:
         """`exists` as a bool array (True: present), without building per-key Outcomes; like
-        `exists` it grants every present object a read lease. Takes a list (passed through)."""
+        `exists` it grants every present object a read lease. Takes a list (passed through).
+        Unreachable (or breaker open): all False."""
         if not keys:
             return np.zeros(0, dtype=np.bool_)
-        return np.asarray(self._s.batch_is_exist(keys)) == 1
+        r = self._guarded(len(keys), self._s.batch_is_exist, keys)
+        if r is None:
+            return np.zeros(len(keys), dtype=np.bool_)
+        codes = np.asarray(r[0])
+        if (codes < 0).any():
+            self._judge([Outcome.UNAVAILABLE], r[1], "exists")
+        else:
+            self._last_ok = time.monotonic()
+            self.breaker.ok()
+        return codes == 1
 
     def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
         if not keys:
             return []
-        return [outcome_of(c) for c in self._s.batch_put_from(list(keys), list(ptrs), list(sizes))]
+        r = self._guarded(len(keys), self._s.batch_put_from, list(keys), list(ptrs), list(sizes))
+        if r is None:
+            return [Outcome.UNAVAILABLE] * len(keys)
+        out = [outcome_of(c) for c in r[0]]
+        self._judge(out, r[1], "put")
+        return out
 
     def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
         """Copy each object into its buffer; a size mismatch is BAD_REQUEST (nothing trusted)."""
         if not keys:
             return []
-        codes = self._s.batch_get_into(list(keys), list(ptrs), list(sizes))
-        return [Outcome.BAD_REQUEST if 0 <= c != s else outcome_of(c) for c, s in zip(codes, sizes, strict=True)]
+        r = self._guarded(len(keys), self._s.batch_get_into, list(keys), list(ptrs), list(sizes))
+        if r is None:
+            return [Outcome.UNAVAILABLE] * len(keys)
+        out = [Outcome.BAD_REQUEST if 0 <= c != s else outcome_of(c) for c, s in zip(r[0], sizes, strict=True)]
+        self._judge(out, r[1], "get")
+        return out
 
     def put_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -183,20 +301,45 @@ class MooncakeStore:
         """One object per key from several fragments (e.g. a layer_first page's per-layer runs)."""
         if not keys:
             return []
-        codes = self._s.batch_put_from_multi_buffers(list(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
-        return [outcome_of(c) for c in codes]
+        r = self._guarded(
+            len(keys),
+            self._s.batch_put_from_multi_buffers,
+            list(keys),
+            [list(p) for p in ptrs],
+            [list(s) for s in sizes],
+        )
+        if r is None:
+            return [Outcome.UNAVAILABLE] * len(keys)
+        out = [outcome_of(c) for c in r[0]]
+        self._judge(out, r[1], "put")
+        return out
 
     def get_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[Outcome]:
         if not keys:
             return []
-        codes = self._s.batch_get_into_multi_buffers(list(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
+        r = self._guarded(
+            len(keys),
+            self._s.batch_get_into_multi_buffers,
+            list(keys),
+            [list(p) for p in ptrs],
+            [list(s) for s in sizes],
+        )
+        if r is None:
+            return [Outcome.UNAVAILABLE] * len(keys)
         totals = [sum(s) for s in sizes]
-        return [Outcome.BAD_REQUEST if 0 <= c != t else outcome_of(c) for c, t in zip(codes, totals, strict=True)]
+        out = [Outcome.BAD_REQUEST if 0 <= c != t else outcome_of(c) for c, t in zip(r[0], totals, strict=True)]
+        self._judge(out, r[1], "get")
+        return out
 
     def remove(self, key: str) -> Outcome:
-        return outcome_of(self._s.remove(key))
+        r = self._guarded(1, self._s.remove, key)
+        if r is None:
+            return Outcome.UNAVAILABLE
+        out = outcome_of(r[0])
+        self._judge([out], r[1], "remove")
+        return out
 
     def remove_prefix(self, prefix: str, force: bool = False) -> tuple[Outcome, int]:
         """Remove every object whose key starts with `prefix`: (OK, objects removed) or (failure, 0).
@@ -216,7 +359,18 @@ class MooncakeStore:
         return Outcome.OK, code
 
     def healthy(self) -> bool:
-        return int(self._s.health_check()) == 0
+        """Whether the master answers now: False while the breaker is open; when no call
+        succeeded within `health_max_age_s`, a probe decides (bounded by ~probe_timeout_s + 0.5 s).
+        Mooncake's own health_check() is not used: it stays 0 while the master is down."""
+        if not self.cfg.breaker:
+            return bool(self._probe())
+        if self.breaker.is_open:
+            return False
+        if time.monotonic() - self._last_ok < self.cfg.health_max_age_s and self.breaker.oldest_call_s() < (
+            self.cfg.breaker_suspect_s
+        ):
+            return True
+        return self.breaker.probe()
 
     @property
     def segment_name(self) -> str:
@@ -225,6 +379,7 @@ class MooncakeStore:
         return str(self._s.get_hostname())
 
     def close(self) -> None:
+        self.breaker.close()
         for ptr, _ in list(self._registered):
             try:
                 self._s.unregister_buffer(ptr)

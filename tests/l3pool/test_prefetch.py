@@ -144,6 +144,9 @@ def test_config_errors(setup: Setup) -> None:
         Prefetcher(setup.client, batch_pages=64, max_batch_pages=32)
     with pytest.raises(ConfigError, match="max_batch_pages"):
         Prefetcher(setup.client, max_batch_pages=0)
+    for bad in (-0.1, "1", True):
+        with pytest.raises(ConfigError, match="interrupt_wait_s"):
+            Prefetcher(setup.client, interrupt_wait_s=bad)  # type: ignore[arg-type]
     with Prefetcher(setup.client, batch_pages=8) as pf:  # the cap defaults to the client's batch
         assert (pf.batch_pages, pf.max_batch_pages, pf.growth) == (8, setup.client.batch_pages, 2.0)
 
