@@ -71,6 +71,41 @@ def prefix_end(prefix: str) -> bytes:
     return b"\0"
 
 
+# -- transaction parts (the only place that writes etcd's txn JSON) --------------------------
+def if_lease(key: str, lease: int) -> dict[str, Any]:
+    """Compare: `key` is attached to `lease`."""
+    return {"key": _b64(key), "target": "LEASE", "result": "EQUAL", "lease": str(int(lease))}
+
+
+def if_absent(key: str) -> dict[str, Any]:
+    """Compare: `key` does not exist."""
+    return {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+
+
+def do_put(key: str, value: bytes | str, lease: int = 0) -> dict[str, Any]:
+    put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        put["lease"] = str(int(lease))
+    return {"request_put": put}
+
+
+def do_delete(key: str) -> dict[str, Any]:
+    return {"request_delete_range": {"key": _b64(key)}}
+
+
+def do_count_prefix(prefix: str) -> dict[str, Any]:
+    return {"request_range": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)), "count_only": True}}
+
+
+def txn_succeeded(out: dict[str, Any]) -> bool:
+    return bool(out.get("succeeded"))
+
+
+def txn_count(out: dict[str, Any], i: int) -> int:
+    """The count answered by the i-th operation (a `do_count_prefix`) of the branch that ran."""
+    return int(out["responses"][i]["response_range"].get("count", 0))
+
+
 def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
     """'http://127.0.0.1:2379,127.0.0.2:2379' -> [(host, port), ...]; raises ValueError."""
     items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
@@ -246,8 +281,14 @@ class EtcdClient:
     def txn(
         self, compare: list[dict[str, Any]], success: list[dict[str, Any]], failure: list[dict[str, Any]] | None = None
     ) -> dict[str, Any]:
-        """Raw transaction (keys and values in the bodies must already be base64)."""
+        """A transaction; build its parts with the `if_*` / `do_*` helpers of this module (plain
+        strings in, the gateway's base64 wire format out). Returns the gateway's answer: read it with
+        `txn_succeeded` / `txn_count`."""
         return self.call("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure or []})
+
+    def delete_if_lease(self, key: str, lease: int) -> bool:
+        """Delete `key` only while it is attached to `lease` (a successor's record survives)."""
+        return txn_succeeded(self.txn([if_lease(key, lease)], [do_delete(key)]))
 
     # -- leases --------------------------------------------------------------------------
     def lease_grant(self, ttl: int) -> int:

@@ -16,7 +16,6 @@ it only maps objects to keys and back.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
@@ -186,11 +185,7 @@ class Metadata:
             if keeper is None:
                 self.etcd.delete(key)
             else:
-                k = base64.b64encode(key.encode()).decode()
-                self.etcd.txn(
-                    compare=[{"key": k, "target": "LEASE", "result": "EQUAL", "lease": str(keeper.lease)}],
-                    success=[{"request_delete_range": {"key": k}}],
-                )
+                self.etcd.delete_if_lease(key, keeper.lease)
         finally:
             if keeper is not None:
                 keeper.close(revoke=True)

@@ -20,7 +20,6 @@ still under its lease" that returns the marker count; the one report that sees t
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from l3pool.pool.etcd import EtcdError
+from l3pool.pool.etcd import EtcdError, do_count_prefix, do_put, if_absent, if_lease, txn_count, txn_succeeded
 from l3pool.pool.keys import Namespace
 from l3pool.pool.metadata import Metadata, check_id
 from l3pool.pool.store import MooncakeStore
@@ -71,10 +70,6 @@ class _Held:
     keys: list[str]  # Mooncake keys whose read leases this process re-grants
     fresh: bool = False  # just granted/kept alive and leased by acquire: no immediate refresh needed
     started: float = field(default_factory=time.monotonic)
-
-
-def _b64(s: str) -> str:
-    return base64.b64encode(s.encode()).decode()
 
 
 def _prefix_lens(present: np.ndarray) -> tuple[int, ...]:
@@ -258,28 +253,16 @@ class StageLocks:
             if kv is None:
                 raise UnknownRequest(f"no lock for request {request_id!r}: never acquired or joined here")
             lease = kv.lease
-        k, done = _b64(key), self._done_prefix(request_id)
-        marker = _b64(f"{done}{s}")
+        done = self._done_prefix(request_id)
+        marker = f"{done}{s}"
         out = self.etcd.txn(
-            compare=[
-                {"key": k, "target": "LEASE", "result": "EQUAL", "lease": str(lease)},
-                {"key": marker, "target": "CREATE", "result": "EQUAL", "create_revision": "0"},
-            ],
-            success=[
-                {"request_put": {"key": marker, "value": _b64("1"), "lease": str(lease)}},
-                {
-                    "request_range": {
-                        "key": _b64(done),
-                        "range_end": base64.b64encode(_range_end(done)).decode(),
-                        "count_only": True,
-                    }
-                },
-            ],
+            compare=[if_lease(key, lease), if_absent(marker)],
+            success=[do_put(marker, "1", lease), do_count_prefix(done)],
         )
-        if not out.get("succeeded"):
+        if not txn_succeeded(out):
             log.debug("report %s/%d ignored: duplicate, released or expired", request_id, s)
             return False
-        count = int(out["responses"][1]["response_range"].get("count", 0))
+        count = txn_count(out, 1)
         if count >= self.stages:
             self.etcd.lease_revoke(lease)  # lock and markers vanish together
             return True
@@ -401,9 +384,3 @@ class StageLocks:
                 self.store.exists(keys)  # re-grants the Mooncake read lease of every locked page
             except Exception as e:
                 log.warning("read-lease refresh of %d pages failed: %s", len(keys), e)
-
-
-def _range_end(prefix: str) -> bytes:
-    from l3pool.pool.etcd import prefix_end
-
-    return prefix_end(prefix)
