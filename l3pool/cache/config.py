@@ -57,7 +57,7 @@ class CacheConfig:
     prefetch_batch_pages: int = 32
     prefetch_max_batch_pages: int = 256
     writer_batch_pages: int = 512
-    writer_linger_ms: float = 2.0
+    writer_linger_ms: float = 5.0
     pp_join_timeout_s: float = 5.0
     load_timeout_s: float = 60.0
 

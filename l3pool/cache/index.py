@@ -10,7 +10,9 @@ Not thread-safe: the controller holds its lock around every call.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
+from itertools import filterfalse, repeat
 
 import numpy as np
 
@@ -32,7 +34,7 @@ class TierIndex:
         self.name, self.alloc = name, allocator
         self.num_pages = n
         self.index: dict[bytes, int] = {}
-        self.hash_of: list[bytes | None] = [None] * n
+        self.hash_of = np.full(n, None, dtype=object)  # page -> its hash (bytes) or None
         self.ref = np.zeros(n, dtype=np.int32)
         self.stamp = np.zeros(n, dtype=np.int64)
         self.cached = np.zeros(n, dtype=np.bool_)
@@ -43,28 +45,29 @@ class TierIndex:
     # -- lookups ------------------------------------------------------------------------------
     def prefix(self, hashes: Sequence[bytes], start: int = 0, stop: int | None = None) -> np.ndarray:
         """Pages of the leading run of `hashes[start:stop]` present in this tier."""
-        get = self.index.get
-        pages = np.fromiter((get(h, -1) for h in hashes[start:stop]), dtype=np.int64)
+        pages = self.pages_of(hashes[start:stop])
         miss = np.flatnonzero(pages < 0)
         return pages[: miss[0]] if miss.size else pages
 
     def pages_of(self, hashes: Sequence[bytes]) -> np.ndarray:
         """Page of each hash, -1 where absent."""
-        get = self.index.get
-        return np.fromiter((get(h, -1) for h in hashes), dtype=np.int64, count=len(hashes))
+        n = len(hashes)  # map() over two iterables runs in C: ~25 ns per page here
+        return np.fromiter(map(self.index.get, hashes, repeat(-1, n)), dtype=np.int64, count=n)
 
     # -- per-page state -------------------------------------------------------------------------
     def touch(self, pages: np.ndarray) -> None:
         self.clock += 1
         self.stamp[pages] = self.clock
 
+    # The pages of one pin/unpin are distinct (a request's hash chain never repeats a hash), so a
+    # fancy-index += is exact; np.add.at cost ~25 us per call here, 10x more.
     def pin(self, pages: np.ndarray) -> None:
-        np.add.at(self.ref, pages, 1)
+        self.ref[pages] += 1
 
     def unpin(self, pages: np.ndarray) -> None:
         if pages.size == 0:
             return
-        np.add.at(self.ref, pages, -1)
+        self.ref[pages] -= 1
         if (self.ref[pages] < 0).any():
             raise AssertionError(f"{self.name}: reference count below zero")
 
@@ -78,8 +81,9 @@ class TierIndex:
             pl = pages[sel].tolist()
             hl = [hashes[i] for i in sel.tolist()]
             self.index.update(zip(hl, pl, strict=True))
-            for p, h in zip(pl, hl, strict=True):
-                self.hash_of[p] = h
+            ho = np.empty(len(hl), dtype=object)
+            ho[:] = hl
+            self.hash_of[pages[sel]] = ho
             self.cached[pages[sel]] = True
             self.hits[pages[sel]] = 0
             have[sel] = pages[sel]
@@ -101,13 +105,10 @@ class TierIndex:
 
     def drop(self, pages: np.ndarray) -> list[bytes]:
         """Remove cached `pages` from the index (not freed); returns their hashes."""
-        hs: list[bytes] = []
-        for p in pages.tolist():
-            h = self.hash_of[p]
-            if h is not None:
-                hs.append(h)
-                del self.index[h]
-                self.hash_of[p] = None
+        ho = self.hash_of[pages]
+        hs: list[bytes] = ho[ho != None].tolist()  # noqa: E711 - elementwise on an object array
+        deque(map(self.index.__delitem__, hs), maxlen=0)  # C-speed loop
+        self.hash_of[pages] = None
         self.cached[pages] = False
         return hs
 
@@ -146,7 +147,7 @@ class GhostList:
         if self.capacity == 0 or not keys:
             return
         s = self._set
-        new = [k for k in dict.fromkeys(keys) if k not in s][-self.capacity :]
+        new = list(filterfalse(s.__contains__, dict.fromkeys(keys)))[-self.capacity :]
         m = len(new)
         if m == 0:
             return

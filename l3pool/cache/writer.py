@@ -35,19 +35,32 @@ class _Item:
 
 
 class L3Writer:
-    def __init__(self, client: L3Client, on_done: DoneFn, batch_pages: int = 512, linger_ms: float = 2.0) -> None:
-        self.client, self.on_done = client, on_done
+    def __init__(
+        self,
+        client: L3Client,
+        on_done: DoneFn,
+        batch_pages: int = 512,
+        linger_ms: float = 2.0,
+        more_coming: Callable[[], bool] | None = None,
+    ) -> None:
+        """`more_coming()`: True while pages are on their way (the controller's L1 -> L2 backups in
+        flight): a short batch then waits up to 10x `linger_ms` for them instead of `linger_ms`."""
+        self.client, self.on_done, self.more_coming = client, on_done, more_coming
         self.batch_pages, self.linger_s = batch_pages, linger_ms / 1e3
         self._q: queue.Queue[_Item | None] = queue.Queue()
         self._idle = threading.Condition()
         self._queued = 0  # pages submitted and not yet done
         self.puts = 0  # put calls made (batches)
+        self.t_first: float | None = None  # perf_counter of the first submit since reset (bench)
+        self.t_last: float | None = None  # perf_counter when the last put returned
         self._thread = threading.Thread(target=self._run, name="l3pool-cache-writer", daemon=True)
         self._thread.start()
 
     def submit(self, hashes: Sequence[bytes], pages: np.ndarray) -> None:
         with self._idle:
             self._queued += len(hashes)
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
         self._q.put(_Item(list(hashes), pages))
 
     def pending(self) -> int:
@@ -65,9 +78,12 @@ class L3Writer:
 
     def _take(self, first: _Item) -> tuple[list[_Item], bool]:
         items, n = [first], len(first.hashes)
-        deadline = time.monotonic() + self.linger_s
+        t0 = time.monotonic()
+        deadline, hard = t0 + self.linger_s, t0 + 10 * self.linger_s
         while n < self.batch_pages:
             left = deadline - time.monotonic()
+            if left <= 0 and self.more_coming is not None and time.monotonic() < hard and self.more_coming():
+                left = min(self.linger_s, hard - time.monotonic())
             try:
                 it = self._q.get_nowait() if left <= 0 else self._q.get(timeout=left)
             except queue.Empty:
@@ -101,5 +117,6 @@ class L3Writer:
             except Exception:
                 log.exception("L3 writer: completion handler failed")
             with self._idle:
+                self.t_last = time.perf_counter()
                 self._queued -= len(hashes)
                 self._idle.notify_all()
