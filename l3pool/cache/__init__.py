@@ -23,17 +23,9 @@ See README.md for the policies and their measured costs.
 """
 
 from .config import CacheConfig, PrefetchPolicy, WritePolicy
-from .controller import (
-    L1,
-    BackgroundError,
-    CacheError,
-    CacheFull,
-    LoadHandle,
-    Match,
-    TieredCache,
-    UnknownRequest,
-)
+from .controller import LoadHandle, TieredCache
 from .index import GhostList, TierIndex
+from .types import L1, BackgroundError, CacheError, CacheFull, CacheStats, Match, UnknownRequest
 
 __all__ = [
     "L1",
@@ -41,6 +33,7 @@ __all__ = [
     "CacheConfig",
     "CacheError",
     "CacheFull",
+    "CacheStats",
     "GhostList",
     "LoadHandle",
     "Match",

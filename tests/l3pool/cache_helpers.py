@@ -44,14 +44,16 @@ class Engine:
         store: object | None = None,
         tenant: str = "t",
         layout: str = "page_first_direct",
+        layers: tuple[int, int] | None = None,
+        locks: object | None = None,
     ) -> None:
         self.bufs = [torch.zeros(l1_pages * P, 1, D, dtype=torch.bfloat16) for _ in range(LAYERS)]
         self.pool = HostKVPool(L2Config(kv=SPEC, layout=layout, tokens=l2_pages * P, pin="never"))  # type: ignore[arg-type]
         self.l3: L3Client | None = None
         if store is not None:
-            ns = Namespace.for_pool(SPEC, layout, "cachetest", tenant=tenant)
+            ns = Namespace.for_pool(SPEC, layout, "cachetest", layers=layers, tenant=tenant)
             self.l3 = L3Client(self.pool, store, ns, batch_pages=512)  # type: ignore[arg-type]
-        self.cache = TieredCache(cfg or CacheConfig(), L1(self.bufs, P), self.pool, self.l3)
+        self.cache = TieredCache(cfg or CacheConfig(), L1(self.bufs, P), self.pool, self.l3, locks)  # type: ignore[arg-type]
 
     def poison_free_l1(self) -> None:
         """NaN into every unallocated L1 page (under the cache's lock: concurrent requests allocate
@@ -60,6 +62,11 @@ class Engine:
             s = self.cache.slots(np.flatnonzero(~self.cache._l1_alloc._used))
             for b in self.bufs:
                 b[s] = float("nan")
+
+    def poison_free_l2(self) -> None:
+        with self.cache._mu:
+            free = torch.from_numpy(np.flatnonzero(~self.pool.allocator._used))
+            self.pool.buffer.view(self.pool.num_pages, -1)[free] = 0xEE
 
     def l1_of(self, pages: np.ndarray) -> torch.Tensor:
         s = self.cache.slots(pages)
@@ -76,6 +83,7 @@ class Engine:
         if prefetch:
             self.cache.prefetch(m)
         self.poison_free_l1()
+        self.poison_free_l2()
         h = self.cache.load(m, total_pages=len(hs))
         return m, h
 

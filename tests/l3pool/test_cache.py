@@ -310,9 +310,11 @@ def test_prefetch_policies(engines: list[Engine], policy: str) -> None:
     h.wait()
     n = h.hit_pages
     assert torch.equal(r.l1_of(h.l1_pages[:n]), contents(hs[:n]))
+    st = r.cache.stats()
+    assert st["l2_pages"]["cached"] == n and st["l2_pages"]["total"] - st["l2_pages"]["free"] == n  # tail freed
     if policy == "best_effort":
         assert 0 < n < 48 and waited < 0.2
-        assert r.cache.stats()["prefetch_interrupted"] == 1
+        assert st["prefetch_interrupted"] == 1
     elif policy == "wait_complete":
         assert n == 48
     else:
