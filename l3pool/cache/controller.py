@@ -37,6 +37,13 @@ log = logging.getLogger(__name__)
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
+def _check_distinct(hs: list[bytes]) -> None:
+    """A chained hash never repeats within a request; a list that does is not one (and would map
+    two pages to one hash). ~10 us for 512 hashes."""
+    if len(set(hs)) != len(hs):
+        raise ValueError("page_hashes repeat a hash: not a chain of page hashes (l3pool.keys.page_hashes)")
+
+
 def _member(s: set[bytes] | dict[bytes, str], hs: list[bytes]) -> np.ndarray:
     """hs[i] in s, as a bool array (C-speed map)."""
     if not s:
@@ -78,10 +85,12 @@ class _Backup:
 
 class LoadHandle:
     """What load() set in motion. `l1_pages`: the request's L1 pages (hits, then loaded pages,
-    then `extra` fresh ones); `hit_pages`: pages the engine need not compute."""
+    then fresh ones up to `total_pages`); `hit_pages`: pages the engine need not compute, of which
+    `l1` were in L1, `l2` loaded from L2 and `l3` fetched from L3 (the intact prefix that arrived)."""
 
     def __init__(self, cache: TieredCache, rid: str, l1_pages: np.ndarray, hit_pages: int, job: int | None) -> None:
         self._cache, self.request_id, self.l1_pages, self.hit_pages, self._job = cache, rid, l1_pages, hit_pages, job
+        self.l1 = self.l2 = self.l3 = 0
 
     @property
     def slots(self) -> torch.Tensor:
@@ -209,6 +218,7 @@ class TieredCache:
                 raise ValueError(
                     "page_hashes must be equal-length bytes, a multiple of 8 long (l3pool.keys.page_hashes)"
                 )
+            _check_distinct(hs)
         limit = len(hs) if max_hit is None else max(0, min(int(max_hit), len(hs)))
         with self._mu:
             if request_id in self._reqs:
@@ -334,11 +344,17 @@ class TieredCache:
             raise ValueError(f"total_pages must be an integer >= 0, got {total_pages!r}")
         fetched = _EMPTY
         if r.n3 > r.n2:
-            if r.prefetch is None and self.prefetcher is not None and self.l3 is not None:
+            res: PrefetchResult | None = None
+            try:
+                if r.prefetch is None and self.prefetcher is not None and self.l3 is not None:
+                    with self._mu:
+                        self._make_room_l2(r.n3 - r.n2)
+                    r.prefetch = self.prefetcher.submit(r.rid, self.l3.ns.keys(r.hashes[r.n2 : r.n3]))
+                res = self._finish_prefetch(r)
+            except Exception as e:  # a failed L3 read is a miss
+                log.warning("L3 fetch for %s failed (treated as a miss): %s", r.rid, e)
                 with self._mu:
-                    self._make_room_l2(r.n3 - r.n2)
-                r.prefetch = self.prefetcher.submit(r.rid, self.l3.ns.keys(r.hashes[r.n2 : r.n3]))
-            res = self._finish_prefetch(r)
+                    self._stats.l3_read_failures += 1
             if res is not None:
                 fetched = res.pages
                 if res.interrupted:
@@ -378,7 +394,9 @@ class TieredCache:
                 st.hit_pages[t] += n
                 st.hit_bytes[t] += n * self.page_bytes
             st.miss_pages += len(r.hashes) - r.n_hit
-            return LoadHandle(self, r.rid, np.concatenate([r.l1_hit, new]), r.n_hit, job)
+            h = LoadHandle(self, r.rid, np.concatenate([r.l1_hit, new]), r.n_hit, job)
+            h.l1, h.l2, h.l3 = r.n1, r.n2 - r.n1, k
+            return h
 
     def _pp_report(self, r: _Req) -> None:
         assert self.locks is not None
@@ -508,6 +526,7 @@ class TieredCache:
             raise ValueError(f"page_hashes of {request_id!r} disagree with the {r.n_hit} pages it matched")
         if m < r.n_hit:
             raise ValueError(f"commit of {m} pages is shorter than the {r.n_hit} pages {request_id!r} hit")
+        _check_distinct(hs)
         self._collect_load(r)
         if r.load_ok is False:
             raise TransferError(f"the L2 -> L1 load of {request_id!r} failed: its pages were not inserted")

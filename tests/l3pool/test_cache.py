@@ -9,6 +9,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -74,6 +75,38 @@ def test_bad_l1_buffers(engines: list[Engine]) -> None:
         TieredCache({"l1_to_l2": "write_back"}, L1(e.bufs, P), e.pool)  # type: ignore[arg-type]
 
 
+def test_pp_needs_l3(engines: list[Engine]) -> None:
+    e = mk(engines)
+    with pytest.raises(ConfigError, match="pipeline-stage locks need an L3Client"):
+        TieredCache(CacheConfig(), L1(e.bufs, P), e.pool, None, SimpleNamespace(stages=2, stage=0))  # type: ignore[arg-type]
+
+
+def test_load_handle(engines: list[Engine]) -> None:
+    store = FakePageStore()
+    w = mk(engines, store=store)
+    hs = chain(1, 6)
+    w.run("w", hs)
+    w.cache.flush()
+    e = mk(engines, l1_pages=16, l2_pages=32, store=store, cfg=CacheConfig(prefetch_policy="wait_complete"))
+    e.run("a", hs[:2])
+    for i in range(4):  # hs[:2] leaves L1 for L2
+        e.run(f"f{i}", chain(10 + i, 4))
+    e.run("b", hs[:1])  # hs[0] back in L1
+    full = chain(2, 2, prefix=hs)
+    _, h = e.start("c", full)
+    assert (h.l1, h.l2, h.l3, h.hit_pages) == (1, 1, 4, 6) and len(h.l1_pages) == 8
+    assert torch.equal(h.slots, e.cache.slots(h.l1_pages)) and h.slots.numel() == 8 * P
+    h.wait()
+    assert torch.equal(e.l1_of(h.l1_pages[:6]), contents(hs))
+    e.compute(full[6:], h.l1_pages[6:])
+    e.cache.commit("c", full, h.l1_pages)
+    h.wait_layer(LAYERS - 1)  # the job was collected by commit: still answers
+    e.cache.release("c")
+    with pytest.raises(UnknownRequest):
+        h.wait_layer(0)
+    assert e.used() == (0, 0)
+
+
 def test_bad_requests(engines: list[Engine]) -> None:
     e = mk(engines, l1_pages=8)
     c = e.cache
@@ -85,6 +118,8 @@ def test_bad_requests(engines: list[Engine]) -> None:
         c.match("", hs)
     with pytest.raises(ValueError, match="page_hashes"):
         c.match("r", ["ab" * 8])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="repeat a hash"):
+        c.match("r", hs + hs[:1])
     m = c.match("r", hs)
     with pytest.raises(CacheError, match="already active"):
         c.match("r", hs)
@@ -193,9 +228,11 @@ def test_selective_counts_distinct_requests_not_insertions(engines: list[Engine]
     assert len(store.objects) == 6
 
 
-def _ghost_scenario(engines: list[Engine], ghost: int) -> tuple[int, dict[str, object]]:
-    cfg = CacheConfig(l1_to_l2="write_through_selective", hit_threshold=2, ghost_capacity=ghost)
-    e = mk(engines, l1_pages=8, l2_pages=64, cfg=cfg)
+def _ghost_scenario(engines: list[Engine], ghost: int) -> tuple[int, dict[str, object], int]:
+    cfg = CacheConfig(l1_to_l2="write_through_selective", l2_to_l3="write_through_selective", hit_threshold=2,
+                      ghost_capacity=ghost)  # fmt: skip
+    store = FakePageStore()
+    e = mk(engines, l1_pages=8, l2_pages=64, cfg=cfg, store=store)
     hs = chain(1, 4)
     e.run("a", hs)  # computed once: not written (count 1)
     for i in range(4):  # the gap is longer than L1 residence: hs leaves L1
@@ -206,16 +243,17 @@ def _ghost_scenario(engines: list[Engine], ghost: int) -> tuple[int, dict[str, o
         e.run(f"gap2{i}", chain(60 + i, 4))
     e.cache.flush()
     m = e.run("c", hs)
-    return m.l2, e.cache.stats()
+    return m.l2, e.cache.stats(), len(store.objects)
 
 
 def test_ghost_list_rescues_reuse_beyond_l1_residence(engines: list[Engine]) -> None:
     """Failure mode 2: without a ghost list a reused prefix evicted from L1 before its second use
     is never proven (its count died with the L1 page) and never reaches L2."""
-    hit_without, st0 = _ghost_scenario(engines, ghost=0)
-    assert hit_without == 0 and st0["ghost_hits"] == 0 and st0["d2h_bytes"] == 0
-    hit_with, st1 = _ghost_scenario(engines, ghost=1024)
+    hit_without, st0, l3_without = _ghost_scenario(engines, ghost=0)
+    assert hit_without == 0 and st0["ghost_hits"] == 0 and st0["d2h_bytes"] == 0 and l3_without == 0
+    hit_with, st1, l3_with = _ghost_scenario(engines, ghost=1024)
     assert hit_with == 4 and st1["ghost_hits"] == 4 and st1["l1_to_l2_writes"] == {"ghost": 4}
+    assert l3_with == 4 and st1["l2_to_l3_writes"] == {"selective": 4}  # proven reuse goes on to L3
 
 
 def test_ghost_list_bounded_o1_and_small() -> None:
