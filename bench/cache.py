@@ -423,6 +423,13 @@ def main(argv: list[str] | None = None) -> int:
         report["backup"] = bu
         correct = correct and bool(bu["correct"])
     report["correct"] = correct
+    notes = []
+    for part, key in (("overlap", "overlap_exposed_s"), ("overlap", "no_overlap_load_s"), ("backup", "writer_s"),
+                      ("backup", "raw_put_s")):  # fmt: skip
+        sp = report.get(part, {}).get(key)
+        if sp and sp["median"] > 0 and (sp["max"] - sp["min"]) > sp["median"]:
+            notes.append(f"{part}.{key}: spread {sp['min']:.4f}-{sp['max']:.4f} s exceeds its median: inconclusive")
+    report["notes"] = notes
     report["targets"] = {
         "bookkeeping_p99_ms<=0.5": report["bookkeeping_p99_ms"] <= 0.5,
         "exposed_load_fraction<=0.3": report["exposed_load_fraction"] <= 0.3,
