@@ -47,6 +47,7 @@ class Engine:
         layers: tuple[int, int] | None = None,
         locks: object | None = None,
     ) -> None:
+        self.poison_l2 = True
         self.bufs = [torch.zeros(l1_pages * P, 1, D, dtype=torch.bfloat16) for _ in range(LAYERS)]
         self.pool = HostKVPool(L2Config(kv=SPEC, layout=layout, tokens=l2_pages * P, pin="never"))  # type: ignore[arg-type]
         self.l3: L3Client | None = None
@@ -64,6 +65,8 @@ class Engine:
                 b[s] = float("nan")
 
     def poison_free_l2(self) -> None:
+        """0xEE into every unallocated L2 page. Not with concurrent requests: the Prefetcher takes
+        L2 pages from the pool's allocator outside the cache's lock."""
         with self.cache._mu:
             free = torch.from_numpy(np.flatnonzero(~self.pool.allocator._used))
             self.pool.buffer.view(self.pool.num_pages, -1)[free] = 0xEE
@@ -83,7 +86,8 @@ class Engine:
         if prefetch:
             self.cache.prefetch(m)
         self.poison_free_l1()
-        self.poison_free_l2()
+        if self.poison_l2:
+            self.poison_free_l2()
         h = self.cache.load(m, total_pages=len(hs))
         return m, h
 
