@@ -301,10 +301,10 @@ class TieredCache:
     # -- prefetch / load --------------------------------------------------------------------------
     def prefetch(self, m: Match) -> bool:
         """Start moving the L3 hit into L2 in the background (the request is queued). False when
-        there is nothing to fetch or no L3."""
+        there is nothing to fetch, no L3, a prefetch already started, or the request was loaded."""
         self._check_open()
         r = self._req(m.request_id)
-        if self.prefetcher is None or self.l3 is None or r.n3 <= r.n2 or r.prefetch is not None:
+        if self.prefetcher is None or self.l3 is None or r.n3 <= r.n2 or r.prefetch is not None or r.n_hit >= 0:
             return False
         with self._mu:
             self._make_room_l2(r.n3 - r.n2)

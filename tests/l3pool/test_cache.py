@@ -369,6 +369,7 @@ def test_prefetch_policies(engines: list[Engine], policy: str) -> None:
         assert n == 48
     else:
         assert 0 < n < 48 and 0.1 < waited < 0.4
+    assert r.cache.prefetch(m) is False  # loaded already
     r.compute(hs[n:], h.l1_pages[n:])
     r.cache.commit("q", hs, h.l1_pages)
     r.cache.release("q")
