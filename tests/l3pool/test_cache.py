@@ -277,7 +277,7 @@ def test_ghost_list_bounded_o1_and_small() -> None:
     t0 = time.perf_counter()
     for b in range(0, 20 * 512, 512):  # add at capacity: O(batch), not O(capacity)
         g.add(list(range(10**12 + b, 10**12 + b + 512)))
-    assert (time.perf_counter() - t0) / 20 < 0.01
+    assert (time.perf_counter() - t0) / 20 < 0.05  # ~1 ms here; O(capacity) would be ~100x that
 
 
 # -- concurrency ----------------------------------------------------------------------------------
@@ -362,13 +362,13 @@ def test_prefetch_policies(engines: list[Engine], policy: str) -> None:
     assert torch.equal(r.l1_of(h.l1_pages[:n]), contents(hs[:n]))
     st = r.cache.stats()
     assert st["l2_pages"]["cached"] == n and st["l2_pages"]["total"] - st["l2_pages"]["free"] == n  # tail freed
-    if policy == "best_effort":
-        assert 0 < n < 48 and waited < 0.2
+    if policy == "best_effort":  # stops after the batch in flight (50 ms), not after all 12 (600 ms)
+        assert 0 < n < 48 and waited < 0.4
         assert st["prefetch_interrupted"] == 1
     elif policy == "wait_complete":
         assert n == 48
-    else:
-        assert 0 < n < 48 and 0.1 < waited < 0.4
+    else:  # waits its 150 ms, then interrupts
+        assert 0 < n < 48 and waited >= 0.15
     assert r.cache.prefetch(m) is False  # loaded already
     r.compute(hs[n:], h.l1_pages[n:])
     r.cache.commit("q", hs, h.l1_pages)
