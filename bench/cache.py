@@ -3,7 +3,8 @@
     PYTHONPATH=. python -m bench.cache [--json] [--out FILE] [--no-l3] [--master H:P --metadata URL --host IP]
 
 bookkeeping  per request of `--pages` pages (half an L1-hit prefix shared with earlier requests,
-             half computed): match + load (allocation, refcounts) + commit (insert, hit counts,
+             half computed) on a full L1 of `--l1-pages` pages, so every request evicts half its
+             size: match + load (allocation, eviction, refcounts) + commit (insert, hit counts,
              write-policy decision) + release, no bytes moved (write_through_selective whose
              threshold is never reached). p50/p99 in ms over `--requests` requests.
 overlap      a request whose `--hit` first pages are in L2 (not L1) and the rest computed. Per-layer
@@ -75,11 +76,12 @@ def _setup(spec: KVSpec, l1_pages: int, l2_pages: int, dev: torch.device, cfg: C
 def bookkeeping(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     spec = KVSpec.mla(4, page_size=16, kv_lora_rank=28, rope_dim=4)  # bytes never move here
     n = args.pages
-    bufs, pool = _setup(spec, 4 * n, 64, dev, CacheConfig())
+    bufs, pool = _setup(spec, args.l1_pages, 64, dev, CacheConfig())
     cache = TieredCache(CacheConfig(l1_to_l2="write_through_selective", hit_threshold=1 << 30), L1(bufs, 16), pool)
     rng = np.random.default_rng(args.seed)
     roots = [_hashes(rng, n // 2, 16) for _ in range(4)]
-    reqs = [roots[i % 4] + _hashes(rng, n - n // 2, 16, roots[i % 4][-1]) for i in range(args.requests + 20)]
+    warm = args.l1_pages // (n - n // 2) + 20  # fill L1 first: every timed request evicts
+    reqs = [roots[i % 4] + _hashes(rng, n - n // 2, 16, roots[i % 4][-1]) for i in range(args.requests + warm)]
     ms: list[float] = []
     cpu: list[float] = []  # thread CPU time: what the wall time is without preemption by other processes
     try:
@@ -91,11 +93,12 @@ def bookkeeping(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
             h = cache.load(m, total_pages=n)
             cache.commit(rid, hs, h.l1_pages)
             cache.release(rid)
-            if i >= 20:  # warm-up: the shared prefixes enter L1
+            if i >= warm:
                 ms.append((time.perf_counter() - t0) * 1e3)
                 cpu.append((time.thread_time() - c0) * 1e3)
         st = cache.stats()
         ok = st["l1_pages"]["pinned"] == 0 and st["hit_pages"]["l1"] >= (len(reqs) - 4) * (n // 2)
+        ok = ok and st["evictions"]["l1"] >= args.requests * (n - n // 2)
     finally:
         cache.close()
         pool.close()
@@ -105,6 +108,7 @@ def bookkeeping(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
         "cpu_p50_ms": round(_pct(cpu, 50), 4),
         "cpu_p99_ms": round(_pct(cpu, 99), 4),
         "requests": len(ms),
+        "l1_pages": args.l1_pages,
         "ok": ok,
     }
 
@@ -370,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the JSON report here")
     p.add_argument("--pages", type=int, default=512, help="pages per request (bookkeeping, overlap)")
     p.add_argument("--requests", type=int, default=300, help="requests timed for the bookkeeping")
+    p.add_argument("--l1-pages", type=int, default=16384, help="L1 pages of the bookkeeping cache (full: evicting)")
     p.add_argument("--layers", type=int, default=16, help="layers of the overlap spec (MLA, 576 bf16)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page of the overlap spec")
     p.add_argument("--hit", type=int, default=384, help="L2-hit pages of the overlap request")
@@ -383,9 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment-size", default="1GB", help="per agent, when starting the local cluster")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.l1_pages < args.pages:
+        p.error(f"--l1-pages must be >= --pages ({args.pages})")
     if not 0 < args.hit < args.pages:
         p.error(f"--hit must be in (0, --pages={args.pages})")
-    for name in ("pages", "requests", "layers", "page_size", "rounds", "backup_pages", "backup_requests"):
+    for name in ("pages", "requests", "l1_pages", "layers", "page_size", "rounds", "backup_pages", "backup_requests"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

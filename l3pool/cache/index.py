@@ -1,10 +1,16 @@
-"""Per-tier page index (hash -> page, LRU stamps, reference counts, hit counts) and the ghost list.
+"""Per-tier page index (hash -> page, LRU order, reference counts, hit counts) and the ghost list.
 
 One `TierIndex` per tier over that tier's one allocator (L2: the HostKVPool's; L1: the cache's
-PageAllocator). Lookups are one dict probe per page (a list comprehension); every per-page
-state (refs, stamps, hit counts, residency) is a numpy array indexed by page id, updated with
-one vectorised call per request. Eviction picks the unpinned cached pages with the oldest stamps
-(`argpartition` over the tier: O(pages of the tier), vectorised; ~40 us for 64K pages here).
+PageAllocator). Lookups are one dict probe per page through `map()` (C-speed); per-page state
+(refs, hit counts, residency, hash) is numpy arrays indexed by page id, updated with one
+vectorised call per request. LRU: an append-only queue (numpy ring) of (page, version) records;
+a page gets a record, with a new version, each time it becomes evictable (cached, unpinned) or
+is used while evictable; a record is live when its version is the page's latest and the page is
+still evictable. Eviction scans from the old end, skipping dead records: every step is a numpy
+call over a batch, O(victims + dead records), independent of the tier's size. Measured per
+512-page request (bench.cache bookkeeping, 2K / 20K / 80K L1 pages): argpartition over stamps
+0.44 / 0.67 / 1.40 ms p50; an OrderedDict of evictable pages 0.64 / 0.71 / 0.78 ms; this queue
+0.42 / 0.48 / 0.46 ms.
 Not thread-safe: the controller holds its lock around every call.
 """
 
@@ -36,10 +42,15 @@ class TierIndex:
         self.index: dict[bytes, int] = {}
         self.hash_of = np.full(n, None, dtype=object)  # page -> its hash (bytes) or None
         self.ref = np.zeros(n, dtype=np.int32)
-        self.stamp = np.zeros(n, dtype=np.int64)
         self.cached = np.zeros(n, dtype=np.bool_)
         self.hits = np.zeros(n, dtype=np.int32)  # distinct requests that used the cached page
+        self.stamp = np.zeros(n, dtype=np.int64)  # version of the page's latest LRU record
         self.clock = 0
+        self._cap = max(1024, 4 * n)
+        self._q = np.empty(self._cap, dtype=np.int64)  # LRU records: page ...
+        self._qv = np.empty(self._cap, dtype=np.int64)  # ... and its version then
+        self._head = self._tail = 0
+        self._nev = 0  # evictable pages (cached and unpinned)
         self.evictions = 0
 
     # -- lookups ------------------------------------------------------------------------------
@@ -55,14 +66,50 @@ class TierIndex:
         return np.fromiter(map(self.index.get, hashes, repeat(-1, n)), dtype=np.int64, count=n)
 
     # -- per-page state -------------------------------------------------------------------------
-    def touch(self, pages: np.ndarray) -> None:
+    # Invariant: every evictable page (cached, ref == 0) has exactly one live record in
+    # _q[_head:_tail], its latest; `_nev` counts them. check() verifies both.
+    def _evictable(self, pages: np.ndarray) -> np.ndarray:
+        return pages[self.cached[pages] & (self.ref[pages] == 0)]
+
+    def _append(self, pages: np.ndarray) -> None:
+        """Records for `pages` (distinct, evictable now) at the young end."""
+        k = pages.size
+        if k == 0:
+            return
+        if self._tail + k > self._cap:
+            self._compact(k)
         self.clock += 1
         self.stamp[pages] = self.clock
+        self._q[self._tail : self._tail + k] = pages
+        self._qv[self._tail : self._tail + k] = self.clock
+        self._tail += k
+
+    def _live(self, q: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return (self.stamp[q] == v) & self.cached[q] & (self.ref[q] == 0)
+
+    def _compact(self, room: int) -> None:
+        q, v = self._q[self._head : self._tail], self._qv[self._head : self._tail]
+        ok = self._live(q, v)
+        q, v = q[ok], v[ok]
+        m = q.size
+        if m + room > self._cap:
+            self._cap = 2 * (m + room)
+        nq, nv = np.empty(self._cap, dtype=np.int64), np.empty(self._cap, dtype=np.int64)
+        nq[:m], nv[:m] = q, v
+        self._q, self._qv, self._head, self._tail = nq, nv, 0, m
+
+    def touch(self, pages: np.ndarray) -> None:
+        """Mark used now: the evictable ones among `pages` become the youngest (a pinned page
+        becomes the youngest when its last pin goes)."""
+        self._append(self._evictable(pages))
 
     # The pages of one pin/unpin are distinct (a request's hash chain never repeats a hash), so a
     # fancy-index += is exact; np.add.at cost ~25 us per call here, 10x more.
     def pin(self, pages: np.ndarray) -> None:
-        self.ref[pages] += 1
+        if pages.size == 0:
+            return
+        self._nev -= int(np.count_nonzero(self.cached[pages] & (self.ref[pages] == 0)))
+        self.ref[pages] += 1  # their records die: ref > 0
 
     def unpin(self, pages: np.ndarray) -> None:
         if pages.size == 0:
@@ -70,6 +117,17 @@ class TierIndex:
         self.ref[pages] -= 1
         if (self.ref[pages] < 0).any():
             raise AssertionError(f"{self.name}: reference count below zero")
+        ev = self._evictable(pages)
+        self._nev += ev.size
+        self._append(ev)
+
+    def check(self) -> None:
+        """Every evictable page has exactly one live record and `_nev` counts them (tests)."""
+        q, v = self._q[self._head : self._tail], self._qv[self._head : self._tail]
+        live = q[self._live(q, v)]
+        want = np.flatnonzero(self.cached & (self.ref == 0))
+        if live.size != np.unique(live).size or not np.array_equal(np.sort(live), want) or self._nev != want.size:
+            raise AssertionError(f"{self.name}: LRU out of sync ({live.size} live, {want.size} evictable, {self._nev})")
 
     def insert(self, hashes: Sequence[bytes], pages: np.ndarray) -> np.ndarray:
         """Index `pages` under `hashes`; where a hash is already indexed the existing page wins.
@@ -84,10 +142,15 @@ class TierIndex:
             ho = np.empty(len(hl), dtype=object)
             ho[:] = hl
             self.hash_of[pages[sel]] = ho
+            self.touch(have[~new])
             self.cached[pages[sel]] = True
             self.hits[pages[sel]] = 0
+            ev = self._evictable(pages[sel])
+            self._nev += ev.size
+            self._append(ev)
             have[sel] = pages[sel]
-        self.touch(have)
+        else:
+            self.touch(have)
         return have
 
     def victims(self, n: int) -> tuple[np.ndarray, list[bytes]]:
@@ -95,10 +158,16 @@ class TierIndex:
         (the caller writes them back if its policy says so, then frees them)."""
         if n <= 0:
             return _EMPTY, []
-        cand = np.flatnonzero(self.cached & (self.ref == 0))
-        if cand.size > n:
-            cand = cand[np.argpartition(self.stamp[cand], n - 1)[:n]]
-        cand = cand[np.argsort(self.stamp[cand], kind="stable")].astype(np.int64)
+        got: list[np.ndarray] = []
+        need = min(n, self._nev)
+        while need > 0 and self._head < self._tail:
+            end = min(self._tail, self._head + max(2 * need, 256))
+            q, v = self._q[self._head : end], self._qv[self._head : end]
+            idx = np.flatnonzero(self._live(q, v))[:need]
+            got.append(q[idx])
+            need -= idx.size
+            self._head = self._head + int(idx[-1]) + 1 if need == 0 else end
+        cand = np.concatenate(got) if got else _EMPTY
         hs = self.drop(cand)
         self.evictions += int(cand.size)
         return cand, hs
@@ -108,13 +177,14 @@ class TierIndex:
         ho = self.hash_of[pages]
         hs: list[bytes] = ho[ho != None].tolist()  # noqa: E711 - elementwise on an object array
         deque(map(self.index.__delitem__, hs), maxlen=0)  # C-speed loop
+        self._nev -= int(np.count_nonzero(self.cached[pages] & (self.ref[pages] == 0)))
         self.hash_of[pages] = None
         self.cached[pages] = False
         return hs
 
     @property
     def evictable(self) -> int:
-        return int(np.count_nonzero(self.cached & (self.ref == 0)))
+        return self._nev
 
 
 class GhostList:

@@ -10,7 +10,7 @@ import pytest
 
 from bench import cache
 
-SMALL = ["--pages", "64", "--requests", "30", "--layers", "4", "--page-size", "16", "--hit", "48",
+SMALL = ["--pages", "64", "--requests", "30", "--l1-pages", "512", "--layers", "4", "--page-size", "16", "--hit", "48",
          "--rounds", "2", "--backup-pages", "8", "--backup-requests", "4"]  # fmt: skip
 
 
@@ -22,7 +22,11 @@ def test_cache_bench_json_contract(tmp_path: Path) -> None:
     assert isinstance(r["device"], str) and r["device"]  # "cpu" or the GPU's name
     for k in ("bookkeeping_p99_ms", "exposed_load_fraction", "backup_put_ratio", "bookkeeping_p50_ms"):
         assert isinstance(r[k], float) and r[k] >= 0, k
-    assert r["bookkeeping"]["requests"] == 30 and r["bookkeeping"]["p99_ms"] >= r["bookkeeping"]["p50_ms"] > 0
+    assert (
+        r["bookkeeping"]["requests"] == 30
+        and r["bookkeeping"]["ok"] is True
+        and r["bookkeeping"]["p99_ms"] >= r["bookkeeping"]["p50_ms"] > 0
+    )
     ov = r["overlap"]
     assert ov["hit_pages"] == 48 and ov["correct"] is True
     for k in ("no_overlap_load_s", "overlap_exposed_s", "compute_s"):

@@ -110,6 +110,8 @@ class Engine:
         """(L1, L2) pages allocated and not cached after a flush(): 0 when no request is active."""
         c = self.cache
         c.flush()
+        c.t1.check()
+        c.t2.check()
         return (
             c._l1_alloc.used_pages - int(c.t1.cached.sum()),
             self.pool.allocator.used_pages - int(c.t2.cached.sum()),

@@ -56,6 +56,7 @@ def test_logits_bit_identical_through_every_tier(attention: str) -> None:
     systems = [rng.integers(0, cfg.vocab, 5 * P) for _ in range(3)]  # reused after a gap: L1 has evicted them
     prompts = [np.concatenate([systems[i % 3], rng.integers(0, cfg.vocab, int(k))])
                for i, k in enumerate(rng.integers(3, 4 * P, 16))]  # fmt: skip
+    prompts.insert(2, prompts[1])  # the same prompt again at once: L1 hits
     ref_bufs = model.new_l1(64 * P)
     ref_slots = torch.arange(64 * P)
     store = FakePageStore()
