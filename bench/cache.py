@@ -179,7 +179,7 @@ def _overlap(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
             b[s] = torch.randn(len(s), spec.heads, spec.dim, generator=g).to(b.dtype).to(dev)
         cache.commit("warm", prefix, h.l1_pages)
         cache.release("warm")
-        cache.flush()
+        cache.flush(timeout=300)  # one run on this loaded 2-core box hit the default 30 s here (not reproduced)
         m = cache.match("evict", _hashes(rng, n, spec.page_size))  # takes every L1 page: prefix only in L2
         cache.load(m, total_pages=n)
         cache.release("evict")
