@@ -460,6 +460,7 @@ class TieredCache:
             dst = self._alloc_l2(len(hk))
         except CacheFull as e:
             log.warning("write-back of %d evicted L1 pages skipped: %s", len(hk), e)
+            self._stats.l2_full_skips += len(hk)
             return
         jid = self._engine.submit_backup(self.slots(vk), dst)
         res = self._engine.wait([jid])[0]
@@ -600,6 +601,7 @@ class TieredCache:
             dst = self._alloc_l2(len(hk))
         except CacheFull as e:
             log.warning("L1 -> L2 backup of %d pages skipped: %s", len(hk), e)
+            self._stats.l2_full_skips += len(hk)
             return
         self.t1.pin(pk)
         pend.update(hk)

@@ -73,6 +73,7 @@ class CacheStats:
     l3_read_failures: int = 0  # lookups/prefetches that raised or ended early on an error
     prefetch_interrupted: int = 0
     pp_short: int = 0  # PP stage loaded fewer pages than the lock length (L3 lost pages)
+    l2_full_skips: int = 0  # pages not backed up L1 -> L2: every L2 page pinned (in use)
     errors: int = 0
 
     def as_dict(self) -> dict[str, Any]:

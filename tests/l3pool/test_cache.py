@@ -487,6 +487,23 @@ def test_writer_coalesces_requests(engines: list[Engine]) -> None:
     assert st["writer_puts"] <= 3, f"{st['writer_puts']} puts for 8 requests"
 
 
+def test_l2_full_of_pinned_pages_skips_backups(engines: list[Engine]) -> None:
+    e = mk(engines, l1_pages=16, l2_pages=4)
+    e.run("a", chain(1, 4))
+    e.cache.flush()
+    with e.cache._mu:  # every L2 page in use (as by requests loading from them)
+        held = np.flatnonzero(e.cache.t2.cached)
+        e.cache.t2.pin(held)
+    assert held.size == 4
+    e.run("b", chain(2, 4))  # its backup finds no L2 page to take: skipped, counted, no error
+    e.cache.flush()
+    st = e.cache.stats()
+    assert st["l2_full_skips"] == 4 and st["errors"] == 0 and st["l2_pages"]["cached"] == 4
+    with e.cache._mu:
+        e.cache.t2.unpin(held)
+    assert e.used() == (0, 0)
+
+
 def test_close_returns_every_page(engines: list[Engine]) -> None:
     e = Engine(l1_pages=8, l2_pages=16, store=FakePageStore())
     e.run("a", chain(1, 4))
