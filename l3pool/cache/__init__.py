@@ -25,7 +25,7 @@ See README.md for the policies and their measured costs.
 from .config import CacheConfig, PrefetchPolicy, WritePolicy
 from .controller import LoadHandle, TieredCache
 from .index import GhostList, TierIndex
-from .types import L1, BackgroundError, CacheError, CacheFull, CacheStats, Match, UnknownRequest
+from .types import L1, BackgroundError, CacheError, CacheFull, CacheStats, Match, PPShortLoad, UnknownRequest
 
 __all__ = [
     "L1",
@@ -37,6 +37,7 @@ __all__ = [
     "GhostList",
     "LoadHandle",
     "Match",
+    "PPShortLoad",
     "PrefetchPolicy",
     "TierIndex",
     "TieredCache",

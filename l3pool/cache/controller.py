@@ -30,7 +30,7 @@ from ..prefetch import Prefetcher, PrefetchHandle, PrefetchResult
 from ..store import Outcome
 from .config import CacheConfig
 from .index import GhostList, TierIndex, hash64
-from .types import L1, BackgroundError, CacheError, CacheFull, CacheStats, Match, UnknownRequest
+from .types import L1, BackgroundError, CacheError, CacheFull, CacheStats, Match, PPShortLoad, UnknownRequest
 from .writer import L3Writer
 
 log = logging.getLogger(__name__)
@@ -311,11 +311,13 @@ class TieredCache:
         r.prefetch = self.prefetcher.submit(r.rid, self.l3.ns.keys(r.hashes[r.n2 : r.n3]))
         return True
 
-    def _finish_prefetch(self, r: _Req) -> PrefetchResult | None:
+    def _finish_prefetch(self, r: _Req, started_now: bool) -> PrefetchResult | None:
+        """The prefetch's result by `prefetch_policy`. A prefetch load() itself started, and every
+        prefetch under PP (all stages must get the locked length), is waited for."""
         h = r.prefetch
         t0 = time.perf_counter()
         try:
-            pol = self.cfg.prefetch_policy
+            pol = "wait_complete" if started_now or self.pp else self.cfg.prefetch_policy
             if pol == "best_effort":
                 res = h.interrupt() if h is not None else None
             elif pol == "wait_complete" or h is None:
@@ -346,11 +348,12 @@ class TieredCache:
         if r.n3 > r.n2:
             res: PrefetchResult | None = None
             try:
-                if r.prefetch is None and self.prefetcher is not None and self.l3 is not None:
+                started_now = r.prefetch is None
+                if started_now and self.prefetcher is not None and self.l3 is not None:
                     with self._mu:
                         self._make_room_l2(r.n3 - r.n2)
                     r.prefetch = self.prefetcher.submit(r.rid, self.l3.ns.keys(r.hashes[r.n2 : r.n3]))
-                res = self._finish_prefetch(r)
+                res = self._finish_prefetch(r, started_now)
             except Exception as e:  # a failed L3 read is a miss
                 log.warning("L3 fetch for %s failed (treated as a miss): %s", r.rid, e)
                 with self._mu:
@@ -374,11 +377,16 @@ class TieredCache:
                 self._in_l3[used] = True
                 r.l2_fetched = used
             r.n_hit = r.n2 + k
-            if self.pp and r.n_hit < r.n3:
+            short = self.pp and r.n_hit < r.n3
+            if short:
                 self._stats.pp_short += 1
-                log.warning("PP stage: request %s loaded %d of %d locked pages", r.rid, r.n_hit, r.n3)
         if r.pp_held:
             self._pp_report(r)
+        if short:  # the stages would disagree on the prefix length: the engine must not go on
+            raise PPShortLoad(
+                f"PP stage {self.locks.stage if self.locks else 0}: request {r.rid!r} got {r.n_hit} of the "
+                f"{r.n3} locked pages from L3 (lost despite the lock); release it and retry"
+            )
         with self._mu:
             nload = r.n_hit - r.n1
             extra = 0 if total_pages is None else max(0, total_pages - r.n_hit)

@@ -22,6 +22,11 @@ class CacheFull(CacheError):
     """Not enough unpinned pages in a tier; nothing was allocated."""
 
 
+class PPShortLoad(CacheError):
+    """A pipeline stage got fewer pages from L3 than the stage lock's length (the pages were lost
+    despite the lock): the stages would load different counts."""
+
+
 class BackgroundError(CacheError):
     """Errors of the backup thread, the L3 writer or a prefetch, raised by flush()/close()."""
 

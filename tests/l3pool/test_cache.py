@@ -160,7 +160,7 @@ def test_hits_move_the_right_bytes_through_every_tier(engines: list[Engine]) -> 
     assert (m.l1, m.l2) == (0, 6)
     a.cache.flush()
     assert len(store.objects) == 6 + 12 + 2  # write_through everywhere
-    b = mk(engines, l1_pages=8, l2_pages=64, store=store)  # a second instance: only L3 in common
+    b = mk(engines, l1_pages=8, l2_pages=64, store=store, cfg=CacheConfig(prefetch_policy="wait_complete"))
     m = b.run("b1", chain(3, 2, prefix=hs[:4]))
     assert (m.l1, m.l2, m.l3) == (0, 0, 4)
     st = b.cache.stats()
@@ -390,11 +390,11 @@ def test_prefetch_cancelled_by_release_and_l3_errors_are_misses(engines: list[En
     r.cache.release("q")  # never loaded: the prefetch is cancelled, its pages freed
     r.cache.prefetcher.close()  # type: ignore[union-attr]  # joins the worker
     assert r.used() == (0, 0)
-    r2 = mk(engines, l1_pages=32, l2_pages=32, store=store)
+    r2 = mk(engines, l1_pages=32, l2_pages=32, store=store, cfg=CacheConfig(prefetch_policy="wait_complete"))
     store.get_delay_s, store.fail_get_after = 0.0, 5  # a transfer failure at page 5 ends the prefix
     assert r2.run("x", hs).l3 == 16 and r2.cache.stats()["hit_pages"]["l3"] == 5
     assert r2.cache.stats()["l3_read_failures"] == 1
-    r3 = mk(engines, l1_pages=32, l2_pages=32, store=store)
+    r3 = mk(engines, l1_pages=32, l2_pages=32, store=store, cfg=CacheConfig(prefetch_policy="wait_complete"))
     store.raise_on = {"get"}
     r3.run("y", hs)  # raises inside the prefetch: a miss, computed
     assert r3.cache.stats()["hit_pages"]["l3"] == 0 and r3.cache.stats()["l3_read_failures"] == 1

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from l3pool.cache import CacheConfig
+from l3pool.cache import CacheConfig, PPShortLoad
 from l3pool.etcd import EtcdClient
 from l3pool.keys import Namespace
 from l3pool.metadata import Metadata
@@ -90,6 +90,28 @@ def test_pp_stages_load_equal_page_counts(
         assert st[0]["hit_pages"]["l3"] == st[1]["hit_pages"]["l3"] == 5  # "warm": the locked 5 from L3
         assert all(s["pp_short"] == 0 and s["errors"] == 0 for s in st)
         assert all(e.used() == (0, 0) for e in rd)
+        # stage 1 loses a locked page on the way (its get of it fails): it must not go on shorter
+        real_get = rd[1].l3.get  # type: ignore[union-attr]
+
+        def short_get(keys: list[str], pages: object) -> list[Outcome]:
+            out = real_get(keys[:2], pages[:2])  # type: ignore[index]
+            return out + [Outcome.TRANSFER_FAIL] * (len(keys) - 2)
+
+        fresh = chain(8, 6)
+        for s, lr in enumerate(stages):
+            w = Engine(store=store, tenant=tenant, layers=lr)
+            engines.append(w)
+            w.run(f"w2{s}", fresh)
+            w.cache.flush()
+        assert rd[0].run("f", fresh).l3 == 6
+        rd[1].l3.get = short_get  # type: ignore[union-attr,method-assign]
+        m = rd[1].cache.match("f", fresh)
+        assert m.l3 == 6
+        with pytest.raises(PPShortLoad, match="got 2 of the 6 locked pages"):
+            rd[1].cache.load(m, total_pages=6)
+        rd[1].cache.release("f")
+        assert rd[1].cache.stats()["pp_short"] == 1 and locks[0].lock_info("f") is None
+        assert rd[1].used() == (0, 0)
     finally:
         for lk in locks:
             lk.close()
