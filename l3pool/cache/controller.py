@@ -784,6 +784,7 @@ class TieredCache:
             d["active_requests"] = len(self._reqs)
         d["writer_pending"] = self.writer.pending() if self.writer is not None else 0
         d["writer_puts"] = self.writer.puts if self.writer is not None else 0
+        d["l3_client"] = self.l3.stats.as_dict() if self.l3 is not None else None
         return d
 
     def close(self) -> None:

@@ -72,8 +72,9 @@ class CacheStats:
     # pages written per boundary and reason ("through", "selective", "ghost", "back")
     l1_to_l2_writes: dict[str, int] = field(default_factory=dict)
     l2_to_l3_writes: dict[str, int] = field(default_factory=dict)
-    d2h_bytes: int = 0
-    l3_put_bytes: int = 0
+    d2h_bytes: int = 0  # L1 -> L2 bytes copied
+    l3_put_bytes: int = 0  # bytes of pages the writer made sure are in L3 (a put skips pages already
+    # there: stats()["l3_client"]["bytes_put"] counts only the bytes this client stored)
     l3_put_failed: int = 0
     l3_read_failures: int = 0  # lookups/prefetches that raised or ended early on an error
     prefetch_interrupted: int = 0

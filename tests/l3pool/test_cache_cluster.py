@@ -49,6 +49,7 @@ def test_l3_round_trip_real_bytes(store: MooncakeStore, engines: list[Engine]) -
     w.cache.flush()
     st = w.cache.stats()
     assert st["l2_to_l3_writes"] == {"through": 16} and st["l3_put_bytes"] == 16 * SPEC.page_bytes
+    assert st["l3_client"]["bytes_put"] == 16 * SPEC.page_bytes
     r = Engine(store=store, tenant=tenant, l1_pages=32, l2_pages=32, cfg=CacheConfig(prefetch_policy="wait_complete"))
     engines.append(r)
     q = chain(3, 3, prefix=hs[:10])
