@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+from l2core.transfer import TransferError
+
+if TYPE_CHECKING:
+    from .controller import TieredCache
 
 
 class CacheError(RuntimeError):
@@ -84,3 +91,34 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class LoadHandle:
+    """What load() set in motion. `l1_pages`: the request's L1 pages (hits, then loaded pages,
+    then fresh ones up to `total_pages`); `hit_pages`: pages the engine need not compute, of which
+    `l1` were in L1, `l2` loaded from L2 and `l3` fetched from L3 (the intact prefix that arrived)."""
+
+    def __init__(self, cache: TieredCache, rid: str, l1_pages: np.ndarray, hit_pages: int, job: int | None) -> None:
+        self._cache, self.request_id, self.l1_pages, self.hit_pages, self._job = cache, rid, l1_pages, hit_pages, job
+        self.l1 = self.l2 = self.l3 = 0
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self._cache.slots(self.l1_pages)
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        """Block until layer `layer` of the loaded pages is in L1 (raises TransferError on failure)."""
+        if self._job is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._cache._engine.wait_layer(self._job, layer, timeout)
+        except KeyError:  # commit/release already collected the job: its result decides
+            if not self._cache._load_ok(self.request_id, self._job):
+                raise TransferError(f"load of request {self.request_id!r} failed") from None
+        finally:
+            self._cache._add_wait("l2", time.perf_counter() - t0)
+
+    def wait(self, timeout: float | None = None) -> None:
+        nl = self._cache.l2.spec.num_layers
+        self.wait_layer(nl - 1, timeout)
