@@ -396,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from l2core import _native
+
+    _native.load()  # build/load the kernels before anything is timed (a JIT build takes ~30 s)
     report: dict[str, Any] = {
         "benchmark": "bench.cache",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

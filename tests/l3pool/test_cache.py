@@ -23,6 +23,10 @@ from l3pool.cache import L1, BackgroundError, CacheConfig, CacheError, CacheFull
 from .cache_helpers import LAYERS, SPEC, Engine, P, chain, contents
 from .fake_store import FakePageStore
 
+# the native extension is built (or loaded) before any test times a copy: a JIT build in the
+# shared cache dir (other checkouts rebuild it) took 25-30 s inside a flush() here
+pytestmark = pytest.mark.usefixtures("native")
+
 D = SPEC.dim
 
 

@@ -19,6 +19,10 @@ from l3pool.store import MooncakeStore, Outcome, StoreConfig
 from .cache_helpers import LAYERS, SPEC, Engine, chain
 from .conftest import EtcdServer, MasterServer
 
+# the native extension is built (or loaded) before any test times a copy: a JIT build in the
+# shared cache dir (other checkouts rebuild it) took 25-30 s inside a flush() here
+pytestmark = pytest.mark.usefixtures("native")
+
 
 @pytest.fixture(scope="module")
 def store(mooncake_master: MasterServer) -> Iterator[MooncakeStore]:

@@ -16,6 +16,10 @@ from l3pool.keys import Namespace, page_hashes
 
 from .fake_store import FakePageStore
 
+# the native extension is built (or loaded) before any test times a copy: a JIT build in the
+# shared cache dir (other checkouts rebuild it) took 25-30 s inside a flush() here
+pytestmark = pytest.mark.usefixtures("native")
+
 P = 8
 
 
