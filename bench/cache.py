@@ -126,7 +126,7 @@ class _Compute:
     """One emulated layer of compute: `reps` matmuls of a [k, k] tile on the device."""
 
     def __init__(self, dev: torch.device, target_s: float) -> None:
-        self.dev, k = dev, 512 if dev.type == "cuda" else 128
+        self.dev, k = dev, 2048 if dev.type == "cuda" else 128  # CUDA: few launches per layer
         self.a = torch.randn(k, k, device=dev)
         self.b = torch.randn(k, k, device=dev)
         self.reps = 1
@@ -375,8 +375,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pages", type=int, default=512, help="pages per request (bookkeeping, overlap)")
     p.add_argument("--requests", type=int, default=300, help="requests timed for the bookkeeping")
     p.add_argument("--l1-pages", type=int, default=16384, help="L1 pages of the bookkeeping cache (full: evicting)")
-    p.add_argument("--layers", type=int, default=16, help="layers of the overlap spec (MLA, 576 bf16)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page of the overlap spec")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers of the overlap spec (MLA, 576 bf16; default 16 on CPU, 32 on CUDA)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="tokens per page of the overlap spec (default 16 on CPU, 64 on CUDA: 906 MB loaded)",
+    )
     p.add_argument("--hit", type=int, default=384, help="L2-hit pages of the overlap request")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--backup-pages", type=int, default=32, help="pages per request of the backup part")
@@ -388,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment-size", default="1GB", help="per agent, when starting the local cluster")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if args.layers is None:  # CUDA: big enough that per-layer fixed costs (~10 us) do not dominate
+        args.layers = 32 if cuda else 16
+    if args.page_size is None:
+        args.page_size = 64 if cuda else 16
     if args.l1_pages < args.pages:
         p.error(f"--l1-pages must be >= --pages ({args.pages})")
     if not 0 < args.hit < args.pages:
@@ -395,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("pages", "requests", "l1_pages", "layers", "page_size", "rounds", "backup_pages", "backup_requests"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device("cuda" if cuda else "cpu")
     from l2core import _native
 
     _native.load()  # build/load the kernels before anything is timed (a JIT build takes ~30 s)
