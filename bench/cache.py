@@ -175,8 +175,9 @@ def _overlap(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
         h = cache.load(m, total_pages=n)
         s = cache.slots(h.l1_pages).to(dev)
         g = torch.Generator(device="cpu").manual_seed(args.seed)
-        for b in bufs:
-            b[s] = torch.randn(len(s), spec.heads, spec.dim, generator=g).to(b.dtype).to(dev)
+        base = torch.randn(len(s), spec.heads, spec.dim, generator=g).to(dev)
+        for i, b in enumerate(bufs):  # distinct per layer, one random draw
+            b[s] = (base * (i + 1)).to(b.dtype)
         cache.commit("warm", prefix, h.l1_pages)
         cache.release("warm")
         cache.flush(timeout=300)  # one run on this loaded 2-core box hit the default 30 s here (not reproduced)
