@@ -81,6 +81,7 @@ class _Req:
     load_job: int | None = None
     load_ok: bool | None = None
     pp_held: bool = False
+    l3_wait_s: float = 0.0
 
 
 @dataclass
@@ -307,7 +308,8 @@ class TieredCache:
                 except TimeoutError:
                     res = h.interrupt()
         finally:
-            self._add_wait("l3", time.perf_counter() - t0)
+            r.l3_wait_s = time.perf_counter() - t0
+            self._add_wait("l3", r.l3_wait_s)
         return res
 
     def load(self, m: Match, total_pages: int | None = None) -> LoadHandle:
@@ -383,6 +385,7 @@ class TieredCache:
             st.miss_pages += len(r.hashes) - r.n_hit
             h = LoadHandle(self, r.rid, np.concatenate([r.l1_hit, new]), r.n_hit, job)
             h.l1, h.l2, h.l3 = r.n1, r.n2 - r.n1, k
+            h.l3_wait_s = r.l3_wait_s
             return h
 
     def _pp_report(self, r: _Req) -> None:

@@ -96,11 +96,20 @@ class CacheStats:
 class LoadHandle:
     """What load() set in motion. `l1_pages`: the request's L1 pages (hits, then loaded pages,
     then fresh ones up to `total_pages`); `hit_pages`: pages the engine need not compute, of which
-    `l1` were in L1, `l2` loaded from L2 and `l3` fetched from L3 (the intact prefix that arrived)."""
+    `l1` were in L1, `l2` loaded from L2 and `l3` fetched from L3 (the intact prefix that arrived).
+    Per-request timings for the engine's records: `l3_wait_s` (load() waiting for the L3 -> L2
+    prefetch), `wait_s` (the engine blocked in wait_layer/wait)."""
 
     def __init__(self, cache: TieredCache, rid: str, l1_pages: np.ndarray, hit_pages: int, job: int | None) -> None:
         self._cache, self.request_id, self.l1_pages, self.hit_pages, self._job = cache, rid, l1_pages, hit_pages, job
         self.l1 = self.l2 = self.l3 = 0
+        self.l3_wait_s = 0.0
+        self.wait_s = 0.0
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes moved L2 -> L1 for this request (the L2 and the L3 hits)."""
+        return (self.l2 + self.l3) * self._cache.page_bytes
 
     @property
     def slots(self) -> torch.Tensor:
@@ -117,7 +126,9 @@ class LoadHandle:
             if not self._cache._load_ok(self.request_id, self._job):
                 raise TransferError(f"load of request {self.request_id!r} failed") from None
         finally:
-            self._cache._add_wait("l2", time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            self.wait_s += dt
+            self._cache._add_wait("l2", dt)
 
     def wait(self, timeout: float | None = None) -> None:
         nl = self._cache.l2.spec.num_layers

@@ -99,8 +99,10 @@ def test_load_handle(engines: list[Engine]) -> None:
     full = chain(2, 2, prefix=hs)
     _, h = e.start("c", full)
     assert (h.l1, h.l2, h.l3, h.hit_pages) == (1, 1, 4, 6) and len(h.l1_pages) == 8
+    assert h.loaded_bytes == 5 * SPEC.page_bytes and h.l3_wait_s > 0
     assert torch.equal(h.slots, e.cache.slots(h.l1_pages)) and h.slots.numel() == 8 * P
     h.wait()
+    assert h.wait_s > 0
     assert torch.equal(e.l1_of(h.l1_pages[:6]), contents(hs))
     e.compute(full[6:], h.l1_pages[6:])
     e.cache.commit("c", full, h.l1_pages)
