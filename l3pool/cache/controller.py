@@ -13,7 +13,6 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,8 +25,9 @@ from l2core.transfer import TransferEngine, TransferError
 
 from ..client import L3Client
 from ..pplock import StageLocks
-from ..prefetch import Prefetcher, PrefetchHandle, PrefetchResult
+from ..prefetch import Prefetcher, PrefetchResult
 from ..store import Outcome
+from ._internal import _Backup, _check_distinct, _member, _Req, _timed
 from .config import CacheConfig
 from .index import GhostList, TierIndex, hash64
 from .types import (
@@ -45,53 +45,6 @@ from .writer import L3Writer
 
 log = logging.getLogger(__name__)
 _EMPTY = np.empty(0, dtype=np.int64)
-
-
-def _check_distinct(hs: list[bytes]) -> None:
-    """A chained hash never repeats within a request; a list that does is not one (and would map
-    two pages to one hash). ~10 us for 512 hashes."""
-    if len(set(hs)) != len(hs):
-        raise ValueError("page_hashes repeat a hash: not a chain of page hashes (l3pool.keys.page_hashes)")
-
-
-def _member(s: set[bytes] | dict[bytes, str], hs: list[bytes]) -> np.ndarray:
-    """hs[i] in s, as a bool array (C-speed map)."""
-    if not s:
-        return np.zeros(len(hs), dtype=np.bool_)
-    return np.fromiter(map(s.__contains__, hs), dtype=np.bool_, count=len(hs))
-
-
-@dataclass
-class _Req:
-    rid: str
-    serial: int
-    hashes: list[bytes]
-    limit: int
-    n1: int = 0
-    n2: int = 0
-    n3: int = 0
-    n_hit: int = -1  # set by load()
-    l1_hit: np.ndarray = field(default_factory=lambda: _EMPTY)  # pinned L1 pages [0, n1)
-    l2_hit: np.ndarray = field(default_factory=lambda: _EMPTY)  # pinned L2 pages [n1, n2)
-    l2_fetched: np.ndarray = field(default_factory=lambda: _EMPTY)  # pinned L2 pages from L3
-    l1_owned: list[np.ndarray] = field(default_factory=list)  # allocated for this request
-    l1_inserted: list[np.ndarray] = field(default_factory=list)  # indexed + pinned by commit
-    counted: int = 0  # hit counts taken for hashes[:counted] (distinct requests)
-    prefetch: PrefetchHandle | None = None
-    load_job: int | None = None
-    load_ok: bool | None = None
-    pp_held: bool = False
-    l3_wait_s: float = 0.0
-
-
-@dataclass
-class _Backup:
-    job: int
-    hashes: list[bytes]
-    l1: np.ndarray
-    l2: np.ndarray
-    reason: str
-    hits: np.ndarray
 
 
 class TieredCache:
@@ -181,6 +134,7 @@ class TieredCache:
             raise CacheError("the cache is closed")
 
     # -- match ------------------------------------------------------------------------------------
+    @_timed("match")
     def match(self, request_id: str, page_hashes: Sequence[bytes], max_hit: int | None = None) -> Match:
         """Hit pages per tier for `page_hashes` (prefix order) without moving bytes; pins the
         L1/L2 pages matched until release(). `max_hit` caps the hit (e.g. leave the last token
@@ -279,6 +233,7 @@ class TieredCache:
                 self._write_l3(self.t2.hash_of[hot].tolist(), hot, "selective")
 
     # -- prefetch / load --------------------------------------------------------------------------
+    @_timed("prefetch")
     def prefetch(self, m: Match) -> bool:
         """Start moving the L3 hit into L2 in the background (the request is queued). False when
         there is nothing to fetch, no L3, a prefetch already started, or the request was loaded."""
@@ -312,6 +267,7 @@ class TieredCache:
             self._add_wait("l3", r.l3_wait_s)
         return res
 
+    @_timed("load")
     def load(self, m: Match, total_pages: int | None = None) -> LoadHandle:
         """Stop the prefetch (policy), then allocate L1 pages for the hit and submit L2 -> L1 per
         layer on the load thread. `total_pages`: the request's L1 pages in all (hit + computed
@@ -396,6 +352,7 @@ class TieredCache:
         except Exception as e:
             self._error(f"PP report_done({r.rid}) failed: {e}")
 
+    @_timed("alloc_l1")
     def alloc_l1(self, request_id: str, n: int) -> np.ndarray:
         """`n` more L1 pages owned by the request (freed at release unless committed)."""
         self._check_open()
@@ -496,6 +453,7 @@ class TieredCache:
         self._written_locked(hs, pages, res, err, time.perf_counter() - t0, reason, unpin=False)
 
     # -- commit / backup / writer -----------------------------------------------------------------
+    @_timed("commit")
     def commit(self, request_id: str, page_hashes: Sequence[bytes], l1_pages: np.ndarray | Sequence[int]) -> int:
         """Insert the request's full pages (`page_hashes[i]` held by `l1_pages[i]`) into L1 and
         let the write policies decide what moves down. May be called again with a longer prefix
@@ -700,6 +658,7 @@ class TieredCache:
                 st.l2_to_l3_writes[why] = st.l2_to_l3_writes.get(why, 0) + 1
 
     # -- release / flush / stats / close ----------------------------------------------------------
+    @_timed("release")
     def release(self, request_id: str) -> None:
         """Unpin the request's pages and free its L1 pages that were not committed."""
         with self._mu:

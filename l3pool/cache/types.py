@@ -88,6 +88,7 @@ class CacheStats:
     pp_short: int = 0  # PP stage loaded fewer pages than the lock length (L3 lost pages)
     l2_full_skips: int = 0  # pages not backed up L1 -> L2: every L2 page pinned (in use)
     errors: int = 0
+    api_s: dict[str, float] = field(default_factory=dict)  # wall time inside each public call
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

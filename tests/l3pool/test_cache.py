@@ -171,6 +171,8 @@ def test_hits_move_the_right_bytes_through_every_tier(engines: list[Engine]) -> 
     assert (m.l1, m.l2, m.l3) == (0, 0, 4)
     st = b.cache.stats()
     assert st["hit_pages"]["l3"] == 4 and st["hit_bytes"]["l3"] == 4 * SPEC.page_bytes
+    assert set(st["api_s"]) == {"match", "prefetch", "load", "commit", "release"}
+    assert all(v > 0 for v in st["api_s"].values())
     assert a.used() == b.used() == (0, 0)
 
 
