@@ -65,11 +65,16 @@ class Engine:
                 b[s] = float("nan")
 
     def poison_free_l2(self) -> None:
-        """0xEE into every unallocated L2 page. Not with concurrent requests: the Prefetcher takes
-        L2 pages from the pool's allocator outside the cache's lock."""
+        """0xEE into every unallocated L2 page, by its byte runs (any layout). Not with concurrent
+        requests: the Prefetcher takes L2 pages from the pool's allocator outside the cache's lock."""
         with self.cache._mu:
-            free = torch.from_numpy(np.flatnonzero(~self.pool.allocator._used))
-            self.pool.buffer.view(self.pool.num_pages, -1)[free] = 0xEE
+            free = np.flatnonzero(~self.pool.allocator._used)
+            if not free.size:
+                return
+            addrs, sizes = self.pool.layout.page_runs(free)
+            flat = self.pool.buffer
+            for a, n in zip(addrs.reshape(-1).tolist(), sizes.reshape(-1).tolist(), strict=True):
+                flat[a : a + n] = 0xEE
 
     def l1_of(self, pages: np.ndarray) -> torch.Tensor:
         s = self.cache.slots(pages)

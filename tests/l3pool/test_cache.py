@@ -176,6 +176,20 @@ def test_hits_move_the_right_bytes_through_every_tier(engines: list[Engine]) -> 
     assert a.used() == b.used() == (0, 0)
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_every_l2_layout(engines: list[Engine], layout: str) -> None:
+    store = FakePageStore()
+    a = mk(engines, l1_pages=8, store=store, layout=layout)
+    hs = chain(1, 6)
+    a.run("a", hs)
+    a.run("f", chain(2, 6))  # hs leaves L1
+    assert a.run("b", hs).l2 == 6  # bytes checked after poisoning free L1 and L2 pages
+    a.cache.flush()
+    b = mk(engines, store=store, layout=layout, cfg=CacheConfig(prefetch_policy="wait_complete"))
+    assert b.run("c", hs).l3 == 6
+    assert a.used() == b.used() == (0, 0)
+
+
 def test_lru_evicts_least_recently_used(engines: list[Engine]) -> None:
     e = mk(engines, l1_pages=8, cfg=CacheConfig(l1_to_l2="write_back"))
     x, y = chain(1, 4), chain(2, 4)
