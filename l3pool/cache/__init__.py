@@ -1,0 +1,46 @@
+"""The tiered KV cache controller an engine embeds: L1 (device) / L2 (host pool) / L3 (the pool).
+
+Lifecycle of one request (all ids are the engine's request ids):
+
+    cache = TieredCache(CacheConfig(...), L1(bufs, page_size), pool, l3_client, locks)
+    m = cache.match(rid, page_hashes, max_hit=None)  # hit pages per tier (m.l1, m.l2, m.l3), no bytes
+                                                     # move; pins the L1/L2 pages matched
+    cache.prefetch(m)                  # queued: L3 -> L2 in the background (Prefetcher)
+    h = cache.load(m, total_pages=n)   # scheduled: stop the prefetch (prefetch_policy), insert the
+                                       # intact prefix that arrived into L2, allocate L1 pages,
+                                       # submit L2 -> L1 per layer on TransferEngine's load thread
+    for i in range(num_layers):
+        h.wait_layer(i); forward_layer(i, h.slots)   # compute waits for its own layer only
+    cache.commit(rid, page_hashes, h.l1_pages)       # insert into L1; write policies decide
+                                       # L1 -> L2 (backup thread) and L2 -> L3 (coalescing writer)
+    cache.release(rid)                 # unpin; uncommitted L1 pages go back to the free list
+    cache.flush() / cache.stats() / cache.close()
+
+Everything else stays behind these calls: per-tier indexes with LRU and reference counts
+(index.py), hit counts per distinct request, the ghost list, PP stage locks, the writer thread
+(writer.py), stats. Errors of background threads are recorded and raised by flush()/close().
+See README.md for the policies and their measured costs.
+"""
+
+from .config import CacheConfig, PrefetchPolicy, WritePolicy
+from .controller import LoadHandle, TieredCache
+from .index import GhostList, TierIndex
+from .types import L1, BackgroundError, CacheError, CacheFull, CacheStats, Match, PPShortLoad, UnknownRequest
+
+__all__ = [
+    "L1",
+    "BackgroundError",
+    "CacheConfig",
+    "CacheError",
+    "CacheFull",
+    "CacheStats",
+    "GhostList",
+    "LoadHandle",
+    "Match",
+    "PPShortLoad",
+    "PrefetchPolicy",
+    "TierIndex",
+    "TieredCache",
+    "UnknownRequest",
+    "WritePolicy",
+]

@@ -1,0 +1,93 @@
+"""`CacheConfig`: the tiered cache's knobs, validated once at construction."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from l2core.spec import ConfigError
+
+WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+WRITE_POLICIES: tuple[str, ...] = ("write_back", "write_through", "write_through_selective")
+PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if isinstance(value, str) and value in choices:
+        return
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}{hint}")
+
+
+def _int(name: str, value: object, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+def _num(name: str, value: object, lo: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= lo:
+        raise ConfigError(f"{name} must be a number >= {lo}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the cache moves pages between tiers.
+
+    `l1_to_l2` / `l2_to_l3`: the write policy of each boundary. `write_back` writes a page when
+    it is evicted from the upper tier, `write_through` on insertion, `write_through_selective`
+    once `hit_threshold` distinct requests used the page (or the ghost list proves its reuse).
+    `ghost_capacity`: page hashes evicted from L1 remembered (0: no ghost list).
+    `prefetch_policy`: what `load()` does with an unfinished L3 -> L2 prefetch: `best_effort`
+    interrupts it at once, `wait_complete` waits for it, `timeout` waits up to
+    `prefetch_timeout_s` then interrupts. `writer_batch_pages`: the L2 -> L3 writer coalesces
+    queued pages of many requests into puts of up to this many pages, waiting at most
+    `writer_linger_ms` for a batch to fill. `pp_join_timeout_s`: how long a stage > 0 waits for
+    stage 0's lock.
+    """
+
+    l1_to_l2: WritePolicy = "write_through"
+    l2_to_l3: WritePolicy = "write_through"
+    hit_threshold: int = 2
+    ghost_capacity: int = 65536
+    prefetch_policy: PrefetchPolicy = "best_effort"
+    prefetch_timeout_s: float = 0.05
+    prefetch_batch_pages: int = 32
+    prefetch_max_batch_pages: int = 256
+    writer_batch_pages: int = 512
+    writer_linger_ms: float = 5.0
+    pp_join_timeout_s: float = 5.0
+    load_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _choice("l1_to_l2", self.l1_to_l2, WRITE_POLICIES)
+        _choice("l2_to_l3", self.l2_to_l3, WRITE_POLICIES)
+        _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
+        _int("hit_threshold", self.hit_threshold, 1)
+        _int("ghost_capacity", self.ghost_capacity, 0)
+        _int("prefetch_batch_pages", self.prefetch_batch_pages, 1)
+        _int("prefetch_max_batch_pages", self.prefetch_max_batch_pages, 1)
+        _int("writer_batch_pages", self.writer_batch_pages, 1)
+        _num("prefetch_timeout_s", self.prefetch_timeout_s, 0.0)
+        _num("writer_linger_ms", self.writer_linger_ms, 0.0)
+        _num("pp_join_timeout_s", self.pp_join_timeout_s, 0.0)
+        _num("load_timeout_s", self.load_timeout_s, 0.0)
+        if self.prefetch_max_batch_pages < self.prefetch_batch_pages:
+            raise ConfigError(
+                f"prefetch_max_batch_pages ({self.prefetch_max_batch_pages}) must be >= "
+                f"prefetch_batch_pages ({self.prefetch_batch_pages})"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CacheConfig:
+        if not isinstance(d, dict):
+            raise ConfigError(f"cache config must be a mapping, got {type(d).__name__}")
+        known = [f.name for f in fields(cls)]
+        for k in d:
+            if k not in known:
+                close = difflib.get_close_matches(str(k), known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"unknown cache config key {k!r}{hint}; known keys: {known}")
+        return cls(**d)

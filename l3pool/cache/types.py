@@ -1,0 +1,136 @@
+"""The cache's public value types and errors (what an engine handles besides TieredCache)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from l2core.transfer import TransferError
+
+if TYPE_CHECKING:
+    from .controller import TieredCache
+
+
+class CacheError(RuntimeError):
+    """A request-level misuse or a failure the caller must see."""
+
+
+class UnknownRequest(CacheError, KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class CacheFull(CacheError):
+    """Not enough unpinned pages in a tier; nothing was allocated."""
+
+
+class PPShortLoad(CacheError):
+    """A pipeline stage got fewer pages from L3 than the stage lock's length (the pages were lost
+    despite the lock): the stages would load different counts."""
+
+
+class BackgroundError(CacheError):
+    """Errors of the backup thread, the L3 writer or a prefetch, raised by flush()/close()."""
+
+
+@dataclass
+class L1:
+    """The engine's device KV: per-layer buffers (l2core.ops order: MHA K0,V0,K1,...; MLA C0,C1,...),
+    token-slot indexed, `page_size` slots per page. The cache allocates and indexes all its pages."""
+
+    bufs: Sequence[torch.Tensor]
+    page_size: int
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.bufs[0].shape[0]) // self.page_size
+
+
+@dataclass(frozen=True)
+class Match:
+    """Hit lengths before anything moved. `l1`, `l2`, `l3`: pages found first in that tier, in
+    prefix order (L1 [0, l1), L2 [l1, l1 + l2), L3 after them)."""
+
+    request_id: str
+    pages: int  # hashes considered
+    l1: int
+    l2: int
+    l3: int
+
+    @property
+    def hit_pages(self) -> int:
+        return self.l1 + self.l2 + self.l3
+
+
+@dataclass
+class CacheStats:
+    requests: int = 0
+    hit_pages: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    miss_pages: int = 0
+    hit_bytes: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    wait_s: dict[str, float] = field(default_factory=lambda: {"l2": 0.0, "l3": 0.0})
+    evictions: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0})
+    ghost_hits: int = 0
+    # pages written per boundary and reason ("through", "selective", "ghost", "back")
+    l1_to_l2_writes: dict[str, int] = field(default_factory=dict)
+    l2_to_l3_writes: dict[str, int] = field(default_factory=dict)
+    d2h_bytes: int = 0  # L1 -> L2 bytes copied
+    l3_put_bytes: int = 0  # bytes of pages the writer made sure are in L3 (a put skips pages already
+    # there: stats()["l3_client"]["bytes_put"] counts only the bytes this client stored)
+    l3_put_failed: int = 0
+    l3_read_failures: int = 0  # lookups/prefetches that raised or ended early on an error
+    prefetch_interrupted: int = 0
+    pp_short: int = 0  # PP stage loaded fewer pages than the lock length (L3 lost pages)
+    l2_full_skips: int = 0  # pages not backed up L1 -> L2: every L2 page pinned (in use)
+    errors: int = 0
+    api_s: dict[str, float] = field(default_factory=dict)  # wall time inside each public call
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LoadHandle:
+    """What load() set in motion. `l1_pages`: the request's L1 pages (hits, then loaded pages,
+    then fresh ones up to `total_pages`); `hit_pages`: pages the engine need not compute, of which
+    `l1` were in L1, `l2` loaded from L2 and `l3` fetched from L3 (the intact prefix that arrived).
+    Per-request timings for the engine's records: `l3_wait_s` (load() waiting for the L3 -> L2
+    prefetch), `wait_s` (the engine blocked in wait_layer/wait)."""
+
+    def __init__(self, cache: TieredCache, rid: str, l1_pages: np.ndarray, hit_pages: int, job: int | None) -> None:
+        self._cache, self.request_id, self.l1_pages, self.hit_pages, self._job = cache, rid, l1_pages, hit_pages, job
+        self.l1 = self.l2 = self.l3 = 0
+        self.l3_wait_s = 0.0
+        self.wait_s = 0.0
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes moved L2 -> L1 for this request (the L2 and the L3 hits)."""
+        return (self.l2 + self.l3) * self._cache.page_bytes
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self._cache.slots(self.l1_pages)
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        """Block until layer `layer` of the loaded pages is in L1 (raises TransferError on failure)."""
+        if self._job is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._cache._engine.wait_layer(self._job, layer, timeout)
+        except KeyError:  # commit/release already collected the job: its result decides
+            if not self._cache._load_ok(self.request_id, self._job):
+                raise TransferError(f"load of request {self.request_id!r} failed") from None
+        finally:
+            dt = time.perf_counter() - t0
+            self.wait_s += dt
+            self._cache._add_wait("l2", dt)
+
+    def wait(self, timeout: float | None = None) -> None:
+        nl = self._cache.l2.spec.num_layers
+        self.wait_layer(nl - 1, timeout)

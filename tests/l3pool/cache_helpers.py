@@ -1,0 +1,129 @@
+"""A tiny engine around TieredCache for the cache tests: deterministic page contents per page hash,
+"compute" = writing those contents into L1, and checks that every hit page holds its bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from l2core import HostKVPool, KVSpec, L2Config
+from l3pool.cache import L1, CacheConfig, LoadHandle, Match, TieredCache
+from l3pool.cache.index import hash64
+from l3pool.client import L3Client
+from l3pool.keys import Namespace, page_hashes
+
+P = 4  # tokens per page
+LAYERS = 3
+SPEC = KVSpec.mla(LAYERS, page_size=P, kv_lora_rank=28, rope_dim=4)  # 32 elems, 64 B items, 768 B pages
+D = SPEC.dim
+
+
+def chain(seed: int, pages: int, prefix: list[bytes] | None = None) -> list[bytes]:
+    """Page hashes of `pages` pages, continuing `prefix` when given."""
+    toks = np.random.default_rng(seed).integers(0, 1 << 30, pages * P)
+    parent = prefix[-1] if prefix else b""
+    return (prefix or []) + page_hashes(toks, P, parent=parent)
+
+
+def contents(hs: list[bytes]) -> torch.Tensor:
+    """[layers, pages, P, 1, D] bf16 values derived from each page hash (integers < 256: exact)."""
+    base = np.asarray(hash64(hs), dtype=np.uint64) % np.uint64(1000003)
+    lay = np.arange(LAYERS)[:, None, None, None, None] * 7
+    tok = np.arange(P)[None, None, :, None, None] * 13
+    dim = np.arange(D)[None, None, None, None, :]
+    v = (base.astype(np.int64)[None, :, None, None, None] + lay + tok + dim) % 251
+    return torch.from_numpy(v.astype(np.float32)).to(torch.bfloat16)
+
+
+class Engine:
+    def __init__(
+        self,
+        cfg: CacheConfig | None = None,
+        l1_pages: int = 16,
+        l2_pages: int = 32,
+        store: object | None = None,
+        tenant: str = "t",
+        layout: str = "page_first_direct",
+        layers: tuple[int, int] | None = None,
+        locks: object | None = None,
+    ) -> None:
+        self.poison_l2 = True
+        self.bufs = [torch.zeros(l1_pages * P, 1, D, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        self.pool = HostKVPool(L2Config(kv=SPEC, layout=layout, tokens=l2_pages * P, pin="never"))  # type: ignore[arg-type]
+        self.l3: L3Client | None = None
+        if store is not None:
+            ns = Namespace.for_pool(SPEC, layout, "cachetest", layers=layers, tenant=tenant)
+            self.l3 = L3Client(self.pool, store, ns, batch_pages=512)  # type: ignore[arg-type]
+        self.cache = TieredCache(cfg or CacheConfig(), L1(self.bufs, P), self.pool, self.l3, locks)  # type: ignore[arg-type]
+
+    def poison_free_l1(self) -> None:
+        """NaN into every unallocated L1 page (under the cache's lock: concurrent requests allocate
+        either before, and are skipped, or after, and overwrite it)."""
+        with self.cache._mu:
+            s = self.cache.slots(np.flatnonzero(~self.cache._l1_alloc._used))
+            for b in self.bufs:
+                b[s] = float("nan")
+
+    def poison_free_l2(self) -> None:
+        """0xEE into every unallocated L2 page, by its byte runs (any layout). Not with concurrent
+        requests: the Prefetcher takes L2 pages from the pool's allocator outside the cache's lock."""
+        with self.cache._mu:
+            free = np.flatnonzero(~self.pool.allocator._used)
+            if not free.size:
+                return
+            addrs, sizes = self.pool.layout.page_runs(free)
+            flat = self.pool.buffer
+            for a, n in zip(addrs.reshape(-1).tolist(), sizes.reshape(-1).tolist(), strict=True):
+                flat[a : a + n] = 0xEE
+
+    def l1_of(self, pages: np.ndarray) -> torch.Tensor:
+        s = self.cache.slots(pages)
+        return torch.stack([b[s].view(len(pages), P, 1, D) for b in self.bufs])
+
+    def compute(self, hs: list[bytes], pages: np.ndarray) -> None:
+        s = self.cache.slots(pages)
+        c = contents(hs)
+        for i, b in enumerate(self.bufs):
+            b[s] = c[i].reshape(-1, 1, D)
+
+    def start(self, rid: str, hs: list[bytes], prefetch: bool = True) -> tuple[Match, LoadHandle]:
+        m = self.cache.match(rid, hs)
+        if prefetch:
+            self.cache.prefetch(m)
+        self.poison_free_l1()
+        if self.poison_l2:
+            self.poison_free_l2()
+        h = self.cache.load(m, total_pages=len(hs))
+        return m, h
+
+    def run(self, rid: str, hs: list[bytes], *, release: bool = True, prefetch: bool = True) -> Match:
+        """One request: match, load, check the hit bytes, compute the rest, commit, release."""
+        m, h = self.start(rid, hs, prefetch)
+        for i in range(LAYERS):
+            h.wait_layer(i)
+        hit = h.hit_pages
+        if hit:
+            got = self.l1_of(h.l1_pages[:hit])
+            assert torch.equal(got, contents(hs[:hit])), f"{rid}: wrong bytes in the {hit} hit pages"
+        self.compute(hs[hit:], h.l1_pages[hit:])
+        self.cache.commit(rid, hs, h.l1_pages)
+        if release:
+            self.cache.release(rid)
+        return m
+
+    def used(self) -> tuple[int, int]:
+        """(L1, L2) pages allocated and not cached after a flush(): 0 when no request is active."""
+        c = self.cache
+        c.flush()
+        c.t1.check()
+        c.t2.check()
+        return (
+            c._l1_alloc.used_pages - int(c.t1.cached.sum()),
+            self.pool.allocator.used_pages - int(c.t2.cached.sum()),
+        )
+
+    def close(self) -> None:
+        self.cache.close()
+        if self.l3 is not None:
+            self.l3.close()
+        self.pool.close()

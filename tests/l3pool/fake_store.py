@@ -1,0 +1,99 @@
+"""`FakePageStore`: an in-memory stand-in for MooncakeStore (same methods, same Outcomes), for the
+logic above the page store (the tiered cache's tests). Bytes really move: put copies the
+registered source memory into Python bytes objects, get copies them back (ctypes.memmove).
+Faults: `fail_get_after` (pages of a get beyond this many return TRANSFER_FAIL), `raise_on`
+("get"/"put"/"exists": that call raises), `get_delay_s` (per get call, to let tests interrupt)."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from l3pool.store import Outcome
+
+
+class FakeStoreError(RuntimeError):
+    pass
+
+
+class FakePageStore:
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self.registered: dict[int, int] = {}
+        self.raise_on: set[str] = set()
+        self.fail_get_after: int | None = None
+        self.get_delay_s = 0.0
+        self.put_calls = 0
+        self.get_calls = 0
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.registered[int(ptr)] = int(nbytes)
+
+    def unregister(self, ptr: int) -> None:
+        self.registered.pop(int(ptr), None)
+
+    def _check(self, op: str) -> None:
+        if op in self.raise_on:
+            raise FakeStoreError(f"injected {op} failure")
+
+    def exists(self, keys: Sequence[str]) -> list[Outcome]:
+        self._check("exists")
+        with self.lock:
+            return [Outcome.OK if k in self.objects else Outcome.MISS for k in keys]
+
+    def present(self, keys: list[str]) -> np.ndarray:
+        self._check("exists")
+        with self.lock:
+            return np.fromiter((k in self.objects for k in keys), bool, len(keys))
+
+    def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
+        return self.put_multi(keys, [[p] for p in ptrs], [[s] for s in sizes])
+
+    def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
+        return self.get_multi(keys, [[p] for p in ptrs], [[s] for s in sizes])
+
+    def put_multi(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[Outcome]:
+        self._check("put")
+        self.put_calls += 1
+        out = []
+        for k, ps, ss in zip(keys, ptrs, sizes, strict=True):
+            data = b"".join(ctypes.string_at(p, s) for p, s in zip(ps, ss, strict=True))
+            with self.lock:
+                self.objects.setdefault(k, data)  # like Mooncake: an existing key is not overwritten
+            out.append(Outcome.OK)
+        return out
+
+    def get_multi(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[Outcome]:
+        self._check("get")
+        self.get_calls += 1
+        if self.get_delay_s:
+            time.sleep(self.get_delay_s)
+        out = []
+        for i, (k, ps, ss) in enumerate(zip(keys, ptrs, sizes, strict=True)):
+            with self.lock:
+                data = self.objects.get(k)
+            if data is None:
+                out.append(Outcome.MISS)
+                continue
+            if self.fail_get_after is not None and i >= self.fail_get_after:
+                out.append(Outcome.TRANSFER_FAIL)
+                continue
+            off = 0
+            for p, s in zip(ps, ss, strict=True):
+                ctypes.memmove(p, data[off : off + s], s)
+                off += s
+            out.append(Outcome.OK)
+        return out
+
+    def remove(self, key: str) -> Outcome:
+        with self.lock:
+            return Outcome.OK if self.objects.pop(key, None) is not None else Outcome.MISS
