@@ -45,7 +45,7 @@ import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.cache import L1, CacheConfig, TieredCache
-from l3pool.keys import page_hashes
+from l3pool.pool.keys import page_hashes
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -268,9 +268,9 @@ def _check_loaded(cache: TieredCache, pool: HostKVPool, l1_pages: np.ndarray, m:
 
 def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str, Any]:
     from l3pool.cache.writer import L3Writer
-    from l3pool.client import L3Client
-    from l3pool.keys import Namespace
-    from l3pool.store import Outcome
+    from l3pool.pool.client import L3Client
+    from l3pool.pool.keys import Namespace
+    from l3pool.pool.store import Outcome
 
     spec = KVSpec.mla(8, page_size=64)  # 589,824-byte pages, as bench.prefetch
     per, reqs = args.backup_pages, args.backup_requests
@@ -350,7 +350,7 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
 
 def _read_back(client: Any, pool: HostKVPool, keys: list[str], cache: TieredCache) -> bool:
     """Get every written key into scratch L2 pages and compare with the pages the cache holds."""
-    from l3pool.store import Outcome
+    from l3pool.pool.store import Outcome
 
     idx = cache.t2.pages_of([bytes.fromhex(k.split("/", 1)[1]) for k in keys])
     if (idx < 0).any():
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     report["bookkeeping"], report["overlap"] = bk, ov
     correct = bool(bk["ok"] and ov["correct"])
     if not args.no_l3:
-        from l3pool.store import MooncakeStore, StoreConfig
+        from l3pool.pool.store import MooncakeStore, StoreConfig
 
         with contextlib.ExitStack() as stack:
             if args.master:
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                     p.error("--master needs --metadata")
                 cfg = StoreConfig(master=args.master, metadata=args.metadata, local_hostname=args.host)
             else:
-                from l3pool.cluster import LocalCluster
+                from l3pool.cluster.local import LocalCluster
 
                 c = stack.enter_context(
                     LocalCluster(agents=2, segment_size=args.segment_size, name=f"l3bc{uuid.uuid4().hex[:4]}")

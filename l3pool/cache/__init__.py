@@ -22,10 +22,19 @@ Everything else stays behind these calls: per-tier indexes with LRU and referenc
 See README.md for the policies and their measured costs.
 """
 
-from .config import CacheConfig, PrefetchPolicy, WritePolicy
-from .controller import LoadHandle, TieredCache
-from .index import GhostList, TierIndex
-from .types import L1, BackgroundError, CacheError, CacheFull, CacheStats, Match, PPShortLoad, UnknownRequest
+from l3pool.cache.config import CacheConfig, PrefetchPolicy, WritePolicy
+from l3pool.cache.controller import LoadHandle, TieredCache
+from l3pool.cache.index import GhostList, TierIndex
+from l3pool.cache.types import (
+    L1,
+    BackgroundError,
+    CacheError,
+    CacheFull,
+    CacheStats,
+    Match,
+    PPShortLoad,
+    UnknownRequest,
+)
 
 __all__ = [
     "L1",

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from ..prefetch import PrefetchHandle
+from l3pool.pool.prefetch import PrefetchHandle
 
 if TYPE_CHECKING:
-    from .controller import TieredCache
+    from l3pool.cache.controller import TieredCache
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -45,7 +45,7 @@ def _check_distinct(hs: list[bytes]) -> None:
     """A chained hash never repeats within a request; a list that does is not one (and would map
     two pages to one hash). ~10 us for 512 hashes."""
     if len(set(hs)) != len(hs):
-        raise ValueError("page_hashes repeat a hash: not a chain of page hashes (l3pool.keys.page_hashes)")
+        raise ValueError("page_hashes repeat a hash: not a chain of page hashes (l3pool.pool.keys.page_hashes)")
 
 
 def _member(s: set[bytes] | dict[bytes, str], hs: list[bytes]) -> np.ndarray:

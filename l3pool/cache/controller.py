@@ -22,15 +22,10 @@ from l2core.allocator import OutOfPages, PageAllocator
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
 from l2core.transfer import TransferEngine, TransferError
-
-from ..client import L3Client
-from ..pplock import StageLocks
-from ..prefetch import Prefetcher, PrefetchResult
-from ..store import Outcome
-from ._internal import _Backup, _check_distinct, _member, _Req, _timed
-from .config import CacheConfig
-from .index import GhostList, TierIndex, hash64
-from .types import (
+from l3pool.cache._internal import _Backup, _check_distinct, _member, _Req, _timed
+from l3pool.cache.config import CacheConfig
+from l3pool.cache.index import GhostList, TierIndex, hash64
+from l3pool.cache.types import (
     L1,
     BackgroundError,
     CacheError,
@@ -41,7 +36,11 @@ from .types import (
     PPShortLoad,
     UnknownRequest,
 )
-from .writer import L3Writer
+from l3pool.cache.writer import L3Writer
+from l3pool.pool.client import L3Client
+from l3pool.pool.pplock import StageLocks
+from l3pool.pool.prefetch import Prefetcher, PrefetchResult
+from l3pool.pool.store import Outcome
 
 log = logging.getLogger(__name__)
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -150,7 +149,7 @@ class TieredCache:
                 ok = False
             if not ok or len(hs[0]) % 8:
                 raise ValueError(
-                    "page_hashes must be equal-length bytes, a multiple of 8 long (l3pool.keys.page_hashes)"
+                    "page_hashes must be equal-length bytes, a multiple of 8 long (l3pool.pool.keys.page_hashes)"
                 )
             _check_distinct(hs)
         limit = len(hs) if max_hit is None else max(0, min(int(max_hit), len(hs)))

@@ -13,7 +13,7 @@ import torch
 from l2core.transfer import TransferError
 
 if TYPE_CHECKING:
-    from .controller import TieredCache
+    from l3pool.cache.controller import TieredCache
 
 
 class CacheError(RuntimeError):

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..client import L3Client
-from ..store import Outcome
+from l3pool.pool.client import L3Client
+from l3pool.pool.store import Outcome
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import torch
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.cache import L1, CacheConfig, LoadHandle, Match, TieredCache
 from l3pool.cache.index import hash64
-from l3pool.client import L3Client
-from l3pool.keys import Namespace, page_hashes
+from l3pool.pool.client import L3Client
+from l3pool.pool.keys import Namespace, page_hashes
 
 P = 4  # tokens per page
 LAYERS = 3

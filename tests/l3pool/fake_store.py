@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from l3pool.store import Outcome
+from l3pool.pool.store import Outcome
 
 
 class FakeStoreError(RuntimeError):

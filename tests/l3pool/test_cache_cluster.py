@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import pytest
 
 from l3pool.cache import CacheConfig, PPShortLoad
-from l3pool.etcd import EtcdClient
-from l3pool.keys import Namespace
-from l3pool.metadata import Metadata
-from l3pool.pplock import StageLocks
-from l3pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.etcd import EtcdClient
+from l3pool.pool.keys import Namespace
+from l3pool.pool.metadata import Metadata
+from l3pool.pool.pplock import StageLocks
+from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
 from .cache_helpers import LAYERS, SPEC, Engine, chain
 from .conftest import EtcdServer, MasterServer
