@@ -168,6 +168,12 @@ def _listening(pid: int) -> set[int]:
 
 # -- network namespaces ----------------------------------------------------------------------
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """`ip ARGS`; without iproute2 (`ip` missing) the answer is an empty failure, so listing links
+    and namespaces finds none (a loopback cluster needs neither) and `check=True` raises ClusterError."""
+    if shutil.which("ip") is None:
+        if check:
+            raise ClusterError(f"`ip {' '.join(args)}`: iproute2 is not installed (Debian: apt-get install iproute2)")
+        return subprocess.CompletedProcess(["ip", *args], 127, "", "ip: not installed")
     r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=15)
     if check and r.returncode != 0:
         raise ClusterError(f"`ip {' '.join(args)}` failed: {r.stderr.strip() or r.returncode}")

@@ -78,13 +78,13 @@ from l3pool.cluster._os import (  # noqa: F401 (re-exported: tests patch/use som
     _wait_dead,
 )
 from l3pool.pool.etcd import EtcdClient, EtcdError
+from l3pool.procenv import python_env
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
 DEFAULT_NAME = "l3p"
 DEFAULT_SUBNET = "10.77.0.0/24"  # taken: the next free 10.77.N.0/24 (only when no subnet is given)
-_REPO_ROOT = Path(__file__).resolve().parent.parent
 _NAME_MAX = 10  # "{name}-br0" and "{name}-v{K}" must fit in 15 characters (IFNAMSIZ - 1)
 
 
@@ -109,8 +109,8 @@ class AgentInfo:
 
 
 def _child_env(bind_ip: str | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}  # etcd reads ETCD_* as flags
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if x)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}  # etcd reads ETCD_* as flags
+    env = python_env(base=base)
     env["PYTHONUNBUFFERED"] = "1"
     if bind_ip:
         env.update(mooncake_env(bind_ip))

@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from l3pool.procenv import python_env
+
 log = logging.getLogger(__name__)
 
 SCENARIOS = (
@@ -54,7 +56,6 @@ SCENARIOS = (
 )  # fmt: skip
 LAYOUT = "page_first"
 _POISON = 0x5A
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -133,8 +134,7 @@ def _page_set(tenant: str, n: int, seed: int, pool: Any) -> tuple[Any, list[str]
 
 
 def _child_env(host: str) -> dict[str, str]:
-    path = os.pathsep.join(x for x in (str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")) if x)
-    return {**os.environ, "MC_TCP_BIND_ADDRESS": host, "PYTHONPATH": path}
+    return python_env({"MC_TCP_BIND_ADDRESS": host})
 
 
 class Data:

@@ -57,6 +57,7 @@ from typing import Literal
 
 from l2core.units import ConfigError, parse_size
 from l3pool.pool.etcd import EtcdClient, EtcdError, parse_endpoints
+from l3pool.procenv import python_env
 
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
 TIMEOUT = 2.0
@@ -387,10 +388,7 @@ def check_clock_skew(endpoints: str | None, max_skew: float = 1.0, clock: Callab
 def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     """`base` (default: ours) with the directory this l3pool was imported from first on PYTHONPATH,
     so a child finds the same packages its parent did (source checkouts included)."""
-    env = dict(os.environ if base is None else base)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return env
+    return python_env(base=base)
 
 
 def _child(code: str, python: str, env: Mapping[str, str] | None) -> tuple[int, str]:

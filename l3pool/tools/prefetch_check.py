@@ -34,10 +34,10 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+from l3pool.procenv import python_env
+
 LAYOUT = "page_first_direct"  # page bytes contiguous: one zero-copy fragment per page
 MODEL = "l3pool-prefetch-check"
 POISON = 0xA5  # fill of the reader's L2 pool before each checked prefetch (never a page's bytes)
@@ -146,10 +146,9 @@ def run_writer(ps: PrefixSet, ep: Endpoints, timeout: float = 300) -> dict[str, 
            f"--master={ep.master}", f"--metadata={ep.metadata}", f"--host={host}"]  # fmt: skip
     if ep.writer_netns:
         cmd = ["ip", "netns", "exec", ep.writer_netns, *cmd]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if x)
-    env["MC_TCP_BIND_ADDRESS"] = host  # a child process's environment, set by the application
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=_REPO_ROOT)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+    env = python_env({"MC_TCP_BIND_ADDRESS": host}, base)  # a child's environment, set by the application
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
         raise RuntimeError(f"writer failed (code {r.returncode}): {r.stderr.strip()[-2000:]}")

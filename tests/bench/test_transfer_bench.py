@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from l3pool.procenv import python_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {
@@ -78,7 +79,7 @@ def _check_report(rep: dict, layouts: list[str], models: list[str], tokens: list
 
 def test_cli_quick_json(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = python_env()
     cmd = [sys.executable, "-m", "bench.transfer", "--device", "cpu", "--quick", "--json", "--models", "mla"]
     cmd += ["--layouts", "page_first", "--tokens", "256,1024", "--iters", "2", "--out", str(out), "--no-progress"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -36,6 +36,7 @@ import pytest
 
 from l3pool.cluster.local import ClusterError, etcd_binary, master_binary
 from l3pool.pool.etcd import EtcdClient, EtcdError
+from l3pool.procenv import python_env
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[2]
@@ -256,7 +257,7 @@ class AgentProc:
     def __post_init__(self) -> None:
         self._t0 = time.monotonic()
         self._registered = threading.Event()
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = python_env()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "l3pool.cli", "agent", *self.args],
             stdin=subprocess.DEVNULL,

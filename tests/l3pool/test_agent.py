@@ -13,6 +13,7 @@ import pytest
 
 from l3pool.agent import parse_size
 from l3pool.pool.etcd import EtcdClient
+from l3pool.procenv import python_env
 
 from .conftest import (
     REPO,
@@ -172,7 +173,7 @@ def test_duplicate_id_is_refused(etcd_server: EtcdServer, mooncake_master: Maste
 
 
 def _run_bad(args: list[str]) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = python_env()
     return subprocess.run(
         [sys.executable, "-m", "l3pool.cli", "agent", *args],
         capture_output=True,
@@ -263,5 +264,5 @@ def test_parse_size_agrees_with_l2core(text: str) -> None:
 
 def test_agent_and_cli_import_without_torch() -> None:
     code = "import sys, l3pool.cli, l3pool.agent, l3pool.tools.inspect; sys.exit(1 if 'torch' in sys.modules else 0)"
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=30)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=python_env(), timeout=30)
     assert r.returncode == 0, "importing the agent pulled in torch (slow start on decode nodes)"

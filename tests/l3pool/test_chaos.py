@@ -4,11 +4,11 @@ that a wrong byte makes it fail (exit 1), and bad options (exit 2, one line)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from l3pool.procenv import python_env
 from l3pool.tools.chaos import SCENARIOS, render
 
 from .conftest import slack
@@ -19,7 +19,7 @@ FIELDS = {"scenario", "pages_checked", "wrong", "false_ok", "leaked", "recover_s
 
 
 def _chaos(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = python_env()
     return subprocess.run(
         [sys.executable, "-m", "l3pool.cli", "chaos", *args],
         capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env,

@@ -29,6 +29,7 @@ import l3pool.cluster.local as cluster_mod
 from l3pool.cluster.local import ClusterAlreadyUp, ClusterError, LocalCluster, down, read_state
 from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.procenv import python_env
 
 REPO = Path(__file__).resolve().parents[2]
 HAVE_NETNS = os.geteuid() == 0 and subprocess.run(["which", "ip"], capture_output=True).returncode == 0
@@ -338,3 +339,20 @@ def test_binaries_found_without_the_venv_on_path(monkeypatch: pytest.MonkeyPatch
         cluster_mod.etcd_binary()
     with pytest.raises(ClusterError, match=r"mooncake_master not found.*mooncake-transfer-engine"):
         cluster_mod.master_binary()
+
+
+def test_status_without_iproute2(tmp_path: Path) -> None:
+    """A host without `ip` (the H200 host has no iproute2): `cluster status` lists no links and
+    namespaces instead of dying with FileNotFoundError, and says which recorded ones it cannot see."""
+    state = {"name": "noip", "mode": "netns", "links": ["noip-br0"], "netns": ["noip-a0"], "processes": [],
+             "endpoints": {"etcd": "http://127.0.0.1:1"}, "up_seconds": 1.0}  # fmt: skip
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python").symlink_to(sys.executable)
+    r = subprocess.run([str(bindir / "python"), "-m", "l3pool.cli", "cluster", "status", "--state-dir", str(tmp_path),
+                        "--json"], capture_output=True, text=True, timeout=60,
+                       env=python_env({"PATH": str(bindir)}))  # fmt: skip
+    assert "Traceback" not in r.stderr, r.stderr
+    out = json.loads(r.stdout)
+    assert out["links"] == {"noip-br0": False} and out["netns"] == {"noip-a0": False}

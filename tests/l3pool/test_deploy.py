@@ -18,6 +18,7 @@ import pytest
 
 from l3pool.cli import main
 from l3pool.cluster.local import LocalCluster
+from l3pool.procenv import python_env
 from l3pool.tools.deploy import ADAPTER, plan, select
 from l3pool.tools.deploy_config import LAYOUTS, load_config
 
@@ -451,8 +452,8 @@ def test_verify_unreachable_etcd(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_launch_sh(tmp_path: Path) -> None:
-    env = {**os.environ, "L3POOL": shlex.join([sys.executable, "-m", "l3pool.cli"]),
-           "L3POOL_DEPLOY_DIR": str(tmp_path / "d"), "L3POOL_LOG_DIR": str(tmp_path / "logs")}  # fmt: skip
+    env = python_env({"L3POOL": shlex.join([sys.executable, "-m", "l3pool.cli"]),
+                      "L3POOL_DEPLOY_DIR": str(tmp_path / "d"), "L3POOL_LOG_DIR": str(tmp_path / "logs")})  # fmt: skip
 
     def launch(*args: str) -> subprocess.CompletedProcess[str]:
         cmd = ["bash", str(REPO / "deploy" / "launch.sh"), *args]
@@ -471,5 +472,5 @@ def test_launch_sh(tmp_path: Path) -> None:
 
 def test_deploy_imports_without_torch() -> None:
     code = "import sys, l3pool.tools.deploy, l3pool.tools.deploy_config; sys.exit(1 if 'torch' in sys.modules else 0)"
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=30)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=python_env(), timeout=30)
     assert r.returncode == 0, "l3pool.tools.deploy pulled in torch: `deploy check` must run on any node"

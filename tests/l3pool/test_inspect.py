@@ -13,9 +13,10 @@ import pytest
 from l3pool.cli import main
 from l3pool.pool.etcd import LeaseKeeper
 from l3pool.pool.metadata import Metadata
+from l3pool.procenv import python_env
 from l3pool.tools.inspect import InspectError, collect
 
-from .conftest import REPO, AgentProc, EtcdServer, MasterServer, agent_args, agent_process, free_ports
+from .conftest import AgentProc, EtcdServer, MasterServer, agent_args, agent_process, free_ports
 
 MiB = 1 << 20
 PAGE = 4096
@@ -50,7 +51,7 @@ print("RESULT " + json.dumps([r.value for r in res]), flush=True)
 
 
 def _put_in_subprocess(master: MasterServer, keys: list[str]) -> list[str]:
-    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "PYTHONPATH": str(REPO)}
+    env = python_env({"MC_TCP_BIND_ADDRESS": "127.0.0.1"})
     r = subprocess.run(
         [sys.executable, "-c", _WRITER, master.rpc, master.metadata_url, str(PAGE), *keys],
         env=env,
@@ -170,7 +171,7 @@ def test_empty_prefix_table_says_none(etcd_server: EtcdServer, capsys: pytest.Ca
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("L3POOL_")} | {"PYTHONPATH": str(REPO)}
+    env = python_env(base={k: v for k, v in os.environ.items() if not k.startswith("L3POOL_")})
     return subprocess.run(
         [sys.executable, "-m", "l3pool.cli", "inspect", *args], capture_output=True, text=True, timeout=30, env=env
     )

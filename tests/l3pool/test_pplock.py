@@ -33,6 +33,7 @@ from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.metadata import Metadata
 from l3pool.pool.pplock import LockError, StageLocks, UnknownRequest, _prefix_lens
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.procenv import python_env
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = 4
@@ -316,7 +317,7 @@ class _Stage:
 
 
 def _spawn_stages(cluster: LocalCluster, cfg: dict[str, Any]) -> list[_Stage]:
-    env = {**os.environ, **cluster.client_env(), "PYTHONPATH": str(ROOT)}
+    env = python_env(cluster.client_env())
     base = {
         "master": cluster.master,
         "metadata": cluster.metadata_url,

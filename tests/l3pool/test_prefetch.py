@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import random
 import signal
 import subprocess
@@ -28,6 +27,7 @@ from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.prefetch import PrefetchClosed, Prefetcher, batch_schedule
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.procenv import python_env
 
 SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
 LAYOUT = "page_first_direct"
@@ -414,7 +414,7 @@ def test_dead_agent_gives_shorter_prefix() -> None:
 
 
 def test_cli_prefetch_check_json() -> None:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = python_env()
     cmd = [sys.executable, "-m", "l3pool.cli", "prefetch-check", "--json", "--pages", "48", "--batch", "8",
            "--requests", "2", "--interrupt-after", "0.5", "--layers", "2", "--page-size", "16",
            "--segment-size", "64MB", "--name", f"l3pq{uuid.uuid4().hex[:4]}"]  # fmt: skip
