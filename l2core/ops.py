@@ -102,7 +102,7 @@ def resolve_method(
 ) -> str:
     """The concrete method "auto" stands for.
 
-    Measured on an H200 (bench/results/2026-11-29-h200-transfer.json, 2026-12-01-h200-*.json):
+    Measured on an H200 (bench/results/2026-12-01-h200-*.json):
     staged (device gather + copy-engine DMAs, ~8 pipelined chunks) is best or tied for all-layer
     transfers of the page-first layouts at 1K-32K tokens. layer_first has one run per (layer,
     page); submitted as one `cudaMemcpyBatchAsync` per chunk, its H2D reaches 0.98-0.99 of a raw
