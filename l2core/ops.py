@@ -108,17 +108,30 @@ def resolve_method(
     page); submitted as one `cudaMemcpyBatchAsync` per chunk, its H2D reaches 0.98-0.99 of a raw
     DMA from 8K tokens (the direct kernel: 0.82-0.85; at 1K tokens 0.94-0.95 against 0.89 in
     one run, within noise of each other in another), but its D2H DMAs stay at ~0.86 (the direct
-    kernel: 0.94-0.95). Layer subsets (per-layer loads) use the direct kernel.
+    kernel: 0.94-0.95).
+
+    Layer subsets (TransferEngine's per-layer loads while the forward pass computes): H2D is
+    staged, i.e. copy-engine DMAs plus a short device scatter, because the direct kernel reads
+    host memory with SMs for the whole copy and competes with the compute for them. Measured with
+    bench.cache on an H200 (32-layer MLA, 384 of 512 pages loaded per layer while a calibrated
+    matmul computes): exposed load 0.55 of the load with the direct kernel, 0.12 staged (0.09 with
+    the load stream at high priority), the load alone equally fast (19.2 vs 19.3 ms). layer_first
+    subsets follow its all-layer rule (batched DMAs from LAYER_FIRST_STAGED_MIN_PAGES pages; not
+    measured per layer); page_first (no page-contiguous runs for a subset) and D2H stay direct.
     """
     if method != "auto":
         return method
     if device.type == "cpu":
         return "direct"
+    big = n_pages is not None and n_pages >= LAYER_FIRST_STAGED_MIN_PAGES
     if layers != (0, layout.spec.num_layers):
-        return "direct"
+        if to_host or layout.name == "page_first":  # page_first: no page-contiguous runs of a layer subset
+            return "direct"
+        if layout.name == "page_first_direct":
+            return "staged"
+        return "staged" if big else "direct"  # layer_first: as its all-layer loads (not measured per layer)
     if layout.name != "layer_first":
         return "staged"
-    big = n_pages is not None and n_pages >= LAYER_FIRST_STAGED_MIN_PAGES
     return "staged" if big and not to_host else "direct"
 
 

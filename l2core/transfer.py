@@ -136,7 +136,10 @@ class TransferEngine:
     def _run(self, kind: JobKind) -> None:
         stream = flag = None
         if self.device.type == "cuda":
-            stream = torch.cuda.Stream(self.device)
+            # Loads get the highest stream priority: the forward pass waits on them layer by layer,
+            # so their short scatter kernels must not queue behind its blocks (bench.cache on an
+            # H200: exposed load 0.12 -> 0.09 of the load with staged per-layer copies).
+            stream = torch.cuda.Stream(self.device, priority=-100 if kind == "load" else 0)
             flag = torch.zeros(1, dtype=torch.int32).pin_memory()  # set by kernels on a bad slot
         q = self._queues[kind]
         while True:

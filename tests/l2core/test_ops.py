@@ -441,14 +441,18 @@ def test_resolve_method() -> None:
     staged_pf = {"layer_first": "direct", "page_first": "staged", "page_first_direct": "staged"}
     assert auto(False, (0, 4)) == staged_pf
     assert auto(True, (0, 4)) == staged_pf
-    assert auto(False, (1, 2)) == dict.fromkeys(LAYOUTS, "direct")  # a layer subset: per-layer runs
+    # a layer subset (per-layer loads overlapping compute): copy engines where the host runs allow
+    assert auto(True, (1, 2)) == dict.fromkeys(LAYOUTS, "direct")
+    assert ops.resolve_method("auto", HostLayout(spec, "page_first_direct", 4), cuda, False, (1, 2)) == "staged"
+    assert ops.resolve_method("auto", HostLayout(spec, "page_first", 4), cuda, False, (1, 2)) == "direct"
     # layer_first: batched DMAs for large all-layer loads, the direct kernel otherwise
     big, small = ops.LAYER_FIRST_STAGED_MIN_PAGES, ops.LAYER_FIRST_STAGED_MIN_PAGES - 1
     lf = HostLayout(spec, "layer_first", 4)
     assert ops.resolve_method("auto", lf, cuda, False, (0, 4), big) == "staged"
     assert ops.resolve_method("auto", lf, cuda, False, (0, 4), small) == "direct"
     assert ops.resolve_method("auto", lf, cuda, True, (0, 4), big) == "direct"
-    assert ops.resolve_method("auto", lf, cuda, False, (0, 2), big) == "direct"
+    assert ops.resolve_method("auto", lf, cuda, False, (0, 2), big) == "staged"
+    assert ops.resolve_method("auto", lf, cuda, False, (0, 2), small) == "direct"
 
 
 def test_flatten_kv_and_buffer_shape() -> None:
