@@ -19,17 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from l3pool.measure import percentile
 from l3pool.pool.etcd import EtcdClient, EtcdError
 from l3pool.pool.keys import Namespace
 from l3pool.pool.metadata import Metadata
 from l3pool.pool.pplock import LockError, StageLocks
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
-
-
-def pct(xs: Sequence[float], q: float) -> float:
-    """The q-quantile (0..1) of `xs`, nearest rank; nan when empty."""
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))] if s else float("nan")
 
 
 def lock_stats(
@@ -59,29 +54,29 @@ def lock_stats(
     joins = [x for js in join for x in js]
     ms = 1000.0
     out = {
-        "lock_acquire_p50_ms": pct(acq, 0.5) * ms,
-        "lock_acquire_p99_ms": pct(acq, 0.99) * ms,
-        "stage_join_p50_ms": pct(joins, 0.5) * ms,
-        "stage_join_p99_ms": pct(joins, 0.99) * ms,
-        "raw_exists_p50_ms": pct(raw_exists, 0.5) * ms,
-        "raw_exists_p99_ms": pct(raw_exists, 0.99) * ms,
-        "raw_etcd_txn_p50_ms": pct(raw_txn, 0.5) * ms,
-        "raw_etcd_txn_p99_ms": pct(raw_txn, 0.99) * ms,
-        "raw_acquire_floor_p50_ms": pct(floor, 0.5) * ms,
-        "raw_acquire_floor_p99_ms": pct(floor, 0.99) * ms,
-        "raw_etcd_get_p50_ms": pct(raw_get, 0.5) * ms,
-        "raw_etcd_get_p99_ms": pct(raw_get, 0.99) * ms,
+        "lock_acquire_p50_ms": percentile(acq, 50) * ms,
+        "lock_acquire_p99_ms": percentile(acq, 99) * ms,
+        "stage_join_p50_ms": percentile(joins, 50) * ms,
+        "stage_join_p99_ms": percentile(joins, 99) * ms,
+        "raw_exists_p50_ms": percentile(raw_exists, 50) * ms,
+        "raw_exists_p99_ms": percentile(raw_exists, 99) * ms,
+        "raw_etcd_txn_p50_ms": percentile(raw_txn, 50) * ms,
+        "raw_etcd_txn_p99_ms": percentile(raw_txn, 99) * ms,
+        "raw_acquire_floor_p50_ms": percentile(floor, 50) * ms,
+        "raw_acquire_floor_p99_ms": percentile(floor, 99) * ms,
+        "raw_etcd_get_p50_ms": percentile(raw_get, 50) * ms,
+        "raw_etcd_get_p99_ms": percentile(raw_get, 99) * ms,
         "lock_acquire_vs_raw": statistics.median(a / f for a, f in zip(acq, floor, strict=True)),
-        "lock_acquire_p99_vs_raw": pct(acq, 0.99) / pct(floor, 0.99),
+        "lock_acquire_p99_vs_raw": percentile(acq, 99) / percentile(floor, 99),
         "stage_join_vs_raw": statistics.median(
             statistics.mean(js) / g for js, g in zip(join, raw_get, strict=True) if js
         ),
-        "stage_join_p99_vs_raw": pct(joins, 0.99) / pct(raw_get, 0.99),
+        "stage_join_p99_vs_raw": percentile(joins, 99) / percentile(raw_get, 99),
     }
     for name, xs in (("lock_lookup", lookup), ("lock_etcd", lock), ("release", release)):
         if xs:
-            out[f"{name}_p50_ms"] = pct(xs, 0.5) * ms
-            out[f"{name}_p99_ms"] = pct(xs, 0.99) * ms
+            out[f"{name}_p50_ms"] = percentile(xs, 50) * ms
+            out[f"{name}_p99_ms"] = percentile(xs, 99) * ms
     return out
 
 

@@ -45,15 +45,8 @@ import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.cache import L1, CacheConfig, TieredCache
+from l3pool.measure import percentile, spread
 from l3pool.pool.keys import page_hashes
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
-
-
-def _spread(xs: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(xs), 6), "min": round(min(xs), 6), "max": round(max(xs), 6)}
 
 
 def _sync(dev: torch.device) -> None:
@@ -103,10 +96,10 @@ def bookkeeping(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
         cache.close()
         pool.close()
     return {
-        "p50_ms": round(_pct(ms, 50), 4),
-        "p99_ms": round(_pct(ms, 99), 4),
-        "cpu_p50_ms": round(_pct(cpu, 50), 4),
-        "cpu_p99_ms": round(_pct(cpu, 99), 4),
+        "p50_ms": round(percentile(ms, 50), 4),
+        "p99_ms": round(percentile(ms, 99), 4),
+        "cpu_p50_ms": round(percentile(cpu, 50), 4),
+        "cpu_p99_ms": round(percentile(cpu, 99), 4),
         "requests": len(ms),
         "l1_pages": args.l1_pages,
         "ok": ok,
@@ -246,7 +239,7 @@ def _overlap(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
         "compute_reps": comp.reps,
         "compute_threads": torch.get_num_threads() if dev.type == "cpu" else None,
         "exposed_load_fraction": round(frac, 4),
-        **{k: _spread(v) for k, v in rows.items()},
+        **{k: spread(v) for k, v in rows.items()},
         "load_GBps": round(hit * spec.page_bytes / statistics.median(rows["no_overlap_load_s"]) / 1e9, 3),
         "correct": correct,
     }
@@ -336,7 +329,7 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
         "pages_per_request": per,
         "requests": reqs,
         "bytes": nbytes,
-        **{k: _spread(v) for k, v in rows.items()},
+        **{k: spread(v) for k, v in rows.items()},
         "writer_GBps": round(nbytes / med["writer_s"] / 1e9, 3),
         "raw_put_GBps": round(nbytes / med["raw_put_s"] / 1e9, 3),
         "end_to_end_GBps": round(nbytes / med["end_to_end_s"] / 1e9, 3),

@@ -35,6 +35,7 @@ import torch
 
 from bench._transfer_report import _loadavg
 from l2core import HostKVPool, KVSpec, L2Config
+from l3pool.measure import spread
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
@@ -54,10 +55,6 @@ def _fill(pool: HostKVPool, seed: int) -> None:
 def _keys(ns: Namespace, n: int, rng: np.random.Generator) -> list[str]:
     toks = rng.integers(0, 1 << 30, n * ns.page_size)
     return ns.keys(page_hashes(toks, ns.page_size))
-
-
-def _spread(xs: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
 
 
 def _lookup_512(client: L3Client, store: MooncakeStore, ns: Namespace, rng: np.random.Generator) -> dict[str, Any]:
@@ -144,8 +141,8 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
         "get_GBps": round(gb / med["get"], 3),
         "put_ratio": round(statistics.median(put_r), 4),
         "get_ratio": round(statistics.median(get_r), 4),
-        "put_ratio_spread": _spread(put_r),
-        "get_ratio_spread": _spread(get_r),
+        "put_ratio_spread": spread(put_r, 4),
+        "get_ratio_spread": spread(get_r, 4),
         **lk,
         "staging_bytes": staging_bytes,
         "outcomes_ok": bool(outcomes_ok),

@@ -51,18 +51,13 @@ import torch
 
 from bench._transfer_report import _loadavg
 from l2core import HostKVPool, L2Config
+from l3pool.measure import percentile
 from l3pool.pool.client import L3Client
 from l3pool.pool.prefetch import Prefetcher, batch_schedule
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 from l3pool.tools.prefetch_check import LAYOUT, Endpoints, PrefixSet, run_writer
 
 from ._locks import measure_lock_latencies
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
 
 LOCK_KEYS = (
     "lock_acquire_p50_ms", "lock_acquire_p99_ms", "stage_join_p50_ms", "stage_join_p99_ms", "release_p99_ms",
@@ -189,10 +184,10 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
         "prefetch_ratio": round(raw / pre, 4),
         "raw_get_batched_GBps": round(gb / statistics.median(raw_b_s), 3),
         "prefetch_vs_batched_ratio": round(statistics.median(raw_b_s) / pre, 4),
-        "interrupt_p50_ms": round(_pct(int_ms, 50), 3),
-        "interrupt_p99_ms": round(_pct(int_ms, 99), 3),
-        "batch_p50_ms": round(_pct(batch_ms, 50), 3),
-        "batch_p99_ms": round(_pct(batch_ms, 99), 3),
+        "interrupt_p50_ms": round(percentile(int_ms, 50), 3),
+        "interrupt_p99_ms": round(percentile(int_ms, 99), 3),
+        "batch_p50_ms": round(percentile(batch_ms, 50), 3),
+        "batch_p99_ms": round(percentile(batch_ms, 99), 3),
         "leaked_pages": leaked,
         "wrong_pages": wrong,
         "correct": bool(correct) and leaked == 0 and wrong == 0,

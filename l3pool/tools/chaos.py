@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from l3pool.measure import percentile
 from l3pool.procenv import python_env
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class Result:
 
 
 def _p99_ms(xs: list[float]) -> float | None:
-    return round(float(np.percentile(np.asarray(xs), 99)) * 1e3, 2) if xs else None
+    return round(percentile(xs, 99) * 1e3, 2) if xs else None
 
 
 def _wait(cond: Callable[[], bool], timeout: float, interval: float = 0.05) -> float | None:

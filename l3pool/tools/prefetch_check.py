@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from l3pool.measure import percentile
 from l3pool.procenv import python_env
 
 LAYOUT = "page_first_direct"  # page bytes contiguous: one zero-copy fragment per page
@@ -180,13 +181,6 @@ def endpoints(args: argparse.Namespace) -> Iterator[Endpoints]:
 
 
 # -- the test ------------------------------------------------------------------------------------
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
-
 def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(x, nd)
 
@@ -280,11 +274,11 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
         "write_GBps": _r(writer.get("put_GBps")),
         "prefetch_GBps": _r(nbytes / wall / 1e9),
         "prefetch_s": _r(wall),
-        "batch_p50_ms": _r(_pct(batch_ms, 50)),
-        "batch_p99_ms": _r(_pct(batch_ms, 99)),
+        "batch_p50_ms": _r(percentile(batch_ms, 50) if batch_ms else None),
+        "batch_p99_ms": _r(percentile(batch_ms, 99) if batch_ms else None),
         "interrupt_after": fracs,
-        "interrupt_p50_ms": _r(_pct(interrupt_ms, 50)),
-        "interrupt_p99_ms": _r(_pct(interrupt_ms, 99)),
+        "interrupt_p50_ms": _r(percentile(interrupt_ms, 50) if interrupt_ms else None),
+        "interrupt_p99_ms": _r(percentile(interrupt_ms, 99) if interrupt_ms else None),
         "interrupted_prefix_pages": prefix_pages,
         "leaked_pages": leaked,
         "correct": bool(correct) and leaked == 0,

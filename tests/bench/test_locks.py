@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from bench._locks import lock_stats, pct
+from bench._locks import lock_stats
+from l3pool.measure import percentile
 
 MS = 1e-3
 
 
 def test_pct_nearest_rank() -> None:
     xs = [float(x) for x in range(1, 101)]  # 1..100
-    assert pct(xs, 0.5) == 51 and pct(xs, 0.99) == 99 and pct(xs, 0) == 1 and pct(xs, 1) == 100
-    assert pct([3.0], 0.99) == 3.0
-    assert pct([], 0.5) != pct([], 0.5)  # nan
+    assert (
+        percentile(xs, 50) == 51 and percentile(xs, 99) == 99 and percentile(xs, 0) == 1 and percentile(xs, 100) == 100
+    )
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([], 50) != percentile([], 50)  # nan
 
 
 def test_lock_stats_known_inputs() -> None:
@@ -45,7 +48,7 @@ def test_outlier_in_the_floor_does_not_flatter_the_protocol() -> None:
     floor = [e + t for e, t in zip(ex, txn, strict=True)]
     acq = [3 * f for f in floor]  # always 3x its own floor
     out = lock_stats(acq, ex, txn, [[MS]] * n, [MS] * n)
-    old = pct(acq, 0.99) / (pct(ex, 0.99) + pct(txn, 0.99))
+    old = percentile(acq, 99) / (percentile(ex, 99) + percentile(txn, 99))
     assert old == pytest.approx(303 / 200)  # what the old formula claimed: about 1.5
     assert out["lock_acquire_vs_raw"] == pytest.approx(3.0)
     assert out["lock_acquire_p99_vs_raw"] == pytest.approx(3.0)
