@@ -19,14 +19,11 @@ these four strides and nothing else, so a new layout is a new set of strides, no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
+from .names import LAYOUTS, LayoutName
 from .spec import ConfigError, KVSpec
-
-LayoutName = Literal["layer_first", "page_first", "page_first_direct"]
-LAYOUTS: tuple[LayoutName, ...] = ("layer_first", "page_first", "page_first_direct")
 
 
 @dataclass(frozen=True)

@@ -11,19 +11,28 @@ from typing import Any, Literal
 
 import torch
 
+from .names import ELEM_BYTES as _ELEM_BYTES
+from .names import DTypeName
 from .units import ConfigError, parse_size
 
 Attention = Literal["mha", "mla"]
-DTypeName = Literal["bf16", "fp16", "fp8"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp8": torch.float8_e4m3fn,
 }
-_ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 
-__all__ = ["ConfigError", "KVSpec", "parse_size"]
+
+def dtype_name(dtype: torch.dtype) -> DTypeName | None:
+    """The config name of a torch dtype ("bf16", "fp16", "fp8"), None when the pool cannot hold it."""
+    for name, t in _DTYPES.items():
+        if t == dtype:
+            return name  # type: ignore[return-value]
+    return None
+
+
+__all__ = ["ConfigError", "DTypeName", "KVSpec", "dtype_name", "parse_size"]
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from l2core.layout import LAYOUTS, LayoutName
 from l2core.memory import HostMemory
 from l2core.pool import HostKVPool, L2Config
-from l2core.spec import ConfigError, KVSpec
+from l2core.spec import ConfigError, KVSpec, dtype_name
 from l2core.units import parse_size
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace
@@ -147,7 +147,6 @@ MOONCAKE_REFUSED = {
     "enable_group_semantics": "group semantics are not supported",
 }
 SGLANG_DEFAULT_TENANT = "default"  # SGLang's Mooncake backend's name for "no tenant"
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8"}
 _HOSTPORT = re.compile(r"^\[?[A-Za-z0-9.:-]+\]?:\d{1,5}$")
 
 
@@ -498,9 +497,9 @@ class L3PoolStorage(HiCacheStorage):
             raise ConfigError(
                 f"host kv_buffer must be a contiguous CPU tensor, got {buf.device} contiguous={buf.is_contiguous()}"
             )
-        dtype = _DTYPES.get(buf.dtype)
+        dtype = dtype_name(buf.dtype)
         if dtype is None:
-            raise ConfigError(f"host KV dtype {buf.dtype} is not supported; supported: {sorted(map(str, _DTYPES))}")
+            raise ConfigError(f"host KV dtype {buf.dtype} is not supported; supported: bf16, fp16, fp8 (float8_e4m3fn)")
         common = {"dtype": dtype, "page_size": int(host.page_size)}
         if self.storage_config.is_mla_model:
             if not hasattr(host, "kv_cache_dim"):

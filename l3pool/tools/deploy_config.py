@@ -31,12 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from l2core.names import LAYOUTS
 from l2core.units import ConfigError, parse_size
 from l3pool.agent import MIN_SEGMENT_BYTES, PROTOCOLS
 from l3pool.pool.metadata import DEFAULT_PREFIX, check_id, check_prefix
 
-# SGLang's host layouts (l2core.layout.LAYOUTS; repeated so this module stays torch-free).
-LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 # The io backend each layout needs. SGLang rewrites other combinations (page_first + direct becomes
 # layer_first or page_first_direct, page_first_direct + kernel switches to direct), so the layout
 # it really runs would differ from the configured one.

@@ -173,3 +173,16 @@ def test_parse_size_message_names_the_setting() -> None:
 )
 def test_parse_size_decimal_fractions_are_exact(text: str, expected: int) -> None:
     assert parse_size(text) == expected
+
+
+def test_names_have_one_home() -> None:
+    """Layouts and dtypes are named in l2core.names only: the torch-free deploy checker, the
+    layouts, the KV spec and the SGLang adapter's dtype mapping all read the same words."""
+    from l2core import layout, names, spec
+    from l3pool.tools import deploy_config
+
+    assert deploy_config.LAYOUTS is names.LAYOUTS is layout.LAYOUTS
+    for n in names.DTYPES:
+        t = KVSpec.mla(1, dtype=n).torch_dtype
+        assert spec.dtype_name(t) == n and t.itemsize == names.ELEM_BYTES[n]
+    assert spec.dtype_name(torch.float32) is None
