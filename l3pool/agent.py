@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 from l2core.units import parse_size
 from l3pool.pool.etcd import EtcdClient, EtcdError, LeaseKeeper, parse_endpoints
 from l3pool.pool.metadata import DEFAULT_PREFIX, MemberInfo, Metadata, check_id, check_prefix
+from l3pool.pool.store import metadata_url
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class AgentSettings:
         """Validate the command line; ValueError with a one-line reason."""
         master_addr = parse_host_port(args.master, "--master")
         mhost = f"[{master_addr[0]}]" if ":" in master_addr[0] else master_addr[0]
-        metadata = _check_metadata(args.metadata or f"http://{mhost}:8080/metadata")
+        metadata = _check_metadata(args.metadata or metadata_url(mhost))
         parse_endpoints(args.etcd)
         host = _check_host(args.host, "--host")
         segment_bytes = parse_size(args.segment_size, "--segment-size")

@@ -78,6 +78,7 @@ from l3pool.cluster._os import (  # noqa: F401 (re-exported: tests patch/use som
     _wait_dead,
 )
 from l3pool.pool.etcd import EtcdClient, EtcdError
+from l3pool.pool.store import metadata_url
 from l3pool.procenv import python_env
 
 log = logging.getLogger(__name__)
@@ -333,7 +334,7 @@ class LocalCluster:
 
     @property
     def metadata_url(self) -> str:
-        return f"http://{self._host}:{self.ports['master_metadata']}/metadata"
+        return metadata_url(self._host, self.ports["master_metadata"])
 
     @property
     def admin_url(self) -> str:

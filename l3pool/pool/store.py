@@ -77,6 +77,16 @@ def outcome_of(code: int) -> Outcome:
     return _CODES.get(code, Outcome.ERROR)
 
 
+DEFAULT_METADATA_PORT = 8080  # mooncake_master --http_metadata_server_port's default
+
+
+def metadata_url(host: str, port: int = DEFAULT_METADATA_PORT) -> str:
+    """The transfer-engine metadata URL served by a master started with
+    --enable_http_metadata_server (IPv6 hosts bracketed). The one place that formats it."""
+    h = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"http://{h}:{int(port)}/metadata"
+
+
 class StoreError(RuntimeError):
     pass
 

@@ -35,6 +35,7 @@ from l2core.names import LAYOUTS
 from l2core.units import ConfigError, parse_size
 from l3pool.agent import MIN_SEGMENT_BYTES, PROTOCOLS
 from l3pool.pool.metadata import DEFAULT_PREFIX, check_id, check_prefix
+from l3pool.pool.store import DEFAULT_METADATA_PORT, metadata_url
 
 # The io backend each layout needs. SGLang rewrites other combinations (page_first + direct becomes
 # layer_first or page_first_direct, page_first_direct + kernel switches to direct), so the layout
@@ -120,7 +121,7 @@ class EtcdSpec:
 class MasterSpec:
     host: str
     rpc_port: int = 50051
-    metadata_port: int = 8080
+    metadata_port: int = DEFAULT_METADATA_PORT
     admin_port: int = 9003
     client_ttl: int = 10
     eviction_high_watermark_ratio: float = 0.9
@@ -135,7 +136,7 @@ class MasterSpec:
 
     @property
     def metadata_url(self) -> str:
-        return f"http://{_bracket(self.host)}:{self.metadata_port}/metadata"
+        return metadata_url(self.host, self.metadata_port)
 
     @property
     def admin_url(self) -> str:
@@ -677,7 +678,8 @@ def _cross_check(r: _Reader, cfg: DeployConfig) -> None:
         r.error(loop[0][1], f"{loop[0][0]} is a loopback address but other nodes are on other hosts; use the node's IP")
 
     # settings prefill nodes would need but the adapter's extra-config cannot carry (yet)
-    unsent = [("metadata_server", "master.metadata_port", cfg.master.metadata_port != 8080, "http://<master>:8080/metadata"),
+    meta_differs = cfg.master.metadata_port != DEFAULT_METADATA_PORT
+    unsent = [("metadata_server", "master.metadata_port", meta_differs, metadata_url("<master>")),
               ("key_prefix", "cluster.key_prefix", cfg.key_prefix != DEFAULT_PREFIX, DEFAULT_PREFIX),
               ("protocol", "cluster.protocol", cfg.protocol != "tcp", "tcp")]  # fmt: skip
     for key, path, differs, default in unsent:
