@@ -27,11 +27,17 @@ from l2core.allocator import PageAllocator
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
-def hash64(hashes: Sequence[bytes]) -> list[int]:
-    """The first 8 bytes of each 16-byte page hash as a 64-bit int (the ghost list's keys)."""
+def hash64(hashes: Sequence[bytes]) -> np.ndarray:
+    """The first 8 bytes of each page hash (16 bytes, or any multiple of 8) as uint64, little
+    endian: the ghost list's keys."""
     if not hashes:
-        return []
-    return np.frombuffer(b"".join(hashes), dtype="<u8")[0 :: len(hashes[0]) // 8].tolist()
+        return np.empty(0, dtype=np.uint64)
+    return np.frombuffer(b"".join(hashes), dtype="<u8")[0 :: len(hashes[0]) // 8]
+
+
+def key64(h: bytes) -> int:
+    """hash64 of one hash."""
+    return int.from_bytes(h[:8], "little")
 
 
 class TierIndex:
@@ -52,6 +58,7 @@ class TierIndex:
         self._head = self._tail = 0
         self._nev = 0  # evictable pages (cached and unpinned)
         self.evictions = 0
+        self.gen = 0  # bumped whenever the hash -> page mapping changes (pages_of results stale)
 
     # -- lookups ------------------------------------------------------------------------------
     def prefix(self, hashes: Sequence[bytes], start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -63,6 +70,8 @@ class TierIndex:
     def pages_of(self, hashes: Sequence[bytes]) -> np.ndarray:
         """Page of each hash, -1 where absent."""
         n = len(hashes)  # map() over two iterables runs in C: ~25 ns per page here
+        if not self.index:  # an empty tier (L2 before any backup): no probes
+            return np.full(n, -1, dtype=np.int64)
         return np.fromiter(map(self.index.get, hashes, repeat(-1, n)), dtype=np.int64, count=n)
 
     # -- per-page state -------------------------------------------------------------------------
@@ -132,26 +141,43 @@ class TierIndex:
     def insert(self, hashes: Sequence[bytes], pages: np.ndarray) -> np.ndarray:
         """Index `pages` under `hashes`; where a hash is already indexed the existing page wins.
         Returns the page now indexed for each hash (ours or the existing one)."""
+        return self._insert(hashes, pages, False)[0]
+
+    def insert_pinned(self, hashes: Sequence[bytes], pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """insert(), and the pages it newly indexed are pinned too (one reference each, so they
+        get no LRU record that would die at once). Returns (page now indexed per hash, the pages
+        newly indexed and pinned)."""
+        return self._insert(hashes, pages, True)
+
+    def _insert(self, hashes: Sequence[bytes], pages: np.ndarray, pin: bool) -> tuple[np.ndarray, np.ndarray]:
         have = self.pages_of(hashes)
         new = have < 0
-        if new.any():
+        k = int(np.count_nonzero(new))
+        if k == 0:
+            self.touch(have)
+            return have, _EMPTY
+        if k == new.size:  # all new (a fresh suffix: the common case): no index lists
+            pn, hl = pages, hashes if isinstance(hashes, list) else list(hashes)
+        else:
             sel = np.flatnonzero(new)
-            pl = pages[sel].tolist()
+            pn = pages[sel]
             hl = [hashes[i] for i in sel.tolist()]
-            self.index.update(zip(hl, pl, strict=True))
-            ho = np.empty(len(hl), dtype=object)
-            ho[:] = hl
-            self.hash_of[pages[sel]] = ho
             self.touch(have[~new])
-            self.cached[pages[sel]] = True
-            self.hits[pages[sel]] = 0
-            ev = self._evictable(pages[sel])
+        self.index.update(zip(hl, pn.tolist(), strict=True))
+        self.gen += 1
+        ho = np.empty(len(hl), dtype=object)
+        ho[:] = hl
+        self.hash_of[pn] = ho
+        self.cached[pn] = True
+        self.hits[pn] = 0
+        if pin:  # ref was 0 (not cached, so not pinned by anyone): pinned now, not evictable
+            self.ref[pn] += 1
+        else:
+            ev = pn[self.ref[pn] == 0]
             self._nev += ev.size
             self._append(ev)
-            have[sel] = pages[sel]
-        else:
-            self.touch(have)
-        return have
+        have[new] = pn
+        return have, pn
 
     def victims(self, n: int) -> tuple[np.ndarray, list[bytes]]:
         """Up to `n` unpinned cached pages, least recently used first, removed from the index
@@ -167,8 +193,13 @@ class TierIndex:
             got.append(q[idx])
             need -= idx.size
             self._head = self._head + int(idx[-1]) + 1 if need == 0 else end
-        cand = np.concatenate(got) if got else _EMPTY
-        hs = self.drop(cand)
+        if not got:
+            return _EMPTY, []
+        cand = np.concatenate(got) if len(got) > 1 else got[0]
+        # every candidate is live: cached, unpinned, indexed (no None filtering, all evictable)
+        hs: list[bytes] = self.hash_of[cand].tolist()
+        self._unindex(hs, cand)
+        self._nev -= cand.size
         self.evictions += int(cand.size)
         return cand, hs
 
@@ -176,11 +207,15 @@ class TierIndex:
         """Remove cached `pages` from the index (not freed); returns their hashes."""
         ho = self.hash_of[pages]
         hs: list[bytes] = ho[ho != None].tolist()  # noqa: E711 - elementwise on an object array
-        deque(map(self.index.__delitem__, hs), maxlen=0)  # C-speed loop
         self._nev -= int(np.count_nonzero(self.cached[pages] & (self.ref[pages] == 0)))
+        self._unindex(hs, pages)
+        return hs
+
+    def _unindex(self, hs: list[bytes], pages: np.ndarray) -> None:
+        deque(map(self.index.__delitem__, hs), maxlen=0)  # C-speed loop
+        self.gen += 1
         self.hash_of[pages] = None
         self.cached[pages] = False
-        return hs
 
     @property
     def evictable(self) -> int:
@@ -213,22 +248,53 @@ class GhostList:
     def __contains__(self, key: int) -> bool:
         return key in self._set
 
-    def add(self, keys: Sequence[int]) -> None:
-        if self.capacity == 0 or not keys:
+    def add(self, keys: Sequence[int] | np.ndarray) -> None:
+        """Remember `keys` (newest last); the oldest entries leave when the ring is full."""
+        if self.capacity == 0 or len(keys) == 0:
             return
         s = self._set
-        new = list(filterfalse(s.__contains__, dict.fromkeys(keys)))[-self.capacity :]
-        m = len(new)
-        if m == 0:
-            return
-        pos = (self._head + np.arange(m)) % self.capacity
-        full = np.arange(self._size, self._size + m) >= self.capacity  # slots that held a live entry
-        if full.any():
-            s.difference_update(self._ring[pos[full]].tolist())
-        self._ring[pos] = np.asarray(new, dtype=np.uint64)
-        s.update(new)
-        self._head = int((self._head + m) % self.capacity)
-        self._size = min(self.capacity, self._size + m)
+        arr = keys if isinstance(keys, np.ndarray) else None
+        lst: list[int] = keys.tolist() if isinstance(keys, np.ndarray) else list(keys)
+        n0 = len(s)
+        if s.isdisjoint(lst):
+            s.update(lst)
+            if len(s) - n0 != len(lst):  # a key repeats within the batch: undo, take the slow path
+                s.difference_update(lst)
+                arr = None
+                new = list(dict.fromkeys(lst))
+            else:  # the common case (L1 victims are distinct, rarely in the list): 2 set passes
+                new = lst
+                s.difference_update(new[: -self.capacity])  # only the newest `capacity` stay
+                if len(new) > self.capacity:
+                    new, arr = new[-self.capacity :], None
+                self._place(new, arr, added=True)
+                return
+        else:
+            arr = None
+            new = list(filterfalse(s.__contains__, dict.fromkeys(lst)))
+        new = new[-self.capacity :]
+        if new:
+            self._place(new, None, added=False)
+
+    def _place(self, new: list[int], arr: np.ndarray | None, added: bool) -> None:
+        """Put `new` (distinct, absent before; already in the set when `added`) into the ring,
+        dropping the entries they overwrite from the set. Two slices, no per-key index arrays."""
+        m, cap, s = len(new), self.capacity, self._set
+        vals = np.asarray(new, dtype=np.uint64) if arr is None else arr.astype(np.uint64, copy=False)
+        over = self._size + m - cap  # live entries overwritten (the oldest ones, from _head on)
+        if over > 0:
+            a = (self._head - self._size) % cap  # the oldest entry
+            b = min(cap, a + over)
+            old = self._ring[a:b].tolist() + self._ring[: over - (b - a)].tolist()
+            s.difference_update(old)
+        a = self._head
+        b = min(cap, a + m)
+        self._ring[a:b] = vals[: b - a]
+        self._ring[: m - (b - a)] = vals[b - a :]
+        if not added:
+            s.update(new)
+        self._head = (a + m) % cap
+        self._size = min(cap, self._size + m)
 
     def leading(self, keys: Sequence[int]) -> int:
         """Length of the leading run of `keys` present."""
@@ -237,3 +303,14 @@ class GhostList:
             if k not in s:
                 return i
         return len(keys)
+
+    def leading_of(self, hashes: Sequence[bytes], start: int = 0) -> int:
+        """leading(hash64(hashes[start:])), converting only the keys it looks at (it stops at
+        the first miss, usually the first page)."""
+        s = self._set
+        if not s:
+            return 0
+        for i in range(start, len(hashes)):
+            if int.from_bytes(hashes[i][:8], "little") not in s:
+                return i - start
+        return max(0, len(hashes) - start)
