@@ -506,7 +506,9 @@ class TieredCache:
                 idx = np.flatnonzero(was).tolist()
                 if any(self.t1.hash_of[int(rest[i])] != hs[n1 + i] for i in idx):
                     raise ValueError("an L1 page committed before is committed again under another hash")
-            used, newly = self.t1.insert_pinned(hs[n1:m], rest)
+            hsn = hs[n1:m]
+            have = _pages_of(self.t1, r.seen1, r.hashes, n1, m) if same and m == known else None
+            used, newly = self.t1.insert_pinned(hsn, rest, have)
             r.l1_inserted.append(newly)
             if same:  # used[i] is the page of r.hashes[n1 + i] now
                 r.seen1 = (self.t1.gen, n1, used)
@@ -688,11 +690,10 @@ class TieredCache:
         if r.pp_held:
             self._pp_report(r)
         with self._mu:
-            self.t1.unpin(r.l1_hit)
-            self.t2.unpin(r.l2_hit)
-            self.t2.unpin(r.l2_fetched)
-            ins = np.concatenate(r.l1_inserted) if r.l1_inserted else _EMPTY
-            self.t1.unpin(ins)
+            # one unpin per tier: the pages are distinct (hits were cached, inserted ones were not;
+            # fetched pages hold other hashes than the L2 hits), order as before (hits first)
+            self.t1.unpin(np.concatenate([r.l1_hit, *r.l1_inserted]))
+            self.t2.unpin(np.concatenate([r.l2_hit, r.l2_fetched]))
             owned = np.concatenate(r.l1_owned) if r.l1_owned else _EMPTY
             if owned.size and not quarantine:
                 self._l1_owner[owned] = -1
