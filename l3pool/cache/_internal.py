@@ -62,8 +62,12 @@ def _run(pages: np.ndarray, start: int) -> int:
     return start + int(miss[0]) if miss.size else len(pages)
 
 
-# (tier's gen when looked up, offset, pages of hashes[offset:offset + len]) or None
-_Seen = tuple[int, int, np.ndarray] | None
+# (tier's (gen, removed) when looked up, offset, pages of hashes[offset:offset + len]) or None
+_Seen = tuple[tuple[int, int], int, np.ndarray] | None
+
+
+def _seen(t: TierIndex, off: int, pages: np.ndarray) -> _Seen:
+    return (t.gen, t.removed), off, pages
 
 
 def _pages_of(t: TierIndex, seen: _Seen, hashes: list[bytes], lo: int, hi: int) -> np.ndarray:
@@ -71,9 +75,10 @@ def _pages_of(t: TierIndex, seen: _Seen, hashes: list[bytes], lo: int, hi: int) 
     hash was added to the tier since (its gen; removals are caught by TierIndex.still): one
     gather instead of a probe pass (~20 us per 512 pages)."""
     if seen is not None:
-        g, off, a = seen
+        (g, rm), off, a = seen
         if g == t.gen and off <= lo and hi - off <= len(a):
-            return t.still(a[lo - off : hi - off])
+            a = a[lo - off : hi - off]
+            return a.copy() if rm == t.removed else t.still(a)
     return t.pages_of(hashes[lo:hi])
 
 

@@ -22,7 +22,7 @@ from l2core.allocator import OutOfPages, PageAllocator
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
 from l2core.transfer import TransferEngine, TransferError
-from l3pool.cache._internal import _Backup, _check_distinct, _member, _pages_of, _Req, _run, _timed
+from l3pool.cache._internal import _Backup, _check_distinct, _member, _pages_of, _Req, _run, _seen, _timed
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.index import GhostList, TierIndex, hash64
 from l3pool.cache.types import (
@@ -169,7 +169,7 @@ class TieredCache:
             self.t1.pin(p1)
             self.t2.pin(p2)
             r.l1_hit, r.l2_hit = p1, p2
-            r.seen1, r.seen2 = (self.t1.gen, 0, a1), (self.t2.gen, 0, a2)
+            r.seen1, r.seen2 = _seen(self.t1, 0, a1), _seen(self.t2, 0, a2)
             self._reqs[request_id] = r
         n3 = r.n2
         try:
@@ -219,6 +219,8 @@ class TieredCache:
         for t, seen in ((self.t1, r.seen1), (self.t2, r.seen2)):
             p = _pages_of(t, seen, r.hashes, lo, hi)
             p = p[p >= 0]
+            if not p.size:
+                continue
             t.hits[p] += 1
             t.touch(p)
         r.counted = upto
@@ -490,7 +492,7 @@ class TieredCache:
             raise TransferError(f"the L2 -> L1 load of {request_id!r} failed: its pages were not inserted")
         with self._mu:
             pages, n1 = p[:m], r.n1
-            if not np.array_equal(pages[:n1], r.l1_hit):
+            if len(r.l1_hit) != n1 or not (pages[:n1] == r.l1_hit).all():
                 raise ValueError(f"l1_pages[:{n1}] must be the L1 hit pages load() returned")
             rest = pages[n1:]
             if rest.size and (rest.min() < 0 or rest.max() >= len(self._l1_owner)):
@@ -511,7 +513,7 @@ class TieredCache:
             used, newly = self.t1.insert_pinned(hsn, rest, have)
             r.l1_inserted.append(newly)
             if same:  # used[i] is the page of r.hashes[n1 + i] now
-                r.seen1 = (self.t1.gen, n1, used)
+                r.seen1 = _seen(self.t1, n1, used)
             self._count_hits(r, m)
             self._policy_on_commit(r, hs, np.concatenate([r.l1_hit, used]))
             return int(newly.size)

@@ -59,6 +59,7 @@ class TierIndex:
         self._nev = 0  # evictable pages (cached and unpinned)
         self.evictions = 0
         self.gen = 0  # bumped when a hash is added to the mapping (see still())
+        self.removed = 0  # bumped when hashes are removed from it
 
     # -- lookups ------------------------------------------------------------------------------
     def prefix(self, hashes: Sequence[bytes], start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -242,6 +243,7 @@ class TierIndex:
 
     def _unindex(self, hs: list[bytes], pages: np.ndarray) -> None:
         deque(map(self.index.__delitem__, hs), maxlen=0)  # C-speed loop
+        self.removed += 1
         self.hash_of[pages] = None
         self.cached[pages] = False
 

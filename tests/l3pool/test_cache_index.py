@@ -14,7 +14,7 @@ import pytest
 
 from l2core.allocator import PageAllocator
 from l3pool.cache import CacheConfig, GhostList
-from l3pool.cache._internal import _pages_of
+from l3pool.cache._internal import _pages_of, _seen
 from l3pool.cache.index import TierIndex, hash64, key64
 
 from .cache_helpers import Engine, chain
@@ -176,12 +176,19 @@ def test_pages_of_reuses_a_lookup_only_while_no_hash_was_added() -> None:
     hs = _hashes(6, 3)
     t.insert(hs[:3], alloc.alloc(3))
     a = t.pages_of(hs)
-    seen = (t.gen, 0, a)
+    seen = _seen(t, 0, a)
     assert np.array_equal(_pages_of(t, seen, hs, 1, 5), a[1:5])
+    s2 = _pages_of(t, seen, hs, 0, 6)
+    s2[:] = 99  # a copy: the stored lookup stays intact
+    assert np.array_equal(_pages_of(t, seen, hs, 0, 6), a)
+    v, _ = t.victims(1)  # a removal: still() drops it from the reused lookup
+    assert _pages_of(t, seen, hs, 0, 3).tolist() == [-1, int(a[1]), int(a[2])] and v.tolist() == [int(a[0])]
+    alloc.free(v)
     late = alloc.alloc(2)
     t.insert(hs[3:5], late)  # added after the lookup: a stale `seen` must not be used
     assert _pages_of(t, seen, hs, 2, 6).tolist() == [int(a[2]), *late.tolist(), -1]
-    assert _pages_of(t, (t.gen, 2, t.pages_of(hs[2:])), hs, 1, 4).tolist() == t.pages_of(hs[1:4]).tolist()
+    assert _pages_of(t, seen, hs, 0, 2).tolist() == [-1, int(a[1])]
+    assert _pages_of(t, _seen(t, 2, t.pages_of(hs[2:])), hs, 1, 4).tolist() == t.pages_of(hs[1:4]).tolist()
 
 
 @pytest.fixture
