@@ -244,3 +244,18 @@ def test_commit_after_own_evictions_hit_the_looked_up_range(engines: list[Engine
     c.release("a")
     c.t1.check()
     assert c._l1_alloc.used_pages == int(c.t1.cached.sum()) == 8
+
+
+@pytest.mark.parametrize(
+    "policy,kept", [("write_through_selective", True), ("write_through", False), ("write_back", False)]
+)
+def test_ghost_list_kept_only_for_the_policy_that_reads_it(engines: list[Engine], policy: str, kept: bool) -> None:
+    e = Engine(CacheConfig(l1_to_l2=policy, ghost_capacity=64), l1_pages=8)  # type: ignore[arg-type]
+    engines.append(e)
+    c = e.cache
+    for i in range(4):  # 16 pages through an 8-page L1: 8 evicted
+        e.run(f"r{i}", chain(20 + i, 4))
+    assert e.used() == (0, 0)
+    st = c.stats()
+    assert st["evictions"]["l1"] == 8
+    assert st["ghost_entries"] == (8 if kept else 0)
