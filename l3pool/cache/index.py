@@ -3,14 +3,17 @@
 One `TierIndex` per tier over that tier's one allocator (L2: the HostKVPool's; L1: the cache's
 PageAllocator). Lookups are one dict probe per page through `map()` (C-speed); per-page state
 (refs, hit counts, residency, hash) is numpy arrays indexed by page id, updated with one
-vectorised call per request. LRU: an append-only queue (numpy ring) of (page, version) records;
-a page gets a record, with a new version, each time it becomes evictable (cached, unpinned) or
-is used while evictable; a record is live when its version is the page's latest and the page is
-still evictable. Eviction scans from the old end, skipping dead records: every step is a numpy
-call over a batch, O(victims + dead records), independent of the tier's size. Measured per
-512-page request (bench.cache bookkeeping, 2K / 20K / 80K L1 pages): argpartition over stamps
-0.44 / 0.67 / 1.40 ms p50; an OrderedDict of evictable pages 0.64 / 0.71 / 0.78 ms; this queue
-0.42 / 0.48 / 0.46 ms.
+vectorised call per request. LRU: a ring of (page, version) records; a page gets a record, with
+a new version, each time it becomes evictable (cached, unpinned) or is used while evictable; a
+record is live when its version is the page's latest and the page is still evictable. Eviction
+scans from the old end, skipping dead records: every step is a numpy call over a batch,
+O(victims + dead records), independent of the tier's size; the ring is compacted only when the
+records between its oldest live one and the young end overflow it (never in bench.cache's steady
+state). Measured per 512-page request (bench.cache bookkeeping, 2K / 20K / 80K L1 pages):
+argpartition over stamps 0.44 / 0.67 / 1.40 ms p50; an OrderedDict of evictable pages 0.64 /
+0.71 / 0.78 ms; the record queue 0.42 / 0.48 / 0.46 ms (with all else as it was then).
+`gen` counts additions to the hash -> page mapping and `removed` removals, so the controller can
+reuse a request's lookup across its calls (`still()` drops pages removed since).
 Not thread-safe: the controller holds its lock around every call.
 """
 
