@@ -39,7 +39,8 @@ class CacheConfig:
     `l1_to_l2` / `l2_to_l3`: the write policy of each boundary. `write_back` writes a page when
     it is evicted from the upper tier, `write_through` on insertion, `write_through_selective`
     once `hit_threshold` distinct requests used the page (or the ghost list proves its reuse).
-    `ghost_capacity`: page hashes evicted from L1 remembered (0: no ghost list).
+    `ghost_capacity`: page hashes evicted from L1 remembered (0: no ghost list; kept only under
+    l1_to_l2 write_through_selective, the policy that reads it).
     `prefetch_policy`: what `load()` does with an unfinished L3 -> L2 prefetch: `best_effort`
     interrupts it at once, `wait_complete` waits for it, `timeout` waits up to
     `prefetch_timeout_s` then interrupts. `writer_batch_pages`: the L2 -> L3 writer coalesces
