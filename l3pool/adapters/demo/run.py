@@ -18,7 +18,10 @@ at arrival is honest about what a queued request can hit: pages that request i i
 computing are not there yet (it only matters for a shared prefix no earlier request wrote; a
 session's turns are `sessions` requests apart, so its own history is committed long before).
 The backups of request i (L1 -> L2 on the cache's backup thread, L2 -> L3 on its writer thread)
-run while later requests compute. `prefill_s` counts from scheduling to logits.
+run while later requests compute, so a later request finds request i's pages in L3 only once the
+writer put them: with 2 sessions on 2 instances a session's next turn arrives right after its
+previous turn committed and finds nothing in L3 (measured: 0 % L3 hits), with 3 sessions the
+backups have a request's compute to land. `prefill_s` counts from scheduling to logits.
 
 Checks: every request's last-token logits in a cached configuration must equal (bit for bit) the
 no-cache logits of the same request; the KV bytes of every page a request got from L1/L2/L3 must
