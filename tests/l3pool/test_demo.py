@@ -299,6 +299,7 @@ def test_demo_detects_corrupted_pages(
         (["--queue-depth", "0"], "queue_depth"),
         (["--repeats", "0"], "repeats"),
         (["--side-sessions", "-1"], "side_sessions"),
+        (["--side-turns", "-1"], "side_turns"),
         (["--segment-size", "12XB"], "size"),
         (["--master", "127.0.0.1:1", "--metadata", "http://127.0.0.1:1/metadata"], "unreachable"),
     ],

@@ -26,12 +26,17 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-QUICK = {"sessions": 3, "turns": 4, "min_context": 768, "max_context": 2048, "cold": 2, "fit_points": 4, "repeats": 2}
+QUICK = {
+    "sessions": 3, "turns": 4, "min_context": 768, "max_context": 2048, "cold": 2, "fit_points": 4, "repeats": 2,
+    "side_turns": 0,
+}  # fmt: skip
 DEFAULTS_CPU = {
     "sessions": 6, "turns": 5, "min_context": 2048, "max_context": 6144, "cold": 3, "fit_points": 5, "repeats": 3,
+    "side_turns": 3,
 }  # fmt: skip
 DEFAULTS_GPU = {
     "sessions": 4, "turns": 4, "min_context": 24576, "max_context": 65536, "cold": 2, "fit_points": 5, "repeats": 3,
+    "side_turns": 3,
 }  # fmt: skip
 
 
@@ -64,6 +69,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--side-sessions", type=int, default=0, help="sessions replayed for savings/policies/sweep (default: half)"
     )
+    p.add_argument("--side-turns", type=int, help="turns replayed for savings/policies/sweep (quick: all, else 3)")
     p.add_argument("--sweep-l2", action="store_true", help="also sweep the L2 capacity and recommend a size")
     p.add_argument("--layout", choices=["layer_first", "page_first", "page_first_direct"], default="page_first_direct")
     p.add_argument("--seed", type=int, default=0)
@@ -104,6 +110,7 @@ def _options(a: argparse.Namespace) -> Any:
         l2_tokens=a.l2_tokens, l2_layout=a.layout, cold_requests=base["cold"], fit_points=base["fit_points"],
         queue_depth=a.queue_depth, repeats=a.repeats if a.repeats is not None else base["repeats"],
         side_sessions=a.side_sessions, sweep_l2=a.sweep_l2,
+        side_turns=a.side_turns if a.side_turns is not None else base["side_turns"],
     )  # fmt: skip
 
 

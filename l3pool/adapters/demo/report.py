@@ -59,8 +59,8 @@ def table(rep: dict[str, Any]) -> str:
         + (f"{be:.0f} tokens" if be is not None else "none"),
         f"L3->L2     {gb(t['L3_to_L2'])}    L2->L1 {gb(t['L2_to_L1'])}",
         f"L1->L2     {gb(t['L1_to_L2_backup'])}    L2->L3 {gb(t['L2_to_L3_put'])}   (background threads)",
-        f"side trace {side['requests']} requests of {side['sessions']} sessions ({side['tokens']} tokens) for the "
-        f"rows below; {sv['runs']} runs per variant",
+        f"side trace {side['requests']} requests ({side['sessions']} sessions x {side['turns']} turns, "
+        f"{side['tokens']} tokens) for the rows below; {sv['runs']} runs per variant",
         f"overlap    per-layer L2->L1 overlap saves {saved('overlap')}",
         f"prefetch   prefetch-on-queue saves {saved('prefetch')}",
         "policies   (both boundaries; hit rates of the side trace)",

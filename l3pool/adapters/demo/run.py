@@ -101,6 +101,7 @@ class DemoOptions:
     queue_depth: int = 2  # requests in the system at once (one computing, the others queued)
     repeats: int = 3  # runs per variant for the overlap/prefetch savings
     side_sessions: int = 0  # sessions of the shorter trace for savings/policies/sweep (0: half, >= 1)
+    side_turns: int = 0  # turns of the shorter trace (0: all)
     sweep_l2: bool = False  # run the L2 capacity sweep
     sweep_points: int = 6  # at most this many capacities
 
@@ -109,8 +110,10 @@ class DemoOptions:
             raise ConfigError("instances must be >= 1")
         if self.cold_requests < 1 or self.fit_points < 2 or self.verify_every < 1:
             raise ConfigError("cold_requests >= 1, fit_points >= 2 and verify_every >= 1 are required")
-        if self.queue_depth < 1 or self.repeats < 1 or self.side_sessions < 0 or self.sweep_points < 2:
-            raise ConfigError("queue_depth >= 1, repeats >= 1, side_sessions >= 0 and sweep_points >= 2 are required")
+        if min(self.queue_depth, self.repeats) < 1 or min(self.side_sessions, self.side_turns) < 0:
+            raise ConfigError("queue_depth >= 1, repeats >= 1, side_sessions >= 0 and side_turns >= 0 are required")
+        if self.sweep_points < 2:
+            raise ConfigError("sweep_points >= 2 is required")
         need = self.min_tokens()
         for name in ("l1_tokens", "l2_tokens"):
             v = getattr(self, name)
@@ -504,7 +507,7 @@ def run(opts: DemoOptions, store: MooncakeStore, metadata: object = None, bar: A
 
     demo = Demo(opts, store, metadata, tick)
     if bar is not None:
-        n_side = len(study.side_trace(requests, opts.side_count()))
+        n_side = len(study.side_trace(requests, opts.side_count(), opts.side_turns))
         bar.total = demo.total_ticks(len(requests), n_side)
         bar.refresh()
     demo.warmup()
@@ -512,7 +515,7 @@ def run(opts: DemoOptions, store: MooncakeStore, metadata: object = None, bar: A
     median = int(np.median([r.length for r in requests]))
     cold = demo.cold(median)
     fit = demo.fit(requests, runs["no_cache"].recs)
-    side = study.side_trace(requests, opts.side_count())
+    side = study.side_trace(requests, opts.side_count(), opts.side_turns)
     small = opts.min_tokens()
     sav = study.savings(demo, side, opts.repeats)
     pol = study.policies(demo, side, [small, 4 * small])
@@ -537,9 +540,10 @@ def run(opts: DemoOptions, store: MooncakeStore, metadata: object = None, bar: A
             "sweep": swp,
             "side_trace": {
                 "sessions": len({r.session for _, r in side}),
+                "turns": len({r.turn for _, r in side}),
                 "requests": len(side),
                 "tokens": sum(r.length for _, r in side),
-                "why": "savings, policies and sweep replay the first sessions only (each row is a full replay)",
+                "why": "savings, policies and sweep replay the first sessions and turns (each row is a full replay)",
             },
             "cache_overhead": cold["cache_overhead"],
             "miss_path": cold,

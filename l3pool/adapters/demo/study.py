@@ -1,8 +1,8 @@
 """The demo's comparisons on the tiered cache: what per-layer overlap and prefetch-on-queue save,
 the write policies at two L2 capacities, and the L2 capacity sweep.
 
-They replay a shorter trace than the main one (the first `side_sessions` sessions, every turn;
-stated in the report as `side_trace`) because each row is a full replay of the L1+L2+L3
+They replay a shorter trace than the main one (the first `side_sessions` sessions, the
+first `side_turns` turns; stated in the report as `side_trace`) because each row is a full replay of the L1+L2+L3
 configuration: on this 2-core CPU the quick main trace's L1+L2+L3 replay takes ~6 s and the
 report has 3 x repeats + 8 (+ sweep) of them. Every row is checked like the main replay
 (bit-identical logits, per-page digests) and carries its own `logits_identical`/`wrong_pages`.
@@ -32,9 +32,10 @@ POLICIES = (
 PLATEAU = 0.01  # a capacity step that adds <= 1 point of local (L1+L2) hit rate is on the plateau
 
 
-def side_trace(requests: list[Request], sessions: int) -> list[tuple[int, Request]]:
-    """(index in the full trace, request) of the first `sessions` sessions, in arrival order."""
-    return [(i, r) for i, r in enumerate(requests) if r.session < sessions]
+def side_trace(requests: list[Request], sessions: int, turns: int = 0) -> list[tuple[int, Request]]:
+    """(index in the full trace, request) of the first `sessions` sessions (and their first
+    `turns` turns; 0: all), in arrival order."""
+    return [(i, r) for i, r in enumerate(requests) if r.session < sessions and (not turns or r.turn < turns)]
 
 
 def spread_verdict(off: list[float], on: list[float]) -> dict[str, Any]:
