@@ -39,8 +39,8 @@ class ThinEngine:
         m = self.cache.match(rid, hs, max_hit=(n - 1) // P)  # the last token is always computed
         self.cache.prefetch(m)
         h = self.cache.load(m, total_pages=-(-n // P))
-        h.wait()  # the demo's model computes layer by layer per chunk; a per-layer hook would wait_layer(i)
-        logits = self.model.prefill(tokens, h.hit_pages * P, h.slots, self.bufs)
+        # layer i's L2 -> L1 copy is waited for just before the first chunk computes layer i
+        logits = self.model.prefill(tokens, h.hit_pages * P, h.slots, self.bufs, before_layer=h.wait_layer)
         self.cache.commit(rid, hs, h.l1_pages)
         self.cache.release(rid)
         return logits, (h.l1, h.l2, h.l3)

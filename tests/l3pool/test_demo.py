@@ -3,6 +3,7 @@ against a real local cluster (etcd, mooncake_master, 2 decode agents)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -17,7 +18,7 @@ from l3pool.adapters.demo.model import ModelConfig, RefModel
 from l3pool.adapters.demo.workload import WorkloadConfig, generate, prefix_reuse
 from l3pool.cli import main
 
-TINY = ["--quick", "--layers", "2", "--sessions", "2", "--turns", "3", "--min-context", "256", "--max-context", "640"]
+TINY = ["--quick", "--layers", "2", "--sessions", "3", "--turns", "3", "--min-context", "256", "--max-context", "640"]
 
 
 # -- workload ------------------------------------------------------------------------------------
@@ -89,22 +90,26 @@ def test_instance_hits_l1_then_l2_and_keeps_page_counts() -> None:
     m = _small()
     inst = PrefillInstance("t", m, l1_tokens=160, l2_tokens=512)  # L1: 10 pages, L2: 32 pages
     try:
+        assert inst.cache is not None
         rng = np.random.default_rng(0)
         a, b = rng.integers(0, 512, 129), rng.integers(0, 512, 129)  # 8 full pages + 1 token each
         r1 = inst.prefill(a)
-        inst.backup(r1)
-        assert (r1.hit_pages, r1.computed_tokens, r1.backup_bytes) == (0, 129, 8 * inst.page_bytes)
+        inst.flush()  # write_through: the 8 computed pages went L1 -> L2 on the backup thread
+        assert (r1.hit_pages, r1.computed_tokens) == (0, 129)
+        assert inst.stats()["d2h_bytes"] == 8 * inst.page_bytes
         r2 = inst.prefill(a)
         assert (r2.hit_l1, r2.hit_l2, r2.computed_tokens) == (8, 0, 1)
         assert torch.equal(r1.logits, r2.logits)
-        inst.backup(r2)
-        inst.backup(inst.prefill(b))  # evicts a's pages from the 10-page L1
+        inst.prefill(b)  # evicts a's pages from the 10-page L1
+        inst.flush()
         r3 = inst.prefill(a)
         assert r3.hit_l1 + r3.hit_l2 == 8 and r3.hit_l2 > 0 and r3.load_bytes == r3.hit_l2 * inst.page_bytes
         assert torch.equal(r1.logits, r3.logits)
-        # every page is either free or indexed: nothing leaked
-        assert inst.l1.alloc_.free_pages + len(inst.l1.index) == 10
-        assert inst.l2.alloc_.free_pages + len(inst.l2.index) == inst.pool.num_pages
+        inst.flush()
+        st = inst.stats()  # every page is either free or indexed, nothing pinned: nothing leaked
+        for tier in ("l1_pages", "l2_pages"):
+            assert st[tier]["free"] + st[tier]["cached"] == st[tier]["total"] and st[tier]["pinned"] == 0, st[tier]
+        assert st["active_requests"] == 0
     finally:
         inst.close()
 
@@ -114,8 +119,79 @@ def test_instance_too_small_l1_is_a_clear_error() -> None:
     try:
         with pytest.raises(ConfigError, match="cache too small"):
             inst.prefill(np.arange(200) % 512)
+        assert inst.stats()["active_requests"] == 0  # the failed request was released
     finally:
         inst.close()
+    nc = PrefillInstance("nc", _small(), l1_tokens=64, l2_tokens=512, use_cache=False)
+    try:
+        with pytest.raises(ConfigError, match="cache too small"):
+            nc.prefill(np.arange(200) % 512)
+    finally:
+        nc.close()
+
+
+def test_model_waits_per_layer_before_the_first_chunk_reads_it() -> None:
+    """before_layer(i) runs once per layer, in the first chunk only, after layer i-1 computed and
+    before layer i did: layer i's load overlaps the compute of the layers before it."""
+    m = _small()
+    bufs, slots = m.new_l1(256), torch.arange(256)
+    toks = torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(2))
+    seen: list[tuple[int, list[bool]]] = []
+
+    def hook(i: int) -> None:  # which layers already wrote the first chunk's KV (slots 32-47)
+        seen.append((i, [bool(b[slots[32:48]].abs().sum() > 0) for b in bufs]))
+
+    ref = m.prefill(toks, 0, slots, m.new_l1(256))
+    got = m.prefill(toks, 32, slots, bufs, before_layer=hook)  # 5 chunks computed, 2 layers
+    assert seen == [(0, [False, False]), (1, [True, False])]
+    assert not torch.equal(got, ref)  # (no cached prefix in bufs: the hook changed nothing else)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_instance_waits_per_layer_only_with_overlap(overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from l3pool.cache import LoadHandle
+
+    calls: list[tuple[str, int]] = []
+    real_wait_layer, real_wait = LoadHandle.wait_layer, LoadHandle.wait
+
+    def wait_layer(self: LoadHandle, layer: int, timeout: float | None = None) -> None:
+        calls.append(("layer", layer))
+        real_wait_layer(self, layer, timeout)
+
+    def wait(self: LoadHandle, timeout: float | None = None) -> None:
+        calls.append(("all", -1))
+        real_wait(self, timeout)
+
+    monkeypatch.setattr(LoadHandle, "wait_layer", wait_layer)
+    monkeypatch.setattr(LoadHandle, "wait", wait)
+    m = _small()
+    inst = PrefillInstance("t", m, l1_tokens=160, l2_tokens=512, overlap=overlap)
+    try:
+        rng = np.random.default_rng(1)
+        a, b = rng.integers(0, 512, 129), rng.integers(0, 512, 129)
+        r1 = inst.prefill(a)
+        inst.prefill(b)
+        inst.flush()
+        calls.clear()
+        r3 = inst.prefill(a)  # loads from L2
+        assert r3.hit_l2 > 0 and torch.equal(r1.logits, r3.logits)
+        want = [("layer", 0), ("layer", 1)] if overlap else [("all", -1), ("layer", 1)]
+        assert calls == want
+    finally:
+        inst.close()
+
+
+def test_spread_verdict() -> None:
+    from l3pool.adapters.demo.study import spread_verdict
+
+    want = {"saved_s": 1.0, "spread_s": [0.8, 1.2], "verdict": "saved"}
+    assert spread_verdict([2.0, 2.1, 2.2], [1.0, 1.1, 1.2]) == want
+    assert spread_verdict([1.0, 1.1], [2.0, 2.1])["verdict"] == "costs"
+    v = spread_verdict([1.0, 1.5, 2.0], [1.2, 1.3, 1.4])  # the runs overlap: no signed headline
+    assert v["verdict"] == "inconclusive" and v["spread_s"][0] < 0 < v["spread_s"][1]
+    assert spread_verdict([2.0], [1.0])["verdict"] == "inconclusive"  # one run each: no spread
+    with pytest.raises(ValueError):
+        spread_verdict([], [1.0])
 
 
 # -- l3pool demo, end to end ------------------------------------------------------------------------
@@ -135,8 +211,56 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert rep["cache_overhead"] == mp["cache_overhead"]
     assert rep["cache_overhead"] == pytest.approx(1 - mp["cache_tok_per_s"] / mp["no_cache_tok_per_s"], abs=2e-3)
     assert rep["tiers"]["L3_to_L2"]["bytes"] > 0 and rep["tiers"]["L2_to_L3_put"]["bytes"] > 0
+    assert rep["tiers"]["L1_to_L2_backup"]["bytes"] > 0  # the background backup thread wrote
+    assert rep["setup"]["queue_depth"] == 2
+    # savings: medians of repeated runs with their spread, a verdict instead of a bare sign
+    for what in ("overlap", "prefetch"):
+        lo, hi = rep[f"{what}_saved_spread_s"]
+        assert lo <= rep[f"{what}_saved_s"] <= hi
+        assert rep[f"{what}_saved_verdict"] in ("saved", "costs", "inconclusive")
+        if lo <= 0 <= hi:
+            assert rep[f"{what}_saved_verdict"] == "inconclusive"
+    sv = rep["savings"]
+    assert sv["runs"] == 2 and sv["logits_identical"] and sv["wrong_pages"] == 0
+    assert set(sv["prefill_s"]) == {"on", "no_overlap", "no_prefetch"}
+    # the policy table: 4 policies x 2 L2 capacities, each row checked
+    rows = rep["policies"]
+    assert len(rows) == 8 and len({r["l2_tokens"] for r in rows}) == 2
+    assert {r["policy"] for r in rows} == {
+        "write_back", "write_through", "write_through_selective+ghost", "write_through_selective"
+    }  # fmt: skip
+    for r in rows:
+        assert set(r) >= {"policy", "l2_tokens", "hit_rate", "d2h_bytes", "l3_put_bytes", "prefill_s"}
+        assert r["logits_identical"] is True and r["wrong_pages"] == 0, r
+        assert abs(sum(r["hit_rate"].values()) - 1) < 1e-3
+    by = {(r["policy"], r["l2_tokens"]): r for r in rows}
+    for cap in {r["l2_tokens"] for r in rows}:
+        wt, wb = by[("write_through", cap)], by[("write_back", cap)]
+        assert wt["d2h_bytes"] > 0 and wt["l3_put_bytes"] > 0
+        assert by[("write_through_selective", cap)]["d2h_bytes"] <= wt["d2h_bytes"]
+        assert wb["d2h_bytes"] <= wt["d2h_bytes"]  # write_back writes only what L1 evicts
+    assert rep["sweep"] is None  # only with --sweep-l2
+    assert rep["side_trace"]["requests"] >= 2
     for f in ("demo_prefill.png", "demo_tiers.png", "demo_fit.png"):
         assert (tmp_path / f).stat().st_size > 1000
+
+
+def test_demo_sweep_l2_stops_at_the_plateau(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*TINY, "--repeats", "1", "--sweep-l2", "--json", "--no-progress", "--no-plots", "--out", str(tmp_path)]
+    rc = main(["demo", *args])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0, rep
+    sw = rep["sweep"]
+    caps = [p["l2_tokens"] for p in sw["points"]]
+    assert caps == [caps[0] * 2**k for k in range(len(caps))] and len(caps) >= 2
+    local = [p["local_hit_rate"] for p in sw["points"]]
+    assert local == [round(p["hit_rate"]["L1"] + p["hit_rate"]["L2"], 4) for p in sw["points"]]
+    assert sw["recommended_l2_tokens"] in caps and sw["reason"]
+    if "plateau" in sw["reason"]:  # stopped: the last step gained <= 1 point, the one before is recommended
+        assert local[-1] - local[-2] <= 0.01 and sw["recommended_l2_tokens"] == caps[-2]
+        assert all(b - a > 0.01 for a, b in itertools.pairwise(local[:-1]))
+    assert sw["logits_identical"] and sw["wrong_pages"] == 0
+    assert rep["overlap_saved_verdict"] == "inconclusive"  # one run per variant: no spread, no sign
 
 
 def test_demo_detects_corrupted_pages(
@@ -172,6 +296,10 @@ def test_demo_detects_corrupted_pages(
         (["--l1-tokens", "100"], "l1_tokens"),
         (["--sessions", "0"], "sessions"),
         (["--reuse", "1.5"], "reuse"),
+        (["--queue-depth", "0"], "queue_depth"),
+        (["--repeats", "0"], "repeats"),
+        (["--side-sessions", "-1"], "side_sessions"),
+        (["--side-turns", "-1"], "side_turns"),
         (["--segment-size", "12XB"], "size"),
         (["--master", "127.0.0.1:1", "--metadata", "http://127.0.0.1:1/metadata"], "unreachable"),
     ],

@@ -26,9 +26,18 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-QUICK = {"sessions": 3, "turns": 4, "min_context": 768, "max_context": 2048, "cold": 2, "fit_points": 4}
-DEFAULTS_CPU = {"sessions": 6, "turns": 5, "min_context": 2048, "max_context": 6144, "cold": 3, "fit_points": 5}
-DEFAULTS_GPU = {"sessions": 4, "turns": 4, "min_context": 24576, "max_context": 65536, "cold": 2, "fit_points": 5}
+QUICK = {
+    "sessions": 3, "turns": 4, "min_context": 768, "max_context": 2048, "cold": 2, "fit_points": 4, "repeats": 2,
+    "side_turns": 0,
+}  # fmt: skip
+DEFAULTS_CPU = {
+    "sessions": 6, "turns": 5, "min_context": 2048, "max_context": 6144, "cold": 3, "fit_points": 5, "repeats": 3,
+    "side_turns": 3,
+}  # fmt: skip
+DEFAULTS_GPU = {
+    "sessions": 4, "turns": 4, "min_context": 24576, "max_context": 65536, "cold": 2, "fit_points": 5, "repeats": 3,
+    "side_turns": 3,
+}  # fmt: skip
 
 
 def add_parser(subparsers: Any) -> None:
@@ -55,6 +64,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--instances", type=int, default=2, help="prefill instances sharing the L3 pool")
     p.add_argument("--l1-tokens", type=int, default=0, help="L1 capacity per instance (default max context + 2 pages)")
     p.add_argument("--l2-tokens", type=int, default=0, help="L2 capacity per instance (default 3 x max context)")
+    p.add_argument("--queue-depth", type=int, default=2, help="requests in the system at once (default 2)")
+    p.add_argument("--repeats", type=int, help="runs per variant for the overlap/prefetch savings (quick 2, else 3)")
+    p.add_argument(
+        "--side-sessions", type=int, default=0, help="sessions replayed for savings/policies/sweep (default: half)"
+    )
+    p.add_argument("--side-turns", type=int, help="turns replayed for savings/policies/sweep (quick: all, else 3)")
+    p.add_argument("--sweep-l2", action="store_true", help="also sweep the L2 capacity and recommend a size")
     p.add_argument("--layout", choices=["layer_first", "page_first", "page_first_direct"], default="page_first_direct")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--segment-size", default="1GB", help="DRAM each local decode agent donates")
@@ -92,6 +108,9 @@ def _options(a: argparse.Namespace) -> Any:
     return DemoOptions(
         model=model, workload=wl, device=device, instances=a.instances, l1_tokens=a.l1_tokens,
         l2_tokens=a.l2_tokens, l2_layout=a.layout, cold_requests=base["cold"], fit_points=base["fit_points"],
+        queue_depth=a.queue_depth, repeats=a.repeats if a.repeats is not None else base["repeats"],
+        side_sessions=a.side_sessions, sweep_l2=a.sweep_l2,
+        side_turns=a.side_turns if a.side_turns is not None else base["side_turns"],
     )  # fmt: skip
 
 
@@ -173,6 +192,9 @@ def _verdict(rep: dict[str, Any]) -> list[str]:
         bad.append("logits with cache differ from logits without cache")
     if rep["wrong_pages"]:
         bad.append(f"{rep['wrong_pages']} pages had wrong bytes")
+    for row in rep["policies"]:
+        if not row["logits_identical"] or row["wrong_pages"]:
+            bad.append(f"policy row {row['policy']} at L2 {row['l2_tokens']} tokens failed its checks")
     if rep["hit_rate"]["L3"] <= 0:
         bad.append("L3 served no hits")
     return bad

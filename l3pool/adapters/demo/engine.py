@@ -1,71 +1,86 @@
-"""A prefill instance of the demo's reference engine: L1 (device KV) + L2 (l2core pool) + L3.
+"""A prefill instance of the demo's reference engine, a thin user of `l3pool.cache.TieredCache`.
 
     eng = PrefillInstance("a", model, l1_tokens=..., l2_tokens=..., l3=L3Side(store, ns))
-    rec = eng.prefill(tokens)         # timed: match L1 -> L2 -> L3, load, compute the misses
-    eng.backup(rec)                   # after the request, as a backup thread would: L1 -> L2 -> L3
+    q = eng.arrive(tokens)            # the request is queued: match (no bytes move) + prefetch L3 -> L2
+    rec = eng.prefill(q, hold=True)   # scheduled: load L2 -> L1 per layer, compute the misses, commit
+    eng.page_digests(rec, n)          # (verification) the KV bytes of its first n pages in L1
+    eng.release(rec)                  # the device no longer reads its pages
+    eng.prefill(tokens)               # arrive + prefill + release at once
 
-Matching is by chained page hash (l3pool.pool.keys.page_hashes): the longest prefix in L1, then its
-continuation in L2, then in L3 (`L3Client.lookup` + `get` into freshly allocated L2 pages; only
-the leading run of pages that arrived intact counts). At least the last token is always computed,
-so the engine returns logits. Hits move L3 -> L2 -> L1 with l2core's batched scatter, all layers in
-one call; the miss pages are computed by the model straight into L1. `backup` writes the newly
-computed full pages L1 -> L2 (one batched gather) and L2 -> L3 (`put`, which skips pages already
-present). Both caches evict least-recently-used pages that the current request does not use.
+L1 is the model's per-layer buffers (`L1(bufs, page_size)`), L2 an l2core `HostKVPool`, L3 an
+`L3Client` (optional). Matching, reference counts, LRU eviction, the write policies, the L3 -> L2
+prefetch and the background backups (L1 -> L2 on the cache's backup thread, L2 -> L3 on its
+writer thread) all live in the cache; this class only times the request and computes. At least
+the last token is always computed, so the engine returns logits.
 
-The index structures (hash -> page dicts) are per page, like a radix tree; the byte movement is
-one batched call per tier per request.
+Per-layer overlap (`overlap=True`): the model calls `h.wait_layer(i)` before layer i of its first
+chunk, so layer i's L2 -> L1 copy overlaps the compute of layers < i; with `overlap=False` the
+engine waits for the whole load before computing. `prefetch=False`: arrive() only matches, and
+load() fetches the L3 part synchronously (what prefetch-on-queue saves is measured against that).
+
+Without cache (`use_cache=False`) there is no TieredCache: the request's KV goes to slots
+[0, n) of L1 and everything is computed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from l2core import ops
-from l2core.allocator import PageAllocator
 from l2core.pool import HostKVPool, L2Config
 from l2core.spec import ConfigError
 from l3pool.adapters.demo.model import RefModel
+from l3pool.cache import L1, CacheConfig, CacheFull, LoadHandle, Match, TieredCache
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
-from l3pool.pool.store import MooncakeStore, Outcome
+from l3pool.pool.store import MooncakeStore
+
+# The demo waits for the L3 -> L2 prefetch at load (wait_complete): every variant then gets the
+# same hits, and what prefetch-on-queue saves is time, not a different amount of compute.
+DEMO_CACHE = CacheConfig(prefetch_policy="wait_complete")
 
 
 @dataclass
 class Record:
-    """One prefill: what hit where, what moved, how long it took."""
+    """One prefill: what hit where, what moved, how long it took. `prefill_s` runs from the
+    moment the request is scheduled (load) to its logits (commit included); `lookup_s` is the
+    match + prefetch start at arrival, while the request was queued."""
 
     instance: str
     tokens: int
     pages: int  # full pages of the prompt
+    request_id: str = ""
     hit_l1: int = 0  # pages
     hit_l2: int = 0
     hit_l3: int = 0
     computed_tokens: int = 0
     prefill_s: float = 0.0
-    lookup_s: float = 0.0  # hashing + L1/L2 index + L3 lookup
-    l3_get_s: float = 0.0
+    lookup_s: float = 0.0  # match (L1/L2 index + L3 lookup) + prefetch submit, at arrival
+    l3_get_s: float = 0.0  # load() waiting for the rest of the L3 -> L2 fetch
     l3_get_bytes: int = 0
-    load_s: float = 0.0  # L2 -> L1
+    load_s: float = 0.0  # compute blocked on the L2 -> L1 copy (wait_layer / wait)
     load_bytes: int = 0
-    compute_s: float = 0.0
-    backup_s: float = 0.0  # L1 -> L2 (after the request)
-    backup_bytes: int = 0
-    put_s: float = 0.0  # L2 -> L3 (after the request)
-    put_bytes: int = 0
+    compute_s: float = 0.0  # model time, waits excluded
+    backup_bytes: int = 0  # L1 -> L2 bytes the background finished during this request (stats delta)
+    put_bytes: int = 0  # L2 -> L3 bytes the writer finished during this request (stats delta)
     logits: torch.Tensor | None = field(default=None, repr=False)
-    # kept for backup/verification, dropped by the runner afterwards
+    # kept for verification until release
     hashes: list[bytes] = field(default_factory=list, repr=False)
     l1_pages: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def hit_pages(self) -> int:
         return self.hit_l1 + self.hit_l2 + self.hit_l3
+
+    @property
+    def total_s(self) -> float:
+        """Arrival to logits when the request is scheduled at once (no queue)."""
+        return self.lookup_s + self.prefill_s
 
     def tier_tokens(self, page_size: int) -> dict[str, int]:
         return {
@@ -83,45 +98,15 @@ class L3Side:
     metadata: object = None
 
 
-class _PageCache:
-    """hash -> page with LRU order over an allocator; pages in `pinned` are never evicted."""
+@dataclass
+class Queued:
+    """A request that arrived: matched (and prefetching) on its instance, not yet scheduled."""
 
-    def __init__(self, num_pages: int) -> None:
-        self.alloc_ = PageAllocator(num_pages)
-        self.index: OrderedDict[bytes, int] = OrderedDict()
-        self.evicted = 0
-
-    def match(self, hashes: Sequence[bytes], start: int, stop: int) -> int:
-        n = start
-        while n < stop and hashes[n] in self.index:
-            self.index.move_to_end(hashes[n])
-            n += 1
-        return n
-
-    def pages_of(self, hashes: Sequence[bytes]) -> np.ndarray:
-        return np.fromiter((self.index[h] for h in hashes), dtype=np.int64, count=len(hashes))
-
-    def alloc(self, n: int, pinned: set[int]) -> np.ndarray:
-        short = n - self.alloc_.free_pages
-        if short > 0:
-            victims = []
-            for h, p in self.index.items():
-                if p not in pinned:
-                    victims.append(h)
-                    if len(victims) == short:
-                        break
-            if len(victims) < short:
-                raise ConfigError(f"cache too small: need {n} pages, {len(pinned)} in use by this request")
-            self.alloc_.free(np.fromiter((self.index.pop(h) for h in victims), dtype=np.int64, count=short))
-            self.evicted += short
-        return self.alloc_.alloc(n)
-
-    def insert(self, hashes: Sequence[bytes], pages: np.ndarray) -> None:
-        """Index `pages` under `hashes`; a page an entry pointed to before goes back to the free list."""
-        old = [q for h, p in zip(hashes, pages.tolist(), strict=True) if (q := self.index.pop(h, p)) != p]
-        self.index.update(zip(hashes, pages.tolist(), strict=True))
-        if old:
-            self.alloc_.free(np.asarray(old, dtype=np.int64))
+    request_id: str
+    tokens: np.ndarray = field(repr=False)
+    hashes: list[bytes] = field(repr=False)
+    match: Match | None
+    lookup_s: float
 
 
 class PrefillInstance:
@@ -135,130 +120,152 @@ class PrefillInstance:
         l2_layout: str = "page_first_direct",
         l3: L3Side | None = None,
         use_cache: bool = True,
+        cache: CacheConfig = DEMO_CACHE,
+        overlap: bool = True,
+        prefetch: bool = True,
     ) -> None:
         spec = model.cfg.kv_spec()
         self.P = spec.page_size
         self.name, self.model, self.use_cache = name, model, use_cache
+        self.overlap, self.prefetch_on_queue = overlap, prefetch
         self.device = model.device
         l1_pages = l1_tokens // self.P
-        self.l1 = _PageCache(l1_pages)
+        if l1_pages < 1:
+            raise ConfigError(f"l1_tokens {l1_tokens} must hold at least one page of {self.P} tokens")
         self.bufs = model.new_l1(l1_pages * self.P)
         pin = "auto" if self.device.type == "cuda" else "never"
         self.pool = HostKVPool(L2Config(kv=spec, layout=l2_layout, tokens=l2_tokens, pin=pin))  # type: ignore[arg-type]
-        self.l2 = _PageCache(self.pool.num_pages)
         self.l3: L3Client | None = None
-        self.keys_of: Namespace | None = None
-        if l3 is not None and use_cache:
-            self.l3 = L3Client(self.pool, l3.store, l3.namespace, metadata=l3.metadata, client_id=f"demo-{name}")
-            self.keys_of = l3.namespace
+        self.cache: TieredCache | None = None
+        self._ids = itertools.count()
+        try:
+            if use_cache:
+                if l3 is not None:
+                    self.l3 = L3Client(
+                        self.pool, l3.store, l3.namespace, metadata=l3.metadata, client_id=f"demo-{name}",
+                        batch_pages=max(64, cache.writer_batch_pages),
+                    )  # fmt: skip
+                self.cache = TieredCache(cache, L1(self.bufs, self.P), self.pool, self.l3)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def page_bytes(self) -> int:
         return self.pool.layout.page_bytes
 
     def _slots(self, l1_pages: np.ndarray) -> torch.Tensor:
-        p = torch.from_numpy(l1_pages)
+        p = torch.from_numpy(np.ascontiguousarray(l1_pages, dtype=np.int64))
         return (p[:, None] * self.P + torch.arange(self.P)[None, :]).reshape(-1)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def prefill(self, tokens: np.ndarray) -> Record:
-        P, n = self.P, int(tokens.size)
+    def arrive(self, tokens: np.ndarray) -> Queued:
+        """The request is queued on this instance: match it (pins its L1/L2 hit) and start the
+        L3 -> L2 prefetch of its L3 hit, as an engine's scheduler does on arrival."""
+        n = int(tokens.size)
+        if n < 1:
+            raise ValueError("a request needs at least one token")
+        rid = f"{self.name}-{next(self._ids)}"
         t0 = time.perf_counter()
-        hashes = page_hashes(tokens, P) if self.use_cache else []
-        full = n // P
-        rec = Record(self.name, n, full, hashes=hashes)
-        usable = (n - 1) // P if self.use_cache else 0  # at least one token is computed
-        n1 = self.l1.match(hashes, 0, usable)
-        n2 = self.l2.match(hashes, n1, usable)
-        l2_pinned = set(self.l2.pages_of(hashes[n1:n2]).tolist())
-        keys = self.keys_of.keys(hashes[n2:usable]) if self.l3 is not None and self.keys_of is not None else []
-        found = self.l3.lookup(keys) if self.l3 is not None and keys else 0
-        rec.lookup_s = time.perf_counter() - t0
-        n3 = n2
-        if found:
-            t = time.perf_counter()
-            got = self.l2.alloc(found, l2_pinned)
-            try:
-                res = self.l3.get(keys[:found], got) if self.l3 is not None else []
-            except BaseException:
-                self.l2.alloc_.free(got)  # nothing leaks when the pool errs
-                raise
-            ok = 0
-            while ok < len(res) and res[ok] is Outcome.OK:
-                ok += 1
-            self.l2.insert(hashes[n2 : n2 + ok], got[:ok])
-            self.l2.alloc_.free(got[ok:])
-            l2_pinned.update(got[:ok].tolist())
-            n3 = n2 + ok
-            rec.l3_get_s = time.perf_counter() - t
-            rec.l3_get_bytes = ok * self.page_bytes
-        rec.hit_l1, rec.hit_l2, rec.hit_l3 = n1, n2 - n1, n3 - n2
-        # L1 pages: hits stay where they are; loaded and new pages get fresh ones
-        hit_l1_pages = self.l1.pages_of(hashes[:n1])
-        total_pages = -(-n // P)
-        fresh = self.l1.alloc(total_pages - n1, set(hit_l1_pages.tolist()))
-        l1_pages = np.concatenate([hit_l1_pages, fresh])
-        slots = self._slots(l1_pages)
-        if n3 > n1:
-            t = time.perf_counter()
-            src = self.l2.pages_of(hashes[n1:n3])
-            ops.scatter_to_device(
-                self.bufs, slots[n1 * P : n3 * P], self.pool.buffer, torch.from_numpy(src), self.pool.layout
-            )
-            self._sync()
-            rec.load_s = time.perf_counter() - t
-            rec.load_bytes = (n3 - n1) * self.page_bytes
-        t = time.perf_counter()
-        rec.logits = self.model.prefill(tokens, n3 * P, slots.to(self.device), self.bufs)
-        self._sync()
-        rec.compute_s = time.perf_counter() - t
-        rec.computed_tokens = n - n3 * P
-        rec.prefill_s = time.perf_counter() - t0
-        # full pages become L1-cached (the loaded ones too); the partial last page is released
-        if self.use_cache:
-            self.l1.insert(hashes[n1:full], l1_pages[n1:full])
-        rec.l1_pages = l1_pages
-        self.l1.alloc_.free(l1_pages[full:] if self.use_cache else l1_pages)
+        if self.cache is None:
+            return Queued(rid, tokens, [], None, 0.0)
+        hs = page_hashes(tokens, self.P)
+        m = self.cache.match(rid, hs, max_hit=(n - 1) // self.P)  # the last token is always computed
+        if self.prefetch_on_queue:
+            self.cache.prefetch(m)
+        return Queued(rid, tokens, hs, m, time.perf_counter() - t0)
+
+    def prefill(self, req: Queued | np.ndarray, hold: bool = False) -> Record:
+        """Schedule the request (arrive() first when given tokens): load, compute, commit. With
+        `hold` the request stays active (its L1 pages pinned, e.g. for page_digests) until
+        release(rec)."""
+        q = req if isinstance(req, Queued) else self.arrive(req)
+        P, n = self.P, int(q.tokens.size)
+        rec = Record(self.name, n, n // P, request_id=q.request_id, hashes=q.hashes, lookup_s=q.lookup_s)
+        try:
+            if self.cache is None or q.match is None:
+                self._compute_uncached(q, rec)
+            else:
+                self._compute_cached(self.cache, q, q.match, rec)
+        except BaseException:
+            if self.cache is not None and q.match is not None:
+                self.cache.release(q.request_id)
+            raise
+        if not hold:
+            self.release(rec)
         return rec
 
-    def backup(self, rec: Record) -> None:
-        """Write-through of the pages this request computed: L1 -> L2 (one batched gather), then
-        L2 -> L3 (`put` skips keys already present)."""
-        if not self.use_cache or rec.l1_pages is None or rec.pages <= rec.hit_pages:
-            return
-        first, full = rec.hit_pages, rec.pages
-        hs = rec.hashes[first:full]
-        missing = [i for i, h in enumerate(hs) if h not in self.l2.index]
-        if missing:
-            t = time.perf_counter()
-            present = [h for h in hs if h in self.l2.index]
-            dst = self.l2.alloc(len(missing), set(self.l2.pages_of(present).tolist()))
-            src = rec.l1_pages[first:full][np.asarray(missing, dtype=np.int64)]
-            ops.gather_to_host(self.bufs, self._slots(src), self.pool.buffer, torch.from_numpy(dst), self.pool.layout)
-            self._sync()
-            self.l2.insert([hs[i] for i in missing], dst)
-            rec.backup_s = time.perf_counter() - t
-            rec.backup_bytes = len(missing) * self.page_bytes
-        if self.l3 is not None and self.keys_of is not None:
-            t = time.perf_counter()
-            res = self.l3.put(self.keys_of.keys(hs), self.l2.pages_of(hs))
-            rec.put_s = time.perf_counter() - t
-            rec.put_bytes = sum(r is Outcome.OK for r in res) * self.page_bytes
+    def _compute_uncached(self, q: Queued, rec: Record) -> None:
+        n = rec.tokens
+        pages = -(-n // self.P)
+        if pages * self.P > self.bufs[0].shape[0]:
+            raise ConfigError(f"cache too small: a request of {n} tokens needs {pages} L1 pages")
+        t0 = time.perf_counter()
+        rec.l1_pages = np.arange(pages, dtype=np.int64)
+        rec.logits = self.model.prefill(q.tokens, 0, self._slots(rec.l1_pages).to(self.device), self.bufs)
+        self._sync()
+        rec.compute_s = rec.prefill_s = time.perf_counter() - t0
+        rec.computed_tokens = n
+
+    def _compute_cached(self, cache: TieredCache, q: Queued, m: Match, rec: Record) -> None:
+        P, n = self.P, rec.tokens
+        st0 = cache.stats()
+        t0 = time.perf_counter()
+        try:
+            h: LoadHandle = cache.load(m, total_pages=-(-n // P))
+        except CacheFull as e:
+            raise ConfigError(f"cache too small: {e}") from None
+        t1 = time.perf_counter()
+        slots = h.slots.to(self.device)
+        if self.overlap:
+            logits = self.model.prefill(q.tokens, h.hit_pages * P, slots, self.bufs, before_layer=h.wait_layer)
+        else:
+            h.wait()
+            logits = self.model.prefill(q.tokens, h.hit_pages * P, slots, self.bufs)
+        self._sync()
+        t2 = time.perf_counter()
+        cache.commit(q.request_id, q.hashes, h.l1_pages)
+        rec.prefill_s = time.perf_counter() - t0
+        st1 = cache.stats()
+        rec.logits, rec.l1_pages = logits, h.l1_pages
+        rec.hit_l1, rec.hit_l2, rec.hit_l3 = h.l1, h.l2, h.l3
+        rec.computed_tokens = n - h.hit_pages * P
+        rec.l3_get_s, rec.l3_get_bytes = h.l3_wait_s, h.l3 * self.page_bytes
+        rec.load_s, rec.load_bytes = h.wait_s, h.loaded_bytes
+        rec.compute_s = max(0.0, (t2 - t1) - h.wait_s)
+        rec.backup_bytes = st1["d2h_bytes"] - st0["d2h_bytes"]
+        rec.put_bytes = st1["l3_put_bytes"] - st0["l3_put_bytes"]
+
+    def release(self, rec: Record) -> None:
+        """The request is done: its uncommitted L1 pages go back to the cache."""
+        if self.cache is not None:
+            self.cache.release(rec.request_id)
 
     def page_digests(self, rec: Record, upto: int) -> list[bytes]:
-        """blake2b of each of the first `upto` full pages' KV bytes in L1 (all layers)."""
-        import hashlib
-
+        """blake2b of each of the first `upto` full pages' KV bytes in L1 (all layers); the request
+        must still be held (prefill(..., hold=True))."""
         assert rec.l1_pages is not None
         slots = self._slots(rec.l1_pages[:upto]).to(self.device)
         per = [b[slots].reshape(upto, -1).view(torch.uint8).cpu() for b in self.bufs]  # verification only
         allb = torch.cat(per, dim=1).numpy()
         return [hashlib.blake2b(allb[i].tobytes(), digest_size=16).digest() for i in range(upto)]
 
+    def flush(self) -> None:
+        """Wait for the background backups (L1 -> L2, L2 -> L3); raise their errors."""
+        if self.cache is not None:
+            self.cache.flush(timeout=120.0)
+
+    def stats(self) -> dict[str, object]:
+        return self.cache.stats() if self.cache is not None else {}
+
     def close(self) -> None:
-        if self.l3 is not None:
-            self.l3.close()
-        self.pool.close()
+        try:
+            if self.cache is not None:
+                self.cache.close()
+        finally:
+            if self.l3 is not None:
+                self.l3.close()
+            self.pool.close()

@@ -18,7 +18,7 @@ the last-token logits are bit-identical with and without cache — the demo chec
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -142,10 +142,15 @@ class RefModel:
         start: int,
         slots: torch.Tensor,
         bufs: Sequence[torch.Tensor],
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Computes tokens[start:] (start page-aligned), writing their KV into `bufs` at
         `slots[start:]` and reading tokens[:start]'s KV from `bufs` at `slots[:start]`.
-        Returns the last token's logits (float32, on the model's device)."""
+        Returns the last token's logits (float32, on the model's device).
+
+        `before_layer(i)` runs before layer i of the first chunk reads the cached prefix's KV
+        (e.g. `LoadHandle.wait_layer`: layer i's L2 -> L1 copy overlaps layers < i's compute);
+        later chunks read only what the first chunk already waited for."""
         P = self.cfg.page_size
         n = len(tokens)
         if start % P or not 0 <= start < n:
@@ -157,10 +162,17 @@ class RefModel:
         x_last = torch.empty(0)
         for c0 in range(start, n, P):  # one page per chunk (see the module docstring)
             c1 = min(c0 + P, n)
-            x_last = self._chunk(tok[c0:c1], c0, slots[:c1], bufs)
+            x_last = self._chunk(tok[c0:c1], c0, slots[:c1], bufs, before_layer if c0 == start else None)
         return (_rms(x_last[-1:]) @ self.out)[0].float()
 
-    def _chunk(self, tok: torch.Tensor, c0: int, slots: torch.Tensor, bufs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _chunk(
+        self,
+        tok: torch.Tensor,
+        c0: int,
+        slots: torch.Tensor,
+        bufs: Sequence[torch.Tensor],
+        before_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         cfg = self.cfg
         m = tok.numel()
         pos = torch.arange(c0, c0 + m, device=self.device)
@@ -169,6 +181,8 @@ class RefModel:
         x = self.embed[tok]
         new_slots = slots[c0:]
         for li, p in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(li)
             h = _rms(x)
             if cfg.attention == "mla":
                 a = self._mla(h, pos, p, bufs[li], new_slots, slots, mask)

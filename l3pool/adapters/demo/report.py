@@ -15,8 +15,31 @@ def table(rep: dict[str, Any]) -> str:
     be = fit["break_even_tokens"]
 
     def gb(x: dict[str, Any]) -> str:
-        g = x["GBps"]
-        return f"{x['bytes'] / 1e6:9.1f} MB  " + (f"{g:6.2f} GB/s" if g is not None else "      -")
+        w = x.get("engine_wait_s")
+        return f"{x['bytes'] / 1e6:9.1f} MB" + (f" (engine waited {w * 1e3:7.1f} ms)" if w is not None else " " * 28)
+
+    def saved(what: str) -> str:
+        v, (lo, hi) = rep[f"{what}_saved_verdict"], rep[f"{what}_saved_spread_s"]
+        head = "inconclusive" if v == "inconclusive" else f"{rep[f'{what}_saved_s']:+.3f} s ({v})"
+        return f"{head}, runs allow {lo:+.3f}..{hi:+.3f} s"
+
+    def rates(h: dict[str, float]) -> str:
+        return " ".join(f"{k} {v:5.1%}" for k, v in h.items())
+
+    sv, side = rep["savings"], rep["side_trace"]
+    pol = [
+        f"  {r['policy']:<30} L2 {r['l2_tokens']:>7}  {rates(r['hit_rate'])}  D2H {r['d2h_bytes'] / 1e6:7.1f} MB  "
+        f"L3 put {r['l3_put_bytes'] / 1e6:7.1f} MB  prefill {r['prefill_s']:6.2f} s  "
+        + ("ok" if r["logits_identical"] and not r["wrong_pages"] else "CHECKS FAILED")
+        for r in rep["policies"]
+    ]
+    sweep = []
+    if rep.get("sweep"):
+        sw = rep["sweep"]
+        sweep = [f"L2 sweep   recommended {sw['recommended_l2_tokens']} tokens: {sw['reason']}"]
+        sweep += [
+            f"  L2 {q['l2_tokens']:>8}  {rates(q['hit_rate'])}  prefill {q['prefill_s']:6.2f} s" for q in sw["points"]
+        ]
 
     lines = [
         f"workload   {tr['requests']} requests ({tr['sessions']} sessions x <= {tr['turns']} turns), "
@@ -35,7 +58,14 @@ def table(rep: dict[str, Any]) -> str:
         f"{fit['no_cache_a_ms']:.2f} ms + {fit['no_cache_b_us_per_token']:.2f} us/token; break-even "
         + (f"{be:.0f} tokens" if be is not None else "none"),
         f"L3->L2     {gb(t['L3_to_L2'])}    L2->L1 {gb(t['L2_to_L1'])}",
-        f"L1->L2     {gb(t['L1_to_L2_backup'])}    L2->L3 {gb(t['L2_to_L3_put'])}   (after each request)",
+        f"L1->L2     {gb(t['L1_to_L2_backup'])}    L2->L3 {gb(t['L2_to_L3_put'])}   (background threads)",
+        f"side trace {side['requests']} requests ({side['sessions']} sessions x {side['turns']} turns, "
+        f"{side['tokens']} tokens) for the rows below; {sv['runs']} runs per variant",
+        f"overlap    per-layer L2->L1 overlap saves {saved('overlap')}",
+        f"prefetch   prefetch-on-queue saves {saved('prefetch')}",
+        "policies   (both boundaries; hit rates of the side trace)",
+        *pol,
+        *sweep,
         f"checks     logits identical: {rep['logits_identical']} ({rep['logits_compared']} compared), "
         f"wrong pages: {rep['wrong_pages']} of {rep['pages_verified']} verified",
     ]
@@ -75,10 +105,10 @@ def plot(rep: dict[str, Any], out: Path) -> list[str]:
     a1.legend()
     t = rep["tiers"]
     names = ["L3->L2", "L2->L1", "L1->L2", "L2->L3"]
-    vals = [t[k]["GBps"] or 0.0 for k in ("L3_to_L2", "L2_to_L1", "L1_to_L2_backup", "L2_to_L3_put")]
+    vals = [t[k]["bytes"] / 1e6 for k in ("L3_to_L2", "L2_to_L1", "L1_to_L2_backup", "L2_to_L3_put")]
     a2.bar(names, vals)
-    a2.set_ylabel("GB/s")
-    a2.set_title("Bandwidth per tier move")
+    a2.set_ylabel("MB")
+    a2.set_title("Bytes per tier move (L1+L2+L3)")
     files.append(_save(fig, out / "demo_tiers.png"))
 
     fit = rep["fit"]

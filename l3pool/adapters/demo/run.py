@@ -10,6 +10,19 @@ Requests are routed round-robin by (session + turn) over `instances` prefill ins
 load balancer without session affinity, so a session's next turn often lands on an instance that
 never saw its history: that is the traffic L3 serves.
 
+The trace is replayed as a queue (`queue_depth`, default 2, requests in the system at once): in
+arrival order (turn-major), request i+1 arrives when request i is scheduled; on arrival it is
+matched on its instance and its L3 hit starts prefetching into L2 (as an engine's scheduler
+matches on arrival), and it is scheduled (loaded and computed) when request i finished. Matching
+at arrival is honest about what a queued request can hit: pages that request i is still
+computing are not there yet (it only matters for a shared prefix no earlier request wrote; a
+session's turns are `sessions` requests apart, so its own history is committed long before).
+The backups of request i (L1 -> L2 on the cache's backup thread, L2 -> L3 on its writer thread)
+run while later requests compute, so a later request finds request i's pages in L3 only once the
+writer put them: with 2 sessions on 2 instances a session's next turn arrives right after its
+previous turn committed and finds nothing in L3 (measured: 0 % L3 hits), with 3 sessions the
+backups have a request's compute to land. `prefill_s` counts from scheduling to logits.
+
 Checks: every request's last-token logits in a cached configuration must equal (bit for bit) the
 no-cache logits of the same request; the KV bytes of every page a request got from L1/L2/L3 must
 equal the bytes recomputation produced (per-page digests recorded in the no-cache run).
@@ -21,17 +34,20 @@ import itertools
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from l2core.spec import ConfigError
-from l3pool.adapters.demo.engine import L3Side, PrefillInstance, Record
+from l3pool.adapters.demo import study
+from l3pool.adapters.demo.engine import DEMO_CACHE, L3Side, PrefillInstance, Queued, Record
 from l3pool.adapters.demo.model import ModelConfig, RefModel
-from l3pool.adapters.demo.workload import WorkloadConfig, generate, prefix_reuse
+from l3pool.adapters.demo.workload import Request, WorkloadConfig, generate, prefix_reuse
+from l3pool.cache import CacheConfig
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore
 
@@ -76,31 +92,73 @@ class DemoOptions:
     workload: WorkloadConfig
     device: str = "cpu"
     instances: int = 2
-    l1_tokens: int = 0  # 0: max_context + 2 pages per instance (small: L1 is device memory)
-    l2_tokens: int = 0  # 0: 3 x max_context per instance
+    l1_tokens: int = 0  # 0: queue_depth x (max_context + a page) per instance (small: L1 is device memory)
+    l2_tokens: int = 0  # 0: 3 x the default L1 per instance
     l2_layout: str = "page_first_direct"
     cold_requests: int = 3
     fit_points: int = 4
     verify_every: int = 1  # digest-check the hit pages of every k-th cached request
+    queue_depth: int = 2  # requests in the system at once (one computing, the others queued)
+    repeats: int = 3  # runs per variant for the overlap/prefetch savings
+    side_sessions: int = 0  # sessions of the shorter trace for savings/policies/sweep (0: half, >= 1)
+    side_turns: int = 0  # turns of the shorter trace (0: all)
+    sweep_l2: bool = False  # run the L2 capacity sweep
+    sweep_points: int = 6  # at most this many capacities
 
     def __post_init__(self) -> None:
         if self.instances < 1:
             raise ConfigError("instances must be >= 1")
         if self.cold_requests < 1 or self.fit_points < 2 or self.verify_every < 1:
             raise ConfigError("cold_requests >= 1, fit_points >= 2 and verify_every >= 1 are required")
+        if min(self.queue_depth, self.repeats) < 1 or min(self.side_sessions, self.side_turns) < 0:
+            raise ConfigError("queue_depth >= 1, repeats >= 1, side_sessions >= 0 and side_turns >= 0 are required")
+        if self.sweep_points < 2:
+            raise ConfigError("sweep_points >= 2 is required")
+        need = self.min_tokens()
+        for name in ("l1_tokens", "l2_tokens"):
+            v = getattr(self, name)
+            if v and v < need:
+                raise ConfigError(
+                    f"{name} {v} must hold {self.queue_depth} queued requests of max_context + a page ({need})"
+                )
+
+    def side_count(self) -> int:
+        """Sessions of the shorter trace: by default half, but more than queue_depth (a session's
+        next turn must arrive after its previous turn committed, or it cannot hit its history)."""
+        ws = self.workload.sessions
+        return min(ws, self.side_sessions) if self.side_sessions else max(min(ws, self.queue_depth + 1), ws // 2)
+
+    def min_tokens(self) -> int:
+        """What L1 and L2 must hold: every request in the system pins its hit (queue_depth x one
+        request of max_context, rounded up to pages, + a page)."""
         P, mc = self.model.page_size, self.workload.max_context
-        if self.l1_tokens and self.l1_tokens < mc + P:
-            raise ConfigError(f"l1_tokens {self.l1_tokens} must hold one request of max_context + a page ({mc + P})")
-        if self.l2_tokens and self.l2_tokens < mc + P:
-            raise ConfigError(f"l2_tokens {self.l2_tokens} must hold one request of max_context + a page ({mc + P})")
+        return self.queue_depth * (-(-mc // P) * P + P)
 
     def sizes(self) -> tuple[int, int]:
-        P, mc = self.model.page_size, self.workload.max_context
+        return self.l1_tokens or self.min_tokens(), self.l2_tokens or 3 * self.min_tokens()
 
-        def up(x: float) -> int:
-            return int(-(-x // P) * P)
 
-        return self.l1_tokens or up(mc + 2 * P), self.l2_tokens or up(3 * mc + P)
+@dataclass
+class QueueRun:
+    """One replay: its records in scheduling order, summed cache stats, its checks."""
+
+    recs: list[Record] = field(default_factory=list)
+    stats: dict[str, int] = field(default_factory=dict)
+    logits_identical: bool = False
+    logits_compared: int = 0
+    wrong_pages: int = 0
+
+    @property
+    def prefill_s(self) -> float:
+        return sum(r.prefill_s for r in self.recs)
+
+    def hit_rate(self, page_size: int) -> dict[str, float]:
+        total = sum(r.tokens for r in self.recs)
+        agg = dict.fromkeys(TIERS, 0)
+        for r in self.recs:
+            for k, x in r.tier_tokens(page_size).items():
+                agg[k] += x
+        return {k: round(x / total, 4) if total else 0.0 for k, x in agg.items()}
 
 
 class Verifier:
@@ -158,47 +216,105 @@ class Demo:
         spec = self.opts.model.kv_spec()
         return Namespace.for_pool(spec, self.opts.l2_layout, self.opts.model.fingerprint, tenant=f"{self.run_id}-{tag}")
 
-    def instance(self, name: str, cfg: str, ns: Namespace | None = None) -> PrefillInstance:
+    def instance(
+        self,
+        name: str,
+        cfg: str,
+        ns: Namespace | None = None,
+        *,
+        cache: CacheConfig = DEMO_CACHE,
+        l2_tokens: int = 0,
+        overlap: bool = True,
+        prefetch: bool = True,
+    ) -> PrefillInstance:
         l1, l2 = self.opts.sizes()
         l3 = L3Side(self.store, ns, self.metadata) if cfg == "l1_l2_l3" and ns is not None else None
         return PrefillInstance(
-            name, self.model, l1_tokens=l1, l2_tokens=l2, l2_layout=self.opts.l2_layout, l3=l3,
-            use_cache=cfg != "no_cache",
+            name, self.model, l1_tokens=l1, l2_tokens=l2_tokens or l2, l2_layout=self.opts.l2_layout, l3=l3,
+            use_cache=cfg != "no_cache", cache=cache, overlap=overlap, prefetch=prefetch,
         )  # fmt: skip
+
+    def drop(self, ns: Namespace) -> None:
+        """Remove a finished run's pages from the pool (the repeated runs would fill it)."""
+        try:
+            self.store.remove_prefix(ns.ns_id + "/", force=True)
+        except Exception as e:  # only memory: the next runs use their own namespaces
+            log.warning("could not remove the pages of %s: %s", ns.ns_id, e)
 
     # -- phases ---------------------------------------------------------------------------------
     def warmup(self) -> None:
         inst = self.instance("warmup", "l1_l2")
         try:
             toks = np.arange(self.opts.model.page_size * 2 + 1, dtype=np.int64) % self.opts.model.vocab
-            inst.backup(inst.prefill(toks))
+            inst.prefill(toks)
+            inst.flush()
             inst.prefill(toks)
         finally:
             inst.close()
 
-    def replay(self, requests: list[Any]) -> dict[str, list[Record]]:
-        out: dict[str, list[Record]] = {}
+    def replay(self, requests: list[Any]) -> dict[str, QueueRun]:
         ns = self.namespace("trace")
-        for cfg in CONFIGS:
-            insts = [self.instance(f"{cfg}-{k}", cfg, ns) for k in range(self.opts.instances)]
-            recs: list[Record] = []
-            try:
-                for i, r in enumerate(requests):
+        trace = list(enumerate(requests))
+        return {cfg: self.run_queue(trace, cfg, ns, tick=cfg) for cfg in CONFIGS}
+
+    def run_queue(
+        self,
+        trace: list[tuple[int, Request]],
+        cfg: str,
+        ns: Namespace | None,
+        *,
+        tick: str,
+        cache: CacheConfig = DEMO_CACHE,
+        l2_tokens: int = 0,
+        overlap: bool = True,
+        prefetch: bool = True,
+    ) -> QueueRun:
+        """Replay `trace` ((index into the full trace, request) in arrival order) as a queue of
+        `queue_depth` requests on fresh instances; every request is checked against the no-cache
+        run (which records the references when `cfg` is no_cache)."""
+        v = self.verifier
+        before = (v.compared, v.mismatched_logits, v.wrong_pages)
+        insts = [
+            self.instance(f"{cfg}-{k}", cfg, ns, cache=cache, l2_tokens=l2_tokens, overlap=overlap, prefetch=prefetch)
+            for k in range(self.opts.instances)
+        ]
+        run = QueueRun()
+        queued: deque[tuple[int, Request, PrefillInstance, Queued]] = deque()
+        nxt = 0
+        try:
+            while nxt < len(trace) or queued:
+                while nxt < len(trace) and len(queued) < self.opts.queue_depth:  # arrivals
+                    i, r = trace[nxt]
                     inst = insts[(r.session + r.turn) % len(insts)]
-                    rec = inst.prefill(r.tokens)
+                    queued.append((i, r, inst, inst.arrive(r.tokens)))
+                    nxt += 1
+                i, r, inst, q = queued.popleft()  # scheduled: the next arrives while it computes
+                rec = inst.prefill(q, hold=True)
+                try:
                     if cfg == "no_cache":
-                        self.verifier.record(i, inst, rec, r.tokens)
+                        v.record(i, inst, rec, r.tokens)
                     else:
-                        self.verifier.check(i, inst, rec, pages=i % self.opts.verify_every == 0)
-                    inst.backup(rec)
-                    rec.logits, rec.l1_pages, rec.hashes = None, None, []
-                    recs.append(rec)
-                    self.tick(cfg)
-            finally:
-                for inst in insts:
-                    inst.close()
-            out[cfg] = recs
-        return out
+                        v.check(i, inst, rec, pages=i % self.opts.verify_every == 0)
+                finally:
+                    inst.release(rec)
+                rec.logits, rec.l1_pages, rec.hashes = None, None, []
+                run.recs.append(rec)
+                self.tick(tick)
+            for inst in insts:
+                inst.flush()
+                st = inst.stats()
+                for k in ("d2h_bytes", "l3_put_bytes"):
+                    run.stats[k] = run.stats.get(k, 0) + int(st.get(k, 0))  # type: ignore[call-overload]
+        finally:
+            for _, _, inst, q in queued:
+                if inst.cache is not None:
+                    inst.cache.release(q.request_id)
+            for inst in insts:
+                inst.close()
+        run.logits_identical = v.mismatched_logits == before[1] and v.compared > before[0]
+        run.wrong_pages = v.wrong_pages - before[2]
+        run.logits_compared = v.compared - before[0]
+        return run
 
     def cold(self, length: int) -> dict[str, Any]:
         """Miss-path overhead: unique prompts through a no-cache and a full-cache instance."""
@@ -214,12 +330,12 @@ class Demo:
                 recs = {}
                 for inst in order:
                     recs[inst.name] = inst.prefill(toks)
-                    inst.backup(recs[inst.name])  # untimed, as a backup thread
+                    inst.flush()  # untimed: the backups do not run into the other instance's timing
                 self.verifier.compare(recs["cold-nc"].logits, recs["cold-cache"].logits)
                 if recs["cold-cache"].hit_pages:
                     raise RuntimeError("a cold request hit the cache: the overhead measurement is invalid")
-                t_nc += recs["cold-nc"].prefill_s
-                t_ca += recs["cold-cache"].prefill_s
+                t_nc += recs["cold-nc"].total_s  # arrival to logits: the miss path's match included
+                t_ca += recs["cold-cache"].total_s
                 toks_total += length
                 self.tick("cold")
         finally:
@@ -242,7 +358,7 @@ class Demo:
                 rec = reader.prefill(toks)
             finally:
                 reader.close()
-            if best is None or rec.prefill_s < best.prefill_s:
+            if best is None or rec.total_s < best.total_s:
                 best = rec
         assert best is not None
         return best
@@ -260,11 +376,12 @@ class Demo:
         try:
             for k in [k for k in SHORT_PAGES if k * P < mc]:
                 toks = rng.integers(0, self.opts.model.vocab, size=k * P + 1, dtype=np.int64)
-                writer.backup(writer.prefill(toks))
-                ref = min((nc.prefill(toks) for _ in range(2)), key=lambda r: r.prefill_s)
+                writer.prefill(toks)
+                writer.flush()
+                ref = min((nc.prefill(toks) for _ in range(2)), key=lambda r: r.total_s)
                 hit = self._all_hit(toks, ns, tries=2)
                 self.verifier.compare(ref.logits, hit.logits)
-                ms = {"all_hit_ms": hit.prefill_s * 1e3, "no_cache_ms": ref.prefill_s * 1e3}
+                ms = {"all_hit_ms": hit.total_s * 1e3, "no_cache_ms": ref.total_s * 1e3}
                 points.append({"tokens": int(toks.size), "hit_pages": hit.hit_l3, **ms})
                 self.tick("short")
         finally:
@@ -293,7 +410,7 @@ class Demo:
             toks = requests[i].tokens
             toks = toks[: (toks.size - 1) // P * P + 1]
             hit = self._all_hit(toks, ns)
-            points.append({"tokens": int(toks.size), "hit_pages": hit.hit_l3, "all_hit_ms": hit.prefill_s * 1e3})
+            points.append({"tokens": int(toks.size), "hit_pages": hit.hit_l3, "all_hit_ms": hit.total_s * 1e3})
             self.tick("fit")
         x = np.array([p["tokens"] for p in points], dtype=float)
         b, a = np.polyfit(x, [p["all_hit_ms"] for p in points], 1)
@@ -310,11 +427,14 @@ class Demo:
             "points": [{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()} for p in points],
         }
 
-    def total_ticks(self, n_requests: int) -> int:
-        return len(CONFIGS) * n_requests + self.opts.cold_requests + self.opts.fit_points + len(SHORT_PAGES)
+    def total_ticks(self, n_requests: int, n_side: int) -> int:
+        o = self.opts
+        rows = len(study.VARIANTS) * o.repeats + 2 * len(study.POLICIES) + (o.sweep_points if o.sweep_l2 else 0)
+        side = n_side * rows
+        return len(CONFIGS) * n_requests + o.cold_requests + o.fit_points + len(SHORT_PAGES) + side
 
 
-def summarize(opts: DemoOptions, requests: list[Any], recs: dict[str, list[Record]], page_bytes: int) -> dict[str, Any]:
+def summarize(opts: DemoOptions, requests: list[Any], runs: dict[str, QueueRun], page_bytes: int) -> dict[str, Any]:
     P = opts.model.page_size
     total_tokens = sum(r.length for r in requests)
 
@@ -328,13 +448,19 @@ def summarize(opts: DemoOptions, requests: list[Any], recs: dict[str, list[Recor
     def bw(nbytes: int, secs: float) -> dict[str, Any]:
         return {"bytes": nbytes, "s": round(secs, 4), "GBps": round(nbytes / secs / 1e9, 3) if secs > 0 else None}
 
-    full = recs["l1_l2_l3"]
+    def waited(nbytes: int, wait: float) -> dict[str, Any]:  # overlapped: a rate over waits means nothing
+        return {"bytes": nbytes, "engine_wait_s": round(wait, 4), "s": None, "GBps": None}
+
+    recs = {c: runs[c].recs for c in CONFIGS}
+    full, st = recs["l1_l2_l3"], runs["l1_l2_l3"].stats
+    # every move overlaps something (the prefetch the queue, the per-layer load the compute, the
+    # backups later requests): bytes, and for loads the time the engine waited for them
     tiers = {
         "L1_hit_bytes": sum(r.hit_l1 for r in full) * page_bytes,
-        "L3_to_L2": bw(sum(r.l3_get_bytes for r in full), sum(r.l3_get_s for r in full)),
-        "L2_to_L1": bw(sum(r.load_bytes for r in full), sum(r.load_s for r in full)),
-        "L1_to_L2_backup": bw(sum(r.backup_bytes for r in full), sum(r.backup_s for r in full)),
-        "L2_to_L3_put": bw(sum(r.put_bytes for r in full), sum(r.put_s for r in full)),
+        "L3_to_L2": waited(sum(r.l3_get_bytes for r in full), sum(r.l3_get_s for r in full)),
+        "L2_to_L1": waited(sum(r.load_bytes for r in full), sum(r.load_s for r in full)),
+        "L1_to_L2_backup": bw(st.get("d2h_bytes", 0), 0.0),
+        "L2_to_L3_put": bw(st.get("l3_put_bytes", 0), 0.0),
     }
     prefill = {c: round(sum(r.prefill_s for r in recs[c]), 4) for c in CONFIGS}
     per_request = [
@@ -381,19 +507,44 @@ def run(opts: DemoOptions, store: MooncakeStore, metadata: object = None, bar: A
 
     demo = Demo(opts, store, metadata, tick)
     if bar is not None:
-        bar.total = demo.total_ticks(len(requests))
+        n_side = len(study.side_trace(requests, opts.side_count(), opts.side_turns))
+        bar.total = demo.total_ticks(len(requests), n_side)
         bar.refresh()
     demo.warmup()
-    recs = demo.replay(requests)
+    runs = demo.replay(requests)
     median = int(np.median([r.length for r in requests]))
     cold = demo.cold(median)
-    fit = demo.fit(requests, recs["no_cache"])
+    fit = demo.fit(requests, runs["no_cache"].recs)
+    side = study.side_trace(requests, opts.side_count(), opts.side_turns)
+    small = opts.min_tokens()
+    sav = study.savings(demo, side, opts.repeats)
+    pol = study.policies(demo, side, [small, 4 * small])
+    swp = study.sweep(demo, side, small, opts.sweep_points) if opts.sweep_l2 else None
+    if bar is not None:  # the sweep may stop before its last point
+        bar.total = bar.n
+        bar.refresh()
     spec = opts.model.kv_spec()
-    rep = summarize(opts, requests, recs, demo.model.cfg.kv_spec().page_bytes)
+    rep = summarize(opts, requests, runs, demo.model.cfg.kv_spec().page_bytes)
     v = demo.verifier
     l1, l2 = opts.sizes()
     rep.update(
         {
+            "overlap_saved_s": sav["overlap"]["saved_s"],
+            "overlap_saved_spread_s": sav["overlap"]["spread_s"],
+            "overlap_saved_verdict": sav["overlap"]["verdict"],
+            "prefetch_saved_s": sav["prefetch"]["saved_s"],
+            "prefetch_saved_spread_s": sav["prefetch"]["spread_s"],
+            "prefetch_saved_verdict": sav["prefetch"]["verdict"],
+            "savings": sav,
+            "policies": pol,
+            "sweep": swp,
+            "side_trace": {
+                "sessions": len({r.session for _, r in side}),
+                "turns": len({r.turn for _, r in side}),
+                "requests": len(side),
+                "tokens": sum(r.length for _, r in side),
+                "why": "savings, policies and sweep replay the first sessions and turns (each row is a full replay)",
+            },
             "cache_overhead": cold["cache_overhead"],
             "miss_path": cold,
             "fit": fit,
@@ -412,6 +563,8 @@ def run(opts: DemoOptions, store: MooncakeStore, metadata: object = None, bar: A
                 "l2_tokens_per_instance": l2,
                 "l2_layout": opts.l2_layout,
                 "torch_threads": torch.get_num_threads(),
+                "queue_depth": opts.queue_depth,
+                "cache": asdict(DEMO_CACHE),
             },
             "elapsed_s": round(time.perf_counter() - t0, 2),
         }
