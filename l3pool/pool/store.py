@@ -51,10 +51,11 @@ class Outcome(enum.Enum):
     UNAVAILABLE = "unavailable"  # master/RPC unreachable
     BAD_REQUEST = "bad_request"  # invalid params (e.g. size mismatch)
     ERROR = "error"  # anything else; the raw code is kept
+    PENDING = "pending"  # put: another put of this key started and has not finished (or was abandoned)
 
     @property
     def retryable(self) -> bool:
-        return self in (Outcome.LEASE, Outcome.TRANSFER_FAIL, Outcome.UNAVAILABLE)
+        return self in (Outcome.LEASE, Outcome.TRANSFER_FAIL, Outcome.UNAVAILABLE, Outcome.PENDING)
 
 
 # Mooncake ErrorCode values (mooncake-store/include/types.h)
@@ -341,6 +342,26 @@ class MooncakeStore:
         totals = [sum(s) for s in sizes]
         out = [Outcome.BAD_REQUEST if 0 <= c != t else outcome_of(c) for c, t in zip(r[0], totals, strict=True)]
         self._judge(out, r[1], "get")
+        return out
+
+    def object_sizes(self, keys: Sequence[str]) -> list[int | None]:
+        """Each key's object size from its first complete memory replica (one master query for
+        the batch, no lease granted); None where it has none (absent, incomplete, unreachable)."""
+        if not keys:
+            return []
+        try:
+            desc = self._s.batch_get_replica_desc(list(keys))
+        except Exception as e:  # pragma: no cover - binding errors
+            log.debug("batch_get_replica_desc failed: %s", e)
+            return [None] * len(keys)
+        out: list[int | None] = []
+        for k in keys:
+            size = None
+            for r in desc.get(k, []):
+                if r.is_memory_replica():
+                    size = int(r.get_memory_descriptor().buffer_descriptor.size)
+                    break
+            out.append(size)
         return out
 
     def remove(self, key: str) -> Outcome:
