@@ -11,7 +11,7 @@ A page key is `<ns_id>/<page hash>` (`Namespace.keys` is the one place that form
   imply equal prefixes (up to the 128-bit hash).
 
 Every stored object is the page's bytes plus a trailer that binds them to the full key
-(`l3pool.client`); FORMAT_VERSION names that object format, so objects written by a client with
+(`l3pool.pool.client`); FORMAT_VERSION names that object format, so objects written by a client with
 another format live under other keys and are never read as this format's pages.
 """
 
@@ -29,7 +29,7 @@ from l2core.spec import ConfigError, KVSpec
 
 HASH_BYTES = 16
 # The stored object's format: 1 = the bare page (+ an optional CRC32); 2 = page + the 32-byte
-# key-binding trailer of l3pool.client. Part of every ns_id, so bumping it moves all keys.
+# key-binding trailer of l3pool.pool.client. Part of every ns_id, so bumping it moves all keys.
 FORMAT_VERSION = 2
 
 

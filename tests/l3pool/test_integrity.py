@@ -30,10 +30,10 @@ import pytest
 import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.client import TRAILER, TRAILER_BYTES, TRAILER_MAGIC, L3Client, key_digest
-from l3pool.cluster import LocalCluster
-from l3pool.keys import Namespace, page_hashes
-from l3pool.store import MooncakeStore, Outcome, StoreConfig, outcome_of
+from l3pool.pool.client import TRAILER, TRAILER_BYTES, TRAILER_MAGIC, L3Client, key_digest
+from l3pool.cluster.local import LocalCluster
+from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, outcome_of
 
 REPO = Path(__file__).resolve().parents[2]
 SENTINEL = 0xA5
@@ -243,9 +243,9 @@ WRITER = r"""
 import sys
 import numpy as np
 from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.client import L3Client
-from l3pool.keys import Namespace, page_hashes
-from l3pool.store import MooncakeStore, StoreConfig
+from l3pool.pool.client import L3Client
+from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.store import MooncakeStore, StoreConfig
 master, meta, host, tenant, n = sys.argv[1:6]
 n = int(n)
 spec = KVSpec.mla(8, page_size=64)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from l2core import ConfigError, KVSpec
-from l3pool.keys import FORMAT_VERSION, GEOMETRY_FIELDS, Namespace, page_hashes
+from l3pool.pool.keys import FORMAT_VERSION, GEOMETRY_FIELDS, Namespace, page_hashes
 
 MHA = KVSpec.mha(4, 2, 128, page_size=16)
 MLA = KVSpec.mla(6, kv_lora_rank=512, rope_dim=64, page_size=16)
