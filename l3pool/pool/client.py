@@ -300,33 +300,23 @@ class L3Client:
     # -- data --------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], pages: Sequence[int] | np.ndarray) -> list[Outcome]:
         """Store L2 `pages` under `keys`. OK means readable now: stored by this call, or already
-        present (skipped). A key whose earlier put never finished is PENDING, not OK."""
+        present (skipped). A key whose earlier put has not finished — another writer's, or one
+        whose writer was killed — is PENDING, never OK."""
         p = self._pages(keys, pages)
         out: list[Outcome] = []
         for b in range(0, len(keys), self.batch_pages):
             ks, ps = list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages]
-            present = self.store.exists(ks)
-            todo = [i for i, r in enumerate(present) if r is not Outcome.OK]
-            res = [Outcome.OK] * len(ks)
-            if todo:
-                with self._slot() as slot:
-                    moved = self._move([ks[i] for i in todo], ps[todo], True, slot)
-                for i, r in zip(todo, moved, strict=True):
-                    res[i] = r
-                # Mooncake reports success for a key whose put another writer started and never
-                # finished (its PutStart answers "already exists"): only readable keys count
-                claimed = [i for i in todo if res[i] is Outcome.OK]
-                if claimed:
-                    for i, r in zip(claimed, self.store.exists([ks[i] for i in claimed]), strict=True):
-                        res[i] = Outcome.OK if r is Outcome.OK else Outcome.PENDING if r is Outcome.MISS else r
-            ok_new = sum(1 for i in todo if res[i] is Outcome.OK)
-            pending = sum(1 for i in todo if res[i] is Outcome.PENDING)
+            with self._slot() as slot:
+                res, taken = self._put_batch(ks, ps, slot)
+            stored = sum(1 for i, r in enumerate(res) if r is Outcome.OK and not taken[i])
+            skipped = sum(1 for i, r in enumerate(res) if r is Outcome.OK and taken[i])
+            pending = res.count(Outcome.PENDING)
             with self._lock:
-                self.stats.put_skipped += len(ks) - len(todo)
-                self.stats.puts += ok_new
+                self.stats.puts += stored
+                self.stats.put_skipped += skipped
                 self.stats.put_pending += pending
-                self.stats.put_failed += len(todo) - ok_new - pending
-                self.stats.bytes_put += ok_new * self.pool.layout.page_bytes
+                self.stats.put_failed += len(ks) - stored - skipped - pending
+                self.stats.bytes_put += stored * self.pool.layout.page_bytes
             out += res
         return out
 
@@ -337,7 +327,7 @@ class L3Client:
         out: list[Outcome] = []
         for b in range(0, len(keys), self.batch_pages):
             with self._slot() as slot:
-                res = self._move(list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages], False, slot)
+                res = self._get_batch(list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages], slot)
             ok = sum(1 for r in res if r is Outcome.OK)
             with self._lock:
                 self.stats.gets += ok
@@ -359,39 +349,83 @@ class L3Client:
             raise ValueError(f"keys must belong to this client's namespace {self.ns_id}")
         return p
 
-    def _move(self, keys: list[str], pages: np.ndarray, to_l3: bool, slot: _Slot) -> list[Outcome]:
-        """One bounded batch (<= batch_pages) in one Mooncake call: [page runs..., trailer]."""
-        n, pb = len(keys), self.pool.layout.page_bytes
-        tr = slot.trailers[:n]
-        t_addr = tr.ctypes.data + TRAILER_BYTES * np.arange(n, dtype=np.int64)
+    def _runs(
+        self, pages: np.ndarray, slot: _Slot, gather: bool
+    ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, list[list[int]], list[list[int]]]:
+        """The object fragments of a batch: each page's runs (in L2, or in the slot's staging
+        area, gathered there first when `gather`) followed by its trailer row.
+        Returns (flat, base, addrs, sizes, frags, lens): `flat` a uint8 view of the memory at
+        address `base` that holds the page runs `addrs`/`sizes` ([pages, runs])."""
+        n, pb = len(pages), self.pool.layout.page_bytes
         if slot.staging is not None:
             st = slot.staging[: n * pb]
-            v, idx = self._page_view(), torch.from_numpy(pages)
-            st4 = st.view(n, v.shape[0], v.shape[1], v.shape[3])  # [n, kv, L, run]
-            if to_l3:
-                st4.copy_(v.index_select(2, idx).permute(2, 0, 1, 3))
+            if gather:
+                v = self._page_view()
+                st.view(n, v.shape[0], v.shape[1], v.shape[3]).copy_(
+                    v.index_select(2, torch.from_numpy(pages)).permute(2, 0, 1, 3)
+                )
             flat, base = st.numpy(), st.data_ptr()
             addrs = (base + pb * np.arange(n, dtype=np.int64))[:, None]
             sizes = np.full((n, 1), pb, dtype=np.int64)
         else:
             flat, base = self.pool.buffer.numpy(), self.pool.buffer.data_ptr()
             addrs, sizes = self.pool.page_runs(pages)
+        t_addr = slot.trailers.ctypes.data + TRAILER_BYTES * np.arange(n, dtype=np.int64)
         frags = np.concatenate([addrs, t_addr[:, None]], axis=1).tolist()
         lens = np.concatenate([sizes, np.full((n, 1), TRAILER_BYTES, dtype=np.int64)], axis=1).tolist()
-        digests = key_digests(keys)
-        if to_l3:
-            tr["magic"], tr["version"], tr["flags"], tr["length"] = TRAILER_MAGIC, FORMAT_VERSION, self._flags, pb
-            tr["key"] = digests
-            tr["checksum"] = page_checksums(flat, base, addrs, sizes) if self._flags else 0
-            return self.store.put_multi(keys, frags, lens)
+        return flat, base, addrs, sizes, frags, lens
+
+    def _put_batch(self, keys: list[str], pages: np.ndarray, slot: _Slot) -> tuple[list[Outcome], list[bool]]:
+        """One bounded batch through a Mooncake put session: reserve every key (start), fill the
+        reserved ones from [page runs..., trailer] (ranges), complete them (end); a reserved key
+        that fails is revoked. Keys another put already holds are not written: `exists` tells a
+        complete object (OK, skipped) from an unfinished put (PENDING).
+        Returns the outcomes and, per key, whether another put held it."""
+        n, pb = len(keys), self.pool.layout.page_bytes
+        start = self.store.put_start(keys, [pb + TRAILER_BYTES] * n)
+        taken = [r is None for r in start]
+        res: list[Outcome] = [Outcome.OK if r is None else r for r in start]
+        new = [i for i, r in enumerate(start) if r is Outcome.OK]
+        if new:
+            nk, reserved = [keys[i] for i in new], set(new)
+            try:
+                flat, base, addrs, sizes, frags, lens = self._runs(pages[new], slot, gather=True)
+                tr = slot.trailers[: len(new)]
+                tr["magic"], tr["version"], tr["flags"], tr["length"] = TRAILER_MAGIC, FORMAT_VERSION, self._flags, pb
+                tr["key"] = key_digests(nk)
+                tr["checksum"] = page_checksums(flat, base, addrs, sizes) if self._flags else 0
+                filled = self.store.put_ranges(nk, frags, lens)
+                done = [i for i, r in zip(new, filled, strict=True) if r is Outcome.OK]
+                for i, r in zip(new, filled, strict=True):
+                    res[i] = r
+                for i, r in zip(done, self.store.put_end([keys[i] for i in done]), strict=True):
+                    res[i] = r
+                    if r is Outcome.OK:
+                        reserved.discard(i)
+            finally:  # whatever did not complete (a failure, an exception) gives its space back now
+                if reserved:
+                    self.store.put_revoke([keys[i] for i in sorted(reserved)])
+        held = [i for i, t in enumerate(taken) if t]
+        if held:  # complete (skip: OK) or a put that has not finished (PENDING: not stored)
+            for i, r in zip(held, self.store.exists([keys[i] for i in held]), strict=True):
+                res[i] = Outcome.OK if r is Outcome.OK else Outcome.PENDING if r is Outcome.MISS else r
+        return res, taken
+
+    def _get_batch(self, keys: list[str], pages: np.ndarray, slot: _Slot) -> list[Outcome]:
+        """One bounded batch (<= batch_pages) in one Mooncake call into [page runs..., trailer]."""
+        flat, base, addrs, sizes, frags, lens = self._runs(pages, slot, gather=False)
+        tr = slot.trailers[: len(keys)]
         tr.view(np.uint8)[:] = 0  # nothing stale from an earlier call can pass for this one's trailer
+        digests = key_digests(keys)
         res = self.store.get_multi(keys, frags, lens)
         res = self._verify(keys, res, tr, digests, flat, base, addrs, sizes)
         if slot.staging is not None:
             ok = [i for i, r in enumerate(res) if r is Outcome.OK]
             if ok:  # scatter only pages that arrived intact
+                n, pb, v = len(keys), self.pool.layout.page_bytes, self._page_view()
+                st4 = slot.staging[: n * pb].view(n, v.shape[0], v.shape[1], v.shape[3])
                 sel = torch.tensor(ok, dtype=torch.int64)
-                v.index_copy_(2, idx[sel], st4.index_select(0, sel).permute(1, 2, 0, 3))
+                v.index_copy_(2, torch.from_numpy(pages)[sel], st4.index_select(0, sel).permute(1, 2, 0, 3))
         return res
 
     def _verify(

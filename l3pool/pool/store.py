@@ -72,6 +72,9 @@ _CODES: dict[int, Outcome] = {
 }
 
 
+_ALREADY_EXISTS = -705  # OBJECT_ALREADY_EXISTS: only the put-session calls report it
+
+
 def outcome_of(code: int) -> Outcome:
     if code >= 0:
         return Outcome.OK
@@ -324,6 +327,39 @@ class MooncakeStore:
         out = [outcome_of(c) for c in r[0]]
         self._judge(out, r[1], "put")
         return out
+
+    # -- put sessions: a put in three steps, so a key another put holds is told apart ---------
+    # `batch_put_from*` answer OBJECT_ALREADY_EXISTS with success, also while the other put has
+    # not finished (or never will: its writer was killed). The session calls report it.
+    def put_start(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Outcome | None]:
+        """Reserve one object per key (no transfer). OK: reserved by this client, to be filled
+        with `put_ranges` and completed with `put_end` (or dropped with `put_revoke`); None: the
+        key is already taken by a complete object or by a put that has not finished (`exists`
+        tells which); else why not (POOL_FULL, UNAVAILABLE, ...)."""
+        if not keys:
+            return []
+        codes = self._s.batch_put_session_start(list(keys), [int(z) for z in sizes])
+        return [None if c == _ALREADY_EXISTS else outcome_of(c) for c in codes]
+
+    def put_ranges(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[Outcome]:
+        """Fill reserved objects: each key's fragments in order (the object is their concatenation)."""
+        if not keys:
+            return []
+        offs = [np.concatenate(([0], np.cumsum(z, dtype=np.int64)[:-1])).tolist() for z in sizes]
+        codes = self._s.batch_put_from_multi_buffer_ranges(
+            list(keys), [list(p) for p in ptrs], [list(z) for z in sizes], offs
+        )
+        return [outcome_of(c) for c in codes]
+
+    def put_end(self, keys: Sequence[str]) -> list[Outcome]:
+        """Complete reserved, filled objects: readable from now on."""
+        return [outcome_of(c) for c in self._s.batch_put_session_end(list(keys))] if keys else []
+
+    def put_revoke(self, keys: Sequence[str]) -> list[Outcome]:
+        """Drop reserved objects that will not be completed (their space is freed at once)."""
+        return [outcome_of(c) for c in self._s.batch_put_session_revoke(list(keys))] if keys else []
 
     def get_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
