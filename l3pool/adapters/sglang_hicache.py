@@ -31,7 +31,7 @@ Extra-config keys (unknown keys are refused with a ConfigError naming them):
 | key_prefix | str | "/l3pool" | etcd key prefix |
 | model | str | SGLang's model name | model fingerprint in the namespace ('/' is not allowed) |
 | tenant | str | "" | tenant salt in the namespace |
-| checksum | bool | false | xxh3-64 of every page's bytes in its trailer; a mismatch on get is a miss (pages are always bound to their key) |
+| checksum | bool | false | xxh3-64 of each page's bytes in its trailer; a mismatch on get is a miss |
 | layers | [begin, end] | host pool's start_layer + its layers | absolute layer range of this PP stage |
 | batch_pages | int | 128 | pages per Mooncake call |
 | layer_first_mode | "multi"/"staging" | "multi" | how layer_first pages move (see l3pool/README.md) |

@@ -7,8 +7,15 @@ reached at setup raises `StoreUnavailable` with the address in the message.
 
 Facts this relies on (mooncake-transfer-engine 0.3.13, checked here): `put` of an existing key
 returns 0 without overwriting; `batch_is_exist` returns 1/0/-1; `batch_get_into` returns the
-object's size or a negative code (-704 not found, -600 destination too small); a pool over its
-high watermark answers puts with -200.
+object's size or a negative code (-704 not found, -600 destination too small);
+`batch_get_into_multi_buffers` of an object whose size differs from the buffers' total answers
+-800 (TRANSFER_FAIL); a pool over its high watermark answers puts with -200. `batch_put_from*`
+also return 0 for a key whose object exists *or whose put another client started and never
+finished* (OBJECT_ALREADY_EXISTS is turned into success); the put-session calls
+(`batch_put_session_start` / `..._multi_buffer_ranges` / `..._end` / `..._revoke`) return -705
+for it instead, and a session never leases the objects it writes. Incomplete objects: exists 0,
+get -703 (REPLICA_IS_NOT_READY), `remove(force=True)` -703 (they cannot be removed; the master
+frees them after --put_start_release_timeout_sec).
 
 Circuit breaker (`l3pool.pool.breaker.Breaker`): while the master is down Mooncake blocks every call
 ~4.3 s (master killed: connection refused, then RPC retries; measured on 0.3.13, a put = exists +
@@ -338,8 +345,12 @@ class MooncakeStore:
         tells which); else why not (POOL_FULL, UNAVAILABLE, ...)."""
         if not keys:
             return []
-        codes = self._s.batch_put_session_start(list(keys), [int(z) for z in sizes])
-        return [None if c == _ALREADY_EXISTS else outcome_of(c) for c in codes]
+        r = self._guarded(len(keys), self._s.batch_put_session_start, list(keys), [int(z) for z in sizes])
+        if r is None:
+            return [Outcome.UNAVAILABLE] * len(keys)
+        out = [None if c == _ALREADY_EXISTS else outcome_of(c) for c in r[0]]
+        self._judge([o if o is not None else Outcome.OK for o in out], r[1], "put_start")
+        return out
 
     def put_ranges(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -348,18 +359,40 @@ class MooncakeStore:
         if not keys:
             return []
         offs = [np.concatenate(([0], np.cumsum(z, dtype=np.int64)[:-1])).tolist() for z in sizes]
-        codes = self._s.batch_put_from_multi_buffer_ranges(
-            list(keys), [list(p) for p in ptrs], [list(z) for z in sizes], offs
+        r = self._guarded(
+            len(keys),
+            self._s.batch_put_from_multi_buffer_ranges,
+            list(keys),
+            [list(p) for p in ptrs],
+            [list(z) for z in sizes],
+            offs,
         )
-        return [outcome_of(c) for c in codes]
+        if r is None:
+            return [Outcome.UNAVAILABLE] * len(keys)
+        out = [outcome_of(c) for c in r[0]]
+        self._judge(out, r[1], "put")
+        return out
 
     def put_end(self, keys: Sequence[str]) -> list[Outcome]:
         """Complete reserved, filled objects: readable from now on."""
-        return [outcome_of(c) for c in self._s.batch_put_session_end(list(keys))] if keys else []
+        return self._session_call(keys, self._s.batch_put_session_end, "put_end")
 
     def put_revoke(self, keys: Sequence[str]) -> list[Outcome]:
-        """Drop reserved objects that will not be completed (their space is freed at once)."""
-        return [outcome_of(c) for c in self._s.batch_put_session_revoke(list(keys))] if keys else []
+        """Drop reserved objects that will not be completed (their space is freed at once).
+        Runs even while the breaker is open (it only releases this client's reservations)."""
+        if not keys:
+            return []
+        return [outcome_of(c) for c in self._s.batch_put_session_revoke(list(keys))]
+
+    def _session_call(self, keys: Sequence[str], fn: Callable[..., Any], what: str) -> list[Outcome]:
+        if not keys:
+            return []
+        r = self._guarded(len(keys), fn, list(keys))
+        if r is None:
+            return [Outcome.UNAVAILABLE] * len(keys)
+        out = [outcome_of(c) for c in r[0]]
+        self._judge(out, r[1], what)
+        return out
 
     def get_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -382,14 +415,18 @@ class MooncakeStore:
 
     def object_sizes(self, keys: Sequence[str]) -> list[int | None]:
         """Each key's object size from its first complete memory replica (one master query for
-        the batch, no lease granted); None where it has none (absent, incomplete, unreachable)."""
+        the batch; like a get it grants a read lease); None where it has none (absent,
+        incomplete, unreachable)."""
         if not keys:
             return []
         try:
-            desc = self._s.batch_get_replica_desc(list(keys))
+            r = self._guarded(len(keys), self._s.batch_get_replica_desc, list(keys))
         except Exception as e:  # pragma: no cover - binding errors
             log.debug("batch_get_replica_desc failed: %s", e)
             return [None] * len(keys)
+        if r is None:
+            return [None] * len(keys)
+        desc = r[0]
         out: list[int | None] = []
         for k in keys:
             size = None

@@ -265,9 +265,7 @@ def test_checksum_mismatch_is_a_miss_never_wrong_bytes(store: MooncakeStore) -> 
         trailer["length"], trailer["key"], trailer["checksum"] = spec.page_bytes, key_digest(keys[2]), 12345
         store.register(trailer.ctypes.data, trailer.nbytes)
         (addr,), (size,) = (a.tolist() for a in pool.page_runs([2]))
-        assert store.put_multi(keys[2:], [[addr[0], trailer.ctypes.data]], [[size[0], TRAILER_BYTES]]) == [
-            Outcome.OK
-        ]
+        assert store.put_multi(keys[2:], [[addr[0], trailer.ctypes.data]], [[size[0], TRAILER_BYTES]]) == [Outcome.OK]
         res = client.get(keys, [8, 9, 10])
         assert res == [Outcome.OK, Outcome.OK, Outcome.MISS]
         assert client.stats.checksum_failures == 1 and client.stats.trailer_rejections == 0

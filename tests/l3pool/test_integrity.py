@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.pool.client import TRAILER, TRAILER_BYTES, TRAILER_MAGIC, L3Client, key_digest
 from l3pool.cluster.local import LocalCluster
+from l3pool.pool.client import TRAILER, TRAILER_BYTES, TRAILER_MAGIC, L3Client, key_digest
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, outcome_of
 
@@ -417,9 +417,10 @@ def test_master_restart_never_ok_with_wrong_bytes(checksum: bool) -> None:
             # after the restart the old keys are gone: plain reads are misses, never OK
             res, wrong = _checked_get(writer, old, dst, want)
             assert res == [Outcome.MISS] * n and wrong == 0
-            res, wrong = _checked_get(writer, new, dst, {k: pool.page_bytes_of(p) for k, p in zip(new, range(n, 2 * n), strict=True)})
+            fresh = {k: pool.page_bytes_of(p) for k, p in zip(new, range(n, 2 * n), strict=True)}
+            res, wrong = _checked_get(writer, new, dst, fresh)
             assert res == [Outcome.OK] * n and wrong == 0
-            print(f"\nmaster restart: writes again {stalled['recovered_s']:.1f} s after the stop; {landed} stale pages rejected")
+            print(f"\nmaster restart: writes after {stalled['recovered_s']:.1f} s; {landed} stale pages rejected")
         finally:
             reader.close()
             writer.close()
@@ -428,7 +429,10 @@ def test_master_restart_never_ok_with_wrong_bytes(checksum: bool) -> None:
 
 
 # -- one client, several threads ---------------------------------------------------------------------
-@pytest.mark.parametrize(("layout", "mode", "checksum"), [("page_first", "multi", True), ("layer_first", "staging", True), ("page_first_direct", "multi", False)])
+@pytest.mark.parametrize(
+    ("layout", "mode", "checksum"),
+    [("page_first", "multi", True), ("layer_first", "staging", True), ("page_first_direct", "multi", False)],
+)
 def test_client_shared_by_threads(store: MooncakeStore, layout: str, mode: str, checksum: bool) -> None:
     """N threads put and get different keys through one client (fewer buffer slots than
     threads): every page OK and bit-exact."""
