@@ -24,11 +24,12 @@ without a trailer, is the same) and, with checksums on, its bytes hash to the st
 or found where a reader's stale replica descriptor pointed after a master restart — is never
 returned as a hit. A torn object (bytes of two writers in one place) is only caught with checksums.
 
-Puts tell the truth: a page counts as OK only if its key is readable when `put` returns. Mooncake
-answers a put of a key that another put started and never finished (a writer killed mid-put) with
-success; `put` re-checks such keys and reports them as `Outcome.PENDING` (retryable) instead.
-Abandoned objects are reclaimed by the master's `--put_start_discard_timeout_sec` /
-`--put_start_release_timeout_sec` (l3pool/README.md).
+Puts tell the truth: a page counts as OK only if its key is readable when `put` returns.
+Mooncake's `batch_put_from*` answer a put of a key that another put started and never finished
+(a writer killed mid-put) with success; `put` goes through Mooncake's put sessions instead, which
+report such keys, and calls them `Outcome.PENDING` (retryable) unless they are complete. Abandoned
+objects are reclaimed by the master's `--put_start_discard_timeout_sec` /
+`--put_start_release_timeout_sec` (l3pool/README.md, "Puts tell the truth").
 
 Thread-safe: one client may be shared by several threads. Each call takes one of up to
 `max_concurrency` buffer slots (trailer rows, and a staging area in layer_first staging mode),
@@ -80,6 +81,9 @@ TRAILER_BYTES = TRAILER.itemsize  # 32
 TRAILER_MAGIC = int.from_bytes(b"L3PG", "little")
 FLAG_CHECKSUM = 1
 assert TRAILER_BYTES == 32
+# a revoke answer after which Mooncake holds no session for the key (MISS: none left on the
+# master; BAD_REQUEST: no local session)
+_REVOKED = (Outcome.OK, Outcome.MISS, Outcome.BAD_REQUEST)
 
 # content checksums of a batch are split over threads above this many bytes (xxh3 releases the GIL)
 _PARALLEL_MIN_BYTES = 8 << 20
@@ -226,6 +230,7 @@ class L3Client:
         store.register(self._trailers.ctypes.data, self._trailers.nbytes)
         self._registered.append(self._trailers.ctypes.data)
         self._slot_lock = threading.Lock()
+        self._unrevoked: set[str] = set()  # reservations a failed revoke left behind (retried)
         self._slots: list[_Slot] = []
         self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         self._free.put(self._new_slot())
@@ -304,6 +309,8 @@ class L3Client:
         whose writer was killed — is PENDING, never OK."""
         p = self._pages(keys, pages)
         out: list[Outcome] = []
+        if self._unrevoked:
+            self._revoke([])
         for b in range(0, len(keys), self.batch_pages):
             ks, ps = list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages]
             with self._slot() as slot:
@@ -404,12 +411,26 @@ class L3Client:
                         reserved.discard(i)
             finally:  # whatever did not complete (a failure, an exception) gives its space back now
                 if reserved:
-                    self.store.put_revoke([keys[i] for i in sorted(reserved)])
+                    self._revoke([keys[i] for i in sorted(reserved)])
         held = [i for i, t in enumerate(taken) if t]
         if held:  # complete (skip: OK) or a put that has not finished (PENDING: not stored)
             for i, r in zip(held, self.store.exists([keys[i] for i in held]), strict=True):
                 res[i] = Outcome.OK if r is Outcome.OK else Outcome.PENDING if r is Outcome.MISS else r
         return res, taken
+
+    def _revoke(self, keys: list[str]) -> None:
+        """Revoke reservations (and retry those an earlier revoke could not drop: until one
+        succeeds Mooncake keeps the session and refuses new puts of the key from this client)."""
+        with self._slot_lock:
+            todo = sorted(self._unrevoked.union(keys))
+            self._unrevoked.clear()
+        if not todo:
+            return
+        left = [k for k, r in zip(todo, self.store.put_revoke(todo), strict=True) if r not in _REVOKED]
+        if left:
+            log.warning("L3 put: %d reservation(s) not revoked yet (master unreachable?); retried later", len(left))
+            with self._slot_lock:
+                self._unrevoked.update(left)
 
     def _get_batch(self, keys: list[str], pages: np.ndarray, slot: _Slot) -> list[Outcome]:
         """One bounded batch (<= batch_pages) in one Mooncake call into [page runs..., trailer]."""

@@ -378,11 +378,10 @@ class MooncakeStore:
         return self._session_call(keys, self._s.batch_put_session_end, "put_end")
 
     def put_revoke(self, keys: Sequence[str]) -> list[Outcome]:
-        """Drop reserved objects that will not be completed (their space is freed at once).
-        Runs even while the breaker is open (it only releases this client's reservations)."""
-        if not keys:
-            return []
-        return [outcome_of(c) for c in self._s.batch_put_session_revoke(list(keys))]
+        """Drop reserved objects that will not be completed (their space is freed at once). OK
+        or MISS: the reservation is gone; UNAVAILABLE/ERROR: Mooncake keeps its session for the
+        key (a later `put_start` of it answers BAD_REQUEST) until a revoke succeeds."""
+        return self._session_call(keys, self._s.batch_put_session_revoke, "put_revoke")
 
     def _session_call(self, keys: Sequence[str], fn: Callable[..., Any], what: str) -> list[Outcome]:
         if not keys:
