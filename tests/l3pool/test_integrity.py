@@ -275,7 +275,7 @@ def test_killed_writer_no_false_put_ok_and_space_reclaimed() -> None:
     writer's space is freed within 2 x put_start_release_timeout_sec, and the keys can be stored
     again. Measured times are printed (pytest -s)."""
     spec, n = KVSpec.mla(8, page_size=64), 400  # 590 KB pages: 236 MB in one put batch
-    discard, release = 2, 4
+    discard, release = 3, 6
     with LocalCluster(
         agents=1,
         segment_size="512MB",
@@ -313,12 +313,13 @@ def test_killed_writer_no_false_put_ok_and_space_reclaimed() -> None:
             assert held > 0 and all(r is Outcome.MISS for r in st.exists(keys)), "not an abandoned put"
 
             # the same keys from another process: never OK for a key that is not readable
+            in_window = time.monotonic() - t_kill < discard - 0.5  # the dead put still holds its keys
             res = client.put(keys, range(n))
             ok = [k for k, r in zip(keys, res, strict=True) if r is Outcome.OK]
             pending = res.count(Outcome.PENDING)
             got, wrong = _checked_get(client, ok, list(range(n, n + len(ok))), want) if ok else ([], 0)
             assert got == [Outcome.OK] * len(ok) and wrong == 0  # every OK is readable with its bytes
-            assert set(res) <= {Outcome.OK, Outcome.PENDING} and pending > 0, res
+            assert set(res) <= {Outcome.OK, Outcome.PENDING} and (pending > 0 or not in_window), res
             assert client.stats.puts == len(ok) and client.stats.put_pending == pending
             t_put = time.monotonic() - t_kill
 
