@@ -116,7 +116,21 @@ def measure_lock_latencies(
             own_store = True
     tag = os.urandom(4).hex()
     nss = [
-        Namespace("bench-" + tag, "mla", "page_first", "bf16", 64, page_bytes, s, s + 1, tenant=tag)
+        Namespace(
+            "bench-" + tag,
+            "mla",
+            "page_first",
+            "bf16",
+            64,
+            page_bytes,
+            s,
+            s + 1,
+            tenant=tag,
+            num_kv_heads=0,
+            head_dim=0,
+            kv_lora_rank=512,
+            rope_dim=64,
+        )
         for s in range(stages)
     ]
     hashes = [os.urandom(16) for _ in range(pages)]

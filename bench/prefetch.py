@@ -47,12 +47,13 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from bench._transfer_report import _loadavg
 from l2core import HostKVPool, L2Config
 from l3pool.measure import percentile
-from l3pool.pool.client import L3Client
+from l3pool.pool.client import TRAILER_BYTES, L3Client
 from l3pool.pool.prefetch import Prefetcher, batch_schedule
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 from l3pool.tools.prefetch_check import LAYOUT, Endpoints, PrefixSet, run_writer
@@ -120,7 +121,13 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
         pool.buffer.fill_(POISON)
 
     addrs, sizes = pool.page_runs(raw_pages)
-    a_list, s_list = addrs[:, 0].tolist(), sizes[:, 0].tolist()
+    # raw Mooncake reads the same objects: each page's bytes, then its 32-byte key trailer (into
+    # a registered scratch row: the raw side does not verify it)
+    trailers = np.zeros((ps.pages, TRAILER_BYTES), dtype=np.uint8)
+    store.register(trailers.ctypes.data, trailers.nbytes)
+    t_ptrs = (trailers.ctypes.data + TRAILER_BYTES * np.arange(ps.pages)).tolist()
+    a_list = [[a, t] for a, t in zip(addrs[:, 0].tolist(), t_ptrs, strict=True)]
+    s_list = [[s, TRAILER_BYTES] for s in sizes[:, 0].tolist()]
 
     def prefetch(r: int) -> bool:
         t0 = time.perf_counter()
@@ -141,7 +148,7 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
                     correct &= prefetch(r)
                 pool.fill_pages(raw_pages, POISON)
                 t0 = time.perf_counter()
-                res = store.get(keys[r], a_list, s_list)
+                res = store.get_multi(keys[r], a_list, s_list)
                 raw_s.append(time.perf_counter() - t0)
                 correct &= all(x is Outcome.OK for x in res) and check(raw_pages, r)
                 if not prefetch_first:
@@ -154,7 +161,7 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
                 for i, k in zip(starts, sched, strict=True):
                     if len(window) == args.pipeline:
                         ok &= all(x is Outcome.OK for x in window.popleft().result())
-                    window.append(io.submit(store.get, keys[r][i : i + k], a_list[i : i + k], s_list[i : i + k]))
+                    window.append(io.submit(store.get_multi, keys[r][i : i + k], a_list[i : i + k], s_list[i : i + k]))
                 ok &= all(x is Outcome.OK for f in window for x in f.result())
                 raw_b_s.append(time.perf_counter() - t0)
                 correct &= ok and check(raw_pages, r)
@@ -173,6 +180,7 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
         pool.free(raw_pages)
         leaked = pool.stats().used_pages
         client.close()
+        store.unregister(trailers.ctypes.data)
         store.close()
         pool.close()
     gb = ps.pages * pb / 1e9

@@ -31,7 +31,7 @@ Extra-config keys (unknown keys are refused with a ConfigError naming them):
 | key_prefix | str | "/l3pool" | etcd key prefix |
 | model | str | SGLang's model name | model fingerprint in the namespace ('/' is not allowed) |
 | tenant | str | "" | tenant salt in the namespace |
-| checksum | bool | false | CRC32 trailer per page; a mismatch on get is a miss |
+| checksum | bool | false | xxh3-64 of each page's bytes in its trailer; a mismatch on get is a miss |
 | layers | [begin, end] | host pool's start_layer + its layers | absolute layer range of this PP stage |
 | batch_pages | int | 128 | pages per Mooncake call |
 | layer_first_mode | "multi"/"staging" | "multi" | how layer_first pages move (see l3pool/README.md) |
@@ -457,8 +457,8 @@ class L3PoolStorage(HiCacheStorage):
             "layer_first_mode": self.config.layer_first_mode,
             "stats_interval": self.config.stats_interval,
         }
-        # Two clients so a prefetch (reader) and a backup (writer) thread never share the
-        # checksum trailer or staging area; both register the same pool buffer (refcounted).
+        # Two clients (an L3Client is thread-safe; this keeps reader and writer stats apart);
+        # both register the same pool buffer (refcounted).
         self._reader = L3Client(pool, self.store, self.namespace, client_id=f"{base_id}-r", **kw)
         if self.is_writer:
             self._writer = L3Client(pool, self.store, self.namespace, client_id=f"{base_id}-w", **kw)

@@ -287,6 +287,8 @@ class LocalCluster:
         client_ttl: int = 5,
         name: str = DEFAULT_NAME,
         *,
+        put_start_discard_timeout_sec: int = 10,
+        put_start_release_timeout_sec: int = 30,
         subnet: str | None = None,
         key_prefix: str = "/l3pool",
         agent_cmd: Sequence[str] | None = None,
@@ -295,9 +297,18 @@ class LocalCluster:
         master_bin: str | None = None,
     ) -> None:
         self.agent_count, self.segment_bytes, net = _check_args(agents, segment_size, netns, name, subnet)
-        for what, v in (("lease_ttl", lease_ttl), ("client_ttl", client_ttl)):
+        for what, v in (
+            ("lease_ttl", lease_ttl), ("client_ttl", client_ttl),
+            ("put_start_discard_timeout_sec", put_start_discard_timeout_sec),
+            ("put_start_release_timeout_sec", put_start_release_timeout_sec),
+        ):  # fmt: skip
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ClusterConfigError(f"{what} must be a positive int (seconds), got {v!r}")
+        if put_start_release_timeout_sec <= put_start_discard_timeout_sec:
+            raise ClusterConfigError("put_start_release_timeout_sec must exceed put_start_discard_timeout_sec")
+        # a killed writer's unfinished puts: their keys refused for `discard` s, their space freed
+        # `release`..2 x `release` s after the put started (l3pool/README.md, "Puts tell the truth")
+        self.put_discard_s, self.put_release_s = put_start_discard_timeout_sec, put_start_release_timeout_sec
         self.state_dir = Path(state_dir or default_state_dir(name)).resolve()
         self.netns_mode, self.lease_ttl, self.client_ttl, self.name = netns, lease_ttl, client_ttl, name
         self.subnet, self._subnet_auto = net, subnet is None
@@ -608,6 +619,8 @@ class LocalCluster:
             f"--http_metadata_server_port={self.ports['master_metadata']}",
             f"--metrics_host={h}", f"--metrics_port={self.ports['master_admin']}",
             f"--client_ttl={self.client_ttl}",
+            f"--put_start_discard_timeout_sec={self.put_discard_s}",
+            f"--put_start_release_timeout_sec={self.put_release_s}",
         ]  # fmt: skip
         self._spawn("master", "master", cmd, self.state_dir / "master.log")
 

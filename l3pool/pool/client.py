@@ -13,33 +13,135 @@ from/into their L2 bytes (one fragment per page, or K and V for MHA). layer_firs
 `L` fragments each (`layer_first_mode="multi"`, Mooncake's multi-buffer calls) or are gathered
 into a bounded, registered staging area first (`"staging"`, one vectorised copy per batch).
 
-Every call returns one `Outcome` per page. A failed get (miss, dead donor, checksum mismatch)
-is never OK: the page's L2 bytes must then be treated as garbage by the caller, which only uses
-the leading run of OK pages.
+Key-bound objects (always on): every stored object is the page's bytes followed by a 32-byte
+trailer (`TRAILER`: magic, FORMAT_VERSION, flags, page length, xxh3-64 of the full key
+`ns_id/pagehash`, and the xxh3-64 of the page bytes when the namespace has `checksum`). The
+trailer is one more fragment of the same Mooncake call, from a small registered area, so pages
+still move zero-copy. A get counts a page as OK only after its trailer names exactly this key,
+format and length (else MISS + `trailer_rejections`; an object of another size, e.g. one written
+without a trailer, is the same) and, with checksums on, its bytes hash to the stored checksum
+(else MISS + `checksum_failures`). So a complete object of another key — copied under this key,
+or found where a reader's stale replica descriptor pointed after a master restart — is never
+returned as a hit. A torn object (bytes of two writers in one place) is only caught with checksums.
+
+Puts tell the truth: a page counts as OK only if its key is readable when `put` returns.
+Mooncake's `batch_put_from*` answer a put of a key that another put started and never finished
+(a writer killed mid-put) with success; `put` goes through Mooncake's put sessions instead, which
+report such keys, and calls them `Outcome.PENDING` (retryable) unless they are complete. Abandoned
+objects are reclaimed by the master's `--put_start_discard_timeout_sec` /
+`--put_start_release_timeout_sec` (l3pool/README.md, "Puts tell the truth").
+
+Thread-safe: one client may be shared by several threads. Each call takes one of up to
+`max_concurrency` buffer slots (trailer rows, and a staging area in layer_first staging mode),
+so concurrent calls never share a buffer; more concurrent calls wait for a slot.
+
+Every call returns one `Outcome` per page. A failed get (miss, dead donor, rejected trailer,
+checksum mismatch) is never OK: the page's L2 bytes must then be treated as garbage by the caller,
+which only uses the leading run of OK pages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import queue
 import threading
 import uuid
-import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
+import xxhash
 
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
-from l3pool.pool.keys import Namespace
+from l3pool.pool.keys import FORMAT_VERSION, GEOMETRY_FIELDS, Namespace, geometry_of
 from l3pool.pool.store import MooncakeStore, Outcome
 
 log = logging.getLogger(__name__)
 
 LayerFirstMode = Literal["multi", "staging"]
-TRAILER_BYTES = 8
+
+# -- the stored object's trailer ------------------------------------------------------------------
+TRAILER = np.dtype(
+    [
+        ("magic", "<u4"),
+        ("version", "<u2"),
+        ("flags", "<u2"),
+        ("length", "<u8"),  # page bytes before the trailer
+        ("key", "<u8"),  # xxh3-64 of the full key "ns_id/pagehash"
+        ("checksum", "<u8"),  # xxh3-64 of the page bytes (FLAG_CHECKSUM), else 0
+    ]
+)
+TRAILER_BYTES = TRAILER.itemsize  # 32
+TRAILER_MAGIC = int.from_bytes(b"L3PG", "little")
+FLAG_CHECKSUM = 1
+assert TRAILER_BYTES == 32
+# a revoke answer after which Mooncake holds no session for the key (MISS: none left on the
+# master; BAD_REQUEST: no local session)
+_REVOKED = (Outcome.OK, Outcome.MISS, Outcome.BAD_REQUEST)
+
+# content checksums of a batch are split over threads above this many bytes (xxh3 releases the GIL)
+_PARALLEL_MIN_BYTES = 8 << 20
+_hash_pool: ThreadPoolExecutor | None = None
+_hash_pool_lock = threading.Lock()
+
+
+def key_digest(key: str) -> int:
+    """The trailer's key field: xxh3-64 of the full key."""
+    return xxhash.xxh3_64_intdigest(key.encode())
+
+
+def key_digests(keys: Sequence[str]) -> np.ndarray:
+    return np.fromiter((xxhash.xxh3_64_intdigest(k.encode()) for k in keys), dtype=np.uint64, count=len(keys))
+
+
+def _hash_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _hash_pool
+    with _hash_pool_lock:
+        if _hash_pool is None:
+            _hash_pool = ThreadPoolExecutor(max_workers=_hash_workers(), thread_name_prefix="l3pool-xxh3")
+        return _hash_pool
+
+
+def page_checksums(flat: np.ndarray, base: int, addrs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """xxh3-64 of each page's bytes, its runs hashed in order (= the stored object's page bytes).
+
+    `flat` is a uint8 view of the memory starting at address `base`; `addrs`/`sizes` are the
+    absolute [pages, runs] runs. Large batches are split over a thread pool."""
+    n = addrs.shape[0]
+    out = np.empty(n, dtype=np.uint64)
+    offs, lens = (addrs - base).tolist(), sizes.tolist()
+
+    def run(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            o, s = offs[i], lens[i]
+            if len(o) == 1:
+                out[i] = xxhash.xxh3_64_intdigest(flat[o[0] : o[0] + s[0]].data)
+            else:
+                h = xxhash.xxh3_64()
+                for a, b in zip(o, s, strict=True):
+                    h.update(flat[a : a + b].data)
+                out[i] = h.intdigest()
+
+    total = int(sizes.sum()) if n else 0
+    w = _hash_workers()
+    if w > 1 and n > 1 and total >= _PARALLEL_MIN_BYTES:
+        k = min(w, n)
+        bounds = [(j * n // k, (j + 1) * n // k) for j in range(k)]
+        for f in [_executor().submit(run, lo, hi) for lo, hi in bounds]:
+            f.result()
+    else:
+        run(0, n)
+    return out
 
 
 @dataclass
@@ -47,17 +149,28 @@ class ClientStats:
     lookups: int = 0
     hits: int = 0  # pages found by lookup
     misses: int = 0  # lookups that ended before the end of the key list
-    puts: int = 0  # pages stored
+    puts: int = 0  # pages stored (readable afterwards)
     put_skipped: int = 0  # already present
+    put_pending: int = 0  # another put of the key started and did not finish: not stored
     put_failed: int = 0
     gets: int = 0  # pages copied into L2
     get_failed: int = 0
+    trailer_rejections: int = 0  # objects whose trailer/size did not match the key: misses
     checksum_failures: int = 0
     bytes_put: int = 0
     bytes_got: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+class _Slot:
+    """The buffers of one in-flight call: trailer rows (and a staging area)."""
+
+    __slots__ = ("index", "staging", "trailers")
+
+    def __init__(self, index: int, trailers: np.ndarray, staging: torch.Tensor | None) -> None:
+        self.index, self.trailers, self.staging = index, trailers, staging
 
 
 class L3Client:
@@ -74,43 +187,53 @@ class L3Client:
         stats_interval: float = 5.0,
         stats_ttl: int = 30,
         create_namespace: bool = True,
+        max_concurrency: int = 8,
     ) -> None:
-        ns, lay = namespace, pool.layout
+        ns, lay, spec = namespace, pool.layout, pool.spec
+        geo = geometry_of(spec)
         mismatch = [
             f"{name}: namespace {a!r} != pool {b!r}"
             for name, a, b in (
                 ("layout", ns.layout, lay.name),
-                ("dtype", ns.dtype, pool.spec.dtype),
-                ("attention", ns.attention, pool.spec.attention),
-                ("page_size", ns.page_size, pool.spec.page_size),
+                ("dtype", ns.dtype, spec.dtype),
+                ("attention", ns.attention, spec.attention),
+                ("page_size", ns.page_size, spec.page_size),
                 ("page_bytes", ns.page_bytes, lay.page_bytes),
+                ("layers", ns.layer_end - ns.layer_begin, spec.num_layers),
+                *((f, getattr(ns, f), geo[f]) for f in GEOMETRY_FIELDS),
             )
             if a != b
         ]
+        if ns.format_version != FORMAT_VERSION:
+            mismatch.append(f"format_version: namespace {ns.format_version} != this client's {FORMAT_VERSION}")
         if mismatch:
             raise ConfigError("namespace does not describe this pool: " + "; ".join(mismatch))
         if batch_pages < 1:
             raise ConfigError("batch_pages must be >= 1")
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ConfigError(f"max_concurrency must be an integer >= 1, got {max_concurrency!r}")
         if layer_first_mode not in ("multi", "staging"):
             raise ConfigError(f"layer_first_mode must be 'multi' or 'staging', got {layer_first_mode!r}")
         self.pool, self.store, self.ns = pool, store, ns
         self.ns_id = ns.ns_id
         self.batch_pages = batch_pages
+        self.max_concurrency = max_concurrency
         self.stats = ClientStats()
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # stats
+        self._flags = FLAG_CHECKSUM if ns.checksum else 0
+        self._staged = lay.name == "layer_first" and layer_first_mode == "staging"
         self._registered = [pool.buffer.data_ptr()]
         store.register(pool.buffer.data_ptr(), pool.buffer.numel())
-        self._staging: torch.Tensor | None = None
-        if lay.name == "layer_first" and layer_first_mode == "staging":
-            self._staging = torch.empty(batch_pages * lay.page_bytes, dtype=torch.uint8)
-            store.register(self._staging.data_ptr(), self._staging.numel())
-            self._registered.append(self._staging.data_ptr())
-        self._trailer: np.ndarray | None = None
-        if ns.checksum:
-            self._trailer = np.zeros(batch_pages, dtype=np.uint64)
-            store.register(self._trailer.ctypes.data, self._trailer.nbytes)
-            self._registered.append(self._trailer.ctypes.data)
+        # trailer rows of every slot: one small registered area (batch_pages x 32 B per slot)
+        self._trailers = np.zeros((max_concurrency, batch_pages), dtype=TRAILER)
+        store.register(self._trailers.ctypes.data, self._trailers.nbytes)
+        self._registered.append(self._trailers.ctypes.data)
+        self._slot_lock = threading.Lock()
+        self._unrevoked: set[str] = set()  # reservations a failed revoke left behind (retried)
+        self._slots: list[_Slot] = []
+        self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        self._free.put(self._new_slot())
         self.metadata = metadata
         self.reregistrations = 0  # namespace records written again after etcd lost them
         self._stop = threading.Event()
@@ -132,8 +255,35 @@ class L3Client:
 
     @property
     def staging_bytes(self) -> int:
-        """Bytes of the bounded staging area (layer_first staging mode only; else 0)."""
-        return 0 if self._staging is None else self._staging.numel()
+        """Bytes of one bounded staging area (layer_first staging mode only; else 0). There is
+        one per concurrent call, up to `max_concurrency`, made on first use."""
+        return self.batch_pages * self.pool.layout.page_bytes if self._staged else 0
+
+    # -- buffer slots ------------------------------------------------------------------------
+    def _new_slot(self) -> _Slot:
+        """Called with at most one slot per index; registers its staging area (if any)."""
+        i = len(self._slots)
+        staging = None
+        if self._staged:
+            staging = torch.empty(self.staging_bytes, dtype=torch.uint8)
+            self.store.register(staging.data_ptr(), staging.numel())
+            self._registered.append(staging.data_ptr())
+        slot = _Slot(i, self._trailers[i], staging)
+        self._slots.append(slot)
+        return slot
+
+    @contextlib.contextmanager
+    def _slot(self) -> Iterator[_Slot]:
+        try:
+            slot = self._free.get_nowait()
+        except queue.Empty:
+            with self._slot_lock:
+                fresh = self._new_slot() if len(self._slots) < self.max_concurrency else None
+            slot = fresh if fresh is not None else self._free.get()
+        try:
+            yield slot
+        finally:
+            self._free.put(slot)
 
     # -- lookups -----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[str]) -> int:
@@ -154,32 +304,37 @@ class L3Client:
 
     # -- data --------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], pages: Sequence[int] | np.ndarray) -> list[Outcome]:
-        """Store L2 `pages` under `keys`; keys already in L3 are skipped (reported OK)."""
+        """Store L2 `pages` under `keys`. OK means readable now: stored by this call, or already
+        present (skipped). A key whose earlier put has not finished — another writer's, or one
+        whose writer was killed — is PENDING, never OK."""
         p = self._pages(keys, pages)
         out: list[Outcome] = []
+        if self._unrevoked:
+            self._revoke([])
         for b in range(0, len(keys), self.batch_pages):
             ks, ps = list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages]
-            present = self.store.exists(ks)
-            todo = [i for i, r in enumerate(present) if r is not Outcome.OK]
-            res = [Outcome.OK] * len(ks)
-            if todo:
-                for i, r in zip(todo, self._move([ks[i] for i in todo], ps[todo], to_l3=True), strict=True):
-                    res[i] = r
-            ok_new = sum(1 for i in todo if res[i] is Outcome.OK)
+            with self._slot() as slot:
+                res, taken = self._put_batch(ks, ps, slot)
+            stored = sum(1 for i, r in enumerate(res) if r is Outcome.OK and not taken[i])
+            skipped = sum(1 for i, r in enumerate(res) if r is Outcome.OK and taken[i])
+            pending = res.count(Outcome.PENDING)
             with self._lock:
-                self.stats.put_skipped += len(ks) - len(todo)
-                self.stats.puts += ok_new
-                self.stats.put_failed += len(todo) - ok_new
-                self.stats.bytes_put += ok_new * self.pool.layout.page_bytes
+                self.stats.puts += stored
+                self.stats.put_skipped += skipped
+                self.stats.put_pending += pending
+                self.stats.put_failed += len(ks) - stored - skipped - pending
+                self.stats.bytes_put += stored * self.pool.layout.page_bytes
             out += res
         return out
 
     def get(self, keys: Sequence[str], pages: Sequence[int] | np.ndarray) -> list[Outcome]:
-        """Copy the objects `keys` into L2 `pages`; per-page outcome (OK, MISS, ...)."""
+        """Copy the objects `keys` into L2 `pages`; per-page outcome (OK, MISS, ...). OK only
+        for an object whose trailer names this key (and whose checksum matches, if on)."""
         p = self._pages(keys, pages)
         out: list[Outcome] = []
         for b in range(0, len(keys), self.batch_pages):
-            res = self._move(list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages], to_l3=False)
+            with self._slot() as slot:
+                res = self._get_batch(list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages], slot)
             ok = sum(1 for r in res if r is Outcome.OK)
             with self._lock:
                 self.stats.gets += ok
@@ -201,87 +356,154 @@ class L3Client:
             raise ValueError(f"keys must belong to this client's namespace {self.ns_id}")
         return p
 
-    def _move(self, keys: list[str], pages: np.ndarray, to_l3: bool) -> list[Outcome]:
-        """One bounded batch (<= batch_pages) in one Mooncake call."""
-        if self._staging is not None:
-            return self._move_staged(keys, pages, to_l3)
-        addrs, sizes = self.pool.page_runs(pages)
-        if to_l3 and self._trailer is not None:
-            self._trailer[: len(keys)] = [self._crc(a, s) for a, s in zip(addrs, sizes, strict=True)]
-        frags, lens = addrs.tolist(), sizes.tolist()
-        if self._trailer is not None:
-            base = self._trailer.ctypes.data
-            for i in range(len(keys)):
-                frags[i].append(base + TRAILER_BYTES * i)
-                lens[i].append(TRAILER_BYTES)
-        if len(frags[0]) == 1:  # one contiguous fragment per page: the plain zero-copy calls
-            flat_a, flat_s = [f[0] for f in frags], [s[0] for s in lens]
-            res = self.store.put(keys, flat_a, flat_s) if to_l3 else self.store.get(keys, flat_a, flat_s)
+    def _runs(
+        self, pages: np.ndarray, slot: _Slot, gather: bool
+    ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, list[list[int]], list[list[int]]]:
+        """The object fragments of a batch: each page's runs (in L2, or in the slot's staging
+        area, gathered there first when `gather`) followed by its trailer row.
+        Returns (flat, base, addrs, sizes, frags, lens): `flat` a uint8 view of the memory at
+        address `base` that holds the page runs `addrs`/`sizes` ([pages, runs])."""
+        n, pb = len(pages), self.pool.layout.page_bytes
+        if slot.staging is not None:
+            st = slot.staging[: n * pb]
+            if gather:
+                v = self._page_view()
+                st.view(n, v.shape[0], v.shape[1], v.shape[3]).copy_(
+                    v.index_select(2, torch.from_numpy(pages)).permute(2, 0, 1, 3)
+                )
+            flat, base = st.numpy(), st.data_ptr()
+            addrs = (base + pb * np.arange(n, dtype=np.int64))[:, None]
+            sizes = np.full((n, 1), pb, dtype=np.int64)
         else:
-            res = self.store.put_multi(keys, frags, lens) if to_l3 else self.store.get_multi(keys, frags, lens)
-        if not to_l3 and self._trailer is not None:
-            res = self._verify(res, addrs, sizes)
+            flat, base = self.pool.buffer.numpy(), self.pool.buffer.data_ptr()
+            addrs, sizes = self.pool.page_runs(pages)
+        t_addr = slot.trailers.ctypes.data + TRAILER_BYTES * np.arange(n, dtype=np.int64)
+        frags = np.concatenate([addrs, t_addr[:, None]], axis=1).tolist()
+        lens = np.concatenate([sizes, np.full((n, 1), TRAILER_BYTES, dtype=np.int64)], axis=1).tolist()
+        return flat, base, addrs, sizes, frags, lens
+
+    def _put_batch(self, keys: list[str], pages: np.ndarray, slot: _Slot) -> tuple[list[Outcome], list[bool]]:
+        """One bounded batch through a Mooncake put session: reserve every key (start), fill the
+        reserved ones from [page runs..., trailer] (ranges), complete them (end); a reserved key
+        that fails is revoked. Keys another put already holds are not written: `exists` tells a
+        complete object (OK, skipped) from an unfinished put (PENDING).
+        Returns the outcomes and, per key, whether another put held it."""
+        n, pb = len(keys), self.pool.layout.page_bytes
+        start = self.store.put_start(keys, [pb + TRAILER_BYTES] * n)
+        taken = [r is None for r in start]
+        res: list[Outcome] = [Outcome.OK if r is None else r for r in start]
+        new = [i for i, r in enumerate(start) if r is Outcome.OK]
+        if new:
+            nk, reserved = [keys[i] for i in new], set(new)
+            try:
+                flat, base, addrs, sizes, frags, lens = self._runs(pages[new], slot, gather=True)
+                tr = slot.trailers[: len(new)]
+                tr["magic"], tr["version"], tr["flags"], tr["length"] = TRAILER_MAGIC, FORMAT_VERSION, self._flags, pb
+                tr["key"] = key_digests(nk)
+                tr["checksum"] = page_checksums(flat, base, addrs, sizes) if self._flags else 0
+                filled = self.store.put_ranges(nk, frags, lens)
+                done = [i for i, r in zip(new, filled, strict=True) if r is Outcome.OK]
+                for i, r in zip(new, filled, strict=True):
+                    res[i] = r
+                for i, r in zip(done, self.store.put_end([keys[i] for i in done]), strict=True):
+                    res[i] = r
+                    if r is Outcome.OK:
+                        reserved.discard(i)
+            finally:  # whatever did not complete (a failure, an exception) gives its space back now
+                if reserved:
+                    self._revoke([keys[i] for i in sorted(reserved)])
+        held = [i for i, t in enumerate(taken) if t]
+        if held:  # complete (skip: OK) or a put that has not finished (PENDING: not stored)
+            for i, r in zip(held, self.store.exists([keys[i] for i in held]), strict=True):
+                res[i] = Outcome.OK if r is Outcome.OK else Outcome.PENDING if r is Outcome.MISS else r
+        return res, taken
+
+    def _revoke(self, keys: list[str]) -> None:
+        """Revoke reservations (and retry those an earlier revoke could not drop: until one
+        succeeds Mooncake keeps the session and refuses new puts of the key from this client)."""
+        with self._slot_lock:
+            todo = sorted(self._unrevoked.union(keys))
+            self._unrevoked.clear()
+        if not todo:
+            return
+        left = [k for k, r in zip(todo, self.store.put_revoke(todo), strict=True) if r not in _REVOKED]
+        if left:
+            log.warning("L3 put: %d reservation(s) not revoked yet (master unreachable?); retried later", len(left))
+            with self._slot_lock:
+                self._unrevoked.update(left)
+
+    def _get_batch(self, keys: list[str], pages: np.ndarray, slot: _Slot) -> list[Outcome]:
+        """One bounded batch (<= batch_pages) in one Mooncake call into [page runs..., trailer]."""
+        flat, base, addrs, sizes, frags, lens = self._runs(pages, slot, gather=False)
+        tr = slot.trailers[: len(keys)]
+        tr.view(np.uint8)[:] = 0  # nothing stale from an earlier call can pass for this one's trailer
+        digests = key_digests(keys)
+        res = self.store.get_multi(keys, frags, lens)
+        res = self._verify(keys, res, tr, digests, flat, base, addrs, sizes)
+        if slot.staging is not None:
+            ok = [i for i, r in enumerate(res) if r is Outcome.OK]
+            if ok:  # scatter only pages that arrived intact
+                n, pb, v = len(keys), self.pool.layout.page_bytes, self._page_view()
+                st4 = slot.staging[: n * pb].view(n, v.shape[0], v.shape[1], v.shape[3])
+                sel = torch.tensor(ok, dtype=torch.int64)
+                v.index_copy_(2, torch.from_numpy(pages)[sel], st4.index_select(0, sel).permute(1, 2, 0, 3))
         return res
+
+    def _verify(
+        self,
+        keys: list[str],
+        res: list[Outcome],
+        tr: np.ndarray,
+        digests: np.ndarray,
+        flat: np.ndarray,
+        base: int,
+        addrs: np.ndarray,
+        sizes: np.ndarray,
+    ) -> list[Outcome]:
+        """A page is OK only if Mooncake copied an object of exactly page + trailer bytes whose
+        trailer names this key, format and length, and (checksums on) whose bytes match."""
+        good = (
+            (tr["magic"] == TRAILER_MAGIC)
+            & (tr["version"] == FORMAT_VERSION)
+            & (tr["flags"] == self._flags)
+            & (tr["length"] == self.pool.layout.page_bytes)
+            & (tr["key"] == digests)
+        )
+        out = list(res)
+        # an object of another size: a single-buffer get answers BAD_REQUEST, a multi-buffer get
+        # (ours) TRANSFER_FAIL, which a dead donor gives too: ask the master for those sizes
+        rejected = [i for i, r in enumerate(res) if (r is Outcome.OK and not good[i]) or r is Outcome.BAD_REQUEST]
+        failed = [i for i, r in enumerate(res) if r is Outcome.TRANSFER_FAIL]
+        if failed:
+            want = self.pool.layout.page_bytes + TRAILER_BYTES
+            sizes_now = self.store.object_sizes([keys[i] for i in failed])
+            rejected += [i for i, z in zip(failed, sizes_now, strict=True) if z is not None and z != want]
+        for i in rejected:
+            out[i] = Outcome.MISS
+        bad_sum: list[int] = []
+        if self._flags:
+            ok = np.array([i for i, r in enumerate(out) if r is Outcome.OK], dtype=np.int64)
+            if ok.size:
+                sums = page_checksums(flat, base, addrs[ok], sizes[ok])
+                bad_sum = ok[sums != tr["checksum"][ok]].tolist()
+                for i in bad_sum:
+                    out[i] = Outcome.MISS
+        if rejected or bad_sum:
+            with self._lock:
+                self.stats.trailer_rejections += len(rejected)
+                self.stats.checksum_failures += len(bad_sum)
+            log.warning(
+                "L3 get: %d object(s) not bound to their key (e.g. %s) and %d checksum mismatch(es): treated as misses",
+                len(rejected),
+                keys[rejected[0]] if rejected else "-",
+                len(bad_sum),
+            )
+        return out
 
     def _page_view(self) -> torch.Tensor:
         """layer_first pool as [kv, L, pages, page_size * item] (uint8)."""
         s, lay = self.pool.spec, self.pool.layout
         return self.pool.buffer.view(s.num_kv, s.num_layers, lay.num_pages, s.page_size * s.item_bytes)
-
-    def _move_staged(self, keys: list[str], pages: np.ndarray, to_l3: bool) -> list[Outcome]:
-        assert self._staging is not None
-        n, pb = len(keys), self.pool.layout.page_bytes
-        st = self._staging[: n * pb]
-        v, idx = self._page_view(), torch.from_numpy(pages)
-        st4 = st.view(n, v.shape[0], v.shape[1], v.shape[3])  # [n, kv, L, run]
-        if to_l3:
-            st4.copy_(v.index_select(2, idx).permute(2, 0, 1, 3))
-        ptrs = [st.data_ptr() + i * pb for i in range(n)]
-        if self._trailer is not None:
-            tb = self._trailer.ctypes.data
-            if to_l3:
-                self._trailer[:n] = [_crc(st[i * pb : (i + 1) * pb]) for i in range(n)]
-            frags = [[ptrs[i], tb + TRAILER_BYTES * i] for i in range(n)]
-            lens = [[pb, TRAILER_BYTES]] * n
-            res = self.store.put_multi(keys, frags, lens) if to_l3 else self.store.get_multi(keys, frags, lens)
-        else:
-            res = self.store.put(keys, ptrs, [pb] * n) if to_l3 else self.store.get(keys, ptrs, [pb] * n)
-        if not to_l3:
-            if self._trailer is not None:
-                res = [
-                    r
-                    if r is not Outcome.OK or _crc(st[i * pb : (i + 1) * pb]) == int(self._trailer[i])
-                    else self._bad_checksum(keys[i])
-                    for i, r in enumerate(res)
-                ]
-            ok = [i for i, r in enumerate(res) if r is Outcome.OK]
-            if ok:  # scatter only pages that arrived intact
-                sel = torch.tensor(ok, dtype=torch.int64)
-                v.index_copy_(2, idx[sel], st4.index_select(0, sel).permute(1, 2, 0, 3))
-        return res
-
-    # -- checksums (optional; off by default) --------------------------------------------------
-    def _crc(self, addrs: np.ndarray, sizes: np.ndarray) -> int:
-        flat, base = self.pool.buffer.numpy(), self.pool.buffer.data_ptr()
-        c = 0
-        for a, s in zip(addrs.tolist(), sizes.tolist(), strict=True):
-            c = zlib.crc32(flat[a - base : a - base + s].data, c)
-        return c
-
-    def _verify(self, res: list[Outcome], addrs: np.ndarray, sizes: np.ndarray) -> list[Outcome]:
-        assert self._trailer is not None
-        out = []
-        for i, r in enumerate(res):
-            if r is Outcome.OK and self._crc(addrs[i], sizes[i]) != int(self._trailer[i]):
-                r = self._bad_checksum(f"page {i} of batch")
-            out.append(r)
-        return out
-
-    def _bad_checksum(self, what: str) -> Outcome:
-        with self._lock:
-            self.stats.checksum_failures += 1
-        log.warning("L3 checksum mismatch for %s: treated as a miss", what)
-        return Outcome.MISS
 
     # -- stats ---------------------------------------------------------------------------------
     def _publish_loop(self, interval: float, ttl: int) -> None:
@@ -325,7 +547,8 @@ class L3Client:
         self.metadata.publish_stats(self.client_id, counters, lease)
 
     def close(self) -> None:
-        """Stop publishing stats and unregister this client's buffers (the store stays open)."""
+        """Stop publishing stats and unregister this client's buffers (the store stays open).
+        Call it after the last put/get returned."""
         self._stop.set()
         if self._stats_thread is not None:
             self._stats_thread.join()
@@ -333,7 +556,3 @@ class L3Client:
         for ptr in self._registered:
             self.store.unregister(ptr)
         self._registered.clear()
-
-
-def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.numpy().data)

@@ -1,12 +1,18 @@
 """Namespaces and page keys.
 
-A page key is `<ns_id>/<page hash>`:
-- `ns_id` hashes everything that changes a page's bytes: model fingerprint, attention kind,
-  layout, dtype, page size, layer range (PP stage), TP shard (MHA only: MLA's latent is the same
-  on every TP rank, so MLA keys are shared across ranks), checksum trailer on/off, and a tenant
-  salt. Two clients that differ in any of these can never read each other's pages.
+A page key is `<ns_id>/<page hash>` (`Namespace.keys` is the one place that formats it):
+- `ns_id` hashes everything that changes a page's bytes or their meaning: model fingerprint,
+  attention kind, the whole KV geometry (MHA: KV heads x head dim; MLA: latent rank + rope dim),
+  layout, dtype, page size, page bytes, layer range (PP stage), TP shard (MHA only: MLA's latent
+  is the same on every TP rank, so MLA keys are shared across ranks), the content-checksum flag,
+  a tenant salt and the stored-object FORMAT_VERSION. Two clients that differ in any of these can
+  never read each other's pages (tests/l3pool/test_keys.py changes each field and checks).
 - the page hash chains from the root: h_i = H(h_{i-1} || token ids of page i), so equal hashes
   imply equal prefixes (up to the 128-bit hash).
+
+Every stored object is the page's bytes plus a trailer that binds them to the full key
+(`l3pool.pool.client`); FORMAT_VERSION names that object format, so objects written by a client with
+another format live under other keys and are never read as this format's pages.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass
 
 import numpy as np
 
@@ -22,10 +28,19 @@ from l2core.layout import LAYOUTS
 from l2core.spec import ConfigError, KVSpec
 
 HASH_BYTES = 16
+# The stored object's format: 1 = the bare page (+ an optional CRC32); 2 = page + the 32-byte
+# key-binding trailer of l3pool.pool.client. Part of every ns_id, so bumping it moves all keys.
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
 class Namespace:
+    """Everything that changes a page's bytes or their meaning; `ns_id` hashes all of it.
+
+    Geometry (keyword-only, required): MHA pages hold K and V of `num_kv_heads` x `head_dim`
+    (`kv_lora_rank` = `rope_dim` = 0); MLA pages hold one latent of `kv_lora_rank` + `rope_dim`
+    (`num_kv_heads` = `head_dim` = 0). `for_pool` fills it from the pool's KVSpec."""
+
     model: str
     attention: str
     layout: str
@@ -38,6 +53,12 @@ class Namespace:
     tp_size: int = 1
     checksum: bool = False
     tenant: str = ""
+    _: KW_ONLY
+    num_kv_heads: int
+    head_dim: int
+    kv_lora_rank: int
+    rope_dim: int
+    format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         if not self.model or "/" in self.model:
@@ -48,6 +69,28 @@ class Namespace:
             raise ConfigError(f"bad layer range [{self.layer_begin}, {self.layer_end})")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank {self.tp_rank} outside [0, {self.tp_size})")
+        for name in ("page_size", "page_bytes", "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+        if self.page_size < 1 or self.page_bytes < 1:
+            raise ConfigError(f"page_size and page_bytes must be >= 1, got {self.page_size}, {self.page_bytes}")
+        if self.attention == "mha":
+            if self.num_kv_heads < 1 or self.head_dim < 1 or self.kv_lora_rank or self.rope_dim:
+                raise ConfigError(
+                    "an MHA namespace needs num_kv_heads >= 1 and head_dim >= 1 (kv_lora_rank = rope_dim = 0), got "
+                    f"{self.num_kv_heads} x {self.head_dim}, latent {self.kv_lora_rank} + {self.rope_dim}"
+                )
+        elif self.attention == "mla":
+            if self.kv_lora_rank < 1 or self.num_kv_heads or self.head_dim:
+                raise ConfigError(
+                    "an MLA namespace needs kv_lora_rank >= 1 (num_kv_heads = head_dim = 0), got "
+                    f"latent {self.kv_lora_rank} + {self.rope_dim}, {self.num_kv_heads} x {self.head_dim}"
+                )
+        else:
+            raise ConfigError(f"attention must be 'mha' or 'mla', got {self.attention!r}")
+        if isinstance(self.format_version, bool) or not isinstance(self.format_version, int):
+            raise ConfigError(f"format_version must be an int, got {self.format_version!r}")
 
     @classmethod
     def for_pool(
@@ -84,7 +127,12 @@ class Namespace:
             tp_size,
             checksum,
             tenant,
+            **geometry_of(spec),
         )
+
+    @property
+    def geometry(self) -> dict[str, int]:
+        return {f: getattr(self, f) for f in GEOMETRY_FIELDS}
 
     def record(self) -> dict[str, object]:
         return asdict(self)
@@ -94,9 +142,23 @@ class Namespace:
         canon = json.dumps(self.record(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(canon, digest_size=8).hexdigest()
 
+    def key(self, page_hash: bytes) -> str:
+        return f"{self.ns_id}/{page_hash.hex()}"
+
     def keys(self, page_hashes: Sequence[bytes]) -> list[str]:
         ns = self.ns_id
         return [f"{ns}/{h.hex()}" for h in page_hashes]
+
+
+GEOMETRY_FIELDS = ("num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim")
+
+
+def geometry_of(spec: KVSpec) -> dict[str, int]:
+    """The namespace geometry of a KVSpec: only the fields that shape its attention kind's pages
+    (the others 0, so e.g. an MLA spec's unused head_dim never splits namespaces)."""
+    if spec.attention == "mha":
+        return {"num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "kv_lora_rank": 0, "rope_dim": 0}
+    return {"num_kv_heads": 0, "head_dim": 0, "kv_lora_rank": spec.kv_lora_rank, "rope_dim": spec.rope_dim}
 
 
 def page_hashes(token_ids: Sequence[int] | np.ndarray, page_size: int, parent: bytes = b"") -> list[bytes]:

@@ -7,8 +7,15 @@ reached at setup raises `StoreUnavailable` with the address in the message.
 
 Facts this relies on (mooncake-transfer-engine 0.3.13, checked here): `put` of an existing key
 returns 0 without overwriting; `batch_is_exist` returns 1/0/-1; `batch_get_into` returns the
-object's size or a negative code (-704 not found, -600 destination too small); a pool over its
-high watermark answers puts with -200.
+object's size or a negative code (-704 not found, -600 destination too small);
+`batch_get_into_multi_buffers` of an object whose size differs from the buffers' total answers
+-800 (TRANSFER_FAIL); a pool over its high watermark answers puts with -200. `batch_put_from*`
+also return 0 for a key whose object exists *or whose put another client started and never
+finished* (OBJECT_ALREADY_EXISTS is turned into success); the put-session calls
+(`batch_put_session_start` / `..._multi_buffer_ranges` / `..._end` / `..._revoke`) return -705
+for it instead, and a session never leases the objects it writes. Incomplete objects: exists 0,
+get -703 (REPLICA_IS_NOT_READY), `remove(force=True)` -703 (they cannot be removed; the master
+frees them after --put_start_release_timeout_sec).
 
 Circuit breaker (`l3pool.pool.breaker.Breaker`): while the master is down Mooncake blocks every call
 ~4.3 s (master killed: connection refused, then RPC retries; measured on 0.3.13, a put = exists +
@@ -51,10 +58,11 @@ class Outcome(enum.Enum):
     UNAVAILABLE = "unavailable"  # master/RPC unreachable
     BAD_REQUEST = "bad_request"  # invalid params (e.g. size mismatch)
     ERROR = "error"  # anything else; the raw code is kept
+    PENDING = "pending"  # put: another put of this key started and has not finished (or was abandoned)
 
     @property
     def retryable(self) -> bool:
-        return self in (Outcome.LEASE, Outcome.TRANSFER_FAIL, Outcome.UNAVAILABLE)
+        return self in (Outcome.LEASE, Outcome.TRANSFER_FAIL, Outcome.UNAVAILABLE, Outcome.PENDING)
 
 
 # Mooncake ErrorCode values (mooncake-store/include/types.h)
@@ -69,6 +77,9 @@ _CODES: dict[int, Outcome] = {
     -900: Outcome.UNAVAILABLE,  # RPC_FAIL
     -101: Outcome.MISS,  # SEGMENT_NOT_FOUND (its donor left)
 }
+
+
+_ALREADY_EXISTS = -705  # OBJECT_ALREADY_EXISTS: only the put-session calls report it
 
 
 def outcome_of(code: int) -> Outcome:
@@ -324,6 +335,64 @@ class MooncakeStore:
         self._judge(out, r[1], "put")
         return out
 
+    # -- put sessions: a put in three steps, so a key another put holds is told apart ---------
+    # `batch_put_from*` answer OBJECT_ALREADY_EXISTS with success, also while the other put has
+    # not finished (or never will: its writer was killed). The session calls report it.
+    def put_start(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Outcome | None]:
+        """Reserve one object per key (no transfer). OK: reserved by this client, to be filled
+        with `put_ranges` and completed with `put_end` (or dropped with `put_revoke`); None: the
+        key is already taken by a complete object or by a put that has not finished (`exists`
+        tells which); else why not (POOL_FULL, UNAVAILABLE, ...)."""
+        if not keys:
+            return []
+        r = self._guarded(len(keys), self._s.batch_put_session_start, list(keys), [int(z) for z in sizes])
+        if r is None:
+            return [Outcome.UNAVAILABLE] * len(keys)
+        out = [None if c == _ALREADY_EXISTS else outcome_of(c) for c in r[0]]
+        self._judge([o if o is not None else Outcome.OK for o in out], r[1], "put_start")
+        return out
+
+    def put_ranges(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[Outcome]:
+        """Fill reserved objects: each key's fragments in order (the object is their concatenation)."""
+        if not keys:
+            return []
+        offs = [np.concatenate(([0], np.cumsum(z, dtype=np.int64)[:-1])).tolist() for z in sizes]
+        r = self._guarded(
+            len(keys),
+            self._s.batch_put_from_multi_buffer_ranges,
+            list(keys),
+            [list(p) for p in ptrs],
+            [list(z) for z in sizes],
+            offs,
+        )
+        if r is None:
+            return [Outcome.UNAVAILABLE] * len(keys)
+        out = [outcome_of(c) for c in r[0]]
+        self._judge(out, r[1], "put")
+        return out
+
+    def put_end(self, keys: Sequence[str]) -> list[Outcome]:
+        """Complete reserved, filled objects: readable from now on."""
+        return self._session_call(keys, self._s.batch_put_session_end, "put_end")
+
+    def put_revoke(self, keys: Sequence[str]) -> list[Outcome]:
+        """Drop reserved objects that will not be completed (their space is freed at once). OK
+        or MISS: the reservation is gone; UNAVAILABLE/ERROR: Mooncake keeps its session for the
+        key (a later `put_start` of it answers BAD_REQUEST) until a revoke succeeds."""
+        return self._session_call(keys, self._s.batch_put_session_revoke, "put_revoke")
+
+    def _session_call(self, keys: Sequence[str], fn: Callable[..., Any], what: str) -> list[Outcome]:
+        if not keys:
+            return []
+        r = self._guarded(len(keys), fn, list(keys))
+        if r is None:
+            return [Outcome.UNAVAILABLE] * len(keys)
+        out = [outcome_of(c) for c in r[0]]
+        self._judge(out, r[1], what)
+        return out
+
     def get_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[Outcome]:
@@ -341,6 +410,30 @@ class MooncakeStore:
         totals = [sum(s) for s in sizes]
         out = [Outcome.BAD_REQUEST if 0 <= c != t else outcome_of(c) for c, t in zip(r[0], totals, strict=True)]
         self._judge(out, r[1], "get")
+        return out
+
+    def object_sizes(self, keys: Sequence[str]) -> list[int | None]:
+        """Each key's object size from its first complete memory replica (one master query for
+        the batch; like a get it grants a read lease); None where it has none (absent,
+        incomplete, unreachable)."""
+        if not keys:
+            return []
+        try:
+            r = self._guarded(len(keys), self._s.batch_get_replica_desc, list(keys))
+        except Exception as e:  # pragma: no cover - binding errors
+            log.debug("batch_get_replica_desc failed: %s", e)
+            return [None] * len(keys)
+        if r is None:
+            return [None] * len(keys)
+        desc = r[0]
+        out: list[int | None] = []
+        for k in keys:
+            size = None
+            for r in desc.get(k, []):
+                if r.is_memory_replica():
+                    size = int(r.get_memory_descriptor().buffer_descriptor.size)
+                    break
+            out.append(size)
         return out
 
     def remove(self, key: str) -> Outcome:

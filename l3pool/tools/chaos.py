@@ -562,7 +562,9 @@ def sc_writer_killed(ctx: Ctx, res: Result) -> None:
         res.false_ok = int(sum(got[i] is not Outcome.OK for i in ok))
         res.figures.update(put_ok=len(ok), read_ok=sum(g is Outcome.OK for g in got),
                            dead_writer_bytes=int(peak - base))  # fmt: skip
-        want = base + sum(g is Outcome.OK for g in got) * ctx.spec.page_bytes * 1.0
+        from l3pool.pool.client import TRAILER_BYTES
+
+        want = base + sum(g is Outcome.OK for g in got) * (ctx.spec.page_bytes + TRAILER_BYTES) * 1.0
         reclaim = _wait(lambda: admin.metrics().get("master_allocated_bytes", 0.0) <= want + 1, ctx.bound, 0.5)
         res.figures["reclaim_s"] = None if reclaim is None else round(reclaim, 2)
         if reclaim is None:
@@ -635,8 +637,11 @@ def _cluster(quick: bool) -> Iterator[Any]:
     from l3pool.cluster.local import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="l3pool-chaos-") as tmp:
+        # put-start timeouts short enough that a killed writer's space comes back within the
+        # scenario's bound (between 10 and 20 s after its put started; deploy's default: 30-60 s)
         with LocalCluster(agents=2, segment_size="128MB", state_dir=tmp, name=f"chaos{uuid.uuid4().hex[:4]}",
-                          lease_ttl=3, client_ttl=3) as c:  # fmt: skip
+                          lease_ttl=3, client_ttl=3, put_start_discard_timeout_sec=5,
+                          put_start_release_timeout_sec=10) as c:  # fmt: skip
             yield c
 
 

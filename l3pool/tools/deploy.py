@@ -124,7 +124,9 @@ def plan(cfg: DeployConfig) -> list[Process]:
             f"--http_metadata_server_host={m.host}", f"--http_metadata_server_port={m.metadata_port}",
             f"--metrics_host={m.host}", f"--metrics_port={m.admin_port}", f"--client_ttl={m.client_ttl}",
             f"--eviction_high_watermark_ratio={m.eviction_high_watermark_ratio:g}",
-            f"--eviction_ratio={m.eviction_ratio:g}"]  # fmt: skip
+            f"--eviction_ratio={m.eviction_ratio:g}",
+            f"--put_start_discard_timeout_sec={m.put_start_discard_timeout_sec}",
+            f"--put_start_release_timeout_sec={m.put_start_release_timeout_sec}"]  # fmt: skip
     argv += [f"--default_kv_lease_ttl={m.default_kv_lease_ttl}"] if m.default_kv_lease_ttl else []
     ports = (m.rpc_port, m.metadata_port, m.admin_port)  # agents check rpc and metadata before starting
     out.append(Process("master", "master", "master", m.host, argv + list(m.extra_args), {}, ports))

@@ -67,7 +67,8 @@ _CLUSTER = ("name", "key_prefix", "protocol", "l3pool", "log_dir")
 _ETCD_LAUNCH = ("host", "client_port", "peer_port", "data_dir", "name", "binary")
 _ETCD = ("endpoints", *_ETCD_LAUNCH)
 _MASTER = ("host", "rpc_port", "metadata_port", "admin_port", "client_ttl", "eviction_high_watermark_ratio",
-           "eviction_ratio", "default_kv_lease_ttl", "binary", "extra_args")  # fmt: skip
+           "eviction_ratio", "default_kv_lease_ttl", "put_start_discard_timeout_sec",
+           "put_start_release_timeout_sec", "binary", "extra_args")  # fmt: skip
 _L3 = ("model", "checksum", "tenant")
 _SG_COMMON = ("model_path", "tp_size", "page_size", "port", "python", "ib_device", "transfer_backend", "extra_args",
               "env")  # fmt: skip
@@ -85,7 +86,8 @@ _SG_OWNED = ("--model-path", "--tp-size", "--tp", "--page-size", "--host", "--po
              "--hicache-storage-backend", "--hicache-storage-backend-extra-config")  # fmt: skip
 _MASTER_OWNED = ("rpc_address", "rpc_port", "port", "enable_http_metadata_server", "http_metadata_server_host",
                  "http_metadata_server_port", "metrics_host", "metrics_port", "client_ttl",
-                 "eviction_high_watermark_ratio", "eviction_ratio", "default_kv_lease_ttl")  # fmt: skip
+                 "eviction_high_watermark_ratio", "eviction_ratio", "default_kv_lease_ttl",
+                 "put_start_discard_timeout_sec", "put_start_release_timeout_sec")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,12 @@ class MasterSpec:
     eviction_high_watermark_ratio: float = 0.9
     eviction_ratio: float = 0.05
     default_kv_lease_ttl: str | None = None
+    # a put started and never finished (writer killed): other puts of its key are refused for
+    # `discard` s, its space is freed `release` to 2 x `release` s after it started (Mooncake's
+    # defaults, 30 / 600 s, held a killed writer's space for over 10 minutes). `release` must
+    # exceed the longest transfer of one put batch. See l3pool/README.md.
+    put_start_discard_timeout_sec: int = 10
+    put_start_release_timeout_sec: int = 30
     binary: str = "mooncake_master"
     extra_args: tuple[str, ...] = ()
 
@@ -468,12 +476,22 @@ def _read_master(r: _Reader, raw: Any) -> MasterSpec | None:
         "eviction_high_watermark_ratio": r.get(src, "eviction_high_watermark_ratio", _ratio,
                                                d.eviction_high_watermark_ratio),
         "eviction_ratio": r.get(src, "eviction_ratio", _ratio, d.eviction_ratio),
+        "put_start_discard_timeout_sec": r.get(src, "put_start_discard_timeout_sec", _int_in(1, 86400),
+                                               d.put_start_discard_timeout_sec),
+        "put_start_release_timeout_sec": r.get(src, "put_start_release_timeout_sec", _int_in(2, 86400),
+                                               d.put_start_release_timeout_sec),
         "binary": r.get(src, "binary", _as_nonempty, d.binary),
         "extra_args": r.get(src, "extra_args", _as_strlist, ()),
     }  # fmt: skip
     lease = r.get(src, "default_kv_lease_ttl", _as_duration, "")
     if _none_in(lease, *vals.values()):
         return None
+    discard, release = vals["put_start_discard_timeout_sec"], vals["put_start_release_timeout_sec"]
+    if isinstance(discard, int) and isinstance(release, int) and release <= discard:
+        r.error(
+            "master.put_start_release_timeout_sec",
+            f"{release} must exceed put_start_discard_timeout_sec ({discard}): mooncake_master refuses otherwise",
+        )
     for arg in vals["extra_args"]:
         flag = arg.lstrip("-").split("=", 1)[0]
         if arg.startswith("-") and flag in _MASTER_OWNED:

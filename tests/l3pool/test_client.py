@@ -14,9 +14,9 @@ import torch
 
 from l2core import LAYOUTS, ConfigError, HostKVPool, KVSpec, L2Config
 from l3pool.cluster.local import LocalCluster
-from l3pool.pool.client import L3Client
+from l3pool.pool.client import FLAG_CHECKSUM, TRAILER, TRAILER_BYTES, TRAILER_MAGIC, L3Client, key_digest
 from l3pool.pool.etcd import EtcdClient
-from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.keys import FORMAT_VERSION, Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, StoreUnavailable
 
 SPECS = {"mla": KVSpec.mla(6, page_size=16), "mha": KVSpec.mha(4, 2, 64, page_size=16)}
@@ -250,7 +250,8 @@ def test_master_restart_errors_then_recovers() -> None:
 
 
 def test_checksum_mismatch_is_a_miss_never_wrong_bytes(store: MooncakeStore) -> None:
-    """An object whose bytes do not match its checksum trailer is reported as a miss and counted."""
+    """An object whose bytes do not match its trailer's checksum (the trailer itself naming the
+    right key, format and length) is reported as a miss and counted as a checksum failure."""
     spec = SPECS["mla"]
     pool = _pool(spec, "page_first")
     ns = Namespace.for_pool(spec, "page_first", "m1", checksum=True, tenant=uuid.uuid4().hex)
@@ -258,14 +259,16 @@ def test_checksum_mismatch_is_a_miss_never_wrong_bytes(store: MooncakeStore) -> 
     try:
         keys = _keys(ns, 3, seed=11)
         assert client.put(keys[:2], [0, 1]) == [Outcome.OK] * 2
-        # a corrupt object: page 2's bytes under keys[2] with a trailer that does not match them
-        trailer = np.array([12345], dtype=np.uint64)
+        # a corrupt object: page 2's bytes under keys[2], its trailer right but for the checksum
+        trailer = np.zeros(1, dtype=TRAILER)
+        trailer["magic"], trailer["version"], trailer["flags"] = TRAILER_MAGIC, FORMAT_VERSION, FLAG_CHECKSUM
+        trailer["length"], trailer["key"], trailer["checksum"] = spec.page_bytes, key_digest(keys[2]), 12345
         store.register(trailer.ctypes.data, trailer.nbytes)
         (addr,), (size,) = (a.tolist() for a in pool.page_runs([2]))
-        assert store.put_multi(keys[2:], [[addr[0], trailer.ctypes.data]], [[size[0], 8]]) == [Outcome.OK]
+        assert store.put_multi(keys[2:], [[addr[0], trailer.ctypes.data]], [[size[0], TRAILER_BYTES]]) == [Outcome.OK]
         res = client.get(keys, [8, 9, 10])
         assert res == [Outcome.OK, Outcome.OK, Outcome.MISS]
-        assert client.stats.checksum_failures == 1
+        assert client.stats.checksum_failures == 1 and client.stats.trailer_rejections == 0
         assert [pool.page_bytes_of(p) for p in (8, 9)] == [pool.page_bytes_of(p) for p in (0, 1)]
         store.unregister(trailer.ctypes.data)
     finally:

@@ -85,6 +85,10 @@ BAD = {
     "wrong type bool": (("checksum = false ", 'checksum = "no" '), ["l3.checksum: expected true or false"]),
     "wrong type table": (("[sglang.decode]\n", "[sglang.decode]\nenv = 3\n"), ["sglang.decode.env: expected a table"]),
     "bad ratio": (("eviction_ratio = 0.05", "eviction_ratio = 1.5"), ["master.eviction_ratio: 1.5 is outside (0, 1]"]),
+    "release not above discard": (
+        ("put_start_release_timeout_sec = 30 ", "put_start_release_timeout_sec = 10 "),
+        ["master.put_start_release_timeout_sec: 10 must exceed put_start_discard_timeout_sec (10)"],
+    ),
     "bad lease ttl": (
         ('default_kv_lease_ttl = "10s"', 'default_kv_lease_ttl = "10 sec"'),
         ["master.default_kv_lease_ttl: expected milliseconds or a duration"],
@@ -265,6 +269,8 @@ def test_render_json_prefill_flags(capsys: pytest.CaptureFixture[str]) -> None:
         "--eviction_high_watermark_ratio=0.9",
         "--eviction_ratio=0.05",
         "--default_kv_lease_ttl=10s",
+        "--put_start_discard_timeout_sec=10",
+        "--put_start_release_timeout_sec=30",
         "--enable_http_metadata_server",
     ):
         assert f in m

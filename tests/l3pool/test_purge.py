@@ -31,7 +31,10 @@ class Pool:
     buf: np.ndarray
 
     def namespace(self, model: str, tenant: str = "", tp: tuple[int, int] = (0, 1)) -> str:
-        ns = Namespace(model, "mha", "page_first", "bf16", 16, OBJ, 0, 4, tp[0], tp[1], False, tenant)
+        ns = Namespace(
+            model, "mha", "page_first", "bf16", 16, OBJ, 0, 4, tp[0], tp[1], False, tenant,
+            num_kv_heads=1, head_dim=1, kv_lora_rank=0, rope_dim=0,
+        )  # fmt: skip
         self.md.register_namespace(ns.ns_id, ns.record())
         return ns.ns_id
 
