@@ -329,7 +329,9 @@ def test_loopback_fallback(state_dir: Path, monkeypatch: pytest.MonkeyPatch, cap
 def test_binaries_found_without_the_venv_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """One lookup for LocalCluster and the fixtures: it works with PATH lacking the venv's bin (the
     master ships inside the mooncake package), and a missing binary is a ClusterError with a hint."""
-    monkeypatch.setenv("PATH", "/nonexistent")
+    venv_bin = os.path.dirname(sys.executable)  # the rest of PATH stays (a GPU host has etcd from a bundle there)
+    rest = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and os.path.abspath(d) != venv_bin]
+    monkeypatch.setenv("PATH", os.pathsep.join(rest) or "/nonexistent")
     etcd, master = cluster_mod.etcd_binary(), cluster_mod.master_binary()
     for exe in (etcd, master):
         assert os.path.isfile(exe) and os.access(exe, os.X_OK), exe
