@@ -336,6 +336,7 @@ def test_binaries_found_without_the_venv_on_path(monkeypatch: pytest.MonkeyPatch
     for exe in (etcd, master):
         assert os.path.isfile(exe) and os.access(exe, os.X_OK), exe
     assert os.path.basename(etcd) == "etcd" and os.path.basename(master) == "mooncake_master"
+    monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.setattr(cluster_mod, "_first_executable", lambda candidates: None)
     with pytest.raises(ClusterError, match=r"etcd not found.*etcd-server"):
         cluster_mod.etcd_binary()
