@@ -408,17 +408,10 @@ class TieredCache:
 
     def _write_back_l1(self, hs: list[bytes], victims: np.ndarray) -> None:
         """write_back: an evicted L1 page not in L2 is copied down before its page is reused."""
-        keep = (self.t2.pages_of(hs) < 0) & ~_member(self._pending_l2, hs)
-        if not keep.any():
+        todo = self._l2_targets(hs, victims, "write-back of evicted L1 pages")
+        if todo is None:
             return
-        sel = np.flatnonzero(keep)
-        hk, vk = [hs[i] for i in sel.tolist()], victims[sel]
-        try:
-            dst = self._alloc_l2(len(hk))
-        except CacheFull as e:
-            log.warning("write-back of %d evicted L1 pages skipped: %s", len(hk), e)
-            self._stats.l2_full_skips += len(hk)
-            return
+        hk, vk, dst = todo
         jid = self._engine.submit_backup(self.slots(vk), dst)
         res = self._engine.wait([jid])[0]
         if not res.ok:
@@ -426,6 +419,24 @@ class TieredCache:
             self._error(f"L1 -> L2 write-back failed: {res.error}")
             return
         self._backed_up(hk, dst, np.zeros(len(hk), np.int32), "back")
+
+    def _l2_targets(
+        self, hs: list[bytes], l1p: np.ndarray, what: str
+    ) -> tuple[list[bytes], np.ndarray, np.ndarray] | None:
+        """Of L1 pages `l1p` (hashes `hs`), those neither in L2 nor on their way there, with L2
+        pages allocated for them: (hashes, L1 pages, L2 pages); None when there are none or L2 is
+        full of pinned pages (counted in `l2_full_skips`)."""
+        keep = (self.t2.pages_of(hs) < 0) & ~_member(self._pending_l2, hs)
+        if not keep.any():
+            return None
+        sel = np.flatnonzero(keep)
+        hk, pk = [hs[i] for i in sel.tolist()], l1p[sel]
+        try:
+            return hk, pk, self._alloc_l2(len(hk))
+        except CacheFull as e:
+            log.warning("%s: %d pages skipped: %s", what, len(hk), e)
+            self._stats.l2_full_skips += len(hk)
+            return None
 
     def _alloc_l2(self, n: int) -> np.ndarray:
         self._make_room_l2(n)
@@ -554,18 +565,11 @@ class TieredCache:
 
     def _backup(self, hs: list[bytes], l1p: np.ndarray, reason: str) -> None:
         """L1 -> L2 of indexed L1 pages not in (or on their way to) L2, on the backup thread."""
+        todo = self._l2_targets(hs, l1p, "L1 -> L2 backup")
+        if todo is None:
+            return
+        hk, pk, dst = todo
         pend = self._pending_l2
-        keep = (self.t2.pages_of(hs) < 0) & ~_member(pend, hs)
-        if not keep.any():
-            return
-        sel = np.flatnonzero(keep)
-        hk, pk = [hs[i] for i in sel.tolist()], l1p[sel]
-        try:
-            dst = self._alloc_l2(len(hk))
-        except CacheFull as e:
-            log.warning("L1 -> L2 backup of %d pages skipped: %s", len(hk), e)
-            self._stats.l2_full_skips += len(hk)
-            return
         self.t1.pin(pk)
         pend.update(hk)
         try:

@@ -82,6 +82,16 @@ _CODES: dict[int, Outcome] = {
 _ALREADY_EXISTS = -705  # OBJECT_ALREADY_EXISTS: only the put-session calls report it
 
 
+def _exists_outcomes(codes: Sequence[int]) -> list[Outcome]:
+    """batch_is_exist answers 1 (present), 0 (absent) or a negative code (unreachable)."""
+    return [Outcome.OK if c == 1 else Outcome.MISS if c == 0 else Outcome.UNAVAILABLE for c in codes]
+
+
+def _sized_outcomes(codes: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
+    """A get answers the object's size: one that differs from the buffer is BAD_REQUEST (nothing trusted)."""
+    return [Outcome.BAD_REQUEST if 0 <= c != s else outcome_of(c) for c, s in zip(codes, sizes, strict=True)]
+
+
 def outcome_of(code: int) -> Outcome:
     if code >= 0:
         return Outcome.OK
@@ -231,6 +241,24 @@ class MooncakeStore:
             self.breaker.exit(cid)
         return codes, time.monotonic() - t0
 
+    def _batch(
+        self,
+        n: int,
+        what: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        decode: Callable[[Sequence[int]], list[Outcome]] | None = None,
+    ) -> list[Outcome]:
+        """One batched Mooncake call through the breaker: per-key Outcomes (`decode` of the codes,
+        default `outcome_of` each), all UNAVAILABLE when the breaker short-circuits it; the answer
+        and its duration are judged (a slow or unavailable answer opens the breaker)."""
+        r = self._guarded(n, fn, *args)
+        if r is None:
+            return [Outcome.UNAVAILABLE] * n
+        out = [outcome_of(c) for c in r[0]] if decode is None else decode(r[0])
+        self._judge(out, r[1], what)
+        return out
+
     def _judge(self, outs: Sequence[Outcome], took: float, what: str) -> None:
         """Open the breaker on an UNAVAILABLE answer or a slow failure; note a healthy answer."""
         if any(o is Outcome.UNAVAILABLE for o in outs):
@@ -271,12 +299,7 @@ class MooncakeStore:
     def exists(self, keys: Sequence[str]) -> list[Outcome]:
         if not keys:
             return []
-        r = self._guarded(len(keys), self._s.batch_is_exist, list(keys))
-        if r is None:
-            return [Outcome.UNAVAILABLE] * len(keys)
-        out = [Outcome.OK if c == 1 else Outcome.MISS if c == 0 else Outcome.UNAVAILABLE for c in r[0]]
-        self._judge(out, r[1], "exists")
-        return out
+        return self._batch(len(keys), "exists", self._s.batch_is_exist, list(keys), decode=_exists_outcomes)
 
     def present(self, keys: list[str]) -> np.ndarray:
         """`exists` as a bool array (True: present), without building per-key Outcomes; like
@@ -298,23 +321,16 @@ class MooncakeStore:
     def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
         if not keys:
             return []
-        r = self._guarded(len(keys), self._s.batch_put_from, list(keys), list(ptrs), list(sizes))
-        if r is None:
-            return [Outcome.UNAVAILABLE] * len(keys)
-        out = [outcome_of(c) for c in r[0]]
-        self._judge(out, r[1], "put")
-        return out
+        return self._batch(len(keys), "put", self._s.batch_put_from, list(keys), list(ptrs), list(sizes))
 
     def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
         """Copy each object into its buffer; a size mismatch is BAD_REQUEST (nothing trusted)."""
         if not keys:
             return []
-        r = self._guarded(len(keys), self._s.batch_get_into, list(keys), list(ptrs), list(sizes))
-        if r is None:
-            return [Outcome.UNAVAILABLE] * len(keys)
-        out = [Outcome.BAD_REQUEST if 0 <= c != s else outcome_of(c) for c, s in zip(r[0], sizes, strict=True)]
-        self._judge(out, r[1], "get")
-        return out
+        return self._batch(
+            len(keys), "get", self._s.batch_get_into, list(keys), list(ptrs), list(sizes),
+            decode=lambda codes: _sized_outcomes(codes, sizes),
+        )  # fmt: skip
 
     def put_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -322,18 +338,8 @@ class MooncakeStore:
         """One object per key from several fragments (e.g. a layer_first page's per-layer runs)."""
         if not keys:
             return []
-        r = self._guarded(
-            len(keys),
-            self._s.batch_put_from_multi_buffers,
-            list(keys),
-            [list(p) for p in ptrs],
-            [list(s) for s in sizes],
-        )
-        if r is None:
-            return [Outcome.UNAVAILABLE] * len(keys)
-        out = [outcome_of(c) for c in r[0]]
-        self._judge(out, r[1], "put")
-        return out
+        frags, lens = [list(p) for p in ptrs], [list(s) for s in sizes]
+        return self._batch(len(keys), "put", self._s.batch_put_from_multi_buffers, list(keys), frags, lens)
 
     # -- put sessions: a put in three steps, so a key another put holds is told apart ---------
     # `batch_put_from*` answer OBJECT_ALREADY_EXISTS with success, also while the other put has
@@ -359,58 +365,30 @@ class MooncakeStore:
         if not keys:
             return []
         offs = [np.concatenate(([0], np.cumsum(z, dtype=np.int64)[:-1])).tolist() for z in sizes]
-        r = self._guarded(
-            len(keys),
-            self._s.batch_put_from_multi_buffer_ranges,
-            list(keys),
-            [list(p) for p in ptrs],
-            [list(z) for z in sizes],
-            offs,
-        )
-        if r is None:
-            return [Outcome.UNAVAILABLE] * len(keys)
-        out = [outcome_of(c) for c in r[0]]
-        self._judge(out, r[1], "put")
-        return out
+        frags, lens = [list(p) for p in ptrs], [list(z) for z in sizes]
+        return self._batch(len(keys), "put", self._s.batch_put_from_multi_buffer_ranges, list(keys), frags, lens, offs)
 
     def put_end(self, keys: Sequence[str]) -> list[Outcome]:
         """Complete reserved, filled objects: readable from now on."""
-        return self._session_call(keys, self._s.batch_put_session_end, "put_end")
+        return self._batch(len(keys), "put_end", self._s.batch_put_session_end, list(keys)) if keys else []
 
     def put_revoke(self, keys: Sequence[str]) -> list[Outcome]:
         """Drop reserved objects that will not be completed (their space is freed at once). OK
         or MISS: the reservation is gone; UNAVAILABLE/ERROR: Mooncake keeps its session for the
         key (a later `put_start` of it answers BAD_REQUEST) until a revoke succeeds."""
-        return self._session_call(keys, self._s.batch_put_session_revoke, "put_revoke")
-
-    def _session_call(self, keys: Sequence[str], fn: Callable[..., Any], what: str) -> list[Outcome]:
-        if not keys:
-            return []
-        r = self._guarded(len(keys), fn, list(keys))
-        if r is None:
-            return [Outcome.UNAVAILABLE] * len(keys)
-        out = [outcome_of(c) for c in r[0]]
-        self._judge(out, r[1], what)
-        return out
+        return self._batch(len(keys), "put_revoke", self._s.batch_put_session_revoke, list(keys)) if keys else []
 
     def get_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[Outcome]:
         if not keys:
             return []
-        r = self._guarded(
-            len(keys),
-            self._s.batch_get_into_multi_buffers,
-            list(keys),
-            [list(p) for p in ptrs],
-            [list(s) for s in sizes],
-        )
-        if r is None:
-            return [Outcome.UNAVAILABLE] * len(keys)
-        totals = [sum(s) for s in sizes]
-        out = [Outcome.BAD_REQUEST if 0 <= c != t else outcome_of(c) for c, t in zip(r[0], totals, strict=True)]
-        self._judge(out, r[1], "get")
-        return out
+        frags, lens = [list(p) for p in ptrs], [list(s) for s in sizes]
+        totals = [sum(s) for s in lens]
+        return self._batch(
+            len(keys), "get", self._s.batch_get_into_multi_buffers, list(keys), frags, lens,
+            decode=lambda codes: _sized_outcomes(codes, totals),
+        )  # fmt: skip
 
     def object_sizes(self, keys: Sequence[str]) -> list[int | None]:
         """Each key's object size from its first complete memory replica (one master query for

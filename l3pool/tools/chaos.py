@@ -84,6 +84,18 @@ def _p99_ms(xs: list[float]) -> float | None:
     return round(percentile(xs, 99) * 1e3, 2) if xs else None
 
 
+def _timed_interrupt(pf: Any, rid: str, d: Data, res: Result) -> float:
+    """Submit a prefetch of `d.keys`, interrupt it at once, check and free what it delivered;
+    seconds interrupt() took."""
+    h = pf.submit(rid, d.keys)
+    t = time.monotonic()
+    r = h.interrupt()
+    took = time.monotonic() - t
+    d.check(res, np.arange(r.keys_loaded), r.pages, [_ok()] * r.keys_loaded)
+    d.dst.free(r.pages)
+    return took
+
+
 def _wait(cond: Callable[[], bool], timeout: float, interval: float = 0.05) -> float | None:
     """Seconds until cond() held, None after `timeout`."""
     t0 = time.monotonic()
@@ -237,12 +249,7 @@ def sc_master_down(ctx: Ctx, res: Result) -> None:
             t = time.monotonic()
             d.reader.lookup(d.keys)
             lat.append(time.monotonic() - t)
-            h = pf.submit("r", d.keys)
-            t = time.monotonic()
-            r = h.interrupt()
-            ilat.append(time.monotonic() - t)
-            d.check(res, np.arange(r.keys_loaded), r.pages, [_ok()] * r.keys_loaded)
-            d.dst.free(r.pages)
+            ilat.append(_timed_interrupt(pf, "r", d, res))
         res.figures.update(
             block_p99_ms=_p99_ms(lat), interrupt_p99_ms=_p99_ms(ilat), healthy_while_down=ctx.store.healthy()
         )
@@ -291,12 +298,7 @@ def sc_master_hung(ctx: Ctx, res: Result) -> None:
             t = time.monotonic()
             ctx.store.exists(d.keys[:8])
             lat.append(time.monotonic() - t)
-            h = pf.submit(f"r{i}", d.keys)
-            t = time.monotonic()
-            r = h.interrupt()
-            ilat.append(time.monotonic() - t)
-            d.check(res, np.arange(r.keys_loaded), r.pages, [_ok()] * r.keys_loaded)
-            d.dst.free(r.pages)
+            ilat.append(_timed_interrupt(pf, f"r{i}", d, res))
         res.figures.update(
             block_p99_ms=_p99_ms(lat), interrupt_p99_ms=_p99_ms(ilat), healthy_while_hung=ctx.store.healthy()
         )
