@@ -2,8 +2,9 @@
 logic above the page store (the tiered cache's tests). Bytes really move: put copies the
 registered source memory into Python bytes objects, get copies them back (ctypes.memmove).
 Objects are what L3Client stores (page bytes + its 32-byte key trailer), put through the same
-calls (present, put_multi, exists). Faults: `fail_get_after` (pages of a get beyond this many return TRANSFER_FAIL), `raise_on`
-("get"/"put"/"exists": that call raises), `get_delay_s` (per get call, to let tests interrupt)."""
+calls (present, put_multi, exists). Faults: `fail_get_after` (pages of a get beyond this many
+return TRANSFER_FAIL), `raise_on` ("get"/"put"/"exists": that call raises), `get_delay_s` (per
+get call, to let tests interrupt)."""
 
 from __future__ import annotations
 
