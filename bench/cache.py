@@ -275,7 +275,9 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
     ns = Namespace.for_pool(spec, "page_first_direct", "bench-cache", tenant=uuid.uuid4().hex)
     client = L3Client(pool, store, ns, batch_pages=512)
     cache = TieredCache(cfg, L1(bufs, spec.page_size), pool, client)
-    solo = L3Writer(client, lambda *a: None, batch_pages=512, linger_ms=cfg.writer_linger_ms)
+    solo = L3Writer(
+        client, lambda *a: None, batch_pages=512, linger_ms=cfg.writer_linger_ms, parallel=cfg.writer_parallel
+    )
     rng = np.random.default_rng(args.seed + 2)
     rows: dict[str, list[float]] = {"writer_s": [], "raw_put_s": [], "end_to_end_s": []}
     correct = True
