@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from l3pool.cluster.local import ClusterError, etcd_binary, master_binary
-from l3pool.pool.etcd import EtcdClient, EtcdError
+from l3pool.pool.etcd import EtcdClient, EtcdError, EtcdSecurity
 from l3pool.procenv import python_env
 
 HOST = "127.0.0.1"
@@ -112,18 +112,39 @@ class EtcdServer:
     peer_port: int
     data_dir: Path
     proc: subprocess.Popen[bytes]
+    security: EtcdSecurity | None = None  # what `client()` uses (a TLS server: its CA + a client cert)
 
     @property
     def endpoints(self) -> str:
-        return f"http://{HOST}:{self.client_port}"
+        scheme = "https" if self.security is not None else "http"
+        return f"{scheme}://{HOST}:{self.client_port}"
 
     def client(self) -> EtcdClient:
-        return EtcdClient(self.endpoints, timeout=2.0)
+        return EtcdClient(self.endpoints, timeout=2.0, security=self.security)
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """Files for an etcd serving TLS on its client port and requiring client certificates."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
 
 
 @contextlib.contextmanager
-def run_etcd(attempts: int = 3) -> Iterator[EtcdServer]:
+def run_etcd(attempts: int = 3, tls: EtcdTls | None = None) -> Iterator[EtcdServer]:
+    """`tls`: serve https on the client port (server cert, CA, --client-cert-auth); peers stay
+    plain http on 127.0.0.1."""
     exe = required(etcd_binary)
+    security = None if tls is None else EtcdSecurity(str(tls.ca), str(tls.client_cert), str(tls.client_key))
+    scheme = "http" if tls is None else "https"
+    tls_args = [] if tls is None else [
+        "--cert-file", str(tls.server_cert), "--key-file", str(tls.server_key),
+        "--trusted-ca-file", str(tls.ca), "--client-cert-auth",
+    ]  # fmt: skip
     tmp = Path(_tmpdir("etcd"))
     proc = None
     try:
@@ -134,13 +155,14 @@ def run_etcd(attempts: int = 3) -> Iterator[EtcdServer]:
             # fmt: off
             proc = _start([
                 exe, "--name", name, "--data-dir", str(tmp / f"data{attempt}"),
-                "--listen-client-urls", f"http://{HOST}:{cport}", "--advertise-client-urls", f"http://{HOST}:{cport}",
+                "--listen-client-urls", f"{scheme}://{HOST}:{cport}",
+                "--advertise-client-urls", f"{scheme}://{HOST}:{cport}", *tls_args,
                 "--listen-peer-urls", f"http://{HOST}:{pport}", "--initial-advertise-peer-urls", f"http://{HOST}:{pport}",
                 "--initial-cluster", f"{name}=http://{HOST}:{pport}", "--initial-cluster-state", "new",
                 "--logger", "zap", "--log-outputs", "stderr",
             ], log)
             # fmt: on
-            server = EtcdServer(cport, pport, tmp / f"data{attempt}", proc)
+            server = EtcdServer(cport, pport, tmp / f"data{attempt}", proc, security)
             client = server.client()
             deadline = time.monotonic() + START_TIMEOUT
             try:
