@@ -38,12 +38,20 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from l2core.units import parse_size
-from l3pool.pool.etcd import EtcdClient, EtcdError, LeaseKeeper, parse_endpoints
+from l3pool.pool.etcd import (
+    EtcdClient,
+    EtcdError,
+    EtcdSecurity,
+    LeaseKeeper,
+    add_security_args,
+    check_settings,
+    security_from_args,
+)
 from l3pool.pool.metadata import DEFAULT_PREFIX, MemberInfo, Metadata, check_id, check_prefix
 from l3pool.pool.store import metadata_url
 
@@ -100,6 +108,7 @@ class AgentSettings:
     lease_ttl: int
     id: str
     stop_timeout: float = 10.0
+    etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AgentSettings:
@@ -107,7 +116,8 @@ class AgentSettings:
         master_addr = parse_host_port(args.master, "--master")
         mhost = f"[{master_addr[0]}]" if ":" in master_addr[0] else master_addr[0]
         metadata = _check_metadata(args.metadata or metadata_url(mhost))
-        parse_endpoints(args.etcd)
+        etcd_security = security_from_args(args)
+        check_settings(args.etcd, etcd_security)
         host = _check_host(args.host, "--host")
         segment_bytes = parse_size(args.segment_size, "--segment-size")
         if segment_bytes < MIN_SEGMENT_BYTES:
@@ -147,6 +157,7 @@ class AgentSettings:
             lease_ttl=int(args.lease_ttl),
             id=agent_id,
             stop_timeout=stop_timeout,
+            etcd_security=etcd_security,
         )
 
 
@@ -291,7 +302,7 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
             handlers = {sig: on_signal for sig in (signal.SIGTERM, signal.SIGINT)}
             for sig in handlers:
                 signal.signal(sig, on_signal)
-    etcd = EtcdClient(s.etcd, timeout=2.0)
+    etcd = EtcdClient(s.etcd, timeout=2.0, security=s.etcd_security)
     try:
         try:
             check_reachable(s, etcd)
@@ -367,7 +378,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="transfer-engine metadata: P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT "
         "(default: http://<master host>:8080/metadata)",
     )
-    p.add_argument("--etcd", required=True, metavar="ENDPOINTS", help="comma-separated etcd endpoints")
+    p.add_argument("--etcd", required=True, metavar="ENDPOINTS", help="etcd endpoints, comma-separated")
     p.add_argument("--host", default="127.0.0.1", help="address this node's Mooncake client advertises")
     p.add_argument("--segment-size", required=True, metavar="SIZE", help="DRAM to donate, e.g. 64GB, 512MiB")
     p.add_argument("--protocol", default="tcp", help="tcp or rdma (default tcp)")
@@ -379,4 +390,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--stop-timeout", default="10", metavar="SECONDS",
         help="longest wait for a hung Mooncake call after SIGTERM/SIGINT before exiting anyway (default 10)",
     )  # fmt: skip
+    add_security_args(p)
     p.set_defaults(fn=run_agent)

@@ -27,10 +27,11 @@ Extra-config keys (unknown keys are refused with a ConfigError naming them):
 | protocol / rdma_devices | str | "tcp" / "" | Mooncake transport |
 | segment_size | size | 0 | DRAM this process donates to the pool (0: a pure client, the prefill case) |
 | local_buffer_size | size | "16MB" | Mooncake's local transfer buffer |
-| etcd | str | none | etcd endpoints: namespace registry + published stats (none: no etcd) |
+| etcd | str | none | etcd endpoints: namespace registry + published stats (none: no etcd); https:// for TLS |
+| etcd_security | object | {} | etcd TLS/auth: ca, cert, key, user, password_file (paths; or L3POOL_ETCD_PASSWORD) |
 | key_prefix | str | "/l3pool" | etcd key prefix |
 | model | str | SGLang's model name | model fingerprint in the namespace ('/' is not allowed) |
-| tenant | str | "" | tenant salt in the namespace |
+| tenant | str | "" | namespace salt + Mooncake tenant_id (isolated by a --enable_multi_tenants master) |
 | checksum | bool | false | xxh3-64 of each page's bytes in its trailer; a mismatch on get is a miss |
 | layers | [begin, end] | host pool's start_layer + its layers | absolute layer range of this PP stage |
 | batch_pages | int | 128 | pages per Mooncake call |
@@ -101,6 +102,7 @@ from l2core.pool import HostKVPool, L2Config
 from l2core.spec import ConfigError, KVSpec, dtype_name
 from l2core.units import parse_size
 from l3pool.pool.client import L3Client
+from l3pool.pool.etcd import EtcdSecurity
 from l3pool.pool.keys import Namespace
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
@@ -182,6 +184,7 @@ class BackendConfig:
     stats_interval: float = 5.0
     client_id: str | None = None
     clear_force: bool = True
+    etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -224,6 +227,11 @@ class BackendConfig:
         interval = float(_typed(extra, "stats_interval", (int, float), 5.0))
         if interval <= 0:
             raise ConfigError(f"extra-config 'stats_interval' must be > 0, got {interval}")
+        sec = _typed(extra, "etcd_security", (dict,), {})
+        try:
+            etcd_security = EtcdSecurity.from_mapping(sec, "extra-config 'etcd_security'")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         layers = _typed(extra, "layers", (list, tuple), None)
         if layers is not None:
             if len(layers) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
@@ -241,6 +249,7 @@ class BackendConfig:
             batch_pages=batch,
             layer_first_mode=mode,
             stats_interval=interval,
+            etcd_security=etcd_security,
             extra={k: extra[k] for k in SGLANG_KEYS if k in extra},
             **{k: v for k, v in s.items() if v is not None},
         )
@@ -393,6 +402,7 @@ class L3PoolStorage(HiCacheStorage):
                 rdma_devices=_devices_for_rank(c.rdma_devices, cfg.tp_rank),
                 segment_bytes=c.segment_size,
                 local_buffer_bytes=c.local_buffer_size,
+                tenant=c.tenant,
             )
         )
         if c.etcd is not None:
@@ -401,10 +411,11 @@ class L3PoolStorage(HiCacheStorage):
 
             try:
                 check_prefix(c.key_prefix)
+                etcd = EtcdClient(c.etcd, security=c.etcd_security)
             except ValueError as e:
                 self.store.close()
-                raise ConfigError(f"extra-config 'key_prefix': {e}") from None
-            self.metadata = Metadata(EtcdClient(c.etcd), c.key_prefix)
+                raise ConfigError(f"extra-config 'etcd'/'key_prefix'/'etcd_security': {e}") from None
+            self.metadata = Metadata(etcd, c.key_prefix)
         log.info(
             "l3pool HiCache backend: master=%s tp=%d/%d pp=%d/%d mla=%s writer=%s model=%s",
             c.master,

@@ -114,19 +114,21 @@ class EtcdSecurity:
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any], what: str = "etcd security") -> EtcdSecurity:
-        """From a config dict with keys ca, cert, key, user, password, password_file (strings;
-        absent or "" = not set). A password comes from `password`, `password_file` or, with a user
-        and neither key, from the environment's L3POOL_ETCD_PASSWORD."""
-        unknown = sorted(set(d) - {"ca", "cert", "key", "user", "password", "password_file"})
+        """From a config dict with keys ca, cert, key, user, password_file (strings; absent or ""
+        = not set). With a user, the password is read from password_file, else from the
+        environment's L3POOL_ETCD_PASSWORD: config files and command lines never hold it."""
+        known = ("ca", "cert", "key", "user", "password_file")
+        unknown = sorted(set(d) - set(known))
         if unknown:
-            raise ValueError(f"{what}: unknown key(s) {', '.join(unknown)} (known: ca, cert, key, user, password_file)")
+            hint = " (put the password in a file: password_file)" if "password" in unknown else ""
+            raise ValueError(f"{what}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}{hint}")
         vals: dict[str, str | None] = {}
-        for k in ("ca", "cert", "key", "user", "password", "password_file"):
+        for k in known:
             v = d.get(k)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"{what}: {k} must be a string, got {type(v).__name__}")
             vals[k] = v or None
-        password = _password(vals["user"], vals["password"], vals["password_file"], os.environ, what)
+        password = _password(vals["user"], None, vals["password_file"], os.environ, what)
         return cls(vals["ca"], vals["cert"], vals["key"], vals["user"], password)
 
 
@@ -149,6 +151,17 @@ def _password(
     return password
 
 
+class _RefusePassword(argparse.Action):
+    """`--etcd-password X` is refused without echoing X (argparse would otherwise take it as an
+    abbreviation of --etcd-password-file and print the password in its error)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        parser.error(
+            f"--etcd-password: a password on the command line is visible to every local user; "
+            f"use --etcd-password-file FILE or env {PASSWORD_ENV}"
+        )
+
+
 def add_security_args(p: argparse.ArgumentParser) -> None:
     """The etcd TLS/auth flags every tool takes (each also read from an L3POOL_ETCD_* variable)."""
     g = p.add_argument_group("etcd security (TLS and auth)")
@@ -161,6 +174,7 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help=f"file holding the etcd user's password (or env {PASSWORD_ENV}; never on the command line)",
     )
+    g.add_argument("--etcd-password", action=_RefusePassword, help=argparse.SUPPRESS)
 
 
 def security_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> EtcdSecurity:
@@ -291,6 +305,15 @@ def resolve_endpoints(endpoints: str | Sequence[str], security: EtcdSecurity) ->
             raise ValueError(f"etcd endpoint {e.name}: http:// with TLS files given; use https://{e.host}:{e.port}")
         out.append(e._replace(scheme=e.scheme or ("https" if security.tls else "http")))
     return out
+
+
+def check_settings(endpoints: str | Sequence[str], security: EtcdSecurity) -> list[Endpoint]:
+    """Everything about endpoints + security that can be wrong before connecting (schemes, the
+    TLS files' contents); ValueError with a one-line reason."""
+    urls = resolve_endpoints(endpoints, security)
+    if any(e.scheme == "https" for e in urls):
+        security.ssl_context()
+    return urls
 
 
 _HTTP_TO_TLS = b"HTTP request to an HTTPS server"

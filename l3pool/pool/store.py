@@ -112,6 +112,9 @@ class StoreUnavailable(StoreError):
     """The master or the metadata server could not be reached at setup."""
 
 
+_TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     master: str  # host:port of mooncake_master's RPC
@@ -121,6 +124,10 @@ class StoreConfig:
     rdma_devices: str = ""
     segment_bytes: int = 0  # > 0: donate this much DRAM to the pool (a decode agent)
     local_buffer_bytes: int = 16 << 20
+    # Mooncake's tenant id ("": its "default" tenant). Only a master started with
+    # --enable_multi_tenants keeps tenants apart (list/read/remove/overwrite only their own objects);
+    # without it every client shares one namespace whatever it passes (checked on 0.3.13).
+    tenant: str = ""
     # circuit breaker (see the module docstring); breaker=False: every call goes to Mooncake
     breaker: bool = True
     breaker_slow_s: float = 1.0  # a failed call slower than this opens the breaker
@@ -130,6 +137,8 @@ class StoreConfig:
     health_max_age_s: float = 1.0  # healthy() probes when no call succeeded for this long
 
     def __post_init__(self) -> None:
+        if self.tenant and not _TENANT.fullmatch(self.tenant):
+            raise StoreError(f"StoreConfig.tenant {self.tenant!r}: letters, digits, '.', '_' and '-' only (max 64)")
         for name in ("breaker_slow_s", "breaker_suspect_s", "probe_timeout_s", "health_max_age_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -174,6 +183,7 @@ class MooncakeStore:
         cls = _import_mooncake()
         self._s = cls()
         # Mooncake reads MC_* variables from the environment; we never write os.environ.
+        tenant = {"tenant_id": cfg.tenant} if cfg.tenant else {}  # older wheels lack the keyword
         rc = self._s.setup(
             cfg.local_hostname,
             cfg.metadata,
@@ -182,11 +192,13 @@ class MooncakeStore:
             cfg.protocol,
             cfg.rdma_devices,
             cfg.master,
+            **tenant,
         )
         if rc != 0:
             raise StoreUnavailable(
                 f"mooncake setup failed (code {rc}): master {cfg.master}, metadata {cfg.metadata}, "
                 f"host {cfg.local_hostname}, protocol {cfg.protocol}"
+                + (f", tenant {cfg.tenant} (is it in the master's tenant quota policy?)" if cfg.tenant else "")
             )
         self._registered: dict[tuple[int, int], int] = {}  # (ptr, size) -> references
         self._last_ok = time.monotonic()

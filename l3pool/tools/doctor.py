@@ -22,7 +22,11 @@ What is checked, and why:
   bind_address MC_TCP_BIND_ADDRESS (what Mooncake advertises) vs the source address the kernel picks
                to reach --master (a UDP connect(): routing only, no packet sent). FAIL when the
                address is not one of this host's; WARN when it is not the interface facing the master.
-  etcd         reachability and server version (>= 3.4 serves the v3 JSON gateway l3pool speaks).
+  etcd         reachability and server version (>= 3.4 serves the v3 JSON gateway l3pool speaks),
+               through the same TLS/auth settings as every other tool (--etcd-ca/-cert/-key/-user).
+  etcd_tls     WARN when an etcd endpoint is plain http:// on an address other than loopback: the
+               pool's keys (tenant names, members, namespaces) then cross the network in clear and
+               anyone who reaches the port can register a fake member (deploy/README.md, threat model).
   master       --master RPC port reachable; --master-admin /health (role, serving). mooncake_master
                0.3.13 exposes no version on its admin port; the local mooncake package's is shown.
   clock_skew   this host's clock vs etcd's: the HTTP Date header (1 s resolution), sampled until a
@@ -56,7 +60,15 @@ from pathlib import Path
 from typing import Literal
 
 from l2core.units import ConfigError, parse_size
-from l3pool.pool.etcd import EtcdClient, EtcdError, parse_endpoints
+from l3pool.pool.etcd import (
+    EtcdClient,
+    EtcdError,
+    EtcdSecurity,
+    add_security_args,
+    check_settings,
+    resolve_endpoints,
+    security_from_args,
+)
 from l3pool.procenv import python_env
 
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
@@ -291,10 +303,41 @@ def check_bind_address(env: Mapping[str, str], master: str | None) -> Check:
 
 
 # -- endpoints --------------------------------------------------------------------------------------
-def check_etcd(endpoints: str | None) -> Check:
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a DNS name: assume it is reached over the network
+
+
+def check_etcd_tls(endpoints: str | None, security: EtcdSecurity | None = None) -> Check:
+    """No network access: judges the endpoints and settings this node would use."""
+    if not endpoints:
+        return Check("etcd_tls", "SKIP", "no --etcd")
+    security = security or EtcdSecurity()
+    urls = resolve_endpoints(endpoints, security)
+    clear = [e.name for e in urls if e.scheme == "http" and not _loopback(e.host)]
+    auth = f"user {security.user}" if security.auth else "no etcd user"
+    if clear:
+        return Check(
+            "etcd_tls",
+            "WARN",
+            f"plain HTTP to {', '.join(clear)}: keys travel in clear, anyone reaching the port can read them "
+            "and register members",
+            "serve etcd with TLS and auth, then use https:// with --etcd-ca/--etcd-cert/--etcd-key/--etcd-user",
+        )
+    if all(e.scheme == "http" for e in urls):
+        return Check("etcd_tls", "PASS", f"etcd on loopback only ({auth})")
+    cert = "client cert" if security.cert_file else "no client cert"
+    return Check("etcd_tls", "PASS", f"TLS to {', '.join(e.name for e in urls)} ({cert}, {auth})")
+
+
+def check_etcd(endpoints: str | None, security: EtcdSecurity | None = None) -> Check:
     if not endpoints:
         return Check("etcd", "SKIP", "no --etcd")
-    client = EtcdClient(endpoints, timeout=TIMEOUT)
+    client = EtcdClient(endpoints, timeout=TIMEOUT, security=security)
     try:
         st = client.status()
     except EtcdError as e:
@@ -368,10 +411,15 @@ def clock_offset(
     return (lo + hi) / 2, (hi - lo) / 2
 
 
-def check_clock_skew(endpoints: str | None, max_skew: float = 1.0, clock: Callable[[], float] = time.time) -> Check:
+def check_clock_skew(
+    endpoints: str | None,
+    max_skew: float = 1.0,
+    clock: Callable[[], float] = time.time,
+    security: EtcdSecurity | None = None,
+) -> Check:
     if not endpoints:
         return Check("clock_skew", "SKIP", "no --etcd to compare with")
-    client = EtcdClient(endpoints, timeout=TIMEOUT)
+    client = EtcdClient(endpoints, timeout=TIMEOUT, security=security)
     try:
         offset, bound = clock_offset(lambda: client.date_sample(clock)[:3])
     except EtcdError as e:
@@ -446,22 +494,26 @@ def check_agent_import(
 
 
 # -- the command ------------------------------------------------------------------------------------
-CHECKS = ("thp", "numa", "memlock", "rdma", "bind_address", "etcd", "master", "clock_skew", "native", "agent")
+CHECKS = (
+    "thp", "numa", "memlock", "rdma", "bind_address", "etcd", "etcd_tls", "master", "clock_skew", "native", "agent",
+)  # fmt: skip
 
 
 def run_checks(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> list[Check]:
     env = os.environ if env is None else env
     l2 = parse_size(args.l2_size, "--l2-size") if args.l2_size else None
     skip = set(args.skip or [])
+    sec = getattr(args, "etcd_security", None)
     table: dict[str, Callable[[], Check]] = {
         "thp": lambda: check_thp(args.sys_root),
         "numa": lambda: check_numa(args.sys_root, gpu=args.gpu),
         "memlock": lambda: check_memlock(current_memlock(), l2),
         "rdma": lambda: check_rdma(args.sys_root, args.protocol),
         "bind_address": lambda: check_bind_address(env, args.master),
-        "etcd": lambda: check_etcd(args.etcd),
+        "etcd": lambda: check_etcd(args.etcd, sec),
+        "etcd_tls": lambda: check_etcd_tls(args.etcd, sec),
         "master": lambda: check_master(args.master, args.master_admin),
-        "clock_skew": lambda: check_clock_skew(args.etcd, args.max_skew),
+        "clock_skew": lambda: check_clock_skew(args.etcd, args.max_skew, security=sec),
         "native": lambda: check_native(env=env),
         "agent": lambda: check_agent_import(env=env),
     }
@@ -474,8 +526,9 @@ def _validate(args: argparse.Namespace) -> None:
         parse_size(args.l2_size, "--l2-size")
     if args.master:
         _split_hostport(args.master)
+    args.etcd_security = security_from_args(args)
     if args.etcd:
-        parse_endpoints(args.etcd)
+        check_settings(args.etcd, args.etcd_security)
     if not Path(args.sys_root).is_dir():
         raise ValueError(f"--sys-root {args.sys_root}: not a directory")
     unknown = sorted(set(args.skip or []) - set(CHECKS))
@@ -526,4 +579,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--skip", type=_skip_list, metavar="A,B", help=f"checks to leave out ({', '.join(CHECKS)})")
     p.add_argument("--sys-root", default="/", metavar="DIR", help="read /sys under DIR (default /)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    add_security_args(p)
     p.set_defaults(fn=run_doctor)

@@ -25,7 +25,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from l3pool.pool.etcd import EtcdClient, EtcdError
+from l3pool.pool.etcd import EtcdClient, EtcdError, EtcdSecurity, add_security_args, security_from_args
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata
 
 ADMIN_TIMEOUT = 3.0
@@ -103,9 +103,14 @@ def _sum_counters(stats: dict[str, dict[str, Any]]) -> dict[str, int | float]:
     return dict(sorted(total.items()))
 
 
-def collect(etcd_endpoints: str, master_admin: str | None = None, prefix: str = DEFAULT_PREFIX) -> dict[str, Any]:
+def collect(
+    etcd_endpoints: str,
+    master_admin: str | None = None,
+    prefix: str = DEFAULT_PREFIX,
+    security: EtcdSecurity | None = None,
+) -> dict[str, Any]:
     """Everything `l3pool inspect` shows, as one JSON-able dict; InspectError when a source is unreachable."""
-    etcd = EtcdClient(etcd_endpoints, timeout=2.0)
+    etcd = EtcdClient(etcd_endpoints, timeout=2.0, security=security)
     try:
         md = Metadata(etcd, prefix)
         members, namespaces, stats, locks = md.members(), md.namespaces(), md.stats(), md.locks()
@@ -298,8 +303,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         sys.stderr.write("l3pool inspect: error: --etcd is required (or set L3POOL_ETCD)\n")
         return 2
     try:
-        report = collect(endpoints, admin, args.key_prefix)
-    except ValueError as e:  # bad endpoint or prefix
+        report = collect(endpoints, admin, args.key_prefix, security_from_args(args))
+    except ValueError as e:  # bad endpoint, prefix or security setting
         sys.stderr.write(f"l3pool inspect: error: {e}\n")
         return 2
     except InspectError as e:
@@ -319,4 +324,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help=f"etcd key prefix (default {DEFAULT_PREFIX})")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    add_security_args(p)
     p.set_defaults(fn=run_inspect)

@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Any
 
-from l3pool.pool.etcd import EtcdClient, EtcdError
+from l3pool.pool.etcd import EtcdClient, EtcdError, add_security_args, check_settings, security_from_args
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata, check_id, check_prefix
 
 
@@ -83,7 +83,7 @@ def purge(args: argparse.Namespace) -> dict[str, Any]:
     """Resolve, count, remove; returns the report (the CLI prints it). Raises PurgeError."""
     from l3pool.tools.inspect import InspectError, MasterAdmin
 
-    etcd = EtcdClient(args.etcd)
+    etcd = EtcdClient(args.etcd, security=getattr(args, "etcd_security", None))
     try:
         md = Metadata(etcd, args.key_prefix)
         chosen = resolve(md, args.namespace, args.model, args.tenant)
@@ -141,22 +141,27 @@ def purge(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _remove(rows: list[dict[str, Any]], master: str, args: argparse.Namespace) -> None:
+    """One pure client per tenant: a master run with --enable_multi_tenants lets a client remove
+    only its own tenant's objects (the namespace record names the tenant)."""
     from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, StoreError
 
-    try:
-        store = MooncakeStore(
-            StoreConfig(master=master, metadata=args.metadata, local_hostname=args.host, segment_bytes=0)
-        )
-    except StoreError as e:
-        raise PurgeError(str(e).splitlines()[0]) from None
-    try:
-        for r in rows:
-            outcome, n = store.remove_prefix(r["namespace"] + "/", force=args.force)
-            r["removed"] = n if outcome is Outcome.OK else None
-            if outcome is not Outcome.OK:
-                r["error"] = outcome.value
-    finally:
-        store.close()
+    for tenant in sorted({str(r["tenant"] or "") for r in rows}):
+        try:
+            store = MooncakeStore(
+                StoreConfig(master=master, metadata=args.metadata, local_hostname=args.host, tenant=tenant)
+            )
+        except StoreError as e:
+            raise PurgeError(str(e).splitlines()[0]) from None
+        try:
+            for r in rows:
+                if (r["tenant"] or "") != tenant:
+                    continue
+                outcome, n = store.remove_prefix(r["namespace"] + "/", force=args.force)
+                r["removed"] = n if outcome is Outcome.OK else None
+                if outcome is not Outcome.OK:
+                    r["error"] = outcome.value
+        finally:
+            store.close()
 
 
 def render(report: dict[str, Any]) -> str:
@@ -200,7 +205,8 @@ def run_purge(args: argparse.Namespace) -> int:
             check_prefix(args.key_prefix)
             if args.namespace is not None:
                 check_id("namespace id", args.namespace)
-            EtcdClient(args.etcd).close()  # parses the endpoints
+            args.etcd_security = security_from_args(args)
+            check_settings(args.etcd, args.etcd_security)
         except ValueError as e:
             raise PurgeError(str(e), code=2) from None
         report = purge(args)
@@ -234,4 +240,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--force", action="store_true", help="also remove objects under a read lease (being read)")
     p.add_argument("--forget", action="store_true", help="also delete the namespace records from etcd once empty")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    add_security_args(p)
     p.set_defaults(fn=run_purge)

@@ -215,7 +215,8 @@ class MasterServer:
 
 
 @contextlib.contextmanager
-def run_master(client_ttl: int = 3, attempts: int = 3) -> Iterator[MasterServer]:
+def run_master(client_ttl: int = 3, attempts: int = 3, extra: Sequence[str] = ()) -> Iterator[MasterServer]:
+    """`extra`: more mooncake_master flags (e.g. --enable_multi_tenants and its policy file)."""
     exe = required(master_binary)
     tmp = Path(_tmpdir("master"))
     proc = None
@@ -228,7 +229,7 @@ def run_master(client_ttl: int = 3, attempts: int = 3) -> Iterator[MasterServer]
                 exe, "--rpc_port", str(rpc), "--rpc_address", HOST,
                 "--enable_http_metadata_server", "--http_metadata_server_port", str(meta),
                 "--http_metadata_server_host", HOST,
-                "--metrics_port", str(admin), "--metrics_host", HOST, "--client_ttl", str(client_ttl),
+                "--metrics_port", str(admin), "--metrics_host", HOST, "--client_ttl", str(client_ttl), *extra,
             ], log)
             # fmt: on
             server = MasterServer(rpc, meta, admin, proc, log)
