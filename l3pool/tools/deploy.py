@@ -59,8 +59,16 @@ def adapter_extra_config(cfg: DeployConfig, node: PrefillNode) -> dict[str, Any]
         "model": node.l3.model,
         "checksum": node.l3.checksum,
         "tenant": node.l3.tenant,
+        "etcd_security": cfg.etcd.security_keys(),
     }
-    return {**ADAPTER, **{k: values[k] for k in ADAPTER_KEYS}}
+    return {**ADAPTER, **{k: values[k] for k in ADAPTER_KEYS if values[k] != {}}}
+
+
+def client_env(cfg: DeployConfig, host: str) -> dict[str, str]:
+    """The environment of every Mooncake client process (agents, SGLang): the address it
+    advertises and the port range it listens on (on all interfaces: the firewall rules cover it)."""
+    lo, hi = cfg.firewall.client_ports
+    return {"MC_TCP_BIND_ADDRESS": host, "MC_MIN_RPC_PORT": str(lo), "MC_MAX_RPC_PORT": str(hi)}
 
 
 # -- render ------------------------------------------------------------------------------------
@@ -105,8 +113,8 @@ def _prefill_argv(cfg: DeployConfig, p: PrefillNode) -> list[str]:
     return argv + list(s.extra_args)
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(host: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def plan(cfg: DeployConfig) -> list[Process]:
@@ -114,11 +122,16 @@ def plan(cfg: DeployConfig) -> list[Process]:
     out: list[Process] = []
     e, m = cfg.etcd, cfg.master
     if e.launch:
-        client, peer = _url(e.host, e.client_port), _url(e.host, e.peer_port)
-        listen = client if ipaddress.ip_address(e.host).is_loopback else f"{client},{_url('127.0.0.1', e.client_port)}"
+        scheme = "https" if e.server_cert else "http"
+        client, peer = _url(e.host, e.client_port, scheme), _url(e.host, e.peer_port)
+        local = _url("127.0.0.1", e.client_port, scheme)
+        listen = client if ipaddress.ip_address(e.host).is_loopback else f"{client},{local}"
         argv = [e.binary, "--name", e.name, "--data-dir", e.data_dir, "--listen-client-urls", listen,
                 "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"{e.name}={peer}", "--initial-cluster-state", "new"]  # fmt: skip
+        if e.server_cert:  # the server cert needs clientAuth too: etcd's JSON gateway dials etcd with it
+            argv += ["--cert-file", e.server_cert, "--key-file", e.server_key, "--trusted-ca-file", e.ca,
+                     "--client-cert-auth"]  # fmt: skip
         out.append(Process("etcd", "etcd", "etcd", e.host, argv, {}, (e.client_port,)))
     argv = [m.binary, f"--rpc_address={m.host}", f"--rpc_port={m.rpc_port}", "--enable_http_metadata_server",
             f"--http_metadata_server_host={m.host}", f"--http_metadata_server_port={m.metadata_port}",
@@ -138,14 +151,15 @@ def plan(cfg: DeployConfig) -> list[Process]:
                 e.endpoints_str, "--host", d.host, "--segment-size", d.donate, "--protocol", cfg.protocol]  # fmt: skip
         argv += ["--rdma-devices", d.rdma_devices] if d.rdma_devices else []
         argv += ["--key-prefix", cfg.key_prefix, "--lease-ttl", str(d.lease_ttl), "--id", d.name]
-        out.append(Process(f"agent-{d.name}", "agent", d.name, d.host, argv, {"MC_TCP_BIND_ADDRESS": d.host}))
+        argv += e.security_flags()
+        out.append(Process(f"agent-{d.name}", "agent", d.name, d.host, argv, client_env(cfg, d.host)))
     for p in cfg.prefill:
-        env = {"MC_TCP_BIND_ADDRESS": p.host, **p.sglang.env}
+        env = {**client_env(cfg, p.host), **p.sglang.env}
         argv = _prefill_argv(cfg, p)
         out.append(Process(f"sglang-{p.name}", "sglang-prefill", p.name, p.host, argv, env, (p.sglang.port,)))
     for d in cfg.decode:
         if d.sglang is not None:
-            env = {"MC_TCP_BIND_ADDRESS": d.host, **d.sglang.env}
+            env = {**client_env(cfg, d.host), **d.sglang.env}
             argv = _sglang_common(d.sglang, d.host, "decode") + list(d.sglang.extra_args)
             out.append(Process(f"sglang-{d.name}", "sglang-decode", d.name, d.host, argv, env, (d.sglang.port,)))
     if cfg.router is not None:
@@ -158,6 +172,54 @@ def plan(cfg: DeployConfig) -> list[Process]:
         argv += ["--host", r.host, "--port", str(r.port), *r.extra_args]
         out.append(Process("router", "router", "router", r.host, argv, {}, (r.port,)))
     return out
+
+
+# -- firewall ----------------------------------------------------------------------------------
+def listening_ports(cfg: DeployConfig) -> dict[str, dict[str, list[str]]]:
+    """host -> {"pool": ports anyone in firewall.allow may reach, "admin": the master's admin port}
+    (iptables multiport syntax: "2379", "15000:15999"). What binds where (mooncake_master 0.3.13,
+    checked with `ss -ltn`): etcd and the master's RPC and admin ports bind the configured host; the
+    master's HTTP metadata server binds 0.0.0.0 whatever --http_metadata_server_host says; every
+    Mooncake client (agents, SGLang ranks) listens on all interfaces on two ports of
+    firewall.client_ports. Only the rules below keep those off other networks."""
+    out: dict[str, dict[str, list[str]]] = {}
+
+    def add(host: str, kind: str, *ports: str) -> None:
+        lst = out.setdefault(host, {"pool": [], "admin": []})[kind]
+        lst += [p for p in ports if p not in lst]
+
+    e, m = cfg.etcd, cfg.master
+    if e.launch:
+        add(e.host, "pool", str(e.client_port), str(e.peer_port))
+    add(m.host, "pool", str(m.rpc_port), str(m.metadata_port))
+    add(m.host, "admin", str(m.admin_port))
+    lo, hi = cfg.firewall.client_ports
+    for h in [d.host for d in cfg.decode] + [p.host for p in cfg.prefill]:
+        add(h, "pool", f"{lo}:{hi}")
+    return out
+
+
+def firewall_rules(cfg: DeployConfig, host: str) -> list[str]:
+    """iptables/ip6tables commands (idempotent: own chains, flushed and refilled) that let only
+    loopback and firewall.allow reach the pool's ports on `host`, and only firewall.admin_allow
+    its admin port (which answers /api/v1/remove_all to anyone). Empty for a host without any."""
+    ports = listening_ports(cfg).get(host)
+    if ports is None:
+        return []
+    fw = cfg.firewall
+    lines = [f"# l3pool firewall for {host}: run as root (`l3pool deploy render {cfg.path} --node {host}`)"]
+    for tool, v6 in (("iptables", False), ("ip6tables", True)):
+        chains = [("L3POOL", ports["pool"], fw.allow), ("L3POOL-ADMIN", ports["admin"], fw.admin_allow)]
+        for chain, dports, nets in chains:
+            if not dports:
+                continue
+            fam = [n for n in nets if (":" in n) == v6]
+            lines += [f"{tool} -N {chain} 2>/dev/null || {tool} -F {chain}", f"{tool} -A {chain} -i lo -j ACCEPT"]
+            lines += [f"{tool} -A {chain} -s {n} -j ACCEPT" for n in fam]
+            lines.append(f"{tool} -A {chain} -j DROP")
+            jump = f"INPUT -p tcp -m multiport --dports {','.join(dports)} -j {chain}"
+            lines.append(f"{tool} -C {jump} 2>/dev/null || {tool} -I {jump}")
+    return lines
 
 
 def select(procs: list[Process], node: str | None) -> list[Process]:
@@ -238,12 +300,15 @@ def verify(cfg: DeployConfig) -> dict[str, Any]:
     problems: list[str] = []
     report: dict[str, Any] | None = None
     try:
-        report = collect(cfg.etcd.endpoints_str, m.admin_url, cfg.key_prefix)
+        sec = cfg.etcd.security()  # the TLS files / password file must exist where verify runs
+        report = collect(cfg.etcd.endpoints_str, m.admin_url, cfg.key_prefix, sec)
+    except ValueError as e:
+        problems.append(f"etcd security: {e}")
     except InspectError as e:
         problems.append(str(e))
         if "master admin" in str(e):  # etcd may still answer: check membership without the master
             try:
-                report = collect(cfg.etcd.endpoints_str, None, cfg.key_prefix)
+                report = collect(cfg.etcd.endpoints_str, None, cfg.key_prefix, sec)
             except InspectError as e2:
                 problems.append(str(e2))
     nodes: list[dict[str, Any]] = []
@@ -276,8 +341,10 @@ def verify(cfg: DeployConfig) -> dict[str, Any]:
     configured = {d.name for d in cfg.decode}
     extra = sorted(set(members) - configured)
     first = cfg.prefill[0].host
+    sec_flags = "".join(f" {shlex.quote(x)}" for x in cfg.etcd.security_flags())
     next_steps = [
-        f"l3pool inspect --etcd {cfg.etcd.endpoints_str} --master-admin {m.admin_url} --key-prefix {cfg.key_prefix}",
+        f"l3pool inspect --etcd {cfg.etcd.endpoints_str} --master-admin {m.admin_url} --key-prefix {cfg.key_prefix}"
+        + sec_flags,
         f"MC_TCP_BIND_ADDRESS={first} l3pool prefetch-check --etcd {cfg.etcd.endpoints_str} --master {m.rpc} "
         f"--metadata {m.metadata_url} --host {first}   # on a prefill node ({first}); --json for a report",
     ]
@@ -356,6 +423,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
         sys.stderr.write(f"l3pool deploy render: no node or host {args.node!r}; nodes: {', '.join(names)}; "
                          f"hosts: {', '.join(hosts)}\n")  # fmt: skip
         return 2
+    firewall = {h: rules for h in dict.fromkeys(p.host for p in chosen) if (rules := firewall_rules(cfg, h))}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -368,11 +436,20 @@ def _cmd_render(args: argparse.Namespace) -> int:
             path.chmod(0o755)
             if not args.json:
                 print(f"wrote {path} ({', '.join(p.name for p in group)})")
+        for host, rules in firewall.items():
+            path = out / f"firewall-{host}.sh"
+            path.write_text("#!/bin/sh\nset -e\n" + "\n".join(rules) + "\n")
+            path.chmod(0o755)
+            if not args.json:
+                print(f"wrote {path} (firewall rules of {host}; run once as root)")
     if args.json:
-        print(json.dumps({"ok": True, "processes": [asdict(p) | {"shell": p.shell()} for p in chosen]}, indent=2))
+        procs_json = [asdict(p) | {"shell": p.shell()} for p in chosen]
+        print(json.dumps({"ok": True, "processes": procs_json, "firewall": firewall}, indent=2))
     elif not args.out:
         for p in chosen:
             print(f"# {p.name} ({p.role}) on {p.host}\n{p.shell()}\n")
+        for rules in firewall.values():
+            print("\n".join(rules) + "\n")
     return 0
 
 

@@ -1,7 +1,8 @@
 """The cluster config of `l3pool deploy`: one TOML file describing a real PD-disaggregated cluster.
 
     [cluster]   name, key_prefix, protocol (tcp | rdma), l3pool (the CLI on every node), log_dir
-    [etcd]      endpoints = [...] of a running etcd, or host/client_port/peer_port/data_dir to launch one
+    [etcd]      endpoints = [...] of a running etcd, or host/client_port/peer_port/data_dir to launch one;
+                TLS/auth: ca, cert, key, user, password_file (every component), server_cert/server_key (launch)
     [master]    mooncake_master: host, rpc/metadata/admin ports, client_ttl, eviction ratios, kv lease TTL
     [l3]        adapter defaults for prefill nodes: model (fingerprint), checksum, tenant
     [sglang]    SGLang defaults for every node; [sglang.prefill] / [sglang.decode] for one role
@@ -9,6 +10,8 @@
                 [decode.sglang] overrides
     [[prefill]] name, host (IP), [prefill.sglang] and [prefill.l3] overrides
     [router]    optional sglang_router in PD mode: host, port, python, extra_args
+    [firewall]  allow (CIDRs that may reach the pool's ports; default: the config's hosts),
+                admin_allow (the master's admin port; default: the master host), client_ports ("A-B")
 
 `load_config(path)` returns (DeployConfig or None, problems). Every problem names the key it is
 about (`prefill[1].sglang.page_size`); the config is returned only when there is no error.
@@ -45,6 +48,10 @@ IO_BACKENDS = ("kernel", "direct")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 MOONCAKE_CLIENT_PORTS = (12300, 14300)  # Mooncake clients take their RPC ports from this range
+# Where `render` pins the listening ports of every Mooncake client (agents, prefill engines) with
+# MC_MIN_RPC_PORT/MC_MAX_RPC_PORT: each client listens on two ports of the range, on all interfaces
+# (0.3.13 has no bind-address setting for them), so the firewall rules can name them.
+CLIENT_PORTS = (15000, 15999)
 RESERVED_NAMES = ("etcd", "master", "router")
 
 # The SGLang adapter: its identity (`--hicache-storage-backend dynamic` imports module_path and
@@ -60,12 +67,16 @@ ADAPTER = {
 }
 ADAPTER_KEYS = (
     "master", "metadata_server", "etcd", "key_prefix", "protocol", "local_hostname", "model", "checksum", "tenant",
+    "etcd_security",
 )  # fmt: skip
 
-_TOP = ("cluster", "etcd", "master", "l3", "sglang", "decode", "prefill", "router")
+_TOP = ("cluster", "etcd", "master", "l3", "sglang", "decode", "prefill", "router", "firewall")
 _CLUSTER = ("name", "key_prefix", "protocol", "l3pool", "log_dir")
 _ETCD_LAUNCH = ("host", "client_port", "peer_port", "data_dir", "name", "binary")
-_ETCD = ("endpoints", *_ETCD_LAUNCH)
+_ETCD_CLIENT_SEC = ("ca", "cert", "key", "user", "password_file")  # what every component gets
+_ETCD_SERVER_SEC = ("server_cert", "server_key")  # the launched etcd's own certificate
+_ETCD = ("endpoints", *_ETCD_LAUNCH, *_ETCD_CLIENT_SEC, *_ETCD_SERVER_SEC)
+_FIREWALL = ("allow", "admin_allow", "client_ports")
 _MASTER = ("host", "rpc_port", "metadata_port", "admin_port", "client_ttl", "eviction_high_watermark_ratio",
            "eviction_ratio", "default_kv_lease_ttl", "put_start_discard_timeout_sec",
            "put_start_release_timeout_sec", "binary", "extra_args")  # fmt: skip
@@ -113,10 +124,45 @@ class EtcdSpec:
     data_dir: str = "/var/lib/l3pool/etcd"
     name: str = "l3pool-etcd"
     binary: str = "etcd"
+    # TLS/auth (paths on the nodes; "" = not used): what every component passes to etcd ...
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password_file: str = ""
+    # ... and the launched etcd's server certificate (https on its client port)
+    server_cert: str = ""
+    server_key: str = ""
 
     @property
     def endpoints_str(self) -> str:
         return ",".join(self.endpoints)
+
+    @property
+    def tls(self) -> bool:
+        return any(e.startswith("https://") for e in self.endpoints)
+
+    def security_keys(self) -> dict[str, str]:
+        """The set client-side keys (ca, cert, key, user, password_file): the SGLang adapter's
+        `etcd_security` object."""
+        return {k: getattr(self, k) for k in _ETCD_CLIENT_SEC if getattr(self, k)}
+
+    def security_flags(self) -> list[str]:
+        """The same as `l3pool agent/inspect/doctor/purge` flags."""
+        return [x for k, v in self.security_keys().items() for x in (f"--etcd-{k.replace('_', '-')}", v)]
+
+    def security(self) -> Any:
+        """An `EtcdSecurity` for tools run on this machine (its files must exist here; ValueError)."""
+        from l3pool.pool.etcd import EtcdSecurity
+
+        return EtcdSecurity.from_mapping(self.security_keys(), "[etcd]")
+
+
+@dataclass(frozen=True)
+class FirewallSpec:
+    allow: tuple[str, ...]  # CIDRs that may reach the pool's ports (loopback always may)
+    admin_allow: tuple[str, ...]  # ... the master's admin port (it can remove every object)
+    client_ports: tuple[int, int] = CLIENT_PORTS
 
 
 @dataclass(frozen=True)
@@ -220,6 +266,7 @@ class DeployConfig:
     decode: tuple[DecodeNode, ...]
     prefill: tuple[PrefillNode, ...]
     router: RouterSpec | None = None
+    firewall: FirewallSpec = FirewallSpec((), ())
 
 
 def _bracket(host: str) -> str:
@@ -433,21 +480,29 @@ def _read_etcd(r: _Reader, raw: Any) -> EtcdSpec | None:
     if src is None:
         return None
     launch_keys = [k for k in _ETCD_LAUNCH if k in src]
+    if "endpoints" in src and launch_keys:
+        r.error(f"etcd.{launch_keys[0]}", "give either etcd.endpoints (a running etcd) or etcd.host (launch one)")
+        return None
+    sec = {k: r.get(src, k, _as_nonempty, "") for k in (*_ETCD_CLIENT_SEC, *_ETCD_SERVER_SEC)}
+    if _none_in(*sec.values()) or not _etcd_security_ok(r, sec, launch="endpoints" not in src):
+        return None
     if "endpoints" in src:
-        if launch_keys:
-            r.error(f"etcd.{launch_keys[0]}", "give either etcd.endpoints (a running etcd) or etcd.host (launch one)")
-            return None
         eps = r.get(src, "endpoints", _as_strlist)
         if eps is None:
             return None
-        from l3pool.pool.etcd import parse_endpoints
+        from l3pool.pool.etcd import parse_urls
 
         try:
-            parsed = parse_endpoints(eps)
+            parsed = parse_urls(eps)
         except ValueError as e:
             r.error("etcd.endpoints", str(e))
             return None
-        return EtcdSpec(tuple(f"http://{_bracket(h)}:{p}" for h, p in parsed))
+        tls = bool(sec["ca"] or sec["cert"])
+        if tls and any(e.scheme == "http" for e in parsed):
+            r.error("etcd.endpoints", "http:// endpoints with etcd.ca/cert: use https://")
+            return None
+        urls = tuple(e._replace(scheme=e.scheme or ("https" if tls else "http")).name for e in parsed)
+        return EtcdSpec(urls, **sec)
     if "host" not in src:
         r.error("etcd", "give etcd.endpoints (a running etcd) or etcd.host (launch one with `render`)")
         return None
@@ -459,7 +514,59 @@ def _read_etcd(r: _Reader, raw: Any) -> EtcdSpec | None:
     binary = r.get(src, "binary", _as_nonempty, EtcdSpec.binary)
     if _none_in(host, cport, pport, data_dir, name, binary):
         return None
-    return EtcdSpec((f"http://{_bracket(host)}:{cport}",), True, host, cport, pport, data_dir, name, binary)
+    scheme = "https" if sec["server_cert"] else "http"
+    url = f"{scheme}://{_bracket(host)}:{cport}"
+    return EtcdSpec((url,), True, host, cport, pport, data_dir, name, binary, **sec)
+
+
+def _etcd_security_ok(r: _Reader, sec: dict[str, str], launch: bool) -> bool:
+    """Combinations that cannot work; paths are not checked (they are paths on the nodes)."""
+    pairs = [("cert", "key"), ("server_cert", "server_key"), ("user", "password_file")]
+    for a, b in pairs:
+        if bool(sec[a]) != bool(sec[b]):
+            have, miss = (a, b) if sec[a] else (b, a)
+            r.error(f"etcd.{miss}", f"missing: etcd.{have} needs etcd.{miss} too")
+            return False
+    if not launch and sec["server_cert"]:
+        r.error("etcd.server_cert", "only for an etcd that `render` launches (etcd.host); not with etcd.endpoints")
+        return False
+    if launch and (sec["ca"] or sec["cert"]) and not sec["server_cert"]:
+        r.error("etcd.ca", "the launched etcd serves plain HTTP: give etcd.server_cert/server_key for TLS")
+        return False
+    if launch and sec["server_cert"] and not sec["ca"]:
+        r.error("etcd.ca", "missing: clients need the CA that signed etcd.server_cert")
+        return False
+    return True
+
+
+def _read_firewall(r: _Reader, raw: Any, hosts: list[str], master_host: str) -> FirewallSpec | None:
+    src = r.table(raw, "firewall", _FIREWALL) or {}
+    default = tuple(dict.fromkeys(f"{h}/{32 if ':' not in h else 128}" for h in hosts))
+    allow = r.get(src, "allow", _as_cidrs, default)
+    admin = r.get(src, "admin_allow", _as_cidrs, (f"{master_host}/{32 if ':' not in master_host else 128}",))
+    ports = r.get(src, "client_ports", _as_port_range, CLIENT_PORTS)
+    return None if _none_in(allow, admin, ports) else FirewallSpec(allow, admin, ports)
+
+
+def _as_cidrs(v: Any) -> tuple[str, ...]:
+    out = []
+    for x in _as_strlist(v):
+        try:
+            out.append(str(ipaddress.ip_network(x.strip(), strict=False)))
+        except ValueError:
+            raise _Bad(f"{x!r} is not a network (e.g. 10.0.0.0/16 or 10.0.0.7/32)") from None
+    if not out:
+        raise _Bad("empty: nothing could reach the pool")
+    return tuple(out)
+
+
+def _as_port_range(v: Any) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", _as_str(v))
+    if not m or not 1024 <= int(m[1]) < int(m[2]) <= 65535:
+        raise _Bad(f'{v!r}: expected "LOW-HIGH" with 1024 <= LOW < HIGH <= 65535')
+    if int(m[2]) - int(m[1]) < 63:
+        raise _Bad(f"{v!r}: keep at least 64 ports (two per Mooncake client, one client per engine rank)")
+    return int(m[1]), int(m[2])
 
 
 def _read_master(r: _Reader, raw: Any) -> MasterSpec | None:
@@ -667,6 +774,14 @@ def _services(cfg: DeployConfig) -> list[tuple[str, int, str]]:
     return out
 
 
+def _is_loopback_url(url: str) -> bool:
+    host = url.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _cross_check(r: _Reader, cfg: DeployConfig) -> None:
     seen: dict[str, str] = {}
     names = [(f"decode[{i}]", d.name) for i, d in enumerate(cfg.decode)]
@@ -694,6 +809,16 @@ def _cross_check(r: _Reader, cfg: DeployConfig) -> None:
     loop = [(h, p) for h, p in hosts if ipaddress.ip_address(h).is_loopback]
     if loop and len(loop) != len(hosts):
         r.error(loop[0][1], f"{loop[0][0]} is a loopback address but other nodes are on other hosts; use the node's IP")
+
+    e = cfg.etcd
+    clear = [u for u in e.endpoints if u.startswith("http://") and not _is_loopback_url(u)]
+    if clear:
+        where = "etcd.server_cert" if e.launch else "etcd.endpoints"
+        msg = (
+            f"etcd at {', '.join(clear)} speaks plain HTTP: pool keys cross the network in clear and anyone who "
+            "reaches it can register members (deploy/README.md, threat model); add TLS and a user"
+        )
+        r.warn(where, msg)
 
     # settings prefill nodes would need but the adapter's extra-config cannot carry (yet)
     meta_differs = cfg.master.metadata_port != DEFAULT_METADATA_PORT
@@ -772,13 +897,16 @@ def parse_config(data: dict[str, Any], path: str = "<config>") -> tuple[DeployCo
     prefill = [_read_prefill(r, i, raw, (sg_common, sg_prefill), l3)
                for i, raw in _nodes(r, _sub(top, "prefill"), "prefill")]  # fmt: skip
     router = _read_router(r, _sub(top, "router"))
-    if r.errors or _none_in(name, prefix, protocol, l3pool, log_dir, etcd, master, *decode, *prefill):
+    hosts = [x.host for x in (*decode, *prefill, router, master) if x is not None]
+    hosts += [etcd.host] if etcd is not None and etcd.launch else []
+    firewall = _read_firewall(r, _sub(top, "firewall"), hosts, master.host if master else "127.0.0.1")
+    if r.errors or _none_in(name, prefix, protocol, l3pool, log_dir, etcd, master, firewall, *decode, *prefill):
         if not r.errors:  # pragma: no cover - every None above comes with an error
             r.error("", "invalid config")
         return None, r.problems
-    assert etcd is not None and master is not None
+    assert etcd is not None and master is not None and firewall is not None
     cfg = DeployConfig(path, name, prefix, protocol, l3pool, log_dir, etcd, master,
-                       tuple(d for d in decode if d), tuple(p for p in prefill if p), router)  # fmt: skip
+                       tuple(d for d in decode if d), tuple(p for p in prefill if p), router, firewall)  # fmt: skip
     _cross_check(r, cfg)
     return (None if r.errors else cfg), r.problems
 

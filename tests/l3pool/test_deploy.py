@@ -246,21 +246,31 @@ def test_render_json_prefill_flags(capsys: pytest.CaptureFixture[str]) -> None:
             **ADAPTER,
             "master": "10.0.0.1:50051",
             "metadata_server": "http://10.0.0.1:8080/metadata",
-            "etcd": "http://10.0.0.1:2379",
+            "etcd": "https://10.0.0.1:2379",
             "key_prefix": "/l3pool",
             "protocol": "tcp",
             "local_hostname": host,
             "model": "deepseek-v3@0324",
             "checksum": False,
             "tenant": "",
+            "etcd_security": {
+                "ca": "/etc/l3pool/etcd-ca.pem",
+                "cert": "/etc/l3pool/etcd-client.pem",
+                "key": "/etc/l3pool/etcd-client-key.pem",
+                "user": "l3pool",
+                "password_file": "/etc/l3pool/etcd-password",
+            },
         }
         assert extra["module_path"] == "l3pool.adapters.sglang_hicache" and extra["class_name"] == "L3PoolStorage"
-        assert shlex.split(p["shell"]) == ["env", f"MC_TCP_BIND_ADDRESS={host}", *argv]  # copy-paste safe
+        ports = ["MC_MIN_RPC_PORT=15000", "MC_MAX_RPC_PORT=15999"]
+        assert shlex.split(p["shell"]) == ["env", f"MC_TCP_BIND_ADDRESS={host}", *ports, *argv]  # copy-paste safe
     a = procs["agent-decode-3"]["argv"]
     assert a[:3] == ["numactl", "--cpunodebind=1", "--membind=1"] and a[3:5] == ["l3pool", "agent"]
     assert _flag(a, "--segment-size") == "192GB" and _flag(a, "--id") == "decode-3"
     assert _flag(a, "--metadata") == "http://10.0.0.1:8080/metadata" and _flag(a, "--host") == "10.0.1.24"
-    assert procs["agent-decode-3"]["env"] == {"MC_TCP_BIND_ADDRESS": "10.0.1.24"}
+    assert procs["agent-decode-3"]["env"] == {
+        "MC_TCP_BIND_ADDRESS": "10.0.1.24", "MC_MIN_RPC_PORT": "15000", "MC_MAX_RPC_PORT": "15999",
+    }  # fmt: skip
     m = procs["master"]["argv"]
     for f in (
         "--rpc_port=50051",
@@ -286,6 +296,7 @@ def test_render_select_and_scripts(tmp_path: Path, capsys: pytest.CaptureFixture
         "# etcd (etcd) on 10.0.0.1",
         "# master (master) on 10.0.0.1",
         "# router (router) on 10.0.0.1",
+        f"# l3pool firewall for 10.0.0.1: run as root (`l3pool deploy render {EXAMPLE} --node 10.0.0.1`)",
     ]
     rc, _, err = _cli(capsys, "render", str(EXAMPLE), "--node", "nope")
     assert rc == 2 and "no node or host 'nope'; nodes: decode-0" in err
@@ -296,12 +307,15 @@ def test_render_select_and_scripts(tmp_path: Path, capsys: pytest.CaptureFixture
         ["etcd.sh", "master.sh", "router.sh"]
         + [f"prefill-{i}.sh" for i in range(2)]
         + [f"decode-{i}.sh" for i in range(4)]
-    )
+        + [f"firewall-{h}.sh" for h in ("10.0.0.1", "10.0.0.11", "10.0.0.12", "10.0.1.21", "10.0.1.22", "10.0.1.23",
+                                         "10.0.1.24")]
+    )  # fmt: skip
     for s in scripts:
         r = subprocess.run(["bash", "-n", str(tmp_path / "s" / s)], capture_output=True, text=True, timeout=10)
         assert r.returncode == 0, f"{s}: {r.stderr}"
     text = (tmp_path / "s" / "decode-0.sh").read_text()
-    assert "_start agent-decode-0 env MC_TCP_BIND_ADDRESS=10.0.1.21 numactl" in text
+    env = "MC_TCP_BIND_ADDRESS=10.0.1.21 MC_MIN_RPC_PORT=15000 MC_MAX_RPC_PORT=15999"
+    assert f"_start agent-decode-0 env {env} numactl" in text
     assert "_wait_port 10.0.1.21 30000" not in text  # nothing after the decode server to wait for
     cfg, _ = load_config(EXAMPLE)
     assert cfg is not None and [p.name for p in select(plan(cfg), "decode-0")] == ["agent-decode-0", "sglang-decode-0"]
@@ -480,3 +494,83 @@ def test_deploy_imports_without_torch() -> None:
     code = "import sys, l3pool.tools.deploy, l3pool.tools.deploy_config; sys.exit(1 if 'torch' in sys.modules else 0)"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=python_env(), timeout=30)
     assert r.returncode == 0, "l3pool.tools.deploy pulled in torch: `deploy check` must run on any node"
+
+
+# -- security: etcd TLS/auth flags and firewall rules ------------------------------------------------
+def test_render_passes_etcd_tls_to_every_component(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _cli(capsys, "render", str(EXAMPLE), "--json")
+    assert rc == 0
+    procs = {p["name"]: p for p in json.loads(out)["processes"]}
+    e = procs["etcd"]["argv"]
+    assert _flag(e, "--listen-client-urls") == "https://10.0.0.1:2379,https://127.0.0.1:2379"
+    assert _flag(e, "--cert-file") == "/etc/l3pool/etcd-server.pem" and "--client-cert-auth" in e
+    assert _flag(e, "--trusted-ca-file") == "/etc/l3pool/etcd-ca.pem"
+    for i in range(4):
+        a = procs[f"agent-decode-{i}"]["argv"]
+        assert _flag(a, "--etcd") == "https://10.0.0.1:2379" and _flag(a, "--etcd-ca") == "/etc/l3pool/etcd-ca.pem"
+        assert _flag(a, "--etcd-cert") == "/etc/l3pool/etcd-client.pem" and _flag(a, "--etcd-user") == "l3pool"
+        assert _flag(a, "--etcd-password-file") == "/etc/l3pool/etcd-password"
+    for p in ("prefill-0", "prefill-1"):
+        extra = json.loads(_flag(procs[f"sglang-{p}"]["argv"], "--hicache-storage-backend-extra-config"))
+        assert extra["etcd_security"]["password_file"] == "/etc/l3pool/etcd-password"
+        assert "password" not in extra["etcd_security"]
+    assert "etcd-password" not in json.dumps(procs).replace("etcd-password-file", "").replace("/etcd-password", "")
+
+
+def test_plain_http_etcd_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = "\n".join(
+        ln for ln in EXAMPLE_TEXT.splitlines() if not ln.startswith(("server_", "ca =", "cert =", "key =", "user ="))
+    )
+    text = text.replace('password_file = "/etc/l3pool/etcd-password"   # mode 0600; never on a command line\n', "")
+    rc, out, err = _cli(capsys, "check", _write(tmp_path, text))
+    assert rc == 0, err
+    assert "warning: etcd.server_cert: etcd at http://10.0.0.1:2379 speaks plain HTTP" in out
+    rc, out, _ = _cli(capsys, "render", _write(tmp_path, text), "--node", "decode-0", "--json")
+    a = json.loads(out)["processes"][0]["argv"]
+    assert _flag(a, "--etcd") == "http://10.0.0.1:2379" and not any(x.startswith("--etcd-") for x in a)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ('cert = "/etc/l3pool/etcd-client.pem"\n', "", "etcd.cert: missing: etcd.key needs etcd.cert too"),
+        ('server_key = "/etc/l3pool/etcd-server-key.pem"\n', "", "etcd.server_key: missing"),
+        ('password_file = "/etc/l3pool/etcd-password"', "password = 'x'", "etcd.password: unknown key"),
+        ('client_ports = "15000-15999"', 'client_ports = "15000-15010"', "keep at least 64 ports"),
+        ('admin_allow = ["10.0.0.1/32"]', 'admin_allow = ["10.0.0.300/32"]', "is not a network"),
+    ],
+)
+def test_bad_security_config(
+    old: str, new: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, _, err = _cli(capsys, "check", _write(tmp_path, _edit(old, new)))
+    assert rc == 2 and expected in err, err
+
+
+def test_firewall_rules_cover_every_pool_port(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _cli(capsys, "render", str(EXAMPLE), "--json")
+    fw = json.loads(out)["firewall"]
+    assert rc == 0 and sorted(fw) == ["10.0.0.1", "10.0.0.11", "10.0.0.12", "10.0.1.21", "10.0.1.22", "10.0.1.23",
+                                      "10.0.1.24"]  # fmt: skip
+    ctl = fw["10.0.0.1"]
+    jump = "iptables -I INPUT -p tcp -m multiport --dports 2379,2380,50051,8080 -j L3POOL"
+    assert any(ln.endswith(jump) for ln in ctl)  # etcd client+peer, master RPC + metadata (binds 0.0.0.0)
+    assert any(ln.endswith("--dports 9003 -j L3POOL-ADMIN") for ln in ctl)
+    i = ctl.index("iptables -A L3POOL -i lo -j ACCEPT")
+    assert ctl[i : i + 4] == [
+        "iptables -A L3POOL -i lo -j ACCEPT",
+        "iptables -A L3POOL -s 10.0.0.0/24 -j ACCEPT",
+        "iptables -A L3POOL -s 10.0.1.0/24 -j ACCEPT",
+        "iptables -A L3POOL -j DROP",
+    ]
+    assert "iptables -A L3POOL-ADMIN -s 10.0.0.1/32 -j ACCEPT" in ctl
+    assert "iptables -A L3POOL-ADMIN -s 10.0.0.0/24 -j ACCEPT" not in ctl  # admin: the master host only
+    for host in ("10.0.0.11", "10.0.1.21"):  # Mooncake clients: their pinned port range
+        assert any(ln.endswith("--dports 15000:15999 -j L3POOL") for ln in fw[host])
+        assert not any("L3POOL-ADMIN" in ln for ln in fw[host])
+    # default allow without [firewall]: exactly the config's hosts
+    text = EXAMPLE_TEXT[: EXAMPLE_TEXT.index("[firewall]")]
+    rc, out, _ = _cli(capsys, "render", _write(tmp_path, text), "--json", "--node", "10.0.1.21")
+    rules = json.loads(out)["firewall"]["10.0.1.21"]
+    allowed = sorted(ln.split(" -s ")[1].split()[0] for ln in rules if ln.startswith("iptables -A L3POOL -s"))
+    assert allowed == sorted(["10.0.0.1/32", "10.0.0.11/32", "10.0.0.12/32"] + [f"10.0.1.2{i}/32" for i in range(1, 5)])

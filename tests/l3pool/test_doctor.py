@@ -209,7 +209,7 @@ def test_cli_json_and_exit_codes(
     report = json.loads(out)
     assert rc == 0 and report["ok"] and report["failed"] == []
     names = [c["name"] for c in report["checks"]]
-    assert names == ["thp", "numa", "memlock", "rdma", "bind_address", "etcd", "master", "clock_skew"]
+    assert names == ["thp", "numa", "memlock", "rdma", "bind_address", "etcd", "etcd_tls", "master", "clock_skew"]
     assert {c["status"] for c in report["checks"]} <= {"PASS", "WARN", "SKIP"}
     port = free_ports(1)[0]
     rc, out, _ = _run(capsys, *common, "--etcd", f"http://127.0.0.1:{port}", "--protocol", "rdma")
