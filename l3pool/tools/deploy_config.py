@@ -50,7 +50,8 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 MOONCAKE_CLIENT_PORTS = (12300, 14300)  # Mooncake clients take their RPC ports from this range
 # Where `render` pins the listening ports of every Mooncake client (agents, prefill engines) with
 # MC_MIN_RPC_PORT/MC_MAX_RPC_PORT: each client listens on two ports of the range, on all interfaces
-# (0.3.13 has no bind-address setting for them), so the firewall rules can name them.
+# (0.3.13 has no bind-address setting for them), so the firewall rules can name them. Mooncake's
+# own default range is 15000-17000; a range above 32767 is ignored (it falls back to that).
 CLIENT_PORTS = (15000, 15999)
 RESERVED_NAMES = ("etcd", "master", "router")
 
@@ -562,8 +563,9 @@ def _as_cidrs(v: Any) -> tuple[str, ...]:
 
 def _as_port_range(v: Any) -> tuple[int, int]:
     m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", _as_str(v))
-    if not m or not 1024 <= int(m[1]) < int(m[2]) <= 65535:
-        raise _Bad(f'{v!r}: expected "LOW-HIGH" with 1024 <= LOW < HIGH <= 65535')
+    if not m or not 1024 <= int(m[1]) < int(m[2]) <= 32767:
+        # Mooncake 0.3.13 logs "Invalid port range" and falls back to 15000-17000 above 32767
+        raise _Bad(f'{v!r}: expected "LOW-HIGH" with 1024 <= LOW < HIGH <= 32767 (Mooncake\'s limit)')
     if int(m[2]) - int(m[1]) < 63:
         raise _Bad(f"{v!r}: keep at least 64 ports (two per Mooncake client, one client per engine rank)")
     return int(m[1]), int(m[2])

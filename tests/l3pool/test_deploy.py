@@ -538,6 +538,7 @@ def test_plain_http_etcd_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str
         ('password_file = "/etc/l3pool/etcd-password"', "password = 'x'", "etcd.password: unknown key"),
         ('client_ports = "15000-15999"', 'client_ports = "15000-15010"', "keep at least 64 ports"),
         ('admin_allow = ["10.0.0.1/32"]', 'admin_allow = ["10.0.0.300/32"]', "is not a network"),
+        ('client_ports = "15000-15999"', 'client_ports = "40000-40999"', "<= 32767 (Mooncake's limit)"),
     ],
 )
 def test_bad_security_config(

@@ -53,9 +53,7 @@ def tenant_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterSe
 def _store(m: MasterServer, tenant: str = "", segment: int = 0) -> MooncakeStore:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # the test is the application: stay on loopback
-        return MooncakeStore(
-            StoreConfig(master=m.rpc, metadata=m.metadata_url, segment_bytes=segment, tenant=tenant)
-        )
+        return MooncakeStore(StoreConfig(master=m.rpc, metadata=m.metadata_url, segment_bytes=segment, tenant=tenant))
 
 
 def _pool(seed: int) -> HostKVPool:
