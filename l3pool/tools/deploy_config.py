@@ -47,7 +47,6 @@ LAYOUT_IO = {"layer_first": ("kernel", "direct"), "page_first": ("kernel",), "pa
 IO_BACKENDS = ("kernel", "direct")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-MOONCAKE_CLIENT_PORTS = (12300, 14300)  # Mooncake clients take their RPC ports from this range
 # Where `render` pins the listening ports of every Mooncake client (agents, prefill engines) with
 # MC_MIN_RPC_PORT/MC_MAX_RPC_PORT: each client listens on two ports of the range, on all interfaces
 # (0.3.13 has no bind-address setting for them), so the firewall rules can name them. Mooncake's
@@ -801,7 +800,7 @@ def _cross_check(r: _Reader, cfg: DeployConfig) -> None:
             r.error(path, f"port {port} on {host} is also {taken[(host, port)]}")
         taken.setdefault((host, port), path)
     mooncake_hosts = {d.host for d in cfg.decode} | {p.host for p in cfg.prefill}
-    lo, hi = MOONCAKE_CLIENT_PORTS
+    lo, hi = cfg.firewall.client_ports  # where render makes Mooncake clients listen
     for host, port, path in _services(cfg):
         if host in mooncake_hosts and lo <= port <= hi:
             r.warn(path, f"port {port} on {host} is in {lo}-{hi}, where Mooncake clients on that host take ports")

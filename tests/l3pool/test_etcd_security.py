@@ -102,7 +102,8 @@ def _b64(s: str) -> str:
 
 @pytest.fixture(scope="module")
 def secure_etcd(pki: Pki) -> Iterator[EtcdServer]:
-    """etcd over TLS with client-cert auth, then root + USER (read/write on every key) and auth on."""
+    """etcd over TLS with client-cert auth, then root + USER (read/write under /l3t, the prefix of
+    every test here, like a deployment's role limited to its key_prefix) and auth on."""
     with run_etcd(tls=pki.tls) as server:
         c = server.client()
         steps: list[tuple[str, dict[str, Any]]] = [
@@ -112,7 +113,7 @@ def secure_etcd(pki: Pki) -> Iterator[EtcdServer]:
             ("/v3/auth/user/add", {"name": USER, "password": PASSWORD}),
             ("/v3/auth/role/add", {"name": "l3pool-rw"}),
             ("/v3/auth/role/grant",
-             {"name": "l3pool-rw", "perm": {"permType": "READWRITE", "key": _b64("/"), "range_end": _b64("0")}}),
+             {"name": "l3pool-rw", "perm": {"permType": "READWRITE", "key": _b64("/l3t"), "range_end": _b64("/l3u")}}),
             ("/v3/auth/user/grant", {"user": USER, "role": "l3pool-rw"}),
             ("/v3/auth/enable", {}),
         ]  # fmt: skip
@@ -164,6 +165,8 @@ def test_client_kv_txn_lease_over_tls_and_auth(secure_etcd: EtcdServer, pki: Pki
         assert c.get(f"{prefix}/a") is not None and c._token != "not-a-token"
         assert c._probe()  # the breaker's probe speaks TLS (+ token) too
         assert c.date_sample()[3].startswith("3.")
+        with pytest.raises(EtcdAuthError, match="permission denied -> the etcd user lacks a role"):
+            c.put("/elsewhere", "x")  # the role covers /l3t* only
     finally:
         c.close()
     # the same etcd refuses the same calls without a user
