@@ -102,7 +102,7 @@ from l2core.pool import HostKVPool, L2Config
 from l2core.spec import ConfigError, KVSpec, dtype_name
 from l2core.units import parse_size
 from l3pool.pool.client import L3Client
-from l3pool.pool.etcd import EtcdSecurity
+from l3pool.pool.etcd import security_mapping
 from l3pool.pool.keys import Namespace
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
@@ -184,7 +184,7 @@ class BackendConfig:
     stats_interval: float = 5.0
     client_id: str | None = None
     clear_force: bool = True
-    etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
+    etcd_security: dict[str, str] = field(default_factory=dict)  # files are read when connecting
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -229,7 +229,7 @@ class BackendConfig:
             raise ConfigError(f"extra-config 'stats_interval' must be > 0, got {interval}")
         sec = _typed(extra, "etcd_security", (dict,), {})
         try:
-            etcd_security = EtcdSecurity.from_mapping(sec, "extra-config 'etcd_security'")
+            etcd_security = security_mapping(sec, "extra-config 'etcd_security'")
         except ValueError as e:
             raise ConfigError(str(e)) from None
         layers = _typed(extra, "layers", (list, tuple), None)
@@ -406,12 +406,13 @@ class L3PoolStorage(HiCacheStorage):
             )
         )
         if c.etcd is not None:
-            from l3pool.pool.etcd import EtcdClient
+            from l3pool.pool.etcd import EtcdClient, EtcdSecurity
             from l3pool.pool.metadata import Metadata, check_prefix
 
             try:
                 check_prefix(c.key_prefix)
-                etcd = EtcdClient(c.etcd, security=c.etcd_security)
+                sec = EtcdSecurity.from_mapping(c.etcd_security, "extra-config 'etcd_security'")
+                etcd = EtcdClient(c.etcd, security=sec)
             except ValueError as e:
                 self.store.close()
                 raise ConfigError(f"extra-config 'etcd'/'key_prefix'/'etcd_security': {e}") from None

@@ -114,22 +114,33 @@ class EtcdSecurity:
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any], what: str = "etcd security") -> EtcdSecurity:
-        """From a config dict with keys ca, cert, key, user, password_file (strings; absent or ""
-        = not set). With a user, the password is read from password_file, else from the
-        environment's L3POOL_ETCD_PASSWORD: config files and command lines never hold it."""
-        known = ("ca", "cert", "key", "user", "password_file")
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            hint = " (put the password in a file: password_file)" if "password" in unknown else ""
-            raise ValueError(f"{what}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}{hint}")
-        vals: dict[str, str | None] = {}
-        for k in known:
-            v = d.get(k)
-            if v is not None and not isinstance(v, str):
-                raise ValueError(f"{what}: {k} must be a string, got {type(v).__name__}")
-            vals[k] = v or None
-        password = _password(vals["user"], None, vals["password_file"], os.environ, what)
-        return cls(vals["ca"], vals["cert"], vals["key"], vals["user"], password)
+        """From a config dict with keys ca, cert, key, user, password_file (see `security_mapping`).
+        With a user, the password is read from password_file, else from the environment's
+        L3POOL_ETCD_PASSWORD: config files and command lines never hold it."""
+        vals: dict[str, str | None] = dict(security_mapping(d, what))
+        password = _password(vals.get("user"), None, vals.get("password_file"), os.environ, what)
+        return cls(vals.get("ca"), vals.get("cert"), vals.get("key"), vals.get("user"), password)
+
+
+SECURITY_KEYS = ("ca", "cert", "key", "user", "password_file")
+
+
+def security_mapping(d: Mapping[str, Any], what: str = "etcd security") -> dict[str, str]:
+    """The set keys of a config dict of etcd security settings (paths + user; absent or "" = not
+    set), checked for unknown keys and types only — no file is touched (a config may be parsed on
+    another machine than the one that connects). ValueError with a one-line reason."""
+    unknown = sorted(set(d) - set(SECURITY_KEYS))
+    if unknown:
+        hint = " (put the password in a file: password_file)" if "password" in unknown else ""
+        raise ValueError(f"{what}: unknown key(s) {', '.join(unknown)}; known: {', '.join(SECURITY_KEYS)}{hint}")
+    out = {}
+    for k in SECURITY_KEYS:
+        v = d.get(k)
+        if v is not None and not isinstance(v, str):
+            raise ValueError(f"{what}: {k} must be a string, got {type(v).__name__}")
+        if v:
+            out[k] = v
+    return out
 
 
 def _password(

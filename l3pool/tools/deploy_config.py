@@ -37,6 +37,7 @@ from typing import Any
 from l2core.names import LAYOUTS
 from l2core.units import ConfigError, parse_size
 from l3pool.agent import MIN_SEGMENT_BYTES, PROTOCOLS
+from l3pool.pool.etcd import SECURITY_KEYS
 from l3pool.pool.metadata import DEFAULT_PREFIX, check_id, check_prefix
 from l3pool.pool.store import DEFAULT_METADATA_PORT, metadata_url
 
@@ -73,7 +74,7 @@ ADAPTER_KEYS = (
 _TOP = ("cluster", "etcd", "master", "l3", "sglang", "decode", "prefill", "router", "firewall")
 _CLUSTER = ("name", "key_prefix", "protocol", "l3pool", "log_dir")
 _ETCD_LAUNCH = ("host", "client_port", "peer_port", "data_dir", "name", "binary")
-_ETCD_CLIENT_SEC = ("ca", "cert", "key", "user", "password_file")  # what every component gets
+_ETCD_CLIENT_SEC = SECURITY_KEYS  # what every component gets (ca, cert, key, user, password_file)
 _ETCD_SERVER_SEC = ("server_cert", "server_key")  # the launched etcd's own certificate
 _ETCD = ("endpoints", *_ETCD_LAUNCH, *_ETCD_CLIENT_SEC, *_ETCD_SERVER_SEC)
 _FIREWALL = ("allow", "admin_allow", "client_ports")

@@ -178,7 +178,7 @@ def test_client_kv_txn_lease_over_tls_and_auth(secure_etcd: EtcdServer, pki: Pki
         anon.close()
 
 
-def test_metadata_agent_and_inspect(
+def test_metadata_agent_inspect_purge(
     secure_etcd: EtcdServer, mooncake_master: MasterServer, pki: Pki, prefix: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     etcd = EtcdClient(secure_etcd.endpoints, security=_security(pki))
@@ -198,6 +198,13 @@ def test_metadata_agent_and_inspect(
             out = json.loads(capsys.readouterr().out)
             assert [m["id"] for m in out["members"]] == ["tls-agent"]
             assert [n["ns_id"] for n in out["namespaces"]] == ["ns1"]
+            purge = ["purge", "--etcd", secure_etcd.endpoints, "--key-prefix", prefix, "--model", "m", "--dry-run"]
+            assert main([*purge, "--json", *_flags(pki)]) == 0
+            assert [r["namespace"] for r in json.loads(capsys.readouterr().out)["namespaces"]] == ["ns1"]
+            assert main(purge) == 1  # the same without any flag: etcd's certificate is not trusted
+            assert "CERTIFICATE_VERIFY_FAILED -> etcd's certificate is not signed" in capsys.readouterr().err
+            assert main([*purge, *_flags(pki)[:6]]) == 1  # TLS right, no user: refused, one line
+            assert "permission denied -> etcd has auth enabled" in capsys.readouterr().err
             agent.proc.send_signal(signal.SIGTERM)
             assert agent.wait(30) == 0, agent.our_lines()
         assert md.members() == []  # deregistered (delete under its lease + revoke) through TLS + auth

@@ -339,6 +339,9 @@ def test_loaded_through_sglang_dynamic_factory(
         ({"layers": [3]}, "'layers' must be [begin, end]"),
         ({"layer_first_mode": "fast"}, "'multi' or 'staging'"),
         ({"interface_v1": None}, "interface_v1"),
+        ({"etcd_security": {"password": "x"}}, "put the password in a file: password_file"),
+        ({"etcd_security": {"ca": 5}}, "ca must be a string"),
+        ({"etcd_security": "tls"}, "'etcd_security' must be dict"),
     ],
 )
 def test_bad_extra_config_is_refused_clearly(change: dict[str, Any], message: str) -> None:
@@ -417,6 +420,8 @@ def test_deploy_rendered_extra_config_is_accepted() -> None:
         assert (bc.etcd, bc.key_prefix, bc.protocol, bc.model) == (
             cfg.etcd.endpoints_str, cfg.key_prefix, cfg.protocol, node.l3.model,
         )  # fmt: skip
+        assert bc.etcd.startswith("https://") and bc.etcd_security == cfg.etcd.security_keys()
+        assert bc.etcd_security["password_file"] == "/etc/l3pool/etcd-password"
 
 
 # -- clear(), SGLang Mooncake names, storage metrics ----------------------------------------------
