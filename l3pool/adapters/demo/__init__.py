@@ -79,6 +79,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--host", help="this node's IP as Mooncake peers reach it (running pool)")
     p.add_argument("--etcd", help="the running pool's etcd endpoints (namespace registry and stats)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    from l3pool.pool.etcd import add_security_args
+
+    add_security_args(p)  # for --etcd of a running pool
     p.set_defaults(fn=_cmd)
 
 
@@ -137,12 +140,13 @@ def _endpoints(a: argparse.Namespace) -> Iterator[tuple[str, str, str, str | Non
 def _cmd(a: argparse.Namespace) -> int:
     from l2core.spec import ConfigError
     from l3pool.cluster.local import ClusterError
+    from l3pool.pool.etcd import EtcdAuthError
     from l3pool.pool.store import StoreError
 
     try:
         opts = _options(a)
         report = _run(a, opts)
-    except (ConfigError, DemoError, ClusterError, StoreError, ValueError) as e:
+    except (ConfigError, DemoError, ClusterError, StoreError, ValueError, EtcdAuthError) as e:
         print(f"l3pool demo: {e}", file=sys.stderr)
         return 2
     ok = _write(a, report)
@@ -168,14 +172,15 @@ def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     from tqdm import tqdm
 
     from l3pool.adapters.demo.run import run
-    from l3pool.pool.etcd import EtcdClient
+    from l3pool.pool.etcd import EtcdClient, EtcdSecurity, security_from_args
     from l3pool.pool.metadata import Metadata
     from l3pool.pool.store import MooncakeStore, StoreConfig
 
+    sec = security_from_args(a) if a.master else EtcdSecurity()  # the local cluster's etcd is plain
     with _endpoints(a) as (master, metadata_url, host, etcd, how):
         log.info("demo: %s", how)
         store = MooncakeStore(StoreConfig(master=master, metadata=metadata_url, local_hostname=host))
-        md = Metadata(EtcdClient(etcd, timeout=2.0)) if etcd else None
+        md = Metadata(EtcdClient(etcd, timeout=2.0, security=sec)) if etcd else None
         bar = tqdm(total=1, desc="demo", unit="step", file=sys.stderr, disable=a.no_progress)
         try:
             rep = run(opts, store, md, bar)
