@@ -123,7 +123,8 @@ def plan(cfg: DeployConfig) -> list[Process]:
     e, m = cfg.etcd, cfg.master
     if e.launch:
         scheme = "https" if e.server_cert else "http"
-        client, peer = _url(e.host, e.client_port, scheme), _url(e.host, e.peer_port)
+        # one member: its peer (raft) port has no one to talk to off this host, so it stays on loopback
+        client, peer = _url(e.host, e.client_port, scheme), _url("127.0.0.1", e.peer_port)
         local = _url("127.0.0.1", e.client_port, scheme)
         listen = client if ipaddress.ip_address(e.host).is_loopback else f"{client},{local}"
         argv = [e.binary, "--name", e.name, "--data-dir", e.data_dir, "--listen-client-urls", listen,
@@ -178,7 +179,8 @@ def plan(cfg: DeployConfig) -> list[Process]:
 def listening_ports(cfg: DeployConfig) -> dict[str, dict[str, list[str]]]:
     """host -> {"pool": ports anyone in firewall.allow may reach, "admin": the master's admin port}
     (iptables multiport syntax: "2379", "15000:15999"). What binds where (mooncake_master 0.3.13,
-    checked with `ss -ltn`): etcd and the master's RPC and admin ports bind the configured host; the
+    checked with `ss -ltn`): etcd's client port and the master's RPC and admin ports bind the
+    configured host (etcd's peer port: loopback); the
     master's HTTP metadata server binds 0.0.0.0 whatever --http_metadata_server_host says; every
     Mooncake client (agents, SGLang ranks) listens on all interfaces on two ports of
     firewall.client_ports. Only the rules below keep those off other networks."""
@@ -190,7 +192,7 @@ def listening_ports(cfg: DeployConfig) -> dict[str, dict[str, list[str]]]:
 
     e, m = cfg.etcd, cfg.master
     if e.launch:
-        add(e.host, "pool", str(e.client_port), str(e.peer_port))
+        add(e.host, "pool", str(e.client_port))  # the peer port listens on 127.0.0.1 only
     add(m.host, "pool", str(m.rpc_port), str(m.metadata_port))
     add(m.host, "admin", str(m.admin_port))
     lo, hi = cfg.firewall.client_ports

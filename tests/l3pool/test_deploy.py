@@ -505,6 +505,7 @@ def test_render_passes_etcd_tls_to_every_component(capsys: pytest.CaptureFixture
     assert _flag(e, "--listen-client-urls") == "https://10.0.0.1:2379,https://127.0.0.1:2379"
     assert _flag(e, "--cert-file") == "/etc/l3pool/etcd-server.pem" and "--client-cert-auth" in e
     assert _flag(e, "--trusted-ca-file") == "/etc/l3pool/etcd-ca.pem"
+    assert _flag(e, "--listen-peer-urls") == "http://127.0.0.1:2380"  # one member: raft stays on loopback
     for i in range(4):
         a = procs[f"agent-decode-{i}"]["argv"]
         assert _flag(a, "--etcd") == "https://10.0.0.1:2379" and _flag(a, "--etcd-ca") == "/etc/l3pool/etcd-ca.pem"
@@ -554,8 +555,8 @@ def test_firewall_rules_cover_every_pool_port(tmp_path: Path, capsys: pytest.Cap
     assert rc == 0 and sorted(fw) == ["10.0.0.1", "10.0.0.11", "10.0.0.12", "10.0.1.21", "10.0.1.22", "10.0.1.23",
                                       "10.0.1.24"]  # fmt: skip
     ctl = fw["10.0.0.1"]
-    jump = "iptables -I INPUT -p tcp -m multiport --dports 2379,2380,50051,8080 -j L3POOL"
-    assert any(ln.endswith(jump) for ln in ctl)  # etcd client+peer, master RPC + metadata (binds 0.0.0.0)
+    jump = "iptables -I INPUT -p tcp -m multiport --dports 2379,50051,8080 -j L3POOL"
+    assert any(ln.endswith(jump) for ln in ctl)  # etcd client, master RPC + metadata (binds 0.0.0.0)
     assert any(ln.endswith("--dports 9003 -j L3POOL-ADMIN") for ln in ctl)
     i = ctl.index("iptables -A L3POOL -i lo -j ACCEPT")
     assert ctl[i : i + 4] == [
