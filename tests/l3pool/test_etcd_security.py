@@ -178,8 +178,48 @@ def test_client_kv_txn_lease_over_tls_and_auth(secure_etcd: EtcdServer, pki: Pki
         anon.close()
 
 
-def test_metadata_agent_inspect_purge(
-    secure_etcd: EtcdServer, mooncake_master: MasterServer, pki: Pki, prefix: str, capsys: pytest.CaptureFixture[str]
+def _deploy_config(tmp: Path, etcd: EtcdServer, m: MasterServer, pki: Pki, prefix: str) -> str:
+    t = pki.tls
+    text = f"""
+[cluster]
+key_prefix = "{prefix}"
+[etcd]
+endpoints = ["{etcd.endpoints}"]
+ca = "{t.ca}"
+cert = "{t.client_cert}"
+key = "{t.client_key}"
+user = "{USER}"
+password_file = "{pki.password_file}"
+[master]
+host = "127.0.0.1"
+rpc_port = {m.rpc_port}
+metadata_port = {m.metadata_port}
+admin_port = {m.admin_port}
+[l3]
+model = "toy@1"
+[sglang]
+model_path = "/models/toy"
+[[prefill]]
+name = "p0"
+host = "127.0.0.2"
+[[decode]]
+name = "tls-agent"
+host = "127.0.0.1"
+donate = "16MiB"
+run_sglang = false
+"""
+    path = tmp / "cluster.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_metadata_agent_inspect_purge_verify(
+    secure_etcd: EtcdServer,
+    mooncake_master: MasterServer,
+    pki: Pki,
+    prefix: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     etcd = EtcdClient(secure_etcd.endpoints, security=_security(pki))
     md = Metadata(etcd, prefix)
@@ -205,6 +245,11 @@ def test_metadata_agent_inspect_purge(
             assert "CERTIFICATE_VERIFY_FAILED -> etcd's certificate is not signed" in capsys.readouterr().err
             assert main([*purge, *_flags(pki)[:6]]) == 1  # TLS right, no user: refused, one line
             assert "permission denied -> etcd has auth enabled" in capsys.readouterr().err
+            # `l3pool deploy verify` of a config with the same TLS/auth settings sees the agent
+            cfg = _deploy_config(tmp_path, secure_etcd, mooncake_master, pki, prefix)
+            assert main(["deploy", "verify", cfg, "--json"]) == 0, capsys.readouterr()
+            v = json.loads(capsys.readouterr().out)
+            assert v["ok"] and [n["status"] for n in v["decode"]] == ["ok"] and "--etcd-user l3pool" in v["next"][0]
             agent.proc.send_signal(signal.SIGTERM)
             assert agent.wait(30) == 0, agent.our_lines()
         assert md.members() == []  # deregistered (delete under its lease + revoke) through TLS + auth
