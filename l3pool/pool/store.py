@@ -75,6 +75,7 @@ _CODES: dict[int, Outcome] = {
     -800: Outcome.TRANSFER_FAIL,  # TRANSFER_FAIL
     -900: Outcome.UNAVAILABLE,  # RPC_FAIL
     -101: Outcome.MISS,  # SEGMENT_NOT_FOUND (its donor left)
+    -1701: Outcome.BAD_REQUEST,  # TENANT_NOT_REGISTERED (multi-tenant master: not in its policy)
 }
 
 

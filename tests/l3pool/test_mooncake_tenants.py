@@ -3,9 +3,10 @@
 A client's `tenant_id` (StoreConfig.tenant, the SGLang adapter's `tenant`) is kept apart only by a
 master started with `--enable_multi_tenants` and a tenant quota policy listing each tenant. There,
 a client of tenant "tb" that knows tenant "ta"'s exact keys cannot see them (batch_is_exist),
-read them, remove them (one key or by regex, even forced), or overwrite them (its put of the same
-key makes its own object). Without the flag Mooncake ignores the tenant id: every client sees,
-reads and removes every object (second test). Tenant ids are not authenticated: any client may
+read them, remove them (one key or by regex, even forced), overwrite them (its put of the same
+key makes its own object) or evict them by writing more than its quota (its own objects go).
+Without the flag Mooncake ignores the tenant id: every client sees, reads and removes every
+object (second test). Tenant ids are not authenticated: any client may
 claim any tenant — this keeps honest tenants apart, it does not stop a hostile client (see the
 threat model in deploy/README.md).
 """
@@ -13,6 +14,7 @@ threat model in deploy/README.md).
 from __future__ import annotations
 
 import ctypes
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +31,7 @@ from .conftest import MasterServer, run_master
 
 SPEC = KVSpec.mla(4, page_size=16)
 PAGES = 8
+LEASE_S = 0.3
 
 
 def tenant_policy(path: Path, tenants: dict[str, int]) -> Path:
@@ -44,8 +47,10 @@ def tenant_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterSe
     policy = tenant_policy(
         tmp_path_factory.mktemp("tenants") / "policy.yaml", {"default": 64 << 20, "ta": 32 << 20, "tb": 32 << 20}
     )
+    # short read leases (0 fails gets: the lease expires mid-transfer), so that only the tenant
+    # quotas, not leases, can keep an object from eviction once LEASE_S has passed
     extra = ["--enable_multi_tenants=true", "--tenant_quota_connector_type", "file",
-             "--tenant_quota_connector_uri", str(policy)]  # fmt: skip
+             "--tenant_quota_connector_uri", str(policy), f"--default_kv_lease_ttl={LEASE_S * 1000:.0f}ms"]  # fmt: skip
     with run_master(extra=extra) as m:
         yield m
 
@@ -117,6 +122,27 @@ def test_multi_tenant_master_keeps_tenants_apart(tenant_master: MasterServer) ->
         assert other.put(keys) == [Outcome.OK] * PAGES  # its own objects under the same names
         assert set(other.get(keys)) == {Outcome.OK} and (other.buf == 0xEE).all()
         assert _read_back(client, pool, keys) == want  # the victim's pages: all there, its bytes
+        # evict: tenant tb writes 96 MiB (its quota is 32 MiB, the pool 64 MiB); Mooncake evicts
+        # tb's own objects to keep it inside its quota, never the victim's
+        time.sleep(2 * LEASE_S)  # every read lease of the victim's objects is over
+        filler = _Raw(_store(tenant_master, "tb"), 1 << 20)
+        fkeys = [f"fill-{uuid.uuid4().hex}" for _ in range(96)]
+        try:
+            for i in range(0, len(fkeys), PAGES):
+                filler.put(fkeys[i : i + PAGES])
+            kept = sum(o is Outcome.OK for o in filler.store.exists(fkeys))
+        finally:
+            filler.close()
+        assert kept <= 40, kept  # eviction happened (at most ~32 MiB of tb's objects stay)
+        assert client.store.exists(keys) == [Outcome.OK] * PAGES
+        assert _read_back(client, pool, keys) == want
+        stranger = _Raw(_store(tenant_master, "tx"), obj)  # a tenant the policy does not list
+        try:
+            assert stranger.put(keys) == [Outcome.BAD_REQUEST] * PAGES  # TENANT_NOT_REGISTERED (-1701)
+            assert stranger.store.exists(keys) == [Outcome.MISS] * PAGES
+        finally:
+            stranger.close()
+        assert other.put(keys) == [Outcome.OK] * PAGES  # tb's same-named objects again (the filler evicted them)
         assert same.remove_prefix(ns.ns_id + "/", force=True) == (Outcome.OK, PAGES)  # own tenant may
         assert other.store.exists(keys) == [Outcome.OK] * PAGES  # and only its own objects went
     finally:
