@@ -209,8 +209,8 @@ class L3Client:
             mismatch.append(f"format_version: namespace {ns.format_version} != this client's {FORMAT_VERSION}")
         if mismatch:
             raise ConfigError("namespace does not describe this pool: " + "; ".join(mismatch))
-        if store.cfg.tenant and store.cfg.tenant != ns.tenant:  # a Mooncake tenant holds only its own pages
-            raise ConfigError(f"namespace tenant {ns.tenant!r} != the store's Mooncake tenant {store.cfg.tenant!r}")
+        if store.tenant and store.tenant != ns.tenant:  # a Mooncake tenant holds only its own pages
+            raise ConfigError(f"namespace tenant {ns.tenant!r} != the store's Mooncake tenant {store.tenant!r}")
         if batch_pages < 1:
             raise ConfigError("batch_pages must be >= 1")
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:

@@ -213,6 +213,11 @@ class MooncakeStore:
         )
         log.info("mooncake client up: host=%s master=%s segment=%d", cfg.local_hostname, cfg.master, cfg.segment_bytes)
 
+    @property
+    def tenant(self) -> str:
+        """Mooncake's tenant id of this client ("" = its default tenant)."""
+        return self.cfg.tenant
+
     def register(self, ptr: int, nbytes: int) -> None:
         """Register memory for zero-copy put/get. Registering the same buffer again (several
         clients over one pool) only counts a reference; `unregister` drops one."""

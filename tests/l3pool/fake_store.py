@@ -23,6 +23,8 @@ class FakeStoreError(RuntimeError):
 
 
 class FakePageStore:
+    tenant = ""  # Mooncake's default tenant
+
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self.lock = threading.Lock()

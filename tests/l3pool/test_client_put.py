@@ -24,6 +24,8 @@ class FakeStore:
     """Objects as bytes, and keys whose put another client started and never finished, answered
     as Mooncake 0.3.13 answers them (a put of such a key: success, nothing written)."""
 
+    tenant = ""  # Mooncake's default tenant
+
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self.pending: set[str] = set()  # another client's unfinished put
