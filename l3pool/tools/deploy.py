@@ -77,7 +77,7 @@ class Process:
     """One long-running process of the cluster, as `render` prints and `launch.sh` starts it."""
 
     name: str  # unique in the cluster; also its log/pid file name
-    role: str  # etcd | master | agent | sglang-prefill | sglang-decode | router
+    role: str  # etcd | metadata | master | agent | sglang-prefill | sglang-decode | router
     node: str  # the config node it belongs to (decode/prefill name, or etcd/master/router)
     host: str
     argv: list[str]
@@ -134,15 +134,21 @@ def plan(cfg: DeployConfig) -> list[Process]:
             argv += ["--cert-file", e.server_cert, "--key-file", e.server_key, "--trusted-ca-file", e.ca,
                      "--client-cert-auth"]  # fmt: skip
         out.append(Process("etcd", "etcd", "etcd", e.host, argv, {}, (e.client_port,)))
-    argv = [m.binary, f"--rpc_address={m.host}", f"--rpc_port={m.rpc_port}", "--enable_http_metadata_server",
-            f"--http_metadata_server_host={m.host}", f"--http_metadata_server_port={m.metadata_port}",
+    if m.metadata_server == "standalone":  # binds m.host (the master's own binds 0.0.0.0)
+        meta = [*shlex.split(m.metadata_binary), "--host", m.host, "--port", str(m.metadata_port)]
+        out.append(Process("metadata", "metadata", "master", m.host, meta, {}, (m.metadata_port,)))
+        embedded = []
+    else:
+        embedded = ["--enable_http_metadata_server", f"--http_metadata_server_host={m.host}",
+                    f"--http_metadata_server_port={m.metadata_port}"]  # fmt: skip
+    argv = [m.binary, f"--rpc_address={m.host}", f"--rpc_port={m.rpc_port}", *embedded,
             f"--metrics_host={m.host}", f"--metrics_port={m.admin_port}", f"--client_ttl={m.client_ttl}",
             f"--eviction_high_watermark_ratio={m.eviction_high_watermark_ratio:g}",
             f"--eviction_ratio={m.eviction_ratio:g}",
             f"--put_start_discard_timeout_sec={m.put_start_discard_timeout_sec}",
             f"--put_start_release_timeout_sec={m.put_start_release_timeout_sec}"]  # fmt: skip
     argv += [f"--default_kv_lease_ttl={m.default_kv_lease_ttl}"] if m.default_kv_lease_ttl else []
-    ports = (m.rpc_port, m.metadata_port, m.admin_port)  # agents check rpc and metadata before starting
+    ports = (m.rpc_port, m.admin_port) + ((m.metadata_port,) if embedded else ())  # agents check rpc + metadata
     out.append(Process("master", "master", "master", m.host, argv + list(m.extra_args), {}, ports))
     for d in cfg.decode:
         numa = (
@@ -180,8 +186,8 @@ def listening_ports(cfg: DeployConfig) -> dict[str, dict[str, list[str]]]:
     """host -> {"pool": ports anyone in firewall.allow may reach, "admin": the master's admin port}
     (iptables multiport syntax: "2379", "15000:15999"). What binds where (mooncake_master 0.3.13,
     checked with `ss -ltn`): etcd's client port and the master's RPC and admin ports bind the
-    configured host (etcd's peer port: loopback); the
-    master's HTTP metadata server binds 0.0.0.0 whatever --http_metadata_server_host says; every
+    configured host (etcd's peer port: loopback); the standalone metadata server binds the master
+    host, the master's embedded one 0.0.0.0 whatever --http_metadata_server_host says; every
     Mooncake client (agents, SGLang ranks) listens on all interfaces on two ports of
     firewall.client_ports. Only the rules below keep those off other networks."""
     out: dict[str, dict[str, list[str]]] = {}

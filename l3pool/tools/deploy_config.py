@@ -80,7 +80,8 @@ _ETCD = ("endpoints", *_ETCD_LAUNCH, *_ETCD_CLIENT_SEC, *_ETCD_SERVER_SEC)
 _FIREWALL = ("allow", "admin_allow", "client_ports")
 _MASTER = ("host", "rpc_port", "metadata_port", "admin_port", "client_ttl", "eviction_high_watermark_ratio",
            "eviction_ratio", "default_kv_lease_ttl", "put_start_discard_timeout_sec",
-           "put_start_release_timeout_sec", "binary", "extra_args")  # fmt: skip
+           "put_start_release_timeout_sec", "binary", "extra_args", "metadata_server",
+           "metadata_binary")  # fmt: skip
 _L3 = ("model", "checksum", "tenant")
 _SG_COMMON = ("model_path", "tp_size", "page_size", "port", "python", "ib_device", "transfer_backend", "extra_args",
               "env")  # fmt: skip
@@ -184,6 +185,11 @@ class MasterSpec:
     put_start_release_timeout_sec: int = 30
     binary: str = "mooncake_master"
     extra_args: tuple[str, ...] = ()
+    # the transfer engine's HTTP metadata server: "standalone" runs the wheel's
+    # mooncake_http_metadata_server bound to `host`; "embedded" is the master's own, which binds
+    # 0.0.0.0 whatever --http_metadata_server_host says (0.3.13; tests/l3pool/test_listeners.py)
+    metadata_server: str = "standalone"
+    metadata_binary: str = "mooncake_http_metadata_server"  # a command ("python3 -m mooncake.http_metadata_server")
 
     @property
     def rpc(self) -> str:
@@ -591,6 +597,8 @@ def _read_master(r: _Reader, raw: Any) -> MasterSpec | None:
                                                d.put_start_release_timeout_sec),
         "binary": r.get(src, "binary", _as_nonempty, d.binary),
         "extra_args": r.get(src, "extra_args", _as_strlist, ()),
+        "metadata_server": r.get(src, "metadata_server", _choice(("standalone", "embedded")), d.metadata_server),
+        "metadata_binary": r.get(src, "metadata_binary", _as_command, d.metadata_binary),
     }  # fmt: skip
     lease = r.get(src, "default_kv_lease_ttl", _as_duration, "")
     if _none_in(lease, *vals.values()):

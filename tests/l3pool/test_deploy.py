@@ -229,7 +229,7 @@ def _flag(argv: list[str], flag: str) -> str:
 def test_render_json_prefill_flags(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = _cli(capsys, "render", str(EXAMPLE), "--json")
     procs = {p["name"]: p for p in json.loads(out)["processes"]}
-    assert rc == 0 and list(procs)[:2] == ["etcd", "master"]
+    assert rc == 0 and list(procs)[:3] == ["etcd", "metadata", "master"]
     for name, host in (("prefill-0", "10.0.0.11"), ("prefill-1", "10.0.0.12")):
         p = procs[f"sglang-{name}"]
         argv = p["argv"]
@@ -281,9 +281,12 @@ def test_render_json_prefill_flags(capsys: pytest.CaptureFixture[str]) -> None:
         "--default_kv_lease_ttl=10s",
         "--put_start_discard_timeout_sec=10",
         "--put_start_release_timeout_sec=30",
-        "--enable_http_metadata_server",
     ):
         assert f in m
+    # the metadata server runs on its own, bound to the master host (the master's own binds 0.0.0.0)
+    assert "--enable_http_metadata_server" not in m
+    assert procs["metadata"]["argv"] == ["mooncake_http_metadata_server", "--host", "10.0.0.1", "--port", "8080"]
+    assert list(procs).index("metadata") < list(procs).index("master") < list(procs).index("agent-decode-0")
     d = procs["sglang-decode-0"]["argv"]
     assert _flag(d, "--disaggregation-mode") == "decode" and "--hicache-storage-backend" not in d
     r = procs["router"]["argv"]
@@ -294,6 +297,7 @@ def test_render_select_and_scripts(tmp_path: Path, capsys: pytest.CaptureFixture
     rc, out, _ = _cli(capsys, "render", str(EXAMPLE), "--node", "10.0.0.1")
     assert rc == 0 and [ln for ln in out.splitlines() if ln.startswith("# ")] == [
         "# etcd (etcd) on 10.0.0.1",
+        "# metadata (metadata) on 10.0.0.1",
         "# master (master) on 10.0.0.1",
         "# router (router) on 10.0.0.1",
         f"# l3pool firewall for 10.0.0.1: run as root (`l3pool deploy render {EXAMPLE} --node 10.0.0.1`)",
@@ -372,6 +376,7 @@ def test_scripts_start_verify_stop(tmp_path: Path, capsys: pytest.CaptureFixture
         "admin_port": admin,
         "client_ttl": 3,
         "binary": master_bin,
+        "metadata_binary": shlex.join([sys.executable, "-m", "mooncake.http_metadata_server"]),
     }
     path = _local_config(tmp_path, etcd, master, [("dn0", "127.0.0.1", "32MiB"), ("dn1", "127.0.0.1", "16MiB")])
     for node in ("127.0.0.1", "dn1"):  # the whole host, and one decode node
@@ -384,13 +389,14 @@ def test_scripts_start_verify_stop(tmp_path: Path, capsys: pytest.CaptureFixture
     try:
         r = run("start")
         assert r.returncode == 0, r.stdout + r.stderr
-        assert [ln.split(":")[0] for ln in r.stdout.splitlines()] == ["etcd", "master", "agent-dn0", "agent-dn1"]
+        names = ["etcd", "metadata", "master", "agent-dn0", "agent-dn1"]
+        assert [ln.split(":")[0] for ln in r.stdout.splitlines()] == names
         rc, out, _ = _cli(capsys, "verify", path, "--wait", "30", "--json")
         v = json.loads(out)
         assert rc == 0 and v["ok"], out
         assert [(n["name"], n["status"]) for n in v["decode"]] == [("dn0", "ok"), ("dn1", "ok")]
         assert v["master_capacity_bytes"] == 48 << 20
-        assert run("status").returncode == 0 and run("start").stdout.count("already running") == 4
+        assert run("status").returncode == 0 and run("start").stdout.count("already running") == 5
         assert run("stop", "dn1").stdout == "agent-dn1: stopped\n"
         rc, out, _ = _cli(capsys, "verify", path)
         assert rc == 1 and "MISSING  dn1 (127.0.0.1" in out and "FAILED: 1 of 2" in out
@@ -516,6 +522,16 @@ def test_render_passes_etcd_tls_to_every_component(capsys: pytest.CaptureFixture
         assert extra["etcd_security"]["password_file"] == "/etc/l3pool/etcd-password"
         assert "password" not in extra["etcd_security"]
     assert "etcd-password" not in json.dumps(procs).replace("etcd-password-file", "").replace("/etcd-password", "")
+
+
+def test_embedded_metadata_server_on_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = _edit('metadata_server = "standalone"', 'metadata_server = "embedded"')
+    rc, out, _ = _cli(capsys, "render", _write(tmp_path, text), "--node", "master", "--json")
+    procs = {p["name"]: p for p in json.loads(out)["processes"]}
+    assert rc == 0 and list(procs) == ["master"]
+    m = procs["master"]["argv"]
+    assert "--enable_http_metadata_server" in m and "--http_metadata_server_port=8080" in m
+    assert procs["master"]["ready_ports"] == [50051, 9003, 8080]
 
 
 def test_plain_http_etcd_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import random
 import socket
 import struct
+import subprocess
+import sys
+import time
 
-import pytest
+from l3pool.procenv import python_env
 
-from l3pool.pool.store import MooncakeStore, StoreConfig
-
-from .conftest import run_master
+from .conftest import REPO, free_ports, run_master
 
 
 def _addr(hexaddr: str) -> tuple[str, int]:
@@ -58,20 +60,46 @@ def test_master_binds() -> None:
     assert bound[m.metadata_port] == "0.0.0.0", "the metadata server now honours its host flag: update deploy/README"
 
 
-def test_client_ports_follow_mc_rpc_range(monkeypatch: pytest.MonkeyPatch) -> None:
+_CHILD = """
+import json, os, sys
+from l3pool.pool.store import MooncakeStore, StoreConfig
+from tests.l3pool.test_listeners import listening
+before = set(listening(os.getpid()))
+store = MooncakeStore(StoreConfig(master=sys.argv[1], metadata=sys.argv[2], segment_bytes=16 << 20))
+print(json.dumps({p: h for p, h in listening(os.getpid()).items() if p not in before}))
+store.close()
+"""
+
+
+def test_client_ports_follow_mc_rpc_range() -> None:
+    """In a fresh interpreter: Mooncake reads MC_MIN/MAX_RPC_PORT once per process."""
     # outside Mooncake's default 15000-17000 (so the test can fail) and <= 32767 (its limit); ports
     # taken meanwhile are retried inside the range
     lo = random.randrange(20000, 32000)
     hi = lo + 63
+    env = python_env({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_MIN_RPC_PORT": str(lo), "MC_MAX_RPC_PORT": str(hi)})
     with run_master() as m:
-        monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-        monkeypatch.setenv("MC_MIN_RPC_PORT", str(lo))
-        monkeypatch.setenv("MC_MAX_RPC_PORT", str(hi))
-        before = set(listening(os.getpid()))
-        store = MooncakeStore(StoreConfig(master=m.rpc, metadata=m.metadata_url, segment_bytes=16 << 20))
-        try:
-            new = {p: h for p, h in listening(os.getpid()).items() if p not in before}
-        finally:
-            store.close()
+        r = subprocess.run(
+            [sys.executable, "-c", _CHILD, m.rpc, m.metadata_url],
+            env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    new = {int(p): h for p, h in json.loads(r.stdout.strip().splitlines()[-1]).items()}
     assert len(new) == 2 and all(lo <= p <= hi for p in new), new
     assert {ipaddress.ip_address(h).is_unspecified for h in new.values()} == {True}  # all interfaces
+
+
+def test_standalone_metadata_server_binds_its_host() -> None:
+    """What `deploy render` runs instead of the master's embedded server (metadata_server = "standalone")."""
+    port = free_ports(1)[0]
+    cmd = [sys.executable, "-m", "mooncake.http_metadata_server", "--host", "127.0.0.1", "--port", str(port)]
+    p = subprocess.Popen(cmd, env=python_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while port not in listening(p.pid):
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.stderr else ""
+            time.sleep(0.05)
+        assert listening(p.pid) == {port: "127.0.0.1"}
+    finally:
+        p.terminate()
+        p.wait(10)
