@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from l2core.units import format_size
 from l3pool.cluster.local import (
     DEFAULT_NAME,
     DEFAULT_SUBNET,
@@ -59,17 +60,28 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 0
     if cluster.fallback_reason:
         print(f"namespaces unavailable: {cluster.fallback_reason}; falling back to loopback ports")
-    print(f"cluster {cluster.name!r} up in {cluster.up_seconds:.1f} s ({cluster.mode})")
+    size = format_size(cluster.segment_bytes, cluster.segment_text)
+    print(f"cluster {cluster.name!r} up in {cluster.up_seconds:.1f} s ({cluster.mode}): "
+          f"{len(cluster.agents)} agents donating {size} each")  # fmt: skip
     _print_endpoints(state)
     for a in cluster.agents:
         print(f"agent {a.id}: ip {a.ip} netns {a.netns or '-'} pid {a.pid} log {a.log}")
+    print("for clients in this shell (Mooncake advertises MC_TCP_BIND_ADDRESS; inspect/doctor/purge read L3POOL_*):")
+    print(f"  {client_exports(state)}")
     print(f"stop with: l3pool cluster down --state-dir {cluster.state_dir}")
     return 0
 
 
+def client_exports(state: dict[str, Any]) -> str:
+    """The `export ...` line a shell needs to be a client of the cluster in `state`."""
+    ep = state["endpoints"]
+    env = {**ep.get("client_env", {}), "L3POOL_ETCD": ep["etcd"], "L3POOL_MASTER_ADMIN": ep["admin"]}
+    return "export " + " ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items())
+
+
 def _cmd_down(args: argparse.Namespace) -> int:
     try:
-        result = down(_state_dir(args))
+        result = down(_state_dir(args), remove_logs=not args.keep_logs)
     except ClusterError as e:
         print(f"l3pool cluster down: {e}", file=sys.stderr)
         return 1
@@ -84,6 +96,10 @@ def _cmd_down(args: argparse.Namespace) -> int:
         print(f"deleted: {', '.join(result['links'] + result['netns']) or 'no network (loopback mode)'}")
         for err in result["errors"]:
             print(f"warning: {err}")
+        if result["logs_removed"]:
+            print(f"removed: {', '.join(result['logs_removed'])} (keep them with --keep-logs)")
+        elif result["logs_kept"]:
+            print(f"logs kept in {_state_dir(args)}: {', '.join(result['logs_kept'])}")
     if result["survivors"]:
         print(f"l3pool cluster down: pids {result['survivors']} survived SIGKILL", file=sys.stderr)
         return 1
@@ -139,4 +155,6 @@ def add_parser(subparsers: Any) -> None:
         s.add_argument("--state-dir", help=dirs)
         s.add_argument("--name", default=DEFAULT_NAME, help="the cluster's name, when --state-dir is not given")
         s.add_argument("--json", action="store_true")
+        if name == "down":
+            s.add_argument("--keep-logs", action="store_true", help="keep the logs (default: removed once all stopped)")
         s.set_defaults(fn=fn)
