@@ -30,7 +30,6 @@ import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from l2core.units import format_size
@@ -362,8 +361,9 @@ def _cmd_render(args: argparse.Namespace) -> int:
                          f"hosts: {', '.join(hosts)}\n")  # fmt: skip
         return 2
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        from l3pool.cli import output_dir
+
+        out = output_dir(args.out, "--out")
         groups = (
             {args.node: chosen} if args.node else {n: select(procs, n) for n in dict.fromkeys(p.node for p in procs)}
         )

@@ -4,10 +4,10 @@
     l3pool prefetch-check --master H:P --metadata URL --host MY_IP     # a running pool
 
 1. A *writer* process puts a test prefix set (`--requests` prefixes of `--pages` pages whose bytes
-   come from `--seed`) from one node: without endpoints the local cluster is started
-   (`LocalCluster(agents=2)`, torn down at the end) and, when it has network namespaces, the
-   writer runs inside agent 1's namespace with that agent's IP; against a running pool it is a
-   separate process on this host.
+   come from `--seed`) from one node: without endpoints the local cluster `l3pool cluster up` left
+   running is used, else one is started (`LocalCluster(agents=2)`, torn down at the end); when it
+   has network namespaces, the writer runs inside the last agent's namespace with that agent's IP;
+   against a pool given by --master it is a separate process on this host.
 2. This process (root namespace, another node) prefetches every prefix into its own L2 pool
    with a `Prefetcher` (all requests submitted at once, `--inflight` at a time), verifies every
    byte against the recomputed expectation, and frees the pages. The L2 pool is filled with 0xA5
@@ -32,12 +32,15 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from l3pool.cli import UserError, guarded, output_file
+from l3pool.cluster.local import STATE_DIR_HELP, Endpoints, pool_endpoints
 from l3pool.measure import percentile
 from l3pool.procenv import python_env
+
+__all__ = ["Endpoints", "PrefixSet", "run_test", "run_writer"]
 
 LAYOUT = "page_first_direct"  # page bytes contiguous: one zero-copy fragment per page
 MODEL = "l3pool-prefetch-check"
@@ -85,17 +88,6 @@ class PrefixSet:
 
     def to_args(self) -> list[str]:
         return [f"--{k.replace('_', '-')}={getattr(self, k)}" for k in self.__dataclass_fields__]
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    master: str
-    metadata: str
-    host: str  # this (reader) process's address
-    etcd: str | None = None
-    writer_netns: str | None = None  # run the writer here (local cluster in netns mode)
-    writer_host: str | None = None
-    mode: str = "external"
 
 
 def _pages_view(pool: Any) -> Any:
@@ -149,35 +141,33 @@ def run_writer(ps: PrefixSet, ep: Endpoints, timeout: float = 300) -> dict[str, 
         cmd = ["ip", "netns", "exec", ep.writer_netns, *cmd]
     base = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
     env = python_env({"MC_TCP_BIND_ADDRESS": host}, base)  # a child's environment, set by the application
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"the writer process did not finish within {timeout:.0f} s", code=1) from None
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
-        raise RuntimeError(f"writer failed (code {r.returncode}): {r.stderr.strip()[-2000:]}")
+        raise UserError(f"the writer process failed (exit {r.returncode}): {_last_error(r.stderr)}",
+                        "the writer is a second client of the same pool: is that pool reachable from here? "
+                        "(l3pool doctor, l3pool inspect)", code=1)  # fmt: skip
     out: dict[str, Any] = json.loads(lines[-1])
     out["netns"] = ep.writer_netns
     return out
 
 
-# -- endpoints -----------------------------------------------------------------------------------
-@contextlib.contextmanager
-def endpoints(args: argparse.Namespace) -> Iterator[Endpoints]:
-    """The given pool, or a local cluster started here (and torn down on exit)."""
-    if args.master:
-        if not args.metadata:
-            raise SystemExit("--master needs --metadata")
-        yield Endpoints(args.master, args.metadata, args.host or "127.0.0.1", args.etcd)
-        return
-    if args.metadata or args.etcd:
-        raise SystemExit("--metadata/--etcd need --master too (or give none to start a local cluster)")
-    from l3pool.cluster.local import LocalCluster
+def _last_error(stderr: str) -> str:
+    """The line a failed child process ended with (its error, not its traceback or log lines)."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln.split(": error: ", 1)[1] for ln in lines if ": error: " in ln]  # the `fail` line, hint after it
+    return (errors or lines or ["no output"])[-1][-300:]
 
-    name = args.name or f"l3pt{uuid.uuid4().hex[:4]}"
-    with LocalCluster(agents=2, segment_size=args.segment_size, name=name) as c:
-        # this program is the application: it sets Mooncake's address variable for its own client
-        os.environ.update(c.client_env())
-        wa = c.agents[-1]
-        yield Endpoints(c.master, c.metadata_url, c.client_host, c.etcd_endpoints,
-                        wa.netns, wa.ip if wa.netns else None, c.mode)  # fmt: skip
+
+# -- endpoints -----------------------------------------------------------------------------------
+def endpoints(args: argparse.Namespace) -> contextlib.AbstractContextManager[Endpoints]:
+    """The given pool, the local cluster `l3pool cluster up` left running, or a local cluster
+    started here (and torn down on exit)."""
+    return pool_endpoints(args.master, args.metadata, args.host, args.etcd, segment_size=args.segment_size,
+                          name=args.name or f"l3pt{uuid.uuid4().hex[:4]}", state_dir=args.state_dir)  # fmt: skip
 
 
 # -- the test ------------------------------------------------------------------------------------
@@ -343,6 +333,7 @@ def _cmd(args: argparse.Namespace) -> int:
         except ImportError:
             print("l3pool prefetch-check: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
             return 2
+        output_file(args.plot, "--plot")
     ps = PrefixSet(args.layers, args.page_size, args.pages, args.requests, args.seed, uuid.uuid4().hex)
     try:
         with endpoints(args) as ep:
@@ -377,7 +368,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--page-size", type=int, default=64, help="tokens per page (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--segment-size", default="1GB", help="DRAM per agent of the local cluster (default %(default)s)")
-    p.add_argument("--name", help="local cluster name (default: random)")
+    p.add_argument("--name", help="name of a local cluster started here (default: random)")
+    p.add_argument("--state-dir", help=STATE_DIR_HELP)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="latency plot (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -386,6 +378,6 @@ def add_parser(subparsers: Any) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["writer"]:
-        sys.exit(_writer_main(sys.argv[2:]))
+        sys.exit(guarded("prefetch-check writer", lambda: _writer_main(sys.argv[2:])))
     print("usage: l3pool prefetch-check ... (or python -m l3pool.tools.prefetch_check writer ...)", file=sys.stderr)
     sys.exit(2)
