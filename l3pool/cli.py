@@ -38,6 +38,7 @@ _OPERATIONAL = (
     ("l3pool.pool.store", "StoreUnavailable", "is mooncake_master running at that address? (--master)"),
     ("l3pool.pool.etcd", "EtcdUnavailable", "is etcd running at that address? (--etcd)"),
     ("l3pool.cluster._os", "ClusterError", None),
+    ("l3pool.cluster.local", "ClusterConfigError", None),
     ("l2core.units", "ConfigError", None),
 )
 
@@ -55,7 +56,7 @@ def guarded(prog: str, fn: Callable[[], int]) -> int:
         for mod, name, hint in _OPERATIONAL:
             kind = getattr(sys.modules.get(mod), name, None)
             if kind is not None and isinstance(e, kind):
-                return fail(prog, str(e), hint, code=1)
+                return fail(prog, str(e), hint, code=2 if isinstance(e, ValueError) else 1)  # 2: a bad argument
         raise
 
 

@@ -279,7 +279,7 @@ def _check_args(
     if isinstance(segment_size, bool) or not isinstance(segment_size, (int, str)):
         raise ClusterConfigError(f"segment_size must be an int or a size such as '256MB', got {segment_size!r}")
     try:
-        nbytes = segment_size if isinstance(segment_size, int) else parse_size(segment_size, "segment_size")
+        nbytes = segment_size if isinstance(segment_size, int) else parse_size(segment_size, "--segment-size")
     except ValueError as e:
         raise ClusterConfigError(str(e)) from None
     if nbytes <= 0:
@@ -874,11 +874,11 @@ def pool_endpoints(
     tool is the application: it sets Mooncake's address variable for its own client)."""
     if master:
         if not metadata:
-            raise ClusterError("--master needs --metadata (the transfer-engine metadata URL)")
+            raise ClusterConfigError("--master needs --metadata (the transfer-engine metadata URL)")
         yield Endpoints(master, metadata, host or "127.0.0.1", etcd)
         return
     if metadata or etcd:
-        raise ClusterError("--metadata/--etcd need --master too (or give none to use the local cluster)")
+        raise ClusterConfigError("--metadata/--etcd need --master too (or give none to use the local cluster)")
     state = running_cluster(state_dir)
     if state is not None:
         os.environ.update(state["endpoints"].get("client_env") or mooncake_env(state["endpoints"]["client_host"]))

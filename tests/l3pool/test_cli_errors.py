@@ -69,6 +69,16 @@ def _cases(tmp: Path) -> list[Case]:
             "is a file, not a directory",
         ),
         Case(
+            "prefetch-segment-too-small",  # no cluster running there: it would start one, refused first
+            (*L, "prefetch-check", "--segment-size", "1KB", "--state-dir", str(empty)),
+            "--segment-size 1 KB is below Mooncake's minimum segment of 16.78 MB (16 MiB); raise --segment-size",
+        ),
+        Case(
+            "prefetch-master-without-metadata",
+            (*L, "prefetch-check", "--master", f"127.0.0.1:{port}"),
+            "--master needs --metadata",
+        ),
+        Case(
             "prefetch-metadata-without-master",
             (*L, "prefetch-check", "--metadata", "http://x:1/metadata"),
             "need --master too",
@@ -81,6 +91,12 @@ def _cases(tmp: Path) -> list[Case]:
         Case(
             "deploy-render-out-under-file",
             (*L, "deploy", "render", str(EXAMPLE), "--out", str(afile / "s")),
+            "is a file, not a directory",
+            True,
+        ),
+        Case(
+            "deploy-render-out-is-file",
+            (*L, "deploy", "render", str(EXAMPLE), "--out", str(afile)),
             "is a file, not a directory",
             True,
         ),
@@ -113,6 +129,11 @@ def _cases(tmp: Path) -> list[Case]:
         Case("inspect-etcd-unreachable", (*L, "inspect", "--etcd", etcd), "etcd unreachable"),
         Case("inspect-no-cluster", (*L, "inspect", "--state-dir", str(empty)), "no pool to inspect", True),
         # chaos, purge, doctor, agent
+        Case(
+            "agent-etcd-unreachable",
+            (*L, "agent", "--master", f"127.0.0.1:{port}", "--etcd", etcd, "--segment-size", "16MiB"),
+            "etcd unreachable",
+        ),
         Case("chaos-unknown-scenario", (*L, "chaos", "--scenarios", "bogus"), "unknown scenario(s) bogus"),
         Case("purge-etcd-unreachable", (*L, "purge", "--etcd", etcd, "--model", "m", "--dry-run"), "etcd unreachable"),
         Case("doctor-bad-size", (*L, "doctor", "--l2-size", "lots"), "--l2-size: cannot parse 'lots'"),
@@ -134,6 +155,11 @@ def _cases(tmp: Path) -> list[Case]:
             f"mooncake master 127.0.0.1:{port} unreachable",
             True,
         ),
+        Case(
+            "bench-l3-segment-too-small",
+            ("bench.l3", "--segment-size", "8MiB", "--state-dir", str(empty)),
+            "--segment-size 8 MiB is below Mooncake's minimum segment of 16 MiB; raise --segment-size",
+        ),
         Case("bench-l3-unknown-model", ("bench.l3", "--models", "mla,gpt"), "--models: unknown gpt"),
         Case("bench-l3-out-under-file", ("bench.l3", "--out", str(afile / "r.json"), *dead), "is a file"),
         Case(
@@ -143,6 +169,11 @@ def _cases(tmp: Path) -> list[Case]:
             True,
         ),
         Case("bench-prefetch-out-under-file", ("bench.prefetch", "--out", str(afile / "r.json"), *dead), "is a file"),
+        Case(
+            "bench-prefetch-bad-size",
+            ("bench.prefetch", "--segment-size", "lots", "--state-dir", str(empty)),
+            "--segment-size: cannot parse 'lots'",
+        ),
         Case("bench-prefetch-bad-pages", ("bench.prefetch", "--pages", "0"), "--pages must be >= 1"),
         Case(
             "bench-transfer-out-under-file",
@@ -151,6 +182,11 @@ def _cases(tmp: Path) -> list[Case]:
             True,
         ),
         Case("bench-transfer-bad-tokens", ("bench.transfer", "--tokens", "63"), "not a multiple of the page size"),
+        Case(
+            "bench-cache-segment-too-small",
+            ("bench.cache", *cache_small, "--segment-size", "1MB", "--state-dir", str(empty)),
+            "--segment-size 1 MB is below Mooncake's minimum",
+        ),
         Case("bench-cache-out-under-file", ("bench.cache", "--no-l3", "--out", str(afile / "r.json")), "is a file"),
         Case(
             "bench-cache-master-unreachable",
