@@ -23,10 +23,12 @@ nothing leaked. `python -m l3pool.tools.prefetch_check writer ...` is the writer
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +37,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from l2core.units import format_size
 from l3pool.cli import UserError, guarded, output_file
 from l3pool.cluster.local import STATE_DIR_HELP, Endpoints, pool_endpoints
 from l3pool.measure import percentile
@@ -113,7 +116,7 @@ def _writer_main(argv: list[str]) -> int:
     pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=ps.pages * ps.page_size, pin="never"))
     store = MooncakeStore(StoreConfig(master=a.master, metadata=a.metadata, local_hostname=a.host))
     client = L3Client(pool, store, ps.namespace(), batch_pages=64)
-    bad, put_s = 0, 0.0
+    bad, put_s, outcomes = 0, 0.0, collections.Counter[str]()
     try:
         view = _pages_view(pool)
         for r in range(ps.requests):
@@ -122,12 +125,14 @@ def _writer_main(argv: list[str]) -> int:
             res = client.put(ps.keys(r), range(ps.pages))
             put_s += time.perf_counter() - t0
             bad += sum(x is not Outcome.OK for x in res)
+            outcomes.update(x.name for x in res if x is not Outcome.OK)
     finally:
         client.close()
         store.close()
         pool.close()
     nbytes = ps.requests * ps.pages * spec.page_bytes
-    print(json.dumps({"written_pages": ps.requests * ps.pages - bad, "failed": bad, "put_s": put_s,
+    print(json.dumps({"written_pages": ps.requests * ps.pages - bad, "failed": bad, "refused": dict(outcomes),
+                      "put_s": put_s,
                       "put_GBps": nbytes / put_s / 1e9 if put_s else None, "host": a.host}))  # fmt: skip
     return 0 if bad == 0 else 1
 
@@ -146,6 +151,11 @@ def run_writer(ps: PrefixSet, ep: Endpoints, timeout: float = 300) -> dict[str, 
     except subprocess.TimeoutExpired:
         raise UserError(f"the writer process did not finish within {timeout:.0f} s", code=1) from None
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if lines and (failed := json.loads(lines[-1]).get("failed")):
+        refused = ", ".join(f"{n} {k}" for k, n in json.loads(lines[-1]).get("refused", {}).items())
+        total = ps.requests * ps.pages
+        raise UserError(f"the writer stored {total - failed} of {total} test pages ({refused or 'refused'})",
+                        f"a full pool refuses pages: {_pool_hint(ps)}", code=1)  # fmt: skip
     if r.returncode != 0 or not lines:
         raise UserError(f"the writer process failed (exit {r.returncode}): {_last_error(r.stderr)}",
                         "the writer is a second client of the same pool: is that pool reachable from here? "
@@ -155,9 +165,37 @@ def run_writer(ps: PrefixSet, ep: Endpoints, timeout: float = 300) -> dict[str, 
     return out
 
 
+def _set_bytes(ps: PrefixSet) -> int:
+    from l3pool.pool.client import TRAILER_BYTES
+
+    return ps.requests * ps.pages * (ps.spec().page_bytes + TRAILER_BYTES)  # type: ignore[no-any-return]
+
+
+def _pool_hint(ps: PrefixSet) -> str:
+    need = format_size(_set_bytes(ps), "1MiB")
+    return f"the test set is {need}: raise --segment-size (or lower --pages/--requests)"
+
+
+def check_fits(ps: PrefixSet, ep: Endpoints) -> None:
+    """Refuse, before writing, a test set that cannot fit a local cluster started here (Mooncake
+    evicts above 90 % of the pool, so the set must stay under that)."""
+    c = ep.cluster
+    if c is None or not c.agents:
+        return
+    need = _set_bytes(ps)
+    have = len(c.agents) * c.segment_bytes
+    if need > 0.9 * have:
+        donated = f"{len(c.agents)} x {format_size(c.segment_bytes, c.segment_text)}"
+        raise UserError(f"the test set ({format_size(need, c.segment_text)}) does not fit the local cluster's pool "
+                        f"({donated}; Mooncake evicts above 90 %)", _pool_hint(ps))  # fmt: skip
+
+
+_GLOG = re.compile(r"^[IWEF]\d{4} ")  # Mooncake's log lines (glog), not an error of the process
+
+
 def _last_error(stderr: str) -> str:
     """The line a failed child process ended with (its error, not its traceback or log lines)."""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not _GLOG.match(ln)]
     errors = [ln.split(": error: ", 1)[1] for ln in lines if ": error: " in ln]  # the `fail` line, hint after it
     return (errors or lines or ["no output"])[-1][-300:]
 
@@ -184,9 +222,14 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
     from l3pool.pool.prefetch import Prefetcher
     from l3pool.pool.store import MooncakeStore, StoreConfig
 
+    check_fits(ps, ep)
     bar = tqdm(total=2 * ps.requests + 1, desc="prefetch-check", unit="step", file=sys.stderr, disable=not progress)
     bar.set_postfix_str("writing")
-    writer = run_writer(ps, ep)
+    try:
+        writer = run_writer(ps, ep)
+    except BaseException:
+        bar.close()  # before the error line, so that the error is the last line
+        raise
     bar.update(1)
     spec = ps.spec()
     pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=ps.requests * ps.pages * ps.page_size, pin="never"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +73,23 @@ def _cases(tmp: Path) -> list[Case]:
             "prefetch-segment-too-small",  # no cluster running there: it would start one, refused first
             (*L, "prefetch-check", "--segment-size", "1KB", "--state-dir", str(empty)),
             "--segment-size 1 KB is below Mooncake's minimum segment of 16.78 MB (16 MiB); raise --segment-size",
+        ),
+        Case(
+            "prefetch-set-exceeds-own-cluster",  # refused after its own 2 x 16 MiB cluster is up, before writing
+            (
+                *L,
+                "prefetch-check",
+                "--segment-size",
+                "16MiB",
+                "--pages",
+                "64",
+                "--requests",
+                "1",
+                "--state-dir",
+                str(empty),
+            ),
+            "the test set (36 MiB) does not fit the local cluster's pool (2 x 16 MiB; Mooncake evicts above 90 %)",
+            True,
         ),
         Case(
             "prefetch-master-without-metadata",
@@ -289,6 +307,16 @@ def test_tools_reuse_the_running_local_cluster(tmp_path: Path) -> None:
         rep = json.loads(r.stdout)
         assert rep["correct"] and rep["mode"] == f"running local cluster ({state.resolve()})"
         assert rep["lock_note"] is None and rep["lock_acquire_p50_ms"] is not None  # locks ran on its etcd
+
+        # a test set larger than the running pool (2 x 64 MiB): the writer's refused pages, one line + hint
+        r = _run(
+            ("l3pool", "prefetch-check", "--state-dir", str(state), "--pages", "256", "--requests", "1"), REPO
+        )  # with its progress bar: the error line still comes last
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        err, hint = [ln for ln in r.stderr.splitlines() if ln.strip()][-2:]
+        want = r"l3pool prefetch-check: error: the writer stored (\d+) of 256 test pages \(\d+ POOL_FULL\)"
+        assert re.fullmatch(want, err), err
+        assert hint.endswith("the test set is 144 MiB: raise --segment-size (or lower --pages/--requests)"), hint
     finally:
         down = _run(("l3pool", "cluster", "down", "--state-dir", str(state)), REPO)
     assert down.returncode == 0, down.stderr
