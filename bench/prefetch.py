@@ -58,7 +58,7 @@ from l3pool.measure import percentile
 from l3pool.pool.client import TRAILER_BYTES, L3Client
 from l3pool.pool.prefetch import Prefetcher, batch_schedule
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
-from l3pool.tools.prefetch_check import LAYOUT, Endpoints, PrefixSet, run_writer
+from l3pool.tools.prefetch_check import LAYOUT, Endpoints, PrefixSet, check_fits, run_writer
 
 from ._locks import measure_lock_latencies
 
@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     # the given pool, the local cluster `l3pool cluster up` left running, or one started here
     with pool_endpoints(args.master, args.metadata, args.host, args.etcd, segment_size=args.segment_size,
                         name=f"l3bp{uuid.uuid4().hex[:4]}", state_dir=args.state_dir) as ep:  # fmt: skip
+        check_fits(ps, ep)
         print(f"[bench.prefetch] {ep.mode}: writing the prefix set", file=sys.stderr, flush=True)
         writer = run_writer(ps, ep)
         row = bench(ps, ep, args)
