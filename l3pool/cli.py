@@ -22,10 +22,21 @@ class UserError(Exception):
         self.hint, self.code = hint, code
 
 
+_LOG_QUOTE = "; last lines of "  # how a local cluster's error quotes a process's log (cluster._os._Proc.tail)
+
+
 def fail(prog: str, message: str, hint: str | None = None, code: int = 2) -> int:
-    """Print `prog: error: message` (and `prog: hint: ...`) on stderr; returns `code` for `return fail(...)`."""
+    """Print `prog: error: message` (and `prog: hint: ...`) on stderr; returns `code` for `return fail(...)`.
+
+    A message quoting a log ("...; last lines of PATH:\n<lines>") prints the quoted lines first,
+    so that the error stays the last line but one, and points at the whole log in the hint."""
     sys.stdout.flush()
-    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    message, sep, quote = str(message).partition(_LOG_QUOTE)
+    if sep:
+        path, _, lines = quote.partition(":\n")
+        print(lines.rstrip(), file=sys.stderr)
+        hint = hint or f"the whole log: {path}"
+    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
     if hint:
         print(f"{prog}: hint: {hint}", file=sys.stderr)
     return code

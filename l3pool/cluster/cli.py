@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from l2core.units import format_size
+from l3pool.cli import fail
 from l3pool.cluster.local import (
     DEFAULT_NAME,
     DEFAULT_SUBNET,
@@ -41,17 +42,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
             ready_timeout=args.timeout,
         )  # fmt: skip
     except ClusterConfigError as e:
-        print(f"l3pool cluster up: {e}", file=sys.stderr)
-        return 2
+        return fail("l3pool cluster up", str(e))
     old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM during up: clean up like SIGINT
     try:
         cluster.start()
     except ClusterError as e:
-        print(f"l3pool cluster up: {e}", file=sys.stderr)
-        return 1
+        return fail("l3pool cluster up", str(e), code=1)
     except KeyboardInterrupt:
-        print("l3pool cluster up: interrupted; everything started was stopped", file=sys.stderr)
-        return 130
+        return fail("l3pool cluster up", "interrupted; everything started was stopped", code=130)
     finally:
         signal.signal(signal.SIGTERM, old)
     state = cluster.detach()
@@ -83,8 +81,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
     try:
         result = down(_state_dir(args), remove_logs=not args.keep_logs)
     except ClusterError as e:
-        print(f"l3pool cluster down: {e}", file=sys.stderr)
-        return 1
+        return fail("l3pool cluster down", str(e), code=1)
     if result is None:
         msg = f"nothing to stop: no cluster state in {_state_dir(args)}"
         print(json.dumps({"stopped": [], "message": msg}) if args.json else msg)
@@ -110,8 +107,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     try:
         st = status(_state_dir(args))
     except ClusterError as e:
-        print(f"l3pool cluster status: {e}", file=sys.stderr)
-        return 1
+        return fail("l3pool cluster status", str(e), code=1)
     if st is None:
         msg = f"no cluster up: no state in {_state_dir(args)}"
         print(json.dumps({"up": False, "message": msg}) if args.json else msg)

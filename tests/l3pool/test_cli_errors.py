@@ -143,6 +143,28 @@ def _cases(tmp: Path) -> list[Case]:
             "no cluster up",
             error_last=False,
         ),
+        Case(
+            "cluster-up-agent-exits",  # its log's end above the error line, the log's path in the hint
+            (
+                *L,
+                "cluster",
+                "up",
+                "--agents",
+                "1",
+                "--segment-size",
+                "16MiB",
+                "--netns",
+                "off",
+                "--state-dir",
+                str(tmp / "c3"),
+                "--name",
+                f"ce{os.getpid() % 10000}x",
+                "--agent-cmd",
+                f"{sys.executable} -c 'import sys; print(\"agent-boom\", file=sys.stderr); sys.exit(3)'",
+            ),
+            "exited (code 3) while waiting for registration",
+            True,
+        ),
         # inspect
         Case("inspect-etcd-unreachable", (*L, "inspect", "--etcd", etcd), "etcd unreachable"),
         Case("inspect-no-cluster", (*L, "inspect", "--state-dir", str(empty)), "no pool to inspect", True),
@@ -252,6 +274,8 @@ def test_one_clear_line_no_traceback(case_id: str, results: dict[str, tuple[Case
     if case.hint:
         assert len(lines) >= 2 and ": hint: " in lines[-1], shown
     error = lines[-2] if ": hint: " in lines[-1] else lines[-1]
+    if case.id == "cluster-up-agent-exits":
+        assert lines[-3] == "agent-boom" and lines[-1].endswith("/c3/agent-0.log"), shown
     if case.id.startswith("deploy-check") or case.id == "deploy-verify-malformed":
         error = "\n".join(lines[-2:])  # `deploy check`: one line per problem, then the count
     assert case.expect in error, shown

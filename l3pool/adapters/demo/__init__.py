@@ -145,8 +145,9 @@ def _cmd(a: argparse.Namespace) -> int:
         opts = _options(a)
         report = _run(a, opts)
     except (ConfigError, DemoError, ClusterError, StoreError, ValueError) as e:
-        print(f"l3pool demo: {e}", file=sys.stderr)
-        return 2
+        from l3pool.cli import fail
+
+        return fail("l3pool demo", str(e))
     ok = _write(a, report)
     return 0 if ok else 1
 
