@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from l2core.units import format_size
-from l3pool.cli import UserError, guarded, output_file
+from l3pool.cli import UserError, fail, guarded, output_file
 from l3pool.cluster.local import STATE_DIR_HELP, Endpoints, pool_endpoints
 from l3pool.measure import percentile
 from l3pool.procenv import python_env
@@ -383,9 +383,8 @@ def _cmd(args: argparse.Namespace) -> int:
             if ep.writer_netns and shutil.which("ip") is None:
                 ep = Endpoints(**{**ep.__dict__, "writer_netns": None})
             rep = run_test(ps, ep, args, progress=not args.no_progress)
-    except (RuntimeError, OSError) as e:  # ClusterError, StoreError, writer failures
-        print(f"l3pool prefetch-check: {e}", file=sys.stderr)
-        return 1
+    except (RuntimeError, OSError) as e:  # ClusterError, StoreError
+        return fail("l3pool prefetch-check", str(e), code=1)
     if args.plot:
         _plot(rep, args.plot)
     out = {k: v for k, v in rep.items() if not k.startswith("_")}
