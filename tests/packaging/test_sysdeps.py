@@ -66,7 +66,8 @@ def test_gives_up_after_the_bound_with_a_hint(tmp_path: Path) -> None:
     r, calls = _run(tmp_path, lock="forever", wait=1)
     assert r.returncode == 100 and "SOURCED-OK" not in r.stdout
     assert "still locked by another process after 1 s" in r.stderr and "SYSDEPS_LOCK_WAIT" in r.stderr
-    assert 3 <= len(calls) <= 16 and set(calls) == {"update -qq"}  # polled every 0.2 s for 1-2 s
+    # polled every 0.2 s for 1-2 s: retried, and stopped (a loaded 2-core machine manages few polls)
+    assert 2 <= len(calls) <= 16 and set(calls) == {"update -qq"}
 
 
 def test_other_apt_errors_fail_at_once(tmp_path: Path) -> None:
