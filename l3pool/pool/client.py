@@ -47,6 +47,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,7 @@ import xxhash
 
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
+from l3pool import metrics
 from l3pool.pool.keys import FORMAT_VERSION, GEOMETRY_FIELDS, Namespace, geometry_of
 from l3pool.pool.store import MooncakeStore, Outcome
 
@@ -84,6 +86,25 @@ assert TRAILER_BYTES == 32
 # a revoke answer after which Mooncake holds no session for the key (MISS: none left on the
 # master; BAD_REQUEST: no local session)
 _REVOKED = (Outcome.OK, Outcome.MISS, Outcome.BAD_REQUEST)
+
+_FAILURES = [o for o in Outcome if o is not Outcome.OK]
+
+
+def tally(res: list[Outcome]) -> list[tuple[str, int]]:
+    """(outcome value, pages) for each outcome present in `res`: one C-level `list.count` per
+    outcome, stopping once every page is counted (an all-OK batch is one pass)."""
+    ok = res.count(Outcome.OK)
+    out = [(Outcome.OK.value, ok)] if ok else []
+    left = len(res) - ok
+    for o in _FAILURES:
+        if not left:
+            break
+        c = res.count(o)
+        if c:
+            out.append((o.value, c))
+            left -= c
+    return out
+
 
 # content checksums of a batch are split over threads above this many bytes (xxh3 releases the GIL)
 _PARALLEL_MIN_BYTES = 8 << 20
@@ -291,7 +312,9 @@ class L3Client:
         n = 0
         for b in range(0, len(keys), max(self.batch_pages, 512)):
             chunk = keys[b : b + max(self.batch_pages, 512)]
+            t0 = time.perf_counter()
             res = self.store.exists(chunk)
+            metrics.count_pages("exists", tally(res), 0, time.perf_counter() - t0)
             k = next((i for i, r in enumerate(res) if r is not Outcome.OK), len(res))
             n += k
             if k < len(res):
@@ -300,6 +323,9 @@ class L3Client:
             self.stats.lookups += 1
             self.stats.hits += n
             self.stats.misses += int(n < len(keys))
+        metrics.CLIENT_LOOKUPS.inc()
+        if n:
+            metrics.CLIENT_LOOKUP_HIT_PAGES.inc(n)
         return n
 
     # -- data --------------------------------------------------------------------------------
@@ -313,11 +339,15 @@ class L3Client:
             self._revoke([])
         for b in range(0, len(keys), self.batch_pages):
             ks, ps = list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages]
+            t0 = time.perf_counter()
             with self._slot() as slot:
-                res, taken = self._put_batch(ks, ps, slot)
-            stored = sum(1 for i, r in enumerate(res) if r is Outcome.OK and not taken[i])
-            skipped = sum(1 for i, r in enumerate(res) if r is Outcome.OK and taken[i])
-            pending = res.count(Outcome.PENDING)
+                res, skipped = self._put_batch(ks, ps, slot)
+            counts = tally(res)
+            stored = (counts[0][1] if counts and counts[0][0] == "ok" else 0) - skipped
+            pending = dict(counts).get(Outcome.PENDING.value, 0)
+            if skipped:  # put's OK is two outcomes: stored now, or already present
+                counts = [("ok", stored), ("skipped", skipped), *counts[1:]]
+            metrics.count_pages("put", counts, stored * self.pool.layout.page_bytes, time.perf_counter() - t0)
             with self._lock:
                 self.stats.puts += stored
                 self.stats.put_skipped += skipped
@@ -333,9 +363,12 @@ class L3Client:
         p = self._pages(keys, pages)
         out: list[Outcome] = []
         for b in range(0, len(keys), self.batch_pages):
+            t0 = time.perf_counter()
             with self._slot() as slot:
                 res = self._get_batch(list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages], slot)
-            ok = sum(1 for r in res if r is Outcome.OK)
+            counts = tally(res)
+            ok = counts[0][1] if counts and counts[0][0] == "ok" else 0
+            metrics.count_pages("get", counts, ok * self.pool.layout.page_bytes, time.perf_counter() - t0)
             with self._lock:
                 self.stats.gets += ok
                 self.stats.get_failed += len(res) - ok
@@ -382,12 +415,12 @@ class L3Client:
         lens = np.concatenate([sizes, np.full((n, 1), TRAILER_BYTES, dtype=np.int64)], axis=1).tolist()
         return flat, base, addrs, sizes, frags, lens
 
-    def _put_batch(self, keys: list[str], pages: np.ndarray, slot: _Slot) -> tuple[list[Outcome], list[bool]]:
+    def _put_batch(self, keys: list[str], pages: np.ndarray, slot: _Slot) -> tuple[list[Outcome], int]:
         """One bounded batch through a Mooncake put session: reserve every key (start), fill the
         reserved ones from [page runs..., trailer] (ranges), complete them (end); a reserved key
         that fails is revoked. Keys another put already holds are not written: `exists` tells a
         complete object (OK, skipped) from an unfinished put (PENDING).
-        Returns the outcomes and, per key, whether another put held it."""
+        Returns the outcomes and how many of the OK ones were already present (skipped)."""
         n, pb = len(keys), self.pool.layout.page_bytes
         start = self.store.put_start(keys, [pb + TRAILER_BYTES] * n)
         taken = [r is None for r in start]
@@ -413,10 +446,12 @@ class L3Client:
                 if reserved:
                     self._revoke([keys[i] for i in sorted(reserved)])
         held = [i for i, t in enumerate(taken) if t]
+        skipped = 0
         if held:  # complete (skip: OK) or a put that has not finished (PENDING: not stored)
             for i, r in zip(held, self.store.exists([keys[i] for i in held]), strict=True):
                 res[i] = Outcome.OK if r is Outcome.OK else Outcome.PENDING if r is Outcome.MISS else r
-        return res, taken
+            skipped = sum(1 for i in held if res[i] is Outcome.OK)
+        return res, skipped
 
     def _revoke(self, keys: list[str]) -> None:
         """Revoke reservations (and retry those an earlier revoke could not drop: until one
@@ -492,6 +527,10 @@ class L3Client:
             with self._lock:
                 self.stats.trailer_rejections += len(rejected)
                 self.stats.checksum_failures += len(bad_sum)
+            if rejected:
+                metrics.CLIENT_TRAILER_REJECTIONS.inc(len(rejected))
+            if bad_sum:
+                metrics.CLIENT_CHECKSUM_FAILURES.inc(len(bad_sum))
             log.warning(
                 "L3 get: %d object(s) not bound to their key (e.g. %s) and %d checksum mismatch(es): treated as misses",
                 len(rejected),
@@ -515,7 +554,7 @@ class L3Client:
                 if keeper is None or keeper.lost.is_set():
                     if keeper is not None:
                         keeper.close(revoke=False)
-                    keeper = LeaseKeeper(self.metadata.etcd, ttl)
+                    keeper = LeaseKeeper(self.metadata.etcd, ttl, owner="stats")
                 self._ensure_namespace()
                 self.publish_stats(keeper.lease)
             except EtcdError as e:
