@@ -69,11 +69,13 @@ _COMMANDS = (
 
 def main(argv: list[str] | None = None) -> int:
     import importlib
-    import logging
 
     p = argparse.ArgumentParser(prog="l3pool", description=__doc__)
     p.add_argument("--version", action="version", version=f"l3pool {__version__}")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="debug logging, and Mooncake's own log lines on stderr (else in $L3POOL_LOG_DIR or <tmp>/l3pool-<uid>)",
+    )  # fmt: skip
     sub = p.add_subparsers(dest="cmd", required=True)
     info = sub.add_parser("info", help="versions, device and native build of this installation")
     info.add_argument("--json", action="store_true", help="machine-readable output")
@@ -87,11 +89,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         mod.add_parser(sub)
     args = p.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    return int(args.fn(args))
+    from l3pool import logs
+
+    native = logs.setup(args.verbose, args.cmd)  # Mooncake's native log lines: a file unless -v
+    rc: object = 1
+    try:
+        rc = int(args.fn(args))
+        return rc
+    finally:
+        logs.teardown(native, rc)
 
 
 if __name__ == "__main__":
