@@ -158,14 +158,20 @@ ADAPTER_CALLS = _Children(_ADAPTER_CALLS)
 ADAPTER_ERRORS = _Children(_ADAPTER_ERRORS)
 
 
-def count_pages(op: str, tallies: Iterable[tuple[str, int]], nbytes: int, seconds: float) -> None:
-    """Record one batch call: pages per outcome (already counted by the caller, one pair per
-    outcome present), the bytes it moved, and its latency."""
+def add_tally(acc: dict[str, int], tallies: Iterable[tuple[str, int]]) -> None:
+    """Add one batch's (outcome, pages) pairs to a call's running totals."""
     for outcome, n in tallies:
-        CLIENT_PAGES(op, outcome).inc(n)
+        acc[outcome] = acc.get(outcome, 0) + n
+
+
+def count_pages(op: str, counts: dict[str, int], nbytes: int) -> None:
+    """Record one client call (all its batches): pages per outcome and the bytes it moved.
+    Batch latencies go to `CLIENT_BATCH_SECONDS(op).observe(s)` as each batch returns."""
+    for outcome, n in counts.items():
+        if n:
+            CLIENT_PAGES(op, outcome).inc(n)
     if nbytes:
         CLIENT_BYTES(op).inc(nbytes)
-    CLIENT_BATCH_SECONDS(op).observe(seconds)
 
 
 # -- serving -------------------------------------------------------------------------------------

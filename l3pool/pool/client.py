@@ -309,16 +309,20 @@ class L3Client:
     # -- lookups -----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[str]) -> int:
         """Length of the longest prefix of `keys` present in L3 (stops at the first miss)."""
-        n = 0
-        for b in range(0, len(keys), max(self.batch_pages, 512)):
-            chunk = keys[b : b + max(self.batch_pages, 512)]
-            t0 = time.perf_counter()
-            res = self.store.exists(chunk)
-            metrics.count_pages("exists", tally(res), 0, time.perf_counter() - t0)
-            k = next((i for i, r in enumerate(res) if r is not Outcome.OK), len(res))
-            n += k
-            if k < len(res):
-                break
+        n, acc, lat = 0, dict[str, int](), metrics.CLIENT_BATCH_SECONDS("exists")
+        try:
+            for b in range(0, len(keys), max(self.batch_pages, 512)):
+                chunk = keys[b : b + max(self.batch_pages, 512)]
+                t0 = time.perf_counter()
+                res = self.store.exists(chunk)
+                lat.observe(time.perf_counter() - t0)
+                metrics.add_tally(acc, tally(res))
+                k = next((i for i, r in enumerate(res) if r is not Outcome.OK), len(res))
+                n += k
+                if k < len(res):
+                    break
+        finally:
+            metrics.count_pages("exists", acc, 0)
         with self._lock:
             self.stats.lookups += 1
             self.stats.hits += n
@@ -337,24 +341,28 @@ class L3Client:
         out: list[Outcome] = []
         if self._unrevoked:
             self._revoke([])
-        for b in range(0, len(keys), self.batch_pages):
-            ks, ps = list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages]
-            t0 = time.perf_counter()
-            with self._slot() as slot:
-                res, skipped = self._put_batch(ks, ps, slot)
-            counts = tally(res)
-            stored = (counts[0][1] if counts and counts[0][0] == "ok" else 0) - skipped
-            pending = dict(counts).get(Outcome.PENDING.value, 0)
-            if skipped:  # put's OK is two outcomes: stored now, or already present
-                counts = [("ok", stored), ("skipped", skipped), *counts[1:]]
-            metrics.count_pages("put", counts, stored * self.pool.layout.page_bytes, time.perf_counter() - t0)
-            with self._lock:
-                self.stats.puts += stored
-                self.stats.put_skipped += skipped
-                self.stats.put_pending += pending
-                self.stats.put_failed += len(ks) - stored - skipped - pending
-                self.stats.bytes_put += stored * self.pool.layout.page_bytes
-            out += res
+        pb, acc, lat = self.pool.layout.page_bytes, dict[str, int](), metrics.CLIENT_BATCH_SECONDS("put")
+        try:
+            for b in range(0, len(keys), self.batch_pages):
+                ks, ps = list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages]
+                t0 = time.perf_counter()
+                with self._slot() as slot:
+                    res, skipped = self._put_batch(ks, ps, slot)
+                lat.observe(time.perf_counter() - t0)
+                counts = dict(tally(res))
+                stored = counts.pop(Outcome.OK.value, 0) - skipped
+                pending = counts.get(Outcome.PENDING.value, 0)
+                # put's OK is two outcomes: stored now (ok), or already present (skipped)
+                metrics.add_tally(acc, [("ok", stored), ("skipped", skipped), *counts.items()])
+                with self._lock:
+                    self.stats.puts += stored
+                    self.stats.put_skipped += skipped
+                    self.stats.put_pending += pending
+                    self.stats.put_failed += len(ks) - stored - skipped - pending
+                    self.stats.bytes_put += stored * pb
+                out += res
+        finally:
+            metrics.count_pages("put", acc, acc.get("ok", 0) * pb)
         return out
 
     def get(self, keys: Sequence[str], pages: Sequence[int] | np.ndarray) -> list[Outcome]:
@@ -362,18 +370,23 @@ class L3Client:
         for an object whose trailer names this key (and whose checksum matches, if on)."""
         p = self._pages(keys, pages)
         out: list[Outcome] = []
-        for b in range(0, len(keys), self.batch_pages):
-            t0 = time.perf_counter()
-            with self._slot() as slot:
-                res = self._get_batch(list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages], slot)
-            counts = tally(res)
-            ok = counts[0][1] if counts and counts[0][0] == "ok" else 0
-            metrics.count_pages("get", counts, ok * self.pool.layout.page_bytes, time.perf_counter() - t0)
-            with self._lock:
-                self.stats.gets += ok
-                self.stats.get_failed += len(res) - ok
-                self.stats.bytes_got += ok * self.pool.layout.page_bytes
-            out += res
+        pb, acc, lat = self.pool.layout.page_bytes, dict[str, int](), metrics.CLIENT_BATCH_SECONDS("get")
+        try:
+            for b in range(0, len(keys), self.batch_pages):
+                t0 = time.perf_counter()
+                with self._slot() as slot:
+                    res = self._get_batch(list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages], slot)
+                lat.observe(time.perf_counter() - t0)
+                counts = tally(res)
+                metrics.add_tally(acc, counts)
+                ok = counts[0][1] if counts and counts[0][0] == Outcome.OK.value else 0
+                with self._lock:
+                    self.stats.gets += ok
+                    self.stats.get_failed += len(res) - ok
+                    self.stats.bytes_got += ok * pb
+                out += res
+        finally:
+            metrics.count_pages("get", acc, acc.get("ok", 0) * pb)
         return out
 
     def _pages(self, keys: Sequence[str], pages: Sequence[int] | np.ndarray) -> np.ndarray:
