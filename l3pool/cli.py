@@ -92,12 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     from l3pool import logs
 
     native = logs.setup(args.verbose, args.cmd)  # Mooncake's native log lines: a file unless -v
-    rc: object = 1
     try:
-        rc = int(args.fn(args))
-        return rc
+        return int(args.fn(args))
     finally:
-        logs.teardown(native, rc)
+        logs.teardown(native)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,11 @@ private copy of the terminal's descriptor: our own lines, tracebacks and faultha
 reach the terminal, every native write lands in the file. With `-v` nothing is redirected.
 
 The file is `<log dir>/mooncake-<command>-<pid>.log` (log dir: `$L3POOL_LOG_DIR`, else
-`<tmp>/l3pool-<uid>`); it is deleted at exit when nothing was written to it, and its path is
-printed when the command fails. Child processes started without their own stderr inherit it.
+`<tmp>/l3pool-<uid>`); it is deleted at exit when nothing was written to it (`l3pool --help`
+names the place; an error stays one line, so the path is not repeated there). Child processes
+started without their own stderr inherit it. When `mooncake` is already loaded as the command
+starts (`main()` called inside a process that set up Mooncake itself, e.g. a test), descriptor 2
+is left alone: that process owns it.
 
 Our log records go through `tqdm.write` (`TqdmHandler`), so a line logged while a progress bar is
 drawn appears above the bar instead of breaking it.
@@ -28,7 +31,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -103,7 +106,7 @@ def setup(verbose: bool, command: str) -> NativeLog | None:
     `verbose`, else INFO) and, unless `verbose`, native output into a log file (returned; the
     caller closes it)."""
     native = None
-    if not verbose:
+    if not verbose and "mooncake.store" not in sys.modules:
         try:
             native = NativeLog(log_dir() / f"mooncake-{command}-{os.getpid()}.log")
         except OSError as e:  # an unwritable log dir: leave stderr as it is, say why once
@@ -119,10 +122,7 @@ def setup(verbose: bool, command: str) -> NativeLog | None:
     return native
 
 
-def teardown(native: NativeLog | None, rc: Any) -> None:
-    """After the command: restore stderr; on failure name the file that holds Mooncake's lines."""
-    if native is None:
-        return
-    native.close()
-    if rc not in (0, None) and native.written():
-        sys.stderr.write(f"l3pool: Mooncake's log lines are in {native.path}\n")
+def teardown(native: NativeLog | None) -> None:
+    """After the command: descriptor 2 and sys.stderr back as they were."""
+    if native is not None:
+        native.close()

@@ -157,6 +157,21 @@ def test_agent_serves_its_metrics(etcd_server: EtcdServer, mooncake_master: Mast
         want = int(re.search(r"Used\(bytes\)\s*:\s*(\d+)", used).group(1))  # type: ignore[union-attr]
         assert ("l3pool_agent_used_bytes", frozenset()) in later
         assert val(later, "l3pool_agent_used_bytes") == want
+        # inspect links the agent's endpoint and summarises the master's own /metrics
+        r = subprocess.run(
+            [sys.executable, "-m", "l3pool.cli", "inspect", "--etcd", etcd_server.endpoints, "--key-prefix", prefix,
+             "--master-admin", mooncake_master.admin_url, "--json"],
+            capture_output=True, text=True, timeout=30, cwd=REPO, env=python_env(),
+        )  # fmt: skip
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        report = json.loads(r.stdout)
+        assert [m["metrics"] for m in report["members"]] == [url]
+        master = report["master"]
+        assert master["metrics_url"] == f"{mooncake_master.admin_url}/metrics"
+        theirs = scrape(master["metrics_url"])
+        assert master["metrics"]["evicted_keys"] == val(theirs, "master_evicted_key_count")
+        assert master["metrics"]["put_items"] == val(theirs, "master_batch_put_start_items_total")
+        assert master["metrics"]["series"] >= 100  # 133 unlabelled samples in 0.3.13
         agent.proc.send_signal(signal.SIGTERM)
         assert agent.wait(10) == 0
     assert not any("Traceback" in ln for ln in agent.lines)
