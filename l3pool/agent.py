@@ -227,6 +227,7 @@ class Agent:
             from l3pool.tools.inspect import MasterAdmin
 
             self._admin = MasterAdmin(s.master_admin, timeout=1.0)
+            self._update_used()
         metrics.AGENT_DONATED_BYTES.set(s.segment_bytes)
         metrics.AGENT_MOONCAKE_HEALTHY.set(1)
 
@@ -244,7 +245,7 @@ class Agent:
             log.debug("agent %s: used bytes not refreshed: %s", self.settings.id, e)
             return
         if usage is not None:
-            metrics.AGENT_USED_BYTES.set(usage[0])
+            metrics.agent_used_bytes().set(usage[0])
 
     def serve(self, stop: threading.Event) -> None:
         """Watch health and the lease until `stop` is set."""

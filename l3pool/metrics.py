@@ -18,7 +18,9 @@ and one histogram, whatever its page count, so a 512-page get pays a few microse
     ...
     server.shutdown()
 
-Import-light (prometheus_client is pure Python): the agent imports this without torch.
+Import-light (prometheus_client is pure Python): the agent imports this without torch. Where
+prometheus_client is missing (a host where nothing can be installed) every metric is inert and
+`serve()` says so; counting then costs nothing and nothing else changes.
 """
 
 from __future__ import annotations
@@ -29,7 +31,33 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+try:
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+
+    AVAILABLE = True
+except ImportError:  # a host where nothing can be installed (the H200 host's bare python3)
+    AVAILABLE = False
+
+    class _Inert:
+        """Stands in for a metric when prometheus_client is missing: every update is a no-op."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def labels(self, *labels: str) -> _Inert:
+            return self
+
+        def inc(self, amount: float = 1) -> None:
+            pass
+
+        def set(self, value: float) -> None:
+            pass
+
+        def observe(self, value: float) -> None:
+            pass
+
+    Counter = Gauge = Histogram = _Inert  # type: ignore[assignment,misc]
+    REGISTRY = None  # type: ignore[assignment]
 
 # batch calls (one Mooncake round trip for up to batch_pages pages) on loopback TCP take 0.2-50 ms;
 # a master outage makes them take seconds (the breaker then answers in microseconds)
@@ -57,16 +85,26 @@ class _Children:
 
 # -- node agent ----------------------------------------------------------------------------------
 AGENT_DONATED_BYTES = Gauge("l3pool_agent_donated_bytes", "DRAM this agent donates to the pool (its Mooncake segment)")
-AGENT_USED_BYTES = Gauge(
-    "l3pool_agent_used_bytes",
-    "Bytes of this agent's segment holding objects, as the master's /query_segment reports them "
-    "(only with --master-admin; absent otherwise)",
-)
 AGENT_REGISTERED = Gauge("l3pool_agent_registered", "1 while the agent's member key is registered in etcd, else 0")
 AGENT_MOONCAKE_HEALTHY = Gauge("l3pool_agent_mooncake_healthy", "1 while its Mooncake client reaches the master")
 AGENT_REREGISTRATIONS = Counter(
     "l3pool_agent_reregistrations_total", "Times the agent registered again (lease lost, key missing)"
 )
+
+_agent_used: Gauge | None = None
+
+
+def agent_used_bytes() -> Gauge:
+    """l3pool_agent_used_bytes, made on first use: an agent without --master-admin cannot know
+    its used bytes, and a gauge that always said 0 would mislead."""
+    global _agent_used
+    if _agent_used is None:
+        _agent_used = Gauge(
+            "l3pool_agent_used_bytes",
+            "Bytes of this agent's segment holding objects, as the master's /query_segment reports them",
+        )
+    return _agent_used
+
 
 # -- etcd leases (pool/etcd.py LeaseKeeper) --------------------------------------------------------
 _LEASE_RENEWALS = Counter(
@@ -216,6 +254,8 @@ def serve(port: int, host: str = "127.0.0.1") -> MetricsServer:
     p = check_port(port)
     if p == 0:
         raise MetricsError("metrics port 0: nothing to serve")
+    if not AVAILABLE:
+        raise MetricsError("cannot serve metrics: the prometheus_client package is not installed (pip install it)")
     try:
         server, thread = start_http_server(p, addr=host, registry=REGISTRY)
     except (OSError, OverflowError, socket.gaierror) as e:

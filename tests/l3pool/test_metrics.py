@@ -93,7 +93,9 @@ def test_serve_binds_only_the_given_address_and_refuses_a_taken_port() -> None:
     server = metrics.serve(port, "127.0.0.1")
     try:
         assert server.url == f"http://127.0.0.1:{port}/metrics"
-        assert "l3pool_agent_donated_bytes" in urllib.request.urlopen(server.url, timeout=3).read().decode()
+        text = urllib.request.urlopen(server.url, timeout=3).read().decode()
+        assert "l3pool_agent_donated_bytes" in text
+        assert "l3pool_agent_used_bytes" not in text  # only an agent with --master-admin knows it
         with pytest.raises(metrics.MetricsError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             metrics.serve(port, "127.0.0.1")
     finally:
@@ -418,3 +420,26 @@ def test_tqdm_handler_writes_to_current_stderr() -> None:
     finally:
         sys.stderr = old
     assert buf.getvalue() == "hello there\n"
+
+
+def test_without_prometheus_client_metrics_are_inert(tmp_path: Path) -> None:
+    """The interpreter outside this venv (as on a host where nothing can be installed): counting
+    is a no-op, serving is one clear error, an agent's --metrics-port is one line and exit 2."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python").symlink_to(sys.executable)  # without pyvenv.cfg beside it: no venv packages
+    code = (
+        "from l3pool import metrics\n"
+        "assert not metrics.AVAILABLE\n"
+        "metrics.CLIENT_PAGES('get', 'ok').inc(3); metrics.CLIENT_BATCH_SECONDS('get').observe(0.1)\n"
+        "metrics.agent_used_bytes().set(5); metrics.count_pages('get', {'ok': 3}, 9)\n"
+        "try:\n    metrics.serve(1234)\nexcept metrics.MetricsError as e:\n    print(e)\n"
+    )
+    r = subprocess.run([str(bindir / "python"), "-c", code], capture_output=True, text=True, timeout=60,
+                       env=python_env({"PATH": str(bindir)}))  # fmt: skip
+    if "No module named" in r.stderr:  # the base interpreter lacks numpy too: nothing to learn here
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    if r.returncode and "assert not metrics.AVAILABLE" in r.stderr:
+        pytest.skip("prometheus_client is installed outside the venv too")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "cannot serve metrics: the prometheus_client package is not installed (pip install it)"
