@@ -19,8 +19,8 @@ and one histogram, whatever its page count, so a 512-page get pays a few microse
     server.shutdown()
 
 Import-light (prometheus_client is pure Python): the agent imports this without torch. Where
-prometheus_client is missing (a host where nothing can be installed) every metric is inert and
-`serve()` says so; counting then costs nothing and nothing else changes.
+prometheus_client is missing (an interpreter outside the install, e.g. a bare python3 running
+`l3pool cluster status`) every metric is inert and `serve()` says so; nothing else changes.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ try:
     from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
     AVAILABLE = True
-except ImportError:  # a host where nothing can be installed (the H200 host's bare python3)
+except ImportError:  # an interpreter without it (the H200 host has it: checked 2026-12-01)
     AVAILABLE = False
 
     class _Inert:

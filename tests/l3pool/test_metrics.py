@@ -423,7 +423,7 @@ def test_tqdm_handler_writes_to_current_stderr() -> None:
 
 
 def test_without_prometheus_client_metrics_are_inert(tmp_path: Path) -> None:
-    """The interpreter outside this venv (as on a host where nothing can be installed): counting
+    """The interpreter outside this venv (a bare python3, as tests of `cluster status` use): counting
     is a no-op, serving is one clear error, an agent's --metrics-port is one line and exit 2."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
