@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,6 +56,15 @@ _OPERATIONAL = (
 )
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that `with` blocks (a local cluster the command
+    started, registered buffers) unwind as on Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def guarded(prog: str, fn: Callable[[], int]) -> int:
     """Run a command's body: UserError, the operational errors above and Ctrl-C become one line
     (+ hint) and a non-zero exit code instead of a traceback. Every entry point runs under it."""
@@ -61,6 +72,8 @@ def guarded(prog: str, fn: Callable[[], int]) -> int:
         return int(fn())
     except UserError as e:
         return fail(prog, str(e), e.hint, e.code)
+    except Terminated:
+        return fail(prog, "terminated (SIGTERM)", code=143)
     except KeyboardInterrupt:
         return fail(prog, "interrupted", code=130)
     except Exception as e:
@@ -159,11 +172,13 @@ _COMMANDS = (
 
 def main(argv: list[str] | None = None) -> int:
     import importlib
-    import logging
 
     p = argparse.ArgumentParser(prog="l3pool", description=__doc__)
     p.add_argument("--version", action="version", version=f"l3pool {__version__}")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="debug logging, and Mooncake's own log lines on stderr (else in $L3POOL_LOG_DIR or <tmp>/l3pool-<uid>)",
+    )  # fmt: skip
     sub = p.add_subparsers(dest="cmd", required=True)
     info = sub.add_parser("info", help="versions, device and native build of this installation")
     info.add_argument("--json", action="store_true", help="machine-readable output")
@@ -177,11 +192,17 @@ def main(argv: list[str] | None = None) -> int:
             continue
         mod.add_parser(sub)
     args = p.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    return guarded(f"l3pool {args.cmd}", lambda: args.fn(args))
+    from l3pool import logs
+
+    native = logs.setup(args.verbose, args.cmd)  # Mooncake's native log lines: a file unless -v
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None  # a command may set its own
+    try:
+        return guarded(f"l3pool {args.cmd}", lambda: args.fn(args))
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
+        logs.teardown(native)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from l2core.allocator import OutOfPages, PageAllocator
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
 from l2core.transfer import TransferEngine, TransferError
+from l3pool import metrics
 from l3pool.cache._internal import _Backup, _check_distinct, _member, _pages_of, _Req, _run, _seen, _timed
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.index import GhostList, TierIndex, hash64
@@ -130,10 +131,12 @@ class TieredCache:
         with self._mu:
             self._errors.append(what)
             self._stats.errors += 1
+        metrics.CACHE_ERRORS.inc()
 
     def _add_wait(self, tier: str, s: float) -> None:
         with self._mu:
             self._stats.wait_s[tier] += s
+        metrics.CACHE_WAIT_SECONDS(tier).observe(s)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -349,10 +352,14 @@ class TieredCache:
                 r.load_job = job
             st = self._stats
             st.requests += 1
+            metrics.CACHE_REQUESTS.inc()
             for t, n in (("l1", r.n1), ("l2", r.n2 - r.n1), ("l3", k)):
                 st.hit_pages[t] += n
                 st.hit_bytes[t] += n * self.page_bytes
+                metrics.CACHE_HIT_PAGES(t).inc(n)
+                metrics.CACHE_HIT_BYTES(t).inc(n * self.page_bytes)
             st.miss_pages += len(r.hashes) - r.n_hit
+            metrics.CACHE_MISS_PAGES.inc(len(r.hashes) - r.n_hit)
             h = LoadHandle(self, r.rid, np.concatenate([r.l1_hit, new]), r.n_hit, job)
             h.l1, h.l2, h.l3 = r.n1, r.n2 - r.n1, k
             h.l3_wait_s = r.l3_wait_s
@@ -403,6 +410,7 @@ class TieredCache:
     def _evict_l1(self, n: int) -> None:
         victims, hs = self.t1.victims(n)
         self._stats.evictions["l1"] += len(victims)
+        metrics.CACHE_EVICTIONS("l1").inc(len(victims))
         if self.ghost.capacity:
             self.ghost.add(hash64(hs))
         try:
@@ -458,6 +466,7 @@ class TieredCache:
         if not victims.size:
             return
         self._stats.evictions["l2"] += len(victims)
+        metrics.CACHE_EVICTIONS("l2").inc(len(victims))
         try:
             if self.cfg.l2_to_l3 == "write_back" and self.l3 is not None:
                 keep = ~self._in_l3[victims]
@@ -560,6 +569,7 @@ class TieredCache:
             g = self.ghost.leading_of(hs, start)
             if g:  # rebuilt pages evicted from L1 before: proven reuse
                 self._stats.ghost_hits += g
+                metrics.CACHE_GHOST_HITS.inc(g)
                 gp = pages[start : start + g]
                 self.t1.hits[gp] = np.maximum(self.t1.hits[gp], thr)
                 hot[start : start + g] = False

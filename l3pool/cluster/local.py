@@ -29,7 +29,7 @@ Lifecycle (`LocalCluster`, a context manager):
 `state_dir/state.json` records pids (with their start times, so a recycled pid is never
 signalled), process groups, ports, namespaces and links; it is rewritten after each step of
 start(), so `down` can clean up even after the launching process was killed. Logs go to
-`state_dir/{etcd,master,agent-K}.log`.
+`state_dir/{etcd,master,agent-K}.log` (an agent's Mooncake lines: `state_dir/mooncake-agent-<pid>.log`).
 
 CLI: `l3pool cluster up|down|status` (`l3pool.cluster.cli`).
 """
@@ -579,6 +579,9 @@ class LocalCluster:
         self, role: str, pid_id: str, cmd: list[str], log_path: Path, netns: str | None = None, ip: str | None = None
     ) -> _Proc:
         full = ["ip", "netns", "exec", netns, *cmd] if netns else cmd
+        env = _child_env(ip if role == "agent" else None)
+        if role == "agent":  # the agent's Mooncake log file (l3pool/logs.py) beside its own log
+            env.setdefault("L3POOL_LOG_DIR", str(self.state_dir))
         with open(log_path, "ab") as f:
             log_from = f.tell()
             f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(full)}\n".encode())
@@ -590,7 +593,7 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 cwd=self.state_dir,
-                env=_child_env(ip if role == "agent" else None),
+                env=env,
             )
         st = _proc_stat(popen.pid)
         p = _Proc(
