@@ -22,9 +22,9 @@ from l2core.allocator import OutOfPages, PageAllocator
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
 from l2core.transfer import TransferEngine, TransferError
-from l3pool.cache._internal import _Backup, _check_distinct, _member, _pages_of, _Req, _run, _seen, _timed
+from l3pool.cache._internal import _Backup, _join, _member, _Req, _timed
 from l3pool.cache.config import CacheConfig
-from l3pool.cache.index import GhostList, TierIndex, hash64
+from l3pool.cache.index import GhostList, TierIndex, split
 from l3pool.cache.types import (
     L1,
     BackgroundError,
@@ -38,6 +38,7 @@ from l3pool.cache.types import (
 )
 from l3pool.cache.writer import L3Writer
 from l3pool.pool.client import L3Client
+from l3pool.pool.keys import HASH_BYTES
 from l3pool.pool.pplock import StageLocks
 from l3pool.pool.prefetch import Prefetcher, PrefetchResult
 from l3pool.pool.store import Outcome
@@ -144,34 +145,18 @@ class TieredCache:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         hs = page_hashes if isinstance(page_hashes, list) else list(page_hashes)
-        if hs:  # one join checks types and lengths at C speed (a per-page Python check cost 40 us)
-            try:
-                ok = isinstance(hs[0], bytes) and len(b"".join(hs)) == len(hs) * len(hs[0])
-            except TypeError:
-                ok = False
-            if not ok or len(hs[0]) % 8:
-                raise ValueError(
-                    "page_hashes must be equal-length bytes, a multiple of 8 long (l3pool.pool.keys.page_hashes)"
-                )
-            _check_distinct(hs)
+        buf = _join(hs)  # checked: 16-byte hashes, no repeats
         limit = len(hs) if max_hit is None else max(0, min(int(max_hit), len(hs)))
         with self._mu:
             if request_id in self._reqs:
                 raise CacheError(f"request {request_id!r} is already active: release() it first")
             self._serial += 1
-            r = _Req(request_id, self._serial, hs, limit)
-            # one probe pass per tier over the whole matchable range: the prefixes, and the pages
-            # _count_hits / _policy_on_use need (reused while the tier's mapping is unchanged)
-            q = hs if limit == len(hs) else hs[:limit]
-            a1, a2 = self.t1.pages_of(q), self.t2.pages_of(q)
-            n1 = _run(a1, 0)
-            n2 = _run(a2, n1)
-            p1, p2 = a1[:n1], a2[n1:n2]
-            r.n1, r.n2 = n1, n2
-            self.t1.pin(p1)
-            self.t2.pin(p2)
-            r.l1_hit, r.l2_hit = p1, p2
-            r.seen1, r.seen2 = _seen(self.t1, 0, a1), _seen(self.t2, 0, a2)
+            r = _Req(request_id, self._serial, hs, buf, limit)
+            # the L1 prefix, then its continuation in L2: one native probe-and-pin call per tier
+            r.l1_hit = p1 = self.t1.pin_prefix(buf, 0, limit)
+            r.n1 = len(p1)
+            r.l2_hit = self.t2.pin_prefix(buf, r.n1, limit)
+            r.n2 = r.n1 + len(r.l2_hit)
             self._reqs[request_id] = r
         n3 = r.n2
         try:
@@ -218,13 +203,8 @@ class TieredCache:
         if upto <= r.counted:
             return
         lo, hi = r.counted, min(upto, len(r.hashes))
-        for t, seen in ((self.t1, r.seen1), (self.t2, r.seen2)):
-            p = _pages_of(t, seen, r.hashes, lo, hi)
-            p = p[p >= 0]
-            if not p.size:
-                continue
-            t.hits[p] += 1
-            t.touch(p)
+        self.t1.count_hits(r.buf, lo, hi)  # hit count + 1 and used now, per page present
+        self.t2.count_hits(r.buf, lo, hi)
         r.counted = upto
 
     def _policy_on_use(self, r: _Req) -> None:
@@ -233,13 +213,13 @@ class TieredCache:
         if self.cfg.l1_to_l2 == "write_through_selective" and len(r.l1_hit):
             hot = r.l1_hit[self.t1.hits[r.l1_hit] >= thr]
             if hot.size:
-                self._backup(self.t1.hash_of[hot].tolist(), hot, "selective")
+                self._backup(self.t1.keys_of(hot), hot, "selective")
         if self.cfg.l2_to_l3 == "write_through_selective" and self.writer is not None:
-            p2 = _pages_of(self.t2, r.seen2, r.hashes, 0, r.n2)
+            p2 = self.t2.lookup(r.buf, 0, r.n2)
             p2 = p2[p2 >= 0]
             hot = p2[(self.t2.hits[p2] >= thr) & ~self._in_l3[p2]]
             if hot.size:
-                self._write_l3(self.t2.hash_of[hot].tolist(), hot, "selective")
+                self._write_l3(self.t2.keys_of(hot), hot, "selective")
 
     # -- prefetch / load --------------------------------------------------------------------------
     @_timed("prefetch")
@@ -315,7 +295,7 @@ class TieredCache:
         with self._mu:
             k = len(fetched)
             if k:
-                used = self.t2.insert(r.hashes[r.n2 : r.n2 + k], fetched)
+                used = self.t2.insert(r.buf, fetched, r.n2)
                 dup = fetched[used != fetched]
                 if dup.size:
                     self.l2.free(dup)
@@ -396,13 +376,12 @@ class TieredCache:
         return pages
 
     def _evict_l1(self, n: int) -> None:
-        victims, hs = self.t1.victims(n)
+        # one native call: the LRU victims out of the index, their hashes into the ghost list
+        victims, keys = self.t1.native.evict(n, self.ghost.native if self.ghost.capacity else None)
         self._stats.evictions["l1"] += len(victims)
-        if self.ghost.capacity:
-            self.ghost.add(hash64(hs))
         try:
             if self.cfg.l1_to_l2 == "write_back":
-                self._write_back_l1(hs, victims)
+                self._write_back_l1(split(keys), victims)
         finally:
             self._l1_alloc.free(victims)
 
@@ -498,8 +477,10 @@ class TieredCache:
             raise ValueError(f"page_hashes of {request_id!r} disagree with the {r.n_hit} pages it matched")
         if m < r.n_hit:
             raise ValueError(f"commit of {m} pages is shorter than the {r.n_hit} pages {request_id!r} hit")
-        if not (same and m == known):  # match() checked r.hashes already
-            _check_distinct(hs)
+        if same and m == known:  # match() checked r.hashes already
+            buf = r.buf if m == len(r.hashes) else r.buf[: m * HASH_BYTES]
+        else:
+            buf = _join(hs)
         self._collect_load(r)
         if r.load_ok is False:
             raise TransferError(f"the L2 -> L1 load of {request_id!r} failed: its pages were not inserted")
@@ -518,17 +499,13 @@ class TieredCache:
                 raise ValueError("the same L1 page appears twice in l1_pages")
             was = self.t1.cached[rest]
             if was.any():
-                idx = np.flatnonzero(was).tolist()
-                if any(self.t1.hash_of[int(rest[i])] != hs[n1 + i] for i in idx):
+                idx = np.flatnonzero(was)
+                if self.t1.keys_of(rest[idx]) != [hs[n1 + i] for i in idx.tolist()]:
                     raise ValueError("an L1 page committed before is committed again under another hash")
-            hsn = hs[n1:m]
-            have = _pages_of(self.t1, r.seen1, r.hashes, n1, m) if same and m == known else None
-            used, newly = self.t1.insert_pinned(hsn, rest, have)
+            used, newly = self.t1.insert_pinned(buf, rest, n1)
             r.l1_inserted.append(newly)
-            if same:  # used[i] is the page of r.hashes[n1 + i] now
-                r.seen1 = _seen(self.t1, n1, used)
             self._count_hits(r, m)
-            self._policy_on_commit(r, hs, np.concatenate([r.l1_hit, used]))
+            self._policy_on_commit(r, hs, buf, np.concatenate([r.l1_hit, used]))
             return int(newly.size)
 
     def _collect_load(self, r: _Req) -> None:
@@ -545,14 +522,14 @@ class TieredCache:
         self._collect_load(r)
         return bool(r.load_ok)
 
-    def _policy_on_commit(self, r: _Req, hs: list[bytes], pages: np.ndarray) -> None:
+    def _policy_on_commit(self, r: _Req, hs: list[bytes], buf: bytes, pages: np.ndarray) -> None:
         pol, thr = self.cfg.l1_to_l2, self.cfg.hit_threshold
         if pol == "write_through":
             self._backup(hs, pages, "through")
         elif pol == "write_through_selective":
             hot = self.t1.hits[pages] >= thr
             start = r.n_hit
-            g = self.ghost.leading_of(hs, start)
+            g = self.ghost.leading_of(buf, start)
             if g:  # rebuilt pages evicted from L1 before: proven reuse
                 self._stats.ghost_hits += g
                 gp = pages[start : start + g]
