@@ -184,14 +184,14 @@ def test_tier_index_matches_reference_model(seed: int) -> None:
         pinned = [p for p in range(n) if ref.ref[p] > 0]
         if op < 0.2 and alloc.free_pages:
             k = rng.randint(1, min(6, alloc.free_pages))
-            hs, pages = keys(k), alloc.alloc(k)
+            hs, got = keys(k), alloc.alloc(k)
             pin = rng.random() < 0.5
-            used, newly = t.insert_pinned(hs, pages) if pin else (t.insert(hs, pages), None)
-            want, want_new = ref.insert(hs, pages.tolist(), pin)
+            used, newly = t.insert_pinned(hs, got) if pin else (t.insert(hs, got), None)
+            want, want_new = ref.insert(hs, got.tolist(), pin)
             assert used.tolist() == want, step
             if newly is not None:
                 assert newly.tolist() == want_new, step
-            alloc.free([p for p in pages.tolist() if p not in want_new])
+            alloc.free([p for p in got.tolist() if p not in want_new])
         elif op < 0.3:
             hs = keys(rng.randint(0, 8))
             assert t.pages_of(hs).tolist() == ref.lookup(hs), step
