@@ -224,8 +224,8 @@ def test_tier_index_matches_reference_model(seed: int) -> None:
             alloc.free(v)
         elif cached:
             pages = [p for p in rng.sample(cached, min(len(cached), 3)) if ref.ref[p] == 0]
-            got = t.drop(np.asarray(pages, dtype=np.int64))
-            assert got == ref.drop(pages), step
+            dropped = t.drop(np.asarray(pages, dtype=np.int64))
+            assert dropped == ref.drop(pages), step
             alloc.free(pages)
         t.check()
         assert t.ref.tolist() == ref.ref and t.hits.tolist() == ref.hits, step
