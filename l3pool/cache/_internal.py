@@ -35,8 +35,9 @@ def _timed(name: str) -> Callable[[_F], _F]:
                 return fn(self, *a, **kw)
             finally:
                 dt = time.perf_counter() - t0
-                with self._mu:
-                    self._stats.api_s[name] = self._stats.api_s.get(name, 0.0) + dt
+                with self._api_mu:  # a plain lock of its own (stats() takes it inside _mu)
+                    api = self._stats.api_s
+                    api[name] = api.get(name, 0.0) + dt
 
         return wrapper  # type: ignore[return-value]
 

@@ -93,6 +93,7 @@ class TieredCache:
         self._reqs: dict[str, _Req] = {}
         self._serial = 0
         self._mu = threading.Condition(threading.RLock())  # wait() releases every level
+        self._api_mu = threading.Lock()  # stats()["api_s"] (_timed)
         self._arange = torch.arange(self.page_size)
         self._closed = False
         self._backups: queue.Queue[_Backup | None] = queue.Queue()
@@ -353,37 +354,47 @@ class TieredCache:
     def _alloc_l1(self, r: _Req, n: int) -> np.ndarray:
         if n == 0:
             return _EMPTY
+        t1 = self.t1.native
         short = n - self._l1_alloc.free_pages
-        if short > self.t1.evictable and self._bk_inflight:
+        if short > t1.evictable and self._bk_inflight:
             # pages pinned by backups in flight come free when the backup thread is done with them
             deadline = time.monotonic() + self.cfg.load_timeout_s
-            while short > self.t1.evictable and self._bk_inflight and time.monotonic() < deadline:
+            while short > t1.evictable and self._bk_inflight and time.monotonic() < deadline:
                 self._mu.wait(0.05)
                 short = n - self._l1_alloc.free_pages
+        victims = _EMPTY
         if short > 0:
-            if short > self.t1.evictable:
+            if short > t1.evictable:
                 raise CacheFull(
-                    f"L1 full: need {n} pages, {self._l1_alloc.free_pages} free and {self.t1.evictable} evictable "
+                    f"L1 full: need {n} pages, {self._l1_alloc.free_pages} free and {t1.evictable} evictable "
                     f"of {self._l1_alloc.num_pages} (the rest are pinned by in-flight requests)"
                 )
-            self._evict_l1(short)
+            victims = self._evict_l1(short)
         try:
-            pages = self._l1_alloc.alloc(n)
+            # = free(victims) + alloc(n): the allocator hands out the pages freed last first, in
+            # order; the victims skip the round trip through its stack
+            pages = self._l1_alloc.alloc(n - len(victims))
         except OutOfPages as e:
+            self._l1_alloc.free(victims)
             raise CacheFull(f"L1 full: {e}") from None
+        if victims.size:
+            pages = np.concatenate([victims, pages])
         self._l1_owner[pages] = r.serial
         r.l1_owned.append(pages)
         return pages
 
-    def _evict_l1(self, n: int) -> None:
+    def _evict_l1(self, n: int) -> np.ndarray:
+        """Evict `n` L1 pages (LRU); returns them still allocated (the caller reuses or frees them)."""
         # one native call: the LRU victims out of the index, their hashes into the ghost list
         victims, keys = self.t1.native.evict(n, self.ghost.native if self.ghost.capacity else None)
         self._stats.evictions["l1"] += len(victims)
-        try:
-            if self.cfg.l1_to_l2 == "write_back":
+        if self.cfg.l1_to_l2 == "write_back":
+            try:
                 self._write_back_l1(split(keys), victims)
-        finally:
-            self._l1_alloc.free(victims)
+            except BaseException:
+                self._l1_alloc.free(victims)
+                raise
+        return victims
 
     def _write_back_l1(self, hs: list[bytes], victims: np.ndarray) -> None:
         """write_back: an evicted L1 page not in L2 is copied down before its page is reused."""
@@ -467,7 +478,7 @@ class TieredCache:
         p = np.asarray(l1_pages)
         if p.size and p.dtype.kind not in "iu":
             raise TypeError(f"l1_pages must be integers, got {p.dtype}")
-        p = p.astype(np.int64).reshape(-1)
+        p = p.astype(np.int64, copy=False).reshape(-1)
         m = len(hs)
         if len(p) < m:
             raise ValueError(f"{m} page hashes but only {len(p)} L1 pages")
@@ -489,13 +500,15 @@ class TieredCache:
             if len(r.l1_hit) != n1 or not (pages[:n1] == r.l1_hit).all():
                 raise ValueError(f"l1_pages[:{n1}] must be the L1 hit pages load() returned")
             rest = pages[n1:]
-            if rest.size and (rest.min() < 0 or rest.max() >= len(self._l1_owner)):
+            own = r.l1_owned[0] if len(r.l1_owned) == 1 else _EMPTY
+            if rest.size and rest.size <= own.size and (rest == own[: rest.size]).all():
+                pass  # the pages load() allocated, in order: in range, this request's, distinct
+            elif rest.size and (rest.min() < 0 or rest.max() >= len(self._l1_owner)):
                 raise IndexError(f"L1 page ids out of range [0, {len(self._l1_owner)})")
-            if (self._l1_owner[rest] != r.serial).any():
+            elif (self._l1_owner[rest] != r.serial).any():
                 bad = rest[self._l1_owner[rest] != r.serial][:8].tolist()
                 raise ValueError(f"L1 pages {bad} were not allocated to request {request_id!r}")
-            srt = np.sort(rest)
-            if srt.size > 1 and not (srt[1:] != srt[:-1]).all():
+            elif rest.size > 1 and not (np.diff(np.sort(rest)) != 0).all():
                 raise ValueError("the same L1 page appears twice in l1_pages")
             was = self.t1.cached[rest]
             if was.any():
@@ -529,7 +542,7 @@ class TieredCache:
         elif pol == "write_through_selective":
             hot = self.t1.hits[pages] >= thr
             start = r.n_hit
-            g = self.ghost.leading_of(buf, start)
+            g = self.ghost.native.leading_of(buf, start, HASH_BYTES) if self.ghost.capacity else 0
             if g:  # rebuilt pages evicted from L1 before: proven reuse
                 self._stats.ghost_hits += g
                 gp = pages[start : start + g]
@@ -707,7 +720,7 @@ class TieredCache:
             raise BackgroundError("; ".join(errs[:5]) + more)
 
     def stats(self) -> dict[str, Any]:
-        with self._mu:
+        with self._mu, self._api_mu:
             d = self._stats.as_dict()
             for name, t, a in (("l1", self.t1, self._l1_alloc), ("l2", self.t2, self.l2.allocator)):
                 d[f"{name}_pages"] = {
