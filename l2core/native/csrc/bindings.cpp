@@ -528,9 +528,10 @@ void bind_page_index(py::module_& m) {
            [](py::object self) {
              auto& x = self.cast<PageIndex&>();
              const int64_t n = x.num_pages();
-             return py::make_tuple(py::array_t<int32_t>({n}, {int64_t{4}}, x.ref(), self),
+             const int64_t st = PageIndex::node_bytes();  // ref and hits live in per-page records
+             return py::make_tuple(py::array_t<int32_t>({n}, {st}, x.ref(), self),
                                    py::array(py::dtype("bool"), {n}, {int64_t{1}}, x.cached(), self),
-                                   py::array_t<int32_t>({n}, {int64_t{4}}, x.hits(), self));
+                                   py::array_t<int32_t>({n}, {st}, x.hits(), self));
            })
       .def("lru",
            [](const PageIndex& x) {

@@ -19,6 +19,8 @@ inline uint64_t mix(uint64_t x) {
   return x;
 }
 
+constexpr int64_t kAhead = 16;  // keys between a prefetch and its probe
+
 uint64_t table_size(int64_t entries) {  // a power of two >= 2 * entries (load <= 1/2), >= 16
   uint64_t s = 16;
   while (s < 2 * static_cast<uint64_t>(entries)) s <<= 1;
@@ -93,56 +95,74 @@ void GhostSet::set_erase(uint64_t k, uint64_t h) {
 
 void GhostSet::add(const uint64_t* keys, int64_t n, int64_t stride) {
   if (cap_ == 0 || n <= 0) return;
-  // the keys not present, first occurrences only, in order. Every step hashes a batch and
-  // prefetches its table lines first: the probes then overlap their cache misses.
-  std::vector<uint64_t> h(static_cast<size_t>(n)), fresh, fh;
+  // The table lines are prefetched kAhead keys before their probe: enough misses in flight to
+  // overlap their latency, few enough that the prefetches are not dropped.
+  // 1. the keys not present (their hashes kept beside them)
+  auto& h = h_;
+  auto& fresh = fresh_;
+  auto& fh = fh_;
+  h.resize(static_cast<size_t>(n));
+  fresh.clear();
+  fh.clear();
+  for (int64_t i = 0; i < n; ++i) h[static_cast<size_t>(i)] = mix(keys[i * stride]);
+  for (int64_t i = 0; i < std::min(n, kAhead); ++i) prefetch(&table_[h[static_cast<size_t>(i)] & mask_]);
   for (int64_t i = 0; i < n; ++i) {
-    h[static_cast<size_t>(i)] = mix(keys[i * stride]);
-    prefetch(&table_[h[static_cast<size_t>(i)] & mask_]);
+    if (i + kAhead < n) prefetch(&table_[h[static_cast<size_t>(i + kAhead)] & mask_]);
+    const uint64_t k = keys[i * stride];
+    if (!contains(k, h[static_cast<size_t>(i)])) {
+      fresh.push_back(k);
+      fh.push_back(h[static_cast<size_t>(i)]);
+    }
   }
-  fresh.reserve(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    uint64_t k = keys[i * stride];
-    if (!contains(k, h[static_cast<size_t>(i)])) fresh.push_back(k);
-  }
-  if (fresh.size() > 1) {  // drop repeats within the batch (keep the first): a small local set
-    std::vector<uint64_t> seen(table_size(static_cast<int64_t>(fresh.size())), 0);
-    const uint64_t m = seen.size() - 1;
+  // 2. repeats within the batch dropped (the first occurrence stays): a small local set
+  if (fresh.size() > 1) {
+    auto& seen = seen_;
+    seen.assign(table_size(static_cast<int64_t>(fresh.size())), 0);
+    const uint64_t sm = seen.size() - 1;
     bool zero = false;
     size_t w = 0;
-    for (uint64_t k : fresh) {
+    for (size_t r = 0; r < fresh.size(); ++r) {
+      const uint64_t k = fresh[r];
       bool dup = false;
       if (k == 0) {
         dup = zero;
         zero = true;
       } else {
-        uint64_t i = mix(k) & m;
-        while (seen[i] != 0 && seen[i] != k) i = (i + 1) & m;
+        uint64_t i = fh[r] & sm;
+        while (seen[i] != 0 && seen[i] != k) i = (i + 1) & sm;
         dup = seen[i] == k;
         seen[i] = k;
       }
-      if (!dup) fresh[w++] = k;
+      if (!dup) {
+        fresh[w] = k;
+        fh[w++] = fh[r];
+      }
     }
     fresh.resize(w);
+    fh.resize(w);
   }
+  // 3. into the ring, newest last (only the newest cap_ can stay); each one that arrives at a
+  // full ring pushes the oldest out of the set
   const int64_t m = static_cast<int64_t>(fresh.size());
-  const int64_t first = std::max<int64_t>(0, m - cap_);  // only the newest cap_ can stay
-  const int64_t leave = std::max<int64_t>(0, size_ + (m - first) - cap_);  // the oldest that leave
-  std::vector<uint64_t> oh(static_cast<size_t>(leave));
+  const int64_t first = std::max<int64_t>(0, m - cap_);
+  const int64_t leave = std::max<int64_t>(0, size_ + (m - first) - cap_);
+  auto& oh = oh_;  // hashes of the entries that leave, oldest first
+  oh.resize(static_cast<size_t>(leave));
+  int64_t at = (head_ + cap_ - size_) % cap_;  // the first one leaves once the ring is full
   for (int64_t i = 0; i < leave; ++i) {
-    // the first erasure happens once the ring is full: at slot head_ + (cap_ - size_)
-    oh[static_cast<size_t>(i)] = mix(ring_[static_cast<size_t>((head_ + cap_ - size_ + i) % cap_)]);
-    prefetch(&table_[oh[static_cast<size_t>(i)] & mask_]);
+    oh[static_cast<size_t>(i)] = mix(ring_[static_cast<size_t>(at)]);
+    at = at + 1 == cap_ ? 0 : at + 1;
   }
-  fh.resize(fresh.size());
-  for (int64_t i = first; i < m; ++i) {
-    fh[static_cast<size_t>(i)] = mix(fresh[static_cast<size_t>(i)]);
-    prefetch(&table_[fh[static_cast<size_t>(i)] & mask_]);
-  }
+  auto pre = [&](int64_t j) {  // the lines step j of the loop below touches
+    if (j >= m) return;
+    prefetch(&table_[fh[static_cast<size_t>(j)] & mask_]);
+    const int64_t o = j - first - (m - first - leave);  // index in oh of step j's leaver, if any
+    if (o >= 0 && o < leave) prefetch(&table_[oh[static_cast<size_t>(o)] & mask_]);
+  };
+  for (int64_t j = first; j < std::min(m, first + kAhead); ++j) pre(j);
   for (int64_t i = first, o = 0; i < m; ++i) {
-    if (size_ == cap_) {  // the oldest leaves
-      set_erase(ring_[static_cast<size_t>(head_)], oh[static_cast<size_t>(o++)]);
-    }
+    pre(i + kAhead);
+    if (size_ == cap_) set_erase(ring_[static_cast<size_t>(head_)], oh[static_cast<size_t>(o++)]);
     ring_[static_cast<size_t>(head_)] = fresh[static_cast<size_t>(i)];
     set_insert(fresh[static_cast<size_t>(i)], fh[static_cast<size_t>(i)]);
     head_ = head_ + 1 == cap_ ? 0 : head_ + 1;
@@ -162,8 +182,8 @@ void GhostSet::order(uint64_t* out) const {
 }
 
 int64_t GhostSet::nbytes() const {
-  return static_cast<int64_t>(sizeof(*this) + ring_.capacity() * sizeof(uint64_t) +
-                              table_.capacity() * sizeof(uint64_t));
+  const size_t scratch = h_.capacity() + fresh_.capacity() + fh_.capacity() + oh_.capacity() + seen_.capacity();
+  return static_cast<int64_t>(sizeof(*this) + (ring_.capacity() + table_.capacity() + scratch) * sizeof(uint64_t));
 }
 
 void GhostSet::check() const {
@@ -179,29 +199,18 @@ void GhostSet::check() const {
 PageIndex::PageIndex(std::string name, int64_t num_pages, int64_t key_bytes)
     : name_(std::move(name)), n_(num_pages), kw_(key_bytes / 8) {
   if (num_pages < 1 || num_pages > INT32_MAX) throw std::invalid_argument("num_pages must be in [1, 2^31)");
-  if (key_bytes < 8 || key_bytes % 8) throw std::invalid_argument("key_bytes must be a positive multiple of 8");
+  if (key_bytes != 16) throw std::invalid_argument("key_bytes must be 16 (the page hashes)");
   table_.assign(table_size(num_pages), Slot{0, -1});
   mask_ = table_.size() - 1;
   const auto n = static_cast<size_t>(num_pages);
-  keys_.assign(n * static_cast<size_t>(kw_), 0);
-  ref_.assign(n, 0);
-  hits_.assign(n, 0);
-  prev_.assign(n, -1);
-  next_.assign(n, -1);
+  node_.assign(n, Node{{0, 0}, -1, -1, 0, 0});
   cached_.assign(n, 0);
   inl_.assign(n, 0);
 }
 
-uint64_t PageIndex::hash(const uint64_t* key) const {
-  uint64_t h = 0x9e3779b97f4a7c15ULL;
-  for (int64_t w = 0; w < kw_; ++w) h = mix(h ^ key[w]);
-  return h;
-}
+uint64_t PageIndex::hash(const uint64_t* key) const { return mix(mix(0x9e3779b97f4a7c15ULL ^ key[0]) ^ key[1]); }
 
-bool PageIndex::same(const uint64_t* a, const uint64_t* b) const {
-  if (kw_ == 2) return a[0] == b[0] && a[1] == b[1];
-  return std::memcmp(a, b, static_cast<size_t>(kw_) * 8) == 0;
-}
+bool PageIndex::same(const uint64_t* a, const uint64_t* b) const { return a[0] == b[0] && a[1] == b[1]; }
 
 int64_t PageIndex::find(const uint64_t* key, uint64_t h) const {
   const auto tag = static_cast<uint32_t>(h);
@@ -250,10 +259,10 @@ void PageIndex::map_erase(int64_t page, uint64_t h) {
 }
 
 void PageIndex::lru_push(int64_t p) {
-  prev_[p] = tail_;
-  next_[p] = -1;
+  node_[p].prev = tail_;
+  node_[p].next = -1;
   if (tail_ >= 0)
-    next_[tail_] = static_cast<int32_t>(p);
+    node_[tail_].next = static_cast<int32_t>(p);
   else
     head_ = static_cast<int32_t>(p);
   tail_ = static_cast<int32_t>(p);
@@ -262,13 +271,13 @@ void PageIndex::lru_push(int64_t p) {
 }
 
 void PageIndex::lru_remove(int64_t p) {
-  const int32_t a = prev_[p], b = next_[p];
+  const int32_t a = node_[p].prev, b = node_[p].next;
   if (a >= 0)
-    next_[a] = b;
+    node_[a].next = b;
   else
     head_ = b;
   if (b >= 0)
-    prev_[b] = a;
+    node_[b].prev = a;
   else
     tail_ = a;
   inl_[p] = 0;
@@ -316,7 +325,7 @@ int64_t PageIndex::count_hits(const uint64_t* keys, int64_t n) {
     const int64_t p = find(keys + i * kw_, hs_[static_cast<size_t>(i)]);
     if (p < 0) continue;
     ++found;
-    ++hits_[p];
+    ++node_[p].hits;
     if (inl_[p]) {
       lru_remove(p);
       lru_push(p);
@@ -330,21 +339,21 @@ void PageIndex::pin(const int64_t* pages, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t p = pages[i];
     if (inl_[p]) lru_remove(p);
-    ++ref_[p];
+    ++node_[p].ref;
   }
 }
 
 void PageIndex::unpin(const int64_t* pages, int64_t n) {
   check_pages(pages, n);
   for (int64_t i = 0; i < n; ++i) {
-    if (--ref_[pages[i]] < 0) {
-      for (int64_t j = 0; j <= i; ++j) ++ref_[pages[j]];  // undo: nothing changed
+    if (--node_[pages[i]].ref < 0) {
+      for (int64_t j = 0; j <= i; ++j) ++node_[pages[j]].ref;  // undo: nothing changed
       throw std::logic_error(name_ + ": reference count of page " + std::to_string(pages[i]) + " below zero");
     }
   }
   for (int64_t i = 0; i < n; ++i) {
     const int64_t p = pages[i];
-    if (cached_[p] && ref_[p] == 0 && !inl_[p]) lru_push(p);
+    if (cached_[p] && node_[p].ref == 0 && !inl_[p]) lru_push(p);
   }
 }
 
@@ -363,6 +372,7 @@ int64_t PageIndex::insert(const uint64_t* keys, const int64_t* pages, int64_t n,
                           int64_t* newly) {
   check_pages(pages, n);
   int64_t fresh = 0;
+  for (int64_t i = 0; i < n; ++i) prefetch(&node_[static_cast<size_t>(pages[i])]);
   prepare(keys, n);
   for (int64_t i = 0; i < n; ++i) {  // validate before changing anything
     used[i] = size_ ? find(keys + i * kw_, hs_[static_cast<size_t>(i)]) : -1;
@@ -392,14 +402,14 @@ int64_t PageIndex::insert(const uint64_t* keys, const int64_t* pages, int64_t n,
     }
     const int64_t p = pages[i];
     if (cached_[p]) throw std::invalid_argument(name_ + ": the same page appears twice in one insert");
-    std::memcpy(keys_.data() + p * kw_, key, static_cast<size_t>(kw_) * 8);
+    std::memcpy(node_[p].key, key, sizeof(Node::key));
     map_insert(p, h);
     cached_[p] = 1;
-    hits_[p] = 0;
+    node_[p].hits = 0;
     ++size_;
     if (pin)
-      ++ref_[p];
-    else if (ref_[p] == 0)
+      ++node_[p].ref;
+    else if (node_[p].ref == 0)
       lru_push(p);
     used[i] = p;
     newly[k++] = p;
@@ -417,7 +427,7 @@ int64_t PageIndex::evict(int64_t n, int64_t* out_pages, uint64_t* out_keys, Ghos
   // the victims first (the oldest end of the list), then their keys' hashes with the table
   // lines prefetched, then the removals: the cache misses overlap
   int64_t k = 0;
-  for (int32_t p = head_; p >= 0 && k < n; p = next_[p]) {
+  for (int32_t p = head_; p >= 0 && k < n; p = node_[p].next) {
     out_pages[k++] = p;
     prefetch(key_of(p));
   }
@@ -453,13 +463,12 @@ int64_t PageIndex::drop(const int64_t* pages, int64_t n, uint64_t* out_keys) {
 
 void PageIndex::lru(int64_t* out) const {
   int64_t i = 0;
-  for (int32_t p = head_; p >= 0 && i < nev_; p = next_[p]) out[i++] = p;
+  for (int32_t p = head_; p >= 0 && i < nev_; p = node_[p].next) out[i++] = p;
 }
 
 int64_t PageIndex::nbytes() const {
-  return static_cast<int64_t>(sizeof(*this) + table_.capacity() * sizeof(Slot) + keys_.capacity() * 8 +
-                              (ref_.capacity() + hits_.capacity() + prev_.capacity() + next_.capacity()) * 4 +
-                              cached_.capacity() + inl_.capacity());
+  return static_cast<int64_t>(sizeof(*this) + table_.capacity() * sizeof(Slot) + node_.capacity() * sizeof(Node) +
+                              cached_.capacity() + inl_.capacity() + hs_.capacity() * 8);
 }
 
 void PageIndex::check() const {
@@ -477,16 +486,16 @@ void PageIndex::check() const {
   int64_t cached = 0, evictable = 0;
   for (int64_t p = 0; p < n_; ++p) {
     cached += cached_[p] != 0;
-    if (ref_[p] < 0) fail("a negative reference count");
-    const bool ev = cached_[p] && ref_[p] == 0;
+    if (node_[p].ref < 0) fail("a negative reference count");
+    const bool ev = cached_[p] && node_[p].ref == 0;
     evictable += ev;
     if (ev != (inl_[p] != 0)) fail("LRU list out of sync with the evictable pages");
   }
   if (cached != size_ || in_map != size_) fail("map size, cached pages and size() differ");
   int64_t walked = 0;
-  for (int32_t p = head_, before = -1; p >= 0; before = p, p = next_[p]) {
-    if (prev_[p] != before || !inl_[p] || ++walked > evictable) fail("LRU list links broken");
-    if (next_[p] < 0 && tail_ != p) fail("LRU list tail wrong");
+  for (int32_t p = head_, before = -1; p >= 0; before = p, p = node_[p].next) {
+    if (node_[p].prev != before || !inl_[p] || ++walked > evictable) fail("LRU list links broken");
+    if (node_[p].next < 0 && tail_ != p) fail("LRU list tail wrong");
   }
   if (walked != evictable || nev_ != evictable)
     fail("LRU out of sync (" + std::to_string(walked) + " listed, " + std::to_string(evictable) +

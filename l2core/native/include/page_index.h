@@ -1,6 +1,6 @@
 // Torch-free page index of one cache tier and the ghost list of recently evicted keys.
 //
-// PageIndex maps fixed-width keys (the 16-byte page hashes; any multiple of 8 bytes) to page
+// PageIndex maps 16-byte keys (the page hashes) to page
 // ids of one tier of `num_pages` pages and keeps per page: the key, a reference count (pins), a
 // hit count, whether it is indexed ("cached"), and the LRU order of the evictable pages (cached,
 // no pins) as an intrusive doubly linked list over page ids (O(1) per move). The map compares the
@@ -45,6 +45,7 @@ class GhostSet {
   std::vector<uint64_t> table_;  // 0 = empty; the key 0 lives in has_zero_
   uint64_t mask_ = 0;
   bool has_zero_ = false;
+  std::vector<uint64_t> h_, fresh_, fh_, oh_, seen_;  // add()'s scratch (kept: no allocations per call)
 };
 
 class PageIndex {
@@ -79,11 +80,13 @@ class PageIndex {
   // (room for n), in order; returns how many.
   int64_t drop(const int64_t* pages, int64_t n, uint64_t* out_keys);
 
-  const uint64_t* key_of(int64_t page) const { return keys_.data() + page * kw_; }
+  const uint64_t* key_of(int64_t page) const { return node_[static_cast<size_t>(page)].key; }
   bool cached_at(int64_t page) const { return cached_[static_cast<size_t>(page)] != 0; }
-  int32_t* ref() { return ref_.data(); }
+  // per-page state for strided views (stride node_bytes())
+  int32_t* ref() { return &node_[0].ref; }
   uint8_t* cached() { return cached_.data(); }
-  int32_t* hits() { return hits_.data(); }
+  int32_t* hits() { return &node_[0].hits; }
+  static constexpr int64_t node_bytes() { return sizeof(Node); }
   int64_t evictable() const { return nev_; }
   int64_t size() const { return size_; }
   int64_t evictions() const { return evictions_; }
@@ -111,8 +114,13 @@ class PageIndex {
   int64_t n_, kw_;
   std::vector<Slot> table_;
   uint64_t mask_;
-  std::vector<uint64_t> keys_;  // page -> its key (valid while cached)
-  std::vector<int32_t> ref_, hits_, prev_, next_;
+  // per page, one 32-byte record (the fields a step touches share a cache line): its key (valid
+  // while cached), LRU links, reference and hit counts
+  struct Node {
+    uint64_t key[2];
+    int32_t prev, next, ref, hits;
+  };
+  std::vector<Node> node_;
   std::vector<uint8_t> cached_, inl_;  // inl_: in the LRU list
   int32_t head_ = -1, tail_ = -1;      // oldest / youngest evictable page
   int64_t nev_ = 0, size_ = 0, evictions_ = 0;
