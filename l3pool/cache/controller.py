@@ -177,7 +177,7 @@ class TieredCache:
             if n3 < r.n2:  # PP: the lock is shorter than what this stage holds locally
                 self._truncate(r, n3)
             r.n3 = n3
-            self._count_hits(r, r.n2)
+            self._count_hits(r, r.n2, r.l1_hit if r.n2 == r.n1 else None)  # no L2 hits: L1's are known
             self._policy_on_use(r)
             return Match(request_id, len(hs), r.n1, r.n2 - r.n1, r.n3 - r.n2)
 
@@ -199,12 +199,16 @@ class TieredCache:
         r.l2_hit = r.l2_hit[:k2]
         r.n1, r.n2 = k1, k1 + k2
 
-    def _count_hits(self, r: _Req, upto: int) -> None:
-        """Hit counts of hashes[counted:upto] in every tier holding them: once per request."""
+    def _count_hits(self, r: _Req, upto: int, l1: np.ndarray | None = None) -> None:
+        """Hit counts of hashes[counted:upto] in every tier holding them: once per request.
+        `l1`: the L1 pages of hashes[counted:upto] if the caller has them (no probes)."""
         if upto <= r.counted:
             return
         lo, hi = r.counted, min(upto, len(r.hashes))
-        self.t1.count_hits(r.buf, lo, hi)  # hit count + 1 and used now, per page present
+        if l1 is None:
+            self.t1.count_hits(r.buf, lo, hi)  # hit count + 1 and used now, per page present
+        else:
+            self.t1.hit_pages(l1)
         self.t2.count_hits(r.buf, lo, hi)
         r.counted = upto
 
@@ -483,7 +487,8 @@ class TieredCache:
         if len(p) < m:
             raise ValueError(f"{m} page hashes but only {len(p)} L1 pages")
         known = min(m, len(r.hashes))
-        same = hs[:known] == r.hashes[:known]  # one C pass (identical objects compare by identity)
+        # the list match() got, or one C pass (identical objects compare by identity)
+        same = hs is r.hashes or hs[:known] == r.hashes[:known]
         if (not same or known < r.n_hit) and hs[: r.n_hit] != r.hashes[: r.n_hit]:
             raise ValueError(f"page_hashes of {request_id!r} disagree with the {r.n_hit} pages it matched")
         if m < r.n_hit:
@@ -517,7 +522,9 @@ class TieredCache:
                     raise ValueError("an L1 page committed before is committed again under another hash")
             used, newly = self.t1.insert_pinned(buf, rest, n1)
             r.l1_inserted.append(newly)
-            self._count_hits(r, m)
+            # used[i]: the L1 page of hs[n1 + i], = r.hashes[n1 + i] when `same`; counted >= n1
+            fresh = used[r.counted - n1 :] if same and m == known and r.counted >= n1 else None
+            self._count_hits(r, m, fresh)
             self._policy_on_commit(r, hs, buf, np.concatenate([r.l1_hit, used]))
             return int(newly.size)
 

@@ -76,6 +76,7 @@ class TierIndex:
         self.lookup: Any = x.lookup
         self.pin_prefix: Any = x.pin_prefix
         self.count_hits: Any = x.count_hits
+        self.hit_pages: Any = x.hit_pages  # count_hits for pages already looked up (cached ones)
         self.keys_of: Any = x.keys_of  # page -> its hash (None if not cached), as a list
 
     # -- lookups ------------------------------------------------------------------------------

@@ -481,6 +481,7 @@ void bind_page_index(py::module_& m) {
             return x.count_hits(k.ptr, k.n);
           },
           py::arg("keys"), py::arg("lo") = 0, py::arg("hi") = -1)
+      .def("hit_pages", [](PageIndex& x, const Pages& p) { x.hit_pages(p.data(), p.size()); })
       .def("pin", [](PageIndex& x, const Pages& p) { x.pin(p.data(), p.size()); })
       .def("unpin", [](PageIndex& x, const Pages& p) { x.unpin(p.data(), p.size()); })
       .def("touch", [](PageIndex& x, const Pages& p) { x.touch(p.data(), p.size()); })

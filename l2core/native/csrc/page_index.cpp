@@ -334,6 +334,19 @@ int64_t PageIndex::count_hits(const uint64_t* keys, int64_t n) {
   return found;
 }
 
+void PageIndex::hit_pages(const int64_t* pages, int64_t n) {
+  check_pages(pages, n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = pages[i];
+    if (!cached_[p]) continue;
+    ++node_[p].hits;
+    if (inl_[p]) {
+      lru_remove(p);
+      lru_push(p);
+    }
+  }
+}
+
 void PageIndex::pin(const int64_t* pages, int64_t n) {
   check_pages(pages, n);
   for (int64_t i = 0; i < n; ++i) {

@@ -63,6 +63,9 @@ class PageIndex {
   // Every present key's page: hit count + 1, and used now (LRU); returns how many were present.
   int64_t count_hits(const uint64_t* keys, int64_t n);
 
+  // count_hits() for pages already looked up: the cached ones among `pages`
+  void hit_pages(const int64_t* pages, int64_t n);
+
   void pin(const int64_t* pages, int64_t n);
   void unpin(const int64_t* pages, int64_t n);  // out_of_range... / logic_error below zero
   void touch(const int64_t* pages, int64_t n);  // the evictable ones become the youngest, in order
