@@ -69,7 +69,7 @@ def _member(s: set[bytes] | dict[bytes, str], hs: list[bytes]) -> np.ndarray:
     return np.fromiter(map(s.__contains__, hs), dtype=np.bool_, count=len(hs))
 
 
-@dataclass
+@dataclass(slots=True)
 class _Req:
     rid: str
     serial: int
