@@ -19,8 +19,9 @@ backup       `--backup-requests` requests of `--backup-pages` pages each committ
              write_through on both boundaries: L1 -> L2 on the backup thread, L2 -> L3 on the writer
              thread coalescing requests into puts of up to 512 pages. Writer GB/s = bytes / (first
              writer submit -> last put done); raw = one Mooncake batch_put_from of the same number
-             of fresh pages from the same pool. `backup_put_ratio` = writer GB/s / raw GB/s (medians,
-             rounds alternate who goes first). `backup_put_ratio` times the writer alone (the same
+             of fresh pages from the same pool. `backup_put_ratio` = writer GB/s / raw GB/s: the median
+             of per-round paired ratios over `--backup-rounds` (they alternate who goes first), with
+             min/max in `backup_put_ratio_spread`. `backup_put_ratio` times the writer alone (the same
              `--backup-requests` submits of pages already in L2); `end_to_end_put_ratio` times the
              whole path from the first commit (D2H included). Every written key is read back.
              Without --master a LocalCluster is started (and stopped); --no-l3 skips this part.
@@ -269,20 +270,22 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
     per, reqs = args.backup_pages, args.backup_requests
     total = per * reqs
     cfg = CacheConfig(l1_to_l2="write_through", l2_to_l3="write_through", writer_batch_pages=512)
-    bufs, pool = _setup(spec, total, (args.rounds + 1) * total + 128, dev, cfg)  # nothing is evicted
+    bufs, pool = _setup(spec, total, (args.backup_rounds + 1) * total + 128, dev, cfg)  # nothing is evicted
     for i, b in enumerate(bufs):
         b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(i)).to(b.dtype))
     ns = Namespace.for_pool(spec, "page_first_direct", "bench-cache", tenant=uuid.uuid4().hex)
     client = L3Client(pool, store, ns, batch_pages=512)
     cache = TieredCache(cfg, L1(bufs, spec.page_size), pool, client)
-    solo = L3Writer(client, lambda *a: None, batch_pages=512, linger_ms=cfg.writer_linger_ms)
+    solo = L3Writer(
+        client, lambda *a: None, batch_pages=512, linger_ms=cfg.writer_linger_ms, parallel=cfg.writer_parallel
+    )
     rng = np.random.default_rng(args.seed + 2)
     rows: dict[str, list[float]] = {"writer_s": [], "raw_put_s": [], "end_to_end_s": []}
     correct = True
     raw_pages = pool.alloc(total)
     pool.buffer.view(pool.num_pages, -1)[torch.from_numpy(raw_pages)] = 7
     try:
-        for r in range(args.rounds):
+        for r in range(args.backup_rounds):
             # end to end: commits of `reqs` requests -> L1 -> L2 (backup thread) -> L3 (writer)
             hs_all: list[bytes] = []
             t0 = time.perf_counter()
@@ -315,7 +318,11 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
                 assert solo.t_first is not None and solo.t_last is not None
                 rows["writer_s"].append(solo.t_last - solo.t_first)
                 correct = correct and all(store.present(keys))
+            # every round allocates the same memory: this round's objects go (forced: put leased them)
+            removed = store.remove_prefix(ns.ns_id + "/", force=True)
+            correct = correct and removed == (Outcome.OK, 3 * total)
         med = {k: statistics.median(v) for k, v in rows.items()}
+        paired = [r / w for r, w in zip(rows["raw_put_s"], rows["writer_s"], strict=True)]
         nbytes = total * spec.page_bytes
         st = cache.stats()
     finally:
@@ -333,7 +340,8 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
         "writer_GBps": round(nbytes / med["writer_s"] / 1e9, 3),
         "raw_put_GBps": round(nbytes / med["raw_put_s"] / 1e9, 3),
         "end_to_end_GBps": round(nbytes / med["end_to_end_s"] / 1e9, 3),
-        "backup_put_ratio": round(med["raw_put_s"] / med["writer_s"], 4),
+        "backup_put_ratio": round(statistics.median(paired), 4),
+        "backup_put_ratio_spread": spread(paired),
         "end_to_end_put_ratio": round(med["raw_put_s"] / med["end_to_end_s"], 4),
         "cache_writer_puts": st["writer_puts"],
         "solo_writer_puts": solo.puts,
@@ -383,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--hit", type=int, default=384, help="L2-hit pages of the overlap request")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--backup-rounds", type=int, default=9, help="rounds of the backup part (each: writer vs raw)")
     p.add_argument("--backup-pages", type=int, default=32, help="pages per request of the backup part")
     p.add_argument("--backup-requests", type=int, default=8)
     p.add_argument("--no-l3", action="store_true", help="skip the L2 -> L3 writer part (no cluster)")
@@ -401,7 +410,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--l1-pages must be >= --pages ({args.pages})")
     if not 0 < args.hit < args.pages:
         p.error(f"--hit must be in (0, --pages={args.pages})")
-    for name in ("pages", "requests", "l1_pages", "layers", "page_size", "rounds", "backup_pages", "backup_requests"):
+    for name in (
+        "pages",
+        "requests",
+        "l1_pages",
+        "layers",
+        "page_size",
+        "rounds",
+        "backup_rounds",
+        "backup_pages",
+        "backup_requests",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     dev = torch.device("cuda" if cuda else "cpu")

@@ -45,8 +45,9 @@ class CacheConfig:
     interrupts it at once, `wait_complete` waits for it, `timeout` waits up to
     `prefetch_timeout_s` then interrupts. `writer_batch_pages`: the L2 -> L3 writer coalesces
     queued pages of many requests into puts of up to this many pages, waiting at most
-    `writer_linger_ms` for a batch to fill. `pp_join_timeout_s`: how long a stage > 0 waits for
-    stage 0's lock.
+    `writer_linger_ms` for a batch to fill, and writes a batch as up to `writer_parallel`
+    concurrent puts (give the L3Client at least that `max_concurrency`). `pp_join_timeout_s`:
+    how long a stage > 0 waits for stage 0's lock.
     """
 
     l1_to_l2: WritePolicy = "write_through"
@@ -59,6 +60,7 @@ class CacheConfig:
     prefetch_max_batch_pages: int = 256
     writer_batch_pages: int = 512
     writer_linger_ms: float = 5.0
+    writer_parallel: int = 4
     pp_join_timeout_s: float = 5.0
     load_timeout_s: float = 60.0
 
@@ -73,6 +75,7 @@ class CacheConfig:
         _int("writer_batch_pages", self.writer_batch_pages, 1)
         _num("prefetch_timeout_s", self.prefetch_timeout_s, 0.0)
         _num("writer_linger_ms", self.writer_linger_ms, 0.0)
+        _int("writer_parallel", self.writer_parallel, 1)
         _num("pp_join_timeout_s", self.pp_join_timeout_s, 0.0)
         _num("load_timeout_s", self.load_timeout_s, 0.0)
         if self.prefetch_max_batch_pages < self.prefetch_batch_pages:

@@ -106,7 +106,12 @@ class TieredCache:
                 l3, batch_pages=cfg.prefetch_batch_pages, max_batch_pages=cfg.prefetch_max_batch_pages
             )
             self.writer = L3Writer(
-                l3, self._written, cfg.writer_batch_pages, cfg.writer_linger_ms, lambda: self._bk_inflight > 0
+                l3,
+                self._written,
+                cfg.writer_batch_pages,
+                cfg.writer_linger_ms,
+                lambda: self._bk_inflight > 0,
+                parallel=cfg.writer_parallel,
             )
         self._reaper = threading.Thread(target=self._reap, name="l3pool-cache-backup", daemon=True)
         self._reaper.start()

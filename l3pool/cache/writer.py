@@ -4,18 +4,24 @@ Each `submit(hashes, pages)` is a few pages of one request; Mooncake's TCP puts 
 per call (the demo's per-request puts ran at 0.25-0.5 GB/s against ~1.0 GB/s raw on this 2-core
 machine), so the thread takes everything queued, waits up to `linger_ms` for a batch of
 `batch_pages` to fill, and writes it with one `L3Client.put` (which cuts it into calls of the
-client's `batch_pages`: give the client at least the writer's batch). The pages stay pinned in
-L2 (the controller pins them before submitting) until the put returned; `on_done` runs on the
-writer thread with the pages and their outcomes, or with the exception a put raised.
+client's `batch_pages`: give the client at least the writer's batch). `flush()` ends a linger at
+once (whoever flushes waits for everything anyway). A batch of at least 2 x `min_split_pages` is
+written as up to `parallel` concurrent puts of contiguous parts (L3Client is thread-safe; measured
+on the H200 host, 256 pages of 576 KiB over loopback TCP: one put 64.7 ms, 2 parts 61.3 ms,
+4 parts 55.4 ms, raw `batch_put_from` of the same bytes 56.4 ms; medians of 9). The pages stay
+pinned in L2 (the controller pins them before submitting) until every part returned; `on_done`
+runs on the writer thread with the pages and their outcomes, or with the exception a put raised.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +40,9 @@ class _Item:
     pages: np.ndarray
 
 
+_FLUSH = _Item([], np.empty(0, dtype=np.int64))  # queued by flush(): stop lingering
+
+
 class L3Writer:
     def __init__(
         self,
@@ -42,11 +51,15 @@ class L3Writer:
         batch_pages: int = 512,
         linger_ms: float = 2.0,
         more_coming: Callable[[], bool] | None = None,
+        parallel: int = 4,
+        min_split_pages: int = 32,
     ) -> None:
         """`more_coming()`: True while pages are on their way (the controller's L1 -> L2 backups in
         flight): a short batch then waits up to 10x `linger_ms` for them instead of `linger_ms`."""
         self.client, self.on_done, self.more_coming = client, on_done, more_coming
         self.batch_pages, self.linger_s = batch_pages, linger_ms / 1e3
+        self.parallel, self.min_split_pages = max(1, parallel), max(1, min_split_pages)
+        self._parts = ThreadPoolExecutor(self.parallel - 1, "l3pool-cache-writer-part") if self.parallel > 1 else None
         self._q: queue.Queue[_Item | None] = queue.Queue()
         self._idle = threading.Condition()
         self._queued = 0  # pages submitted and not yet done
@@ -69,12 +82,15 @@ class L3Writer:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted page was written (or failed). False on timeout."""
+        self._q.put(_FLUSH)
         with self._idle:
             return self._idle.wait_for(lambda: self._queued == 0, timeout)
 
     def close(self) -> None:
         self._q.put(None)
         self._thread.join()
+        if self._parts is not None:
+            self._parts.shutdown()
 
     def _take(self, first: _Item) -> tuple[list[_Item], bool]:
         items, n = [first], len(first.hashes)
@@ -90,6 +106,8 @@ class L3Writer:
                 break
             if it is None:
                 return items, True
+            if it is _FLUSH:
+                break
             items.append(it)
             n += len(it.hashes)
         return items, False
@@ -100,6 +118,8 @@ class L3Writer:
             first = self._q.get()
             if first is None:
                 return
+            if first is _FLUSH:
+                continue
             items, stop = self._take(first)
             hashes = [h for it in items for h in it.hashes]
             pages = np.concatenate([it.pages for it in items])
@@ -107,7 +127,7 @@ class L3Writer:
             res: list[Outcome] | None = None
             err: BaseException | None = None
             try:
-                res = self.client.put(self.client.ns.keys(hashes), pages)
+                res = self._put(hashes, pages)
                 self.puts += 1
             except Exception as e:  # surfaced through on_done -> the controller's errors
                 err = e
@@ -120,3 +140,29 @@ class L3Writer:
                 self.t_last = time.perf_counter()
                 self._queued -= len(hashes)
                 self._idle.notify_all()
+
+    def _put(self, hashes: list[bytes], pages: np.ndarray) -> list[Outcome]:
+        """One batch, in up to `parallel` concurrent parts; returns only after every part did
+        (the pages are read until then), raising the first exception any part raised."""
+        keys = self.client.ns.keys(hashes)
+        parts = min(self.parallel, len(keys) // self.min_split_pages)
+        if parts <= 1 or self._parts is None:
+            return self.client.put(keys, pages)
+        cut = np.linspace(0, len(keys), parts + 1).astype(np.int64).tolist()
+        futs: list[Future[list[Outcome]]] = [
+            self._parts.submit(self.client.put, keys[a:b], pages[a:b]) for a, b in itertools.pairwise(cut[1:])
+        ]
+        out: list[Outcome] = []
+        err: BaseException | None = None
+        try:
+            out += self.client.put(keys[: cut[1]], pages[: cut[1]])
+        except BaseException as e:
+            err = e
+        for f in futs:  # wait for every part, also after a failure
+            try:
+                out += f.result()
+            except BaseException as e:
+                err = err or e
+        if err is not None:
+            raise err
+        return out

@@ -11,9 +11,8 @@ object's size or a negative code (-704 not found, -600 destination too small);
 `batch_get_into_multi_buffers` of an object whose size differs from the buffers' total answers
 -800 (TRANSFER_FAIL); a pool over its high watermark answers puts with -200. `batch_put_from*`
 also return 0 for a key whose object exists *or whose put another client started and never
-finished* (OBJECT_ALREADY_EXISTS is turned into success); the put-session calls
-(`batch_put_session_start` / `..._multi_buffer_ranges` / `..._end` / `..._revoke`) return -705
-for it instead, and a session never leases the objects it writes. Incomplete objects: exists 0,
+finished* (OBJECT_ALREADY_EXISTS is turned into success; `L3Client.put` checks with `exists`
+afterwards). Incomplete objects: exists 0,
 get -703 (REPLICA_IS_NOT_READY), `remove(force=True)` -703 (they cannot be removed; the master
 frees them after --put_start_release_timeout_sec).
 
@@ -77,9 +76,6 @@ _CODES: dict[int, Outcome] = {
     -900: Outcome.UNAVAILABLE,  # RPC_FAIL
     -101: Outcome.MISS,  # SEGMENT_NOT_FOUND (its donor left)
 }
-
-
-_ALREADY_EXISTS = -705  # OBJECT_ALREADY_EXISTS: only the put-session calls report it
 
 
 def _exists_outcomes(codes: Sequence[int]) -> list[Outcome]:
@@ -341,43 +337,6 @@ class MooncakeStore:
         frags, lens = [list(p) for p in ptrs], [list(s) for s in sizes]
         return self._batch(len(keys), "put", self._s.batch_put_from_multi_buffers, list(keys), frags, lens)
 
-    # -- put sessions: a put in three steps, so a key another put holds is told apart ---------
-    # `batch_put_from*` answer OBJECT_ALREADY_EXISTS with success, also while the other put has
-    # not finished (or never will: its writer was killed). The session calls report it.
-    def put_start(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Outcome | None]:
-        """Reserve one object per key (no transfer). OK: reserved by this client, to be filled
-        with `put_ranges` and completed with `put_end` (or dropped with `put_revoke`); None: the
-        key is already taken by a complete object or by a put that has not finished (`exists`
-        tells which); else why not (POOL_FULL, UNAVAILABLE, ...)."""
-        if not keys:
-            return []
-        r = self._guarded(len(keys), self._s.batch_put_session_start, list(keys), [int(z) for z in sizes])
-        if r is None:
-            return [Outcome.UNAVAILABLE] * len(keys)
-        out = [None if c == _ALREADY_EXISTS else outcome_of(c) for c in r[0]]
-        self._judge([o if o is not None else Outcome.OK for o in out], r[1], "put_start")
-        return out
-
-    def put_ranges(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
-    ) -> list[Outcome]:
-        """Fill reserved objects: each key's fragments in order (the object is their concatenation)."""
-        if not keys:
-            return []
-        offs = [np.concatenate(([0], np.cumsum(z, dtype=np.int64)[:-1])).tolist() for z in sizes]
-        frags, lens = [list(p) for p in ptrs], [list(z) for z in sizes]
-        return self._batch(len(keys), "put", self._s.batch_put_from_multi_buffer_ranges, list(keys), frags, lens, offs)
-
-    def put_end(self, keys: Sequence[str]) -> list[Outcome]:
-        """Complete reserved, filled objects: readable from now on."""
-        return self._batch(len(keys), "put_end", self._s.batch_put_session_end, list(keys)) if keys else []
-
-    def put_revoke(self, keys: Sequence[str]) -> list[Outcome]:
-        """Drop reserved objects that will not be completed (their space is freed at once). OK
-        or MISS: the reservation is gone; UNAVAILABLE/ERROR: Mooncake keeps its session for the
-        key (a later `put_start` of it answers BAD_REQUEST) until a revoke succeeds."""
-        return self._batch(len(keys), "put_revoke", self._s.batch_put_session_revoke, list(keys)) if keys else []
-
     def get_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[Outcome]:
@@ -414,8 +373,11 @@ class MooncakeStore:
             out.append(size)
         return out
 
-    def remove(self, key: str) -> Outcome:
-        r = self._guarded(1, self._s.remove, key)
+    def remove(self, key: str, force: bool = False) -> Outcome:
+        """Remove one object. Without `force` an object under a read lease (any exists/get in the
+        last --default_kv_lease_ttl, including `L3Client.put`'s check of what it wrote) answers
+        LEASE; `force` skips the lease and replication checks."""
+        r = self._guarded(1, self._s.remove, key, bool(force))
         if r is None:
             return Outcome.UNAVAILABLE
         out = outcome_of(r[0])

@@ -11,7 +11,7 @@ import pytest
 from bench import cache
 
 SMALL = ["--pages", "64", "--requests", "30", "--l1-pages", "512", "--layers", "4", "--page-size", "16", "--hit", "48",
-         "--rounds", "2", "--backup-pages", "8", "--backup-requests", "4"]  # fmt: skip
+         "--rounds", "2", "--backup-rounds", "3", "--backup-pages", "8", "--backup-requests", "4"]  # fmt: skip
 
 
 def test_cache_bench_json_contract(tmp_path: Path) -> None:
@@ -35,8 +35,10 @@ def test_cache_bench_json_contract(tmp_path: Path) -> None:
     assert r["exposed_load_fraction"] == ov["exposed_load_fraction"] and abs(ov["exposed_load_fraction"] - frac) < 0.01
     bu = r["backup"]
     assert bu["correct"] is True and bu["bytes"] == 32 * 589_824
-    assert abs(bu["backup_put_ratio"] - bu["raw_put_s"]["median"] / bu["writer_s"]["median"]) < 0.01
-    assert bu["solo_writer_puts"] <= 2 * 2, "the writer did not coalesce 4 requests per round"
+    sp = bu["backup_put_ratio_spread"]  # the median of per-round paired ratios
+    assert sp["min"] <= bu["backup_put_ratio"] <= sp["max"] and bu["backup_put_ratio"] == round(sp["median"], 4)
+    assert sp["min"] <= bu["raw_put_s"]["max"] / bu["writer_s"]["min"]
+    assert bu["solo_writer_puts"] <= 2 * 3, "the writer did not coalesce 4 requests per round"
     assert set(r["targets"]) == {"bookkeeping_p99_ms<=0.5", "exposed_load_fraction<=0.3", "backup_put_ratio>=0.9"}
 
 

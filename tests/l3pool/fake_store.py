@@ -2,8 +2,9 @@
 logic above the page store (the tiered cache's tests). Bytes really move: put copies the
 registered source memory into Python bytes objects, get copies them back (ctypes.memmove).
 Objects are what L3Client stores (page bytes + its 32-byte key trailer), put through the same
-put-session calls. Faults: `fail_get_after` (pages of a get beyond this many return TRANSFER_FAIL), `raise_on`
-("get"/"put"/"exists": that call raises), `get_delay_s` (per get call, to let tests interrupt)."""
+calls (present, put_multi, exists). Faults: `fail_get_after` (pages of a get beyond this many
+return TRANSFER_FAIL), `raise_on` ("get"/"put"/"exists": that call raises), `get_delay_s` (per
+get call, to let tests interrupt)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ class FakeStoreError(RuntimeError):
 class FakePageStore:
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
-        self.sessions: dict[str, bytes] = {}  # reserved by put_start, not yet completed
         self.lock = threading.Lock()
         self.registered: dict[int, int] = {}
         self.raise_on: set[str] = set()
@@ -71,42 +71,6 @@ class FakePageStore:
                 self.objects.setdefault(k, data)  # like Mooncake: an existing key is not overwritten
             out.append(Outcome.OK)
         return out
-
-    # put sessions (what L3Client.put uses): reserve, fill, complete / revoke
-    def put_start(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Outcome | None]:
-        assert len(sizes) == len(keys)
-        self._check("put")
-        self.put_calls += 1
-        out: list[Outcome | None] = []
-        with self.lock:
-            for k in keys:
-                if k in self.objects or k in self.sessions:
-                    out.append(None)  # taken: complete, or a put that has not finished
-                else:
-                    self.sessions[k] = b""
-                    out.append(Outcome.OK)
-        return out
-
-    def put_ranges(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
-    ) -> list[Outcome]:
-        for k, ps, ss in zip(keys, ptrs, sizes, strict=True):
-            data = b"".join(ctypes.string_at(p, s) for p, s in zip(ps, ss, strict=True))
-            with self.lock:
-                self.sessions[k] = data
-        return [Outcome.OK] * len(keys)
-
-    def put_end(self, keys: Sequence[str]) -> list[Outcome]:
-        with self.lock:
-            for k in keys:
-                self.objects[k] = self.sessions.pop(k)
-        return [Outcome.OK] * len(keys)
-
-    def put_revoke(self, keys: Sequence[str]) -> list[Outcome]:
-        with self.lock:
-            for k in keys:
-                self.sessions.pop(k, None)
-        return [Outcome.OK] * len(keys)
 
     def object_sizes(self, keys: Sequence[str]) -> list[int | None]:
         with self.lock:

@@ -502,7 +502,7 @@ def test_write_back_eviction_error(engines: list[Engine], monkeypatch: pytest.Mo
 def test_writer_error(engines: list[Engine]) -> None:
     store = FakePageStore()
     e = mk(engines, store=store)
-    store.raise_on = {"put"}  # the put itself raises (its first call, the put-session start)
+    store.raise_on = {"put"}  # the put itself raises
     e.run("a", chain(1, 4))
     with pytest.raises(BackgroundError, match="L2 -> L3 put of 4 pages failed"):
         e.cache.flush()

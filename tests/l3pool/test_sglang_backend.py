@@ -38,7 +38,7 @@ from l2core.spec import ConfigError
 from l3pool.adapters.sglang_hicache import L3PoolStorage
 from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.metadata import Metadata
-from l3pool.pool.store import StoreUnavailable
+from l3pool.pool.store import Outcome, StoreUnavailable
 
 from .conftest import (
     EtcdServer,
@@ -444,8 +444,12 @@ def test_clear_removes_this_namespace_only(donor: MasterServer, adapters: Callab
 def test_clear_without_force_keeps_leased_pages(donor: MasterServer, adapters: Callable[..., L3PoolStorage]) -> None:
     a = adapters(extra_config(donor, clear_force=False), FakeMHAHostPool("page_first", seed=15), mla=False)
     keys = hexkeys(4)
-    assert a.batch_set_v1(keys, slots(range(4))) == [True] * 4  # the put's existence check leases nothing new
-    assert a.batch_exists(keys[:2]) == 2  # pages 0 and 1 now under a read lease (10 s)
+    assert a.batch_set_v1(keys[:2], slots(range(2))) == [True] * 2  # put checks what it wrote: leased (10 s)
+    assert a.store is not None and a.pool is not None
+    # pages 2 and 3 written around the adapter by a plain put, which leases nothing
+    buf = a.pool.buffer
+    assert a.store.put(a._keys(keys[2:]), [buf.data_ptr()] * 2, [64, 64]) == [Outcome.OK] * 2
+    assert a.batch_exists(keys[:2]) == 2  # pages 0 and 1 stay under a read lease
     a.clear()
     assert a.stats.cleared_pages == 2  # the two unleased pages went
     assert a.batch_exists(keys[:2]) == 2 and a.batch_exists(keys[2:]) == 0

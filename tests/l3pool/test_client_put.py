@@ -1,6 +1,7 @@
-"""L3Client's put-session and trailer logic against an in-memory fake of MooncakeStore (no
-cluster): which outcome each Mooncake answer becomes, what gets revoked, and that stale
-reservations are retried. The real-cluster behaviour is in test_client.py / test_integrity.py."""
+"""L3Client's put protocol and trailer logic against an in-memory fake of MooncakeStore (no
+cluster): which outcome each Mooncake answer becomes — in particular that a key another,
+unfinished put holds (Mooncake's put answers success without writing) is PENDING, never OK.
+The real-cluster behaviour is in test_client.py / test_integrity.py."""
 
 from __future__ import annotations
 
@@ -20,15 +21,14 @@ SPEC = KVSpec.mha(2, 2, 32, page_size=4)
 
 
 class FakeStore:
-    """Objects as bytes; sessions and unfinished puts as Mooncake 0.3.13 keeps them."""
+    """Objects as bytes, and keys whose put another client started and never finished, answered
+    as Mooncake 0.3.13 answers them (a put of such a key: success, nothing written)."""
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self.pending: set[str] = set()  # another client's unfinished put
-        self.sessions: dict[str, int] = {}  # ours: key -> size
-        self.filled: dict[str, bytes] = {}
-        self.fail_ranges: set[str] = set()
-        self.revoke_answer = Outcome.OK
+        self.fail_put: set[str] = set()
+        self.exists_answer: Outcome | None = None  # None: the truth
         self.calls: list[str] = []
 
     def register(self, ptr: int, n: int) -> None:
@@ -37,52 +37,32 @@ class FakeStore:
     def unregister(self, ptr: int) -> None:
         pass
 
-    def put_start(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Outcome | None]:
-        self.calls.append("start")
-        out: list[Outcome | None] = []
-        for k, z in zip(keys, sizes, strict=True):
-            if k in self.sessions:
-                out.append(Outcome.BAD_REQUEST)
-            elif k in self.objects or k in self.pending:
-                out.append(None)
-            elif k.endswith("full"):
-                out.append(Outcome.POOL_FULL)
-            else:
-                self.sessions[k] = z
-                out.append(Outcome.OK)
-        return out
-
-    def put_ranges(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
-    ) -> list[Outcome]:
-        self.calls.append("ranges")
-        out = []
-        for k, p, z in zip(keys, ptrs, sizes, strict=True):
-            if k in self.fail_ranges:
-                out.append(Outcome.TRANSFER_FAIL)
-                continue
-            self.filled[k] = b"".join(ctypes.string_at(a, n) for a, n in zip(p, z, strict=True))
-            out.append(Outcome.OK)
-        return out
-
-    def put_end(self, keys: Sequence[str]) -> list[Outcome]:
-        self.calls.append("end")
-        for k in keys:
-            self.objects[k] = self.filled.pop(k)
-            del self.sessions[k]
-        return [Outcome.OK] * len(keys)
-
-    def put_revoke(self, keys: Sequence[str]) -> list[Outcome]:
-        self.calls.append("revoke:" + ",".join(k[-4:] for k in keys))
-        if self.revoke_answer is Outcome.OK:
-            for k in keys:
-                self.sessions.pop(k, None)
-                self.filled.pop(k, None)
-        return [self.revoke_answer] * len(keys)
+    def present(self, keys: list[str]) -> np.ndarray:
+        self.calls.append("present")
+        return np.array([k in self.objects for k in keys], dtype=np.bool_)
 
     def exists(self, keys: Sequence[str]) -> list[Outcome]:
         self.calls.append("exists")
+        if self.exists_answer is not None:
+            return [self.exists_answer] * len(keys)
         return [Outcome.OK if k in self.objects else Outcome.MISS for k in keys]
+
+    def put_multi(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[Outcome]:
+        self.calls.append("put")
+        out = []
+        for k, p, z in zip(keys, ptrs, sizes, strict=True):
+            if k.endswith("full"):
+                out.append(Outcome.POOL_FULL)
+            elif k in self.fail_put:
+                out.append(Outcome.TRANSFER_FAIL)
+            elif k in self.pending or k in self.objects:
+                out.append(Outcome.OK)  # OBJECT_ALREADY_EXISTS turned into success
+            else:
+                self.objects[k] = b"".join(ctypes.string_at(a, n) for a, n in zip(p, z, strict=True))
+                out.append(Outcome.OK)
+        return out
 
     def get_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -123,14 +103,16 @@ def _keys(ns: Namespace, n: int, seed: int = 0) -> list[str]:
 def test_put_outcomes_and_round_trip(checksum: bool) -> None:
     pool, st, ns, c = _setup(checksum)
     keys = _keys(ns, 5)
-    st.objects[keys[1]] = b"x" * (SPEC.page_bytes + TRAILER_BYTES)  # complete: skipped
-    st.pending.add(keys[2])  # someone's unfinished put: PENDING, never OK
+    st.objects[keys[1]] = b"x" * (SPEC.page_bytes + TRAILER_BYTES)  # complete: skipped, not written
+    st.pending.add(keys[2])  # someone's unfinished put: the put answers success, but PENDING, never OK
     keys[3] = keys[3] + "full"  # the master has no room
     res = c.put(keys, range(5))
     assert res == [Outcome.OK, Outcome.OK, Outcome.PENDING, Outcome.POOL_FULL, Outcome.OK]
     s = c.stats
     assert (s.puts, s.put_skipped, s.put_pending, s.put_failed) == (2, 1, 1, 1)
-    assert st.calls == ["start", "ranges", "end", "exists"] and not st.sessions
+    assert s.bytes_put == 2 * SPEC.page_bytes
+    assert st.calls == ["present", "put", "exists"]
+    assert keys[2] not in st.objects and st.objects[keys[1]] == b"x" * (SPEC.page_bytes + TRAILER_BYTES)
     assert len(st.objects[keys[0]]) == SPEC.page_bytes + TRAILER_BYTES
     got = c.get([keys[0], keys[4]], [8, 9])
     assert got == [Outcome.OK, Outcome.OK]
@@ -141,35 +123,46 @@ def test_put_outcomes_and_round_trip(checksum: bool) -> None:
     pool.close()
 
 
-def test_failed_transfer_is_revoked_and_stale_reservations_retried() -> None:
+def test_all_present_skips_the_put() -> None:
     pool, st, ns, c = _setup()
-    keys = _keys(ns, 3, seed=1)
-    st.fail_ranges.add(keys[1])
-    st.revoke_answer = Outcome.UNAVAILABLE  # the master went away: Mooncake keeps the session
-    res = c.put(keys, range(3))
-    assert res == [Outcome.OK, Outcome.TRANSFER_FAIL, Outcome.OK]
-    assert keys[1] in st.sessions and c._unrevoked == {keys[1]}
-    st.revoke_answer = Outcome.OK
-    st.fail_ranges.clear()
+    keys = _keys(ns, 3, seed=3)
+    assert c.put(keys, range(3)) == [Outcome.OK] * 3
     st.calls.clear()
-    assert c.put(keys, range(3)) == [Outcome.OK] * 3  # revoked first, then stored
-    assert st.calls[0] == f"revoke:{keys[1][-4:]}" and not c._unrevoked and not st.sessions
+    assert c.put(keys, range(3)) == [Outcome.OK] * 3
+    assert st.calls == ["present"] and c.stats.put_skipped == 3 and c.stats.puts == 3
     c.close()
     pool.close()
 
 
-def test_exception_mid_put_revokes_the_reservations() -> None:
+def test_unverifiable_put_is_not_ok() -> None:
+    """The put answered success but the check cannot reach the master: not OK (and not PENDING)."""
+    pool, st, ns, c = _setup()
+    keys = _keys(ns, 3, seed=1)
+    st.fail_put.add(keys[1])
+    st.exists_answer = Outcome.UNAVAILABLE
+    res = c.put(keys, range(3))
+    assert res == [Outcome.UNAVAILABLE, Outcome.TRANSFER_FAIL, Outcome.UNAVAILABLE]
+    assert (c.stats.puts, c.stats.put_failed) == (0, 3)
+    st.exists_answer = None
+    st.fail_put.clear()
+    assert c.put(keys, range(3)) == [Outcome.OK] * 3  # written before: skipped; keys[1]: stored now
+    assert (c.stats.puts, c.stats.put_skipped) == (1, 2)
+    c.close()
+    pool.close()
+
+
+def test_exception_mid_put_propagates_and_the_client_stays_usable() -> None:
     pool, st, ns, c = _setup()
     keys = _keys(ns, 2, seed=2)
 
     def boom(*a: object) -> list[Outcome]:
         raise RuntimeError("transfer engine exploded")
 
-    st.put_ranges = boom  # type: ignore[method-assign]
+    st.put_multi = boom  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="exploded"):
         c.put(keys, range(2))
-    assert not st.sessions and any(x.startswith("revoke:") for x in st.calls)
-    del st.put_ranges  # the transfer works again
-    assert c.put(keys, [0, 1]) == [Outcome.OK] * 2  # and the keys can be put again
+    assert not st.objects and c.stats.puts == 0
+    del st.put_multi  # the transfer works again
+    assert c.put(keys, [0, 1]) == [Outcome.OK] * 2  # and the keys can be put again (the slot came back)
     c.close()
     pool.close()
