@@ -73,6 +73,8 @@ def test_ghost_list_native_footprint_and_errors() -> None:
         GhostList(-1)
     with pytest.raises(ValueError, match="capacity"):
         GhostList(True)
+    t = TierIndex("T", PageAllocator(16384))  # map (2 slots of 8 B per page) + 32-byte records + flags
+    assert 48 <= t.nbytes() / 16384 <= 80
 
 
 def _hashes(n: int, tag: int) -> list[bytes]:
