@@ -153,21 +153,23 @@ void GhostSet::add(const uint64_t* keys, int64_t n, int64_t stride) {
     oh[static_cast<size_t>(i)] = mix(ring_[static_cast<size_t>(at)]);
     at = at + 1 == cap_ ? 0 : at + 1;
   }
-  auto pre = [&](int64_t j) {  // the lines step j of the loop below touches
-    if (j >= m) return;
-    prefetch(&table_[fh[static_cast<size_t>(j)] & mask_]);
-    const int64_t o = j - first - (m - first - leave);  // index in oh of step j's leaver, if any
-    if (o >= 0 && o < leave) prefetch(&table_[oh[static_cast<size_t>(o)] & mask_]);
-  };
-  for (int64_t j = first; j < std::min(m, first + kAhead); ++j) pre(j);
-  for (int64_t i = first, o = 0; i < m; ++i) {
-    pre(i + kAhead);
-    if (size_ == cap_) set_erase(ring_[static_cast<size_t>(head_)], oh[static_cast<size_t>(o++)]);
+  // the leavers go first, then the new keys arrive (the ring slots they take are those the
+  // leavers held): two passes, each with its own prefetch window
+  for (int64_t o = 0; o < std::min(leave, kAhead); ++o) prefetch(&table_[oh[static_cast<size_t>(o)] & mask_]);
+  at = (head_ + cap_ - size_) % cap_;
+  for (int64_t o = 0; o < leave; ++o) {
+    if (o + kAhead < leave) prefetch(&table_[oh[static_cast<size_t>(o + kAhead)] & mask_]);
+    set_erase(ring_[static_cast<size_t>(at)], oh[static_cast<size_t>(o)]);
+    at = at + 1 == cap_ ? 0 : at + 1;
+  }
+  for (int64_t j = first; j < std::min(m, first + kAhead); ++j) prefetch(&table_[fh[static_cast<size_t>(j)] & mask_]);
+  for (int64_t i = first; i < m; ++i) {
+    if (i + kAhead < m) prefetch(&table_[fh[static_cast<size_t>(i + kAhead)] & mask_]);
     ring_[static_cast<size_t>(head_)] = fresh[static_cast<size_t>(i)];
     set_insert(fresh[static_cast<size_t>(i)], fh[static_cast<size_t>(i)]);
     head_ = head_ + 1 == cap_ ? 0 : head_ + 1;
-    size_ = std::min(cap_, size_ + 1);
   }
+  size_ = std::min(cap_, size_ + (m - first));
 }
 
 int64_t GhostSet::leading(const uint64_t* keys, int64_t n, int64_t stride) const {
@@ -230,13 +232,17 @@ void PageIndex::map_insert(int64_t page, uint64_t h) {
 
 void PageIndex::prepare(const uint64_t* keys, int64_t n) const {
   hs_.resize(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t h = hash(keys + i * kw_);
-    hs_[static_cast<size_t>(i)] = h;
-    prefetch(&table_[h & mask_]);
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const Slot s = table_[hs_[static_cast<size_t>(i)] & mask_];
+  for (int64_t i = 0; i < n; ++i) hs_[static_cast<size_t>(i)] = hash(keys + i * kw_);
+  for (int64_t i = 0; i < std::min(n, kAhead); ++i) ahead(i - kAhead, n);
+}
+
+void PageIndex::ahead(int64_t i, int64_t n) const {
+  // the table line of key i + kAhead now; the record of the page in key i + kAhead / 2's home
+  // slot (its line was fetched kAhead / 2 steps ago) for the key comparison
+  if (i + kAhead < n) prefetch(&table_[hs_[static_cast<size_t>(i + kAhead)] & mask_]);
+  const int64_t j = i + kAhead / 2;
+  if (j >= 0 && j < n) {
+    const Slot s = table_[hs_[static_cast<size_t>(j)] & mask_];
     if (s.page >= 0) prefetch(key_of(s.page));
   }
 }
@@ -299,6 +305,7 @@ int64_t PageIndex::lookup(const uint64_t* keys, int64_t n, int64_t* out) const {
   }
   prepare(keys, n);
   for (int64_t i = 0; i < n; ++i) {
+    ahead(i, n);
     out[i] = find(keys + i * kw_, hs_[static_cast<size_t>(i)]);
     found += out[i] >= 0;
   }
@@ -309,6 +316,7 @@ int64_t PageIndex::pin_prefix(const uint64_t* keys, int64_t n, int64_t* out) {
   int64_t m = 0;
   if (size_ > 0) prepare(keys, n);
   for (; m < n && size_ > 0; ++m) {
+    ahead(m, n);
     const int64_t p = find(keys + m * kw_, hs_[static_cast<size_t>(m)]);
     if (p < 0) break;
     out[m] = p;
@@ -322,6 +330,7 @@ int64_t PageIndex::count_hits(const uint64_t* keys, int64_t n) {
   if (size_ == 0) return 0;
   prepare(keys, n);
   for (int64_t i = 0; i < n; ++i) {
+    ahead(i, n);
     const int64_t p = find(keys + i * kw_, hs_[static_cast<size_t>(i)]);
     if (p < 0) continue;
     ++found;
@@ -385,9 +394,11 @@ int64_t PageIndex::insert(const uint64_t* keys, const int64_t* pages, int64_t n,
                           int64_t* newly) {
   check_pages(pages, n);
   int64_t fresh = 0;
-  for (int64_t i = 0; i < n; ++i) prefetch(&node_[static_cast<size_t>(pages[i])]);
   prepare(keys, n);
+  for (int64_t i = 0; i < std::min(n, kAhead); ++i) prefetch(&node_[static_cast<size_t>(pages[i])]);
   for (int64_t i = 0; i < n; ++i) {  // validate before changing anything
+    ahead(i, n);
+    if (i + kAhead < n) prefetch(&node_[static_cast<size_t>(pages[i + kAhead])]);
     used[i] = size_ ? find(keys + i * kw_, hs_[static_cast<size_t>(i)]) : -1;
     if (used[i] < 0) {
       ++fresh;
@@ -445,11 +456,10 @@ int64_t PageIndex::evict(int64_t n, int64_t* out_pages, uint64_t* out_keys, Ghos
     prefetch(key_of(p));
   }
   hs_.resize(static_cast<size_t>(k));
+  for (int64_t i = 0; i < k; ++i) hs_[static_cast<size_t>(i)] = hash(key_of(out_pages[i]));
+  for (int64_t i = 0; i < std::min(k, kAhead); ++i) prefetch(&table_[hs_[static_cast<size_t>(i)] & mask_]);
   for (int64_t i = 0; i < k; ++i) {
-    hs_[static_cast<size_t>(i)] = hash(key_of(out_pages[i]));
-    prefetch(&table_[hs_[static_cast<size_t>(i)] & mask_]);
-  }
-  for (int64_t i = 0; i < k; ++i) {
+    if (i + kAhead < k) prefetch(&table_[hs_[static_cast<size_t>(i + kAhead)] & mask_]);
     const int64_t p = out_pages[i];
     lru_remove(p);
     std::memcpy(out_keys + i * kw_, key_of(p), static_cast<size_t>(kw_) * 8);

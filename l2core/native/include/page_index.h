@@ -104,7 +104,8 @@ class PageIndex {
   int64_t find(const uint64_t* key, uint64_t h) const;  // page or -1
   void map_insert(int64_t page, uint64_t h);
   void map_erase(int64_t page, uint64_t h);
-  void prepare(const uint64_t* keys, int64_t n) const;  // hashes into hs_, table lines prefetched
+  void prepare(const uint64_t* keys, int64_t n) const;  // hashes into hs_, the first lines prefetched
+  void ahead(int64_t i, int64_t n) const;  // at step i of a pass over hs_: prefetch for later steps
   void lru_push(int64_t p);    // at the young end (p not in the list)
   void lru_remove(int64_t p);  // p in the list
   void unindex(int64_t p, uint64_t h);
