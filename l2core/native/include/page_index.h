@@ -1,12 +1,13 @@
 // Torch-free page index of one cache tier and the ghost list of recently evicted keys.
 //
-// PageIndex maps 16-byte keys (the page hashes) to page
-// ids of one tier of `num_pages` pages and keeps per page: the key, a reference count (pins), a
-// hit count, whether it is indexed ("cached"), and the LRU order of the evictable pages (cached,
-// no pins) as an intrusive doubly linked list over page ids (O(1) per move). The map compares the
-// whole key: two keys that share their first 8 bytes are two entries. It is an open-addressing
-// table of (32 bits of the key's hash, page) slots with linear probing and backward-shift
-// deletion (no tombstones), at most half full since a page holds at most one key.
+// PageIndex maps 16-byte keys (the page hashes) to the page ids of one tier of `num_pages` pages
+// and keeps per page, in one 32-byte record: the key, a reference count (pins), a hit count and
+// its links in the LRU order of the evictable pages (cached, no pins), an intrusive doubly linked
+// list over page ids (O(1) per move); whether it is indexed ("cached") is a byte array. The map
+// compares the whole key: two keys that share their first 8 bytes are two entries. It is an
+// open-addressing table of (32 bits of the key's hash, page) slots with linear probing and
+// backward-shift deletion (no tombstones), at most half full since a page holds at most one key.
+// Batch calls hash their keys first and prefetch table lines and records a few keys ahead.
 //
 // GhostSet is a bounded set of 64-bit keys: a ring (the order: the oldest entry leaves when a
 // new one arrives) and an open-addressing set of the same keys (the membership).
