@@ -327,9 +327,9 @@ class TieredCache:
             nload = r.n_hit - r.n1
             extra = 0 if total_pages is None else max(0, total_pages - r.n_hit)
             new = self._alloc_l1(r, nload + extra)
-            src = np.concatenate([r.l2_hit, r.l2_fetched])
             job = None
             if nload:
+                src = np.concatenate([r.l2_hit, r.l2_fetched])
                 job = self._engine.submit_load(self.slots(new[:nload]), src)
                 r.load_job = job
             st = self._stats
