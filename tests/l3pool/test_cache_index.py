@@ -364,3 +364,22 @@ def test_ghost_list_kept_only_for_the_policy_that_reads_it(engines: list[Engine]
     st = c.stats()
     assert st["evictions"]["l1"] == 8
     assert st["ghost_entries"] == (8 if kept else 0)
+
+
+def test_match_takes_whole_16_byte_hashes(engines: list[Engine]) -> None:
+    """The native index keys on 16 bytes: other lengths are refused with one clear error, and
+    two hashes that differ only in their last 8 bytes are two pages end to end."""
+    e = Engine(CacheConfig(), l1_pages=8)
+    engines.append(e)
+    c = e.cache
+    for bad in ([b"x" * 8, b"y" * 8], [b"x" * 32], [b"x" * 16, b"y" * 8]):
+        with pytest.raises(ValueError, match="16-byte hashes"):
+            c.match("r", bad)
+    a, b = bytes(8) + b"A" * 8, bytes(8) + b"B" * 8
+    e.run("a", [a])
+    m = c.match("b", [b])
+    assert m.l1 == 0  # shares 8 bytes with a cached page, still a miss
+    c.release("b")
+    assert c.match("a2", [a]).l1 == 1
+    c.release("a2")
+    assert e.used() == (0, 0)
