@@ -703,8 +703,10 @@ class TieredCache:
             # one unpin per tier: the pages are distinct (hits were cached, inserted ones were not;
             # fetched pages hold other hashes than the L2 hits), order as before (hits first)
             self.t1.unpin(np.concatenate([r.l1_hit, *r.l1_inserted]))
-            self.t2.unpin(np.concatenate([r.l2_hit, r.l2_fetched]))
-            owned = np.concatenate(r.l1_owned) if r.l1_owned else _EMPTY
+            if r.l2_hit.size or r.l2_fetched.size:
+                self.t2.unpin(np.concatenate([r.l2_hit, r.l2_fetched]))
+            lo = r.l1_owned
+            owned = (lo[0] if len(lo) == 1 else np.concatenate(lo)) if lo else _EMPTY
             if owned.size and not quarantine:
                 self._l1_owner[owned] = -1
                 free = owned[~self.t1.cached[owned]]
