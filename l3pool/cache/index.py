@@ -16,7 +16,7 @@ step is one native call: `pin_prefix` (probe + pin the leading run), `count_hits
 touch), `insert` (probe, index the absent ones, pin or queue them), `evict` (the LRU victims out
 of the map, their first 8 hash bytes into the ghost list).
 Measured on bench.cache's bookkeeping (512-page requests on a full 16K-page L1, 256 evictions
-each, 2 busy cores): the whole request 0.32 -> 0.095 ms thread-CPU p50, 0.64 -> 0.17 ms p99,
+each, 2 shared cores): the whole request 0.31 -> 0.092 ms thread-CPU p50, 0.58 -> 0.15 ms p99,
 against the pure-Python index this replaced (dict probes through map(), numpy per-page arrays, a
 ring of LRU records, a Python set for the ghost list); the native calls take ~47 us of it,
 eviction with its ghost adds ~24 us. Details in l3pool/cache/README.md.
