@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from l2core.units import parse_size
+from l2core.units import format_size, parse_size
 from l3pool.pool.etcd import EtcdClient, EtcdError, LeaseKeeper, parse_endpoints
 from l3pool.pool.metadata import DEFAULT_PREFIX, MemberInfo, Metadata, check_id, check_prefix
 from l3pool.pool.store import metadata_url
@@ -110,10 +110,8 @@ class AgentSettings:
         parse_endpoints(args.etcd)
         host = _check_host(args.host, "--host")
         segment_bytes = parse_size(args.segment_size, "--segment-size")
-        if segment_bytes < MIN_SEGMENT_BYTES:
-            raise ValueError(
-                f"--segment-size {args.segment_size!r}: Mooncake needs at least {MIN_SEGMENT_BYTES} bytes (16MiB)"
-            )
+        if (problem := segment_too_small(segment_bytes, args.segment_size)) is not None:
+            raise ValueError(problem)
         protocol = args.protocol.lower()
         if protocol not in PROTOCOLS:
             raise ValueError(f"--protocol {args.protocol!r}: expected one of {', '.join(PROTOCOLS)}")
@@ -258,10 +256,21 @@ class Agent:
             self.store.close()
 
 
+def segment_too_small(nbytes: int, typed: int | str, what: str | None = "--segment-size") -> str | None:
+    """The one-line refusal of a segment below Mooncake's minimum, in the units the user typed
+    (None when it is big enough). Shared by the agent, `l3pool cluster up` and `l3pool deploy`."""
+    if nbytes >= MIN_SEGMENT_BYTES:
+        return None
+    least = format_size(MIN_SEGMENT_BYTES, typed)
+    alt = "" if least == "16 MiB" else " (16 MiB)"
+    size = f"{what} {format_size(nbytes, typed)}" if what else format_size(nbytes, typed)
+    return f"{size} is below Mooncake's minimum segment of {least}{alt}; raise {what or 'it'}"
+
+
 def _fail(code: int, message: str) -> int:
-    sys.stderr.write(f"l3pool agent: error: {message}\n")
-    sys.stderr.flush()
-    return code
+    from l3pool.cli import fail
+
+    return fail("l3pool agent", message, code=code)
 
 
 def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> int:

@@ -294,9 +294,20 @@ def render(report: dict[str, Any]) -> str:
 def run_inspect(args: argparse.Namespace) -> int:
     endpoints = args.etcd or os.environ.get("L3POOL_ETCD", "")
     admin = args.master_admin or os.environ.get("L3POOL_MASTER_ADMIN") or None
-    if not endpoints:
-        sys.stderr.write("l3pool inspect: error: --etcd is required (or set L3POOL_ETCD)\n")
-        return 2
+    if not endpoints:  # the local cluster `l3pool cluster up` left running, if any
+        from l3pool.cli import UserError
+        from l3pool.cluster.local import default_state_dir, running_cluster
+
+        state_dir = args.state_dir or default_state_dir()
+        state = running_cluster(state_dir)
+        if state is None:
+            raise UserError(
+                f"no pool to inspect: no --etcd (or L3POOL_ETCD) and no local cluster running in {state_dir}",
+                "start one with `l3pool cluster up`, or give --etcd ENDPOINTS [--master-admin URL]",
+            )
+        endpoints, admin = state["endpoints"]["etcd"], admin or state["endpoints"]["admin"]
+        if args.key_prefix == DEFAULT_PREFIX:
+            args.key_prefix = state["endpoints"].get("key_prefix") or DEFAULT_PREFIX
     try:
         report = collect(endpoints, admin, args.key_prefix)
     except ValueError as e:  # bad endpoint or prefix
@@ -311,12 +322,15 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("inspect", help="members, namespaces, counters and locks of an L3 pool")
-    p.add_argument("--etcd", metavar="ENDPOINTS", help="comma-separated etcd endpoints (or env L3POOL_ETCD)")
+    p.add_argument("--etcd", metavar="ENDPOINTS", help="comma-separated etcd endpoints (or env L3POOL_ETCD; "
+                   "default: the local cluster of `l3pool cluster up`)")  # fmt: skip
     p.add_argument(
         "--master-admin",
         metavar="URL",
         help="mooncake_master admin address http://HOST:METRICS_PORT (or env L3POOL_MASTER_ADMIN)",
     )
+    p.add_argument("--state-dir", help="without --etcd: the local cluster recorded here (default: `l3pool cluster "
+                   "up`'s, /tmp/l3pool-cluster)")  # fmt: skip
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help=f"etcd key prefix (default {DEFAULT_PREFIX})")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     p.set_defaults(fn=run_inspect)
