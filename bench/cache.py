@@ -46,6 +46,8 @@ import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.cache import L1, CacheConfig, TieredCache
+from l3pool.cli import guarded, output_file
+from l3pool.cluster.local import STATE_DIR_HELP, pool_endpoints
 from l3pool.measure import percentile, spread
 from l3pool.pool.keys import page_hashes
 
@@ -399,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metadata", help="metadata server URL (with --master)")
     p.add_argument("--host", default="127.0.0.1", help="this client's address (with --master)")
     p.add_argument("--segment-size", default="1GB", help="per agent, when starting the local cluster")
+    p.add_argument("--state-dir", help=STATE_DIR_HELP)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -423,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.out:
+        output_file(args.out, "--out")
     dev = torch.device("cuda" if cuda else "cpu")
     from l2core import _native
 
@@ -442,19 +447,12 @@ def main(argv: list[str] | None = None) -> int:
         from l3pool.pool.store import MooncakeStore, StoreConfig
 
         with contextlib.ExitStack() as stack:
-            if args.master:
-                if not args.metadata:
-                    p.error("--master needs --metadata")
-                cfg = StoreConfig(master=args.master, metadata=args.metadata, local_hostname=args.host)
-            else:
-                from l3pool.cluster.local import LocalCluster
-
-                c = stack.enter_context(
-                    LocalCluster(agents=2, segment_size=args.segment_size, name=f"l3bc{uuid.uuid4().hex[:4]}")
-                )
-                os.environ.update(c.client_env())  # this program is the application
-                cfg = StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host)
-            store = MooncakeStore(cfg)
+            # the given pool, the local cluster `l3pool cluster up` left running, or one started here
+            ep = stack.enter_context(pool_endpoints(args.master, args.metadata, args.host,
+                                                    segment_size=args.segment_size,
+                                                    name=f"l3bc{uuid.uuid4().hex[:4]}",
+                                                    state_dir=args.state_dir))  # fmt: skip
+            store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
             stack.callback(store.close)
             bu = backup(args, dev, store)
         report["backup_put_ratio"] = bu["backup_put_ratio"]
@@ -486,4 +484,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded("python -m bench.cache", main))

@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python -m bench.l3 [--json] [--out FILE] [--master H:P --metadata URL --host IP]
 
-Without endpoints it starts the local cluster (etcd, mooncake_master, 2 decode agents in their
-own network namespaces when root) and tears it down afterwards. For each bench model (the L2
+Without endpoints it uses the local cluster `l3pool cluster up` left running, else starts a
+fresh one per row (etcd, mooncake_master, 2 decode agents in their own network namespaces when
+root) and tears it down afterwards. For each bench model (the L2
 benchmark's MLA and MHA page sizes) and round, the same L2 pages go through raw
 `batch_put_from` / `batch_get_into` (fresh keys) and through `L3Client.put` / `get` (fresh
 keys), interleaved, who goes first alternating per round. Before each get every destination page
@@ -21,7 +22,6 @@ import argparse
 import contextlib
 import datetime as dt
 import json
-import os
 import statistics
 import sys
 import time
@@ -35,11 +35,14 @@ import torch
 
 from bench._transfer_report import _loadavg
 from l2core import HostKVPool, KVSpec, L2Config
+from l3pool.cli import guarded, output_file
+from l3pool.cluster.local import STATE_DIR_HELP, pool_endpoints
 from l3pool.measure import spread
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
+LAYOUTS = ("page_first_direct", "page_first", "layer_first")
 MODELS = {"mla": lambda: KVSpec.mla(78), "mha": lambda: KVSpec.mha(32, 8, 128)}
 
 
@@ -168,29 +171,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="mla,mha")
     p.add_argument("--layouts", default="page_first_direct,layer_first")
     p.add_argument("--segment-size", default="2GB", help="per agent, when starting the local cluster")
+    p.add_argument("--state-dir", help=STATE_DIR_HELP)
     args = p.parse_args(argv)
+    for what, given, known in (("--models", args.models, MODELS), ("--layouts", args.layouts, LAYOUTS)):
+        bad = [x for x in given.split(",") if x not in known]
+        if bad:
+            p.error(f"{what}: unknown {', '.join(bad)}; choose from {', '.join(known)}")
+    for name in ("pages", "rounds", "batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.out:
+        output_file(args.out, "--out")
     load_start = _loadavg()
     rows = []
     for model in args.models.split(","):
         for layout in args.layouts.split(","):
             for mode in ["multi", "staging"] if layout == "layer_first" else ["multi"]:
                 print(f"[bench.l3] {model} {layout} {mode}", file=sys.stderr, flush=True)
-                # a fresh local cluster per row (1-2 s): no row runs into an earlier row's objects
+                # the given pool, the running local cluster, or a fresh local cluster per row (1-2 s;
+                # no row runs into an earlier row's objects)
                 with contextlib.ExitStack() as stack:
-                    if args.master:
-                        if not args.metadata:
-                            p.error("--master needs --metadata")
-                        master, metadata, host = args.master, args.metadata, args.host
-                    else:
-                        from l3pool.cluster.local import LocalCluster
-
-                        cl = stack.enter_context(LocalCluster(agents=2, segment_size=args.segment_size))
-                        master, metadata, host = cl.master, cl.metadata_url, cl.client_host
-                        # this program is the application: it may set Mooncake's address variable
-                        os.environ.update(cl.client_env())
-                    store = MooncakeStore(StoreConfig(master=master, metadata=metadata, local_hostname=host))
+                    ep = stack.enter_context(pool_endpoints(args.master, args.metadata, args.host,
+                                                            segment_size=args.segment_size,
+                                                            state_dir=args.state_dir))  # fmt: skip
+                    store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
                     stack.callback(store.close)
-                    rows.append({**bench_model(model, layout, store, args, mode), "transport": store.cfg.protocol})
+                    row = bench_model(model, layout, store, args, mode)
+                    rows.append({**row, "transport": store.cfg.protocol, "pool": ep.mode})
     # headline numbers: page-first rows (zero-copy), all models
     zc = [r for r in rows if r["layout"] != "layer_first"] or rows
     report: dict[str, Any] = {
@@ -200,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         # other work on the machine skews the numbers (shared 2-core boxes especially): 1-min load
         "loadavg_1m": {"start": load_start, "end": _loadavg()},
         "transport": "/".join(sorted({r["transport"] for r in rows})),  # what the stores were set up with
+        "pool": "/".join(sorted({r["pool"] for r in rows})),  # external, netns/loopback (started), or running
         "raw_put_GBps": round(statistics.mean(r["raw_put_GBps"] for r in zc), 3),
         "raw_get_GBps": round(statistics.mean(r["raw_get_GBps"] for r in zc), 3),
         "put_GBps": round(statistics.mean(r["put_GBps"] for r in zc), 3),
@@ -234,4 +242,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded("python -m bench.l3", main))

@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python -m bench.prefetch [--json] [--out FILE] [--master H:P --metadata URL --host IP]
 
-Without endpoints it starts the local cluster (etcd, mooncake_master, 2 decode agents in their
-own network namespaces when root) and tears it down afterwards. A writer process in agent 1's
+Without endpoints it uses the local cluster `l3pool cluster up` left running, else starts one
+(etcd, mooncake_master, 2 decode agents in their own network namespaces when root) and tears it
+down afterwards. A writer process in agent 1's
 namespace puts `--requests` request prefixes of `--pages` pages (KVSpec.mla(8, page_size=64),
 page_first_direct: 589,824-byte pages, 302 MB per 512-page request, small enough for a 24 GiB
 machine). Then, per round and request, in this process (root namespace):
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import datetime as dt
 import json
 import random
@@ -52,11 +52,13 @@ import torch
 
 from bench._transfer_report import _loadavg
 from l2core import HostKVPool, L2Config
+from l3pool.cli import guarded, output_file
+from l3pool.cluster.local import STATE_DIR_HELP, pool_endpoints
 from l3pool.measure import percentile
 from l3pool.pool.client import TRAILER_BYTES, L3Client
 from l3pool.pool.prefetch import Prefetcher, batch_schedule
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
-from l3pool.tools.prefetch_check import LAYOUT, Endpoints, PrefixSet, run_writer
+from l3pool.tools.prefetch_check import LAYOUT, Endpoints, PrefixSet, check_fits, run_writer
 
 from ._locks import measure_lock_latencies
 
@@ -70,10 +72,18 @@ LOCK_KEYS = (
 POISON = 0xA5  # fill of every destination before the operation whose bytes are checked
 
 
-def _lock_latencies(cluster: Any, requests: int, pages: int) -> tuple[dict[str, Any], str | None]:
-    if cluster is None:
-        return dict.fromkeys(LOCK_KEYS), "pplock latencies need the local cluster (no endpoints given)"
-    got = measure_lock_latencies(cluster, requests, pages=pages, stages=4)
+def _lock_latencies(ep: Endpoints, requests: int, pages: int) -> tuple[dict[str, Any], str | None]:
+    if ep.cluster is not None:
+        got = measure_lock_latencies(ep.cluster, requests, pages=pages, stages=4)
+    elif ep.etcd is not None:  # a running pool with its etcd (the local cluster of `l3pool cluster up`, or --etcd)
+        store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
+        try:
+            got = measure_lock_latencies(ep.etcd, requests, pages=pages, stages=4, store=store,
+                                         key_prefix=ep.key_prefix)  # fmt: skip
+        finally:
+            store.close()
+    else:
+        return dict.fromkeys(LOCK_KEYS), "pplock latencies need etcd (give --etcd with --master)"
     return {k: round(v, 3) if isinstance(v := got.get(k), float) else v for k in LOCK_KEYS}, None
 
 
@@ -209,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--note", help="free text stored in the report (e.g. what else ran on the machine)")
     p.add_argument("--master", help="mooncake_master host:port (default: start the local cluster)")
     p.add_argument("--metadata", help="metadata server URL (with --master)")
+    p.add_argument("--etcd", help="the pool's etcd endpoints (with --master; for the PP-lock latencies)")
     p.add_argument("--host", default="127.0.0.1", help="this client's address (with --master; export "
                    "MC_TCP_BIND_ADDRESS too)")  # fmt: skip
     p.add_argument("--pages", type=int, default=512, help="pages per request")
@@ -221,32 +232,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pipeline", type=int, default=1, help="batches in flight per prefetch")
     p.add_argument("--lock-requests", type=int, default=100, help="requests for the PP-lock latencies")
     p.add_argument("--segment-size", default="1GB", help="per agent, when starting the local cluster")
+    p.add_argument("--state-dir", help=STATE_DIR_HELP)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    for name in ("pages", "requests", "rounds", "batch", "max_batch", "inflight", "pipeline", "lock_requests"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.out:
+        output_file(args.out, "--out")
     load_start = _loadavg()
     ps = PrefixSet(8, 64, args.pages, args.requests, args.seed, uuid.uuid4().hex)
-    cluster = None
-    with contextlib.ExitStack() as stack:
-        if args.master:
-            if not args.metadata:
-                p.error("--master needs --metadata")
-            ep = Endpoints(args.master, args.metadata, args.host)
-        else:
-            import os
-
-            from l3pool.cluster.local import LocalCluster
-
-            cluster = stack.enter_context(
-                LocalCluster(agents=2, segment_size=args.segment_size, name=f"l3bp{uuid.uuid4().hex[:4]}")
-            )
-            os.environ.update(cluster.client_env())  # this program is the application
-            wa = cluster.agents[-1]
-            ep = Endpoints(cluster.master, cluster.metadata_url, cluster.client_host, cluster.etcd_endpoints,
-                           wa.netns, wa.ip if wa.netns else None, cluster.mode)  # fmt: skip
-        print("[bench.prefetch] writing the prefix set", file=sys.stderr, flush=True)
+    # the given pool, the local cluster `l3pool cluster up` left running, or one started here
+    with pool_endpoints(args.master, args.metadata, args.host, args.etcd, segment_size=args.segment_size,
+                        name=f"l3bp{uuid.uuid4().hex[:4]}", state_dir=args.state_dir) as ep:  # fmt: skip
+        check_fits(ps, ep)
+        print(f"[bench.prefetch] {ep.mode}: writing the prefix set", file=sys.stderr, flush=True)
         writer = run_writer(ps, ep)
         row = bench(ps, ep, args)
-        locks, lock_note = _lock_latencies(cluster, args.lock_requests, args.pages)
+        locks, lock_note = _lock_latencies(ep, args.lock_requests, args.pages)
     report: dict[str, Any] = {
         "benchmark": "bench.prefetch",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -295,4 +298,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded("python -m bench.prefetch", main))

@@ -67,6 +67,7 @@ import torch
 from tqdm import tqdm
 
 from l2core import LAYOUTS, HostKVPool, HostMemory, KVSpec, L2Config, ops
+from l3pool.cli import guarded, output_file
 
 from ._transfer_report import (
     _cpu_times,
@@ -574,6 +575,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.iters < 1 or args.warmup < 0 or args.max_sms < 1 or args.threads < 1:
         p.error("--iters, --max-sms and --threads must be >= 1, --warmup >= 0")
     args.tokens = sorted(set(args.tokens))
+    for page in sorted({MODELS[m][1]().page_size for m in args.models}):
+        if bad := [t for t in args.tokens if t % page]:
+            p.error(f"--tokens {','.join(map(str, bad))}: not a multiple of the page size {page}")
+    if args.out is not None:
+        output_file(args.out, "--out")
     if args.quick:
         args.tokens = args.tokens[:1]
     return args
@@ -686,7 +692,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run(args)
     text = json.dumps(report, indent=2)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
     if args.json:
         print(text)
@@ -704,4 +709,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(guarded("python -m bench.transfer", main))

@@ -52,3 +52,29 @@ def parse_size(value: int | str, what: str = "size") -> int:
     if n <= 0:
         raise ConfigError(f"{what}: must be positive, got {value!r}")
     return n
+
+
+_DECIMAL = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
+_BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def format_size(n: int, like: int | str | None = None) -> str:
+    """`n` bytes as text for messages, in the units the user wrote `like` with: "2GiB" -> binary
+    units ("2 GiB", "16 MiB"), "1KB" -> decimal ones ("1 KB", "16.78 MB"), plain bytes or None ->
+    binary. The user's own value stays in the unit they typed ("1000MB" -> "1000 MB"); other
+    values take the largest unit that keeps the number >= 1; up to 4 significant digits, exact
+    ones without decimals."""
+    m = _SIZE_RE.match(like) if isinstance(like, str) else None
+    unit = m.group(2) if m else None
+    if unit is not None and unit.lower() == "b":
+        return f"{n} B"
+    if m and unit is not None and n == Decimal(m.group(1)) * _UNITS[unit.lower()]:
+        canonical = next(u for u, _ in (*_DECIMAL, *_BINARY) if u.lower() == unit.lower())
+        return f"{m.group(1)} {canonical}"
+    table = _DECIMAL if unit is not None and "i" not in unit.lower() else _BINARY
+    for name, size in table:
+        if n >= size:
+            value = n / size
+            text = f"{value:.0f}" if n % size == 0 else f"{value:.4g}"
+            return f"{text} {name}"
+    return f"{n} B"

@@ -12,6 +12,10 @@ Lifecycle:
     5. every lease_ttl/3 s: check the Mooncake client's health, re-register when the lease was
        lost (etcd restarted or a partition outlasted the TTL);
     6. SIGTERM/SIGINT: delete the member key, revoke the lease, unmount (close the store), exit 0.
+With `--metrics-port` the agent serves Prometheus metrics (l3pool/metrics.py: donated bytes,
+registration state, lease renewals; used bytes with `--master-admin`) on `--metrics-host`
+(default: `--host`) from before the Mooncake setup on; a port that cannot be bound is a bad
+option (one line, exit 2). The endpoint's URL is part of the member record.
 Stopping is bounded. Mooncake's setup holds the GIL while it waits (measured on 0.3.13: a master
 that accepts TCP but never answers keeps it there for minutes, and no Python code runs, signal
 handlers included), so during setup SIGTERM/SIGINT keep their default action and end the process
@@ -42,7 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from l2core.units import parse_size
+from l2core.units import format_size, parse_size
+from l3pool import metrics
 from l3pool.pool.etcd import (
     EtcdClient,
     EtcdError,
@@ -108,6 +113,9 @@ class AgentSettings:
     lease_ttl: int
     id: str
     stop_timeout: float = 10.0
+    metrics_port: int = 0  # 0: no metrics endpoint
+    metrics_host: str = "127.0.0.1"
+    master_admin: str = ""  # mooncake_master's admin URL: used bytes from its /query_segment
     etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
 
     @classmethod
@@ -120,10 +128,8 @@ class AgentSettings:
         check_settings(args.etcd, etcd_security)
         host = _check_host(args.host, "--host")
         segment_bytes = parse_size(args.segment_size, "--segment-size")
-        if segment_bytes < MIN_SEGMENT_BYTES:
-            raise ValueError(
-                f"--segment-size {args.segment_size!r}: Mooncake needs at least {MIN_SEGMENT_BYTES} bytes (16MiB)"
-            )
+        if (problem := segment_too_small(segment_bytes, args.segment_size)) is not None:
+            raise ValueError(problem)
         protocol = args.protocol.lower()
         if protocol not in PROTOCOLS:
             raise ValueError(f"--protocol {args.protocol!r}: expected one of {', '.join(PROTOCOLS)}")
@@ -139,6 +145,17 @@ class AgentSettings:
             stop_timeout = -1.0
         if not 0 < stop_timeout <= 3600:
             raise ValueError(f"--stop-timeout {getattr(args, 'stop_timeout', None)!r}: expected seconds in (0, 3600]")
+        metrics_port = metrics.check_port(getattr(args, "metrics_port", 0) or 0)
+        metrics_host = _check_host(getattr(args, "metrics_host", None) or host, "--metrics-host")
+        master_admin = (getattr(args, "master_admin", None) or "").strip()
+        if master_admin:
+            u = urlsplit(master_admin if "://" in master_admin else f"http://{master_admin}")
+            try:
+                ok = u.scheme in ("http", "https") and bool(u.hostname) and u.port is not None
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"--master-admin {master_admin!r}: expected http://HOST:PORT (its --metrics_port)")
         agent_id = args.id or f"{host}-{os.getpid()}"
         try:
             check_id("--id", agent_id)
@@ -157,6 +174,9 @@ class AgentSettings:
             lease_ttl=int(args.lease_ttl),
             id=agent_id,
             stop_timeout=stop_timeout,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
+            master_admin=master_admin,
             etcd_security=etcd_security,
         )
 
@@ -185,7 +205,7 @@ def check_reachable(s: AgentSettings, etcd: EtcdClient) -> None:
 class Agent:
     """The running agent: one Mooncake client (the donation) and its member key in etcd."""
 
-    def __init__(self, settings: AgentSettings, etcd: EtcdClient) -> None:
+    def __init__(self, settings: AgentSettings, etcd: EtcdClient, metrics_url: str = "") -> None:
         from l3pool.pool.store import MooncakeStore, StoreConfig  # mooncake loads here, not at import
 
         s = self.settings = settings
@@ -207,12 +227,34 @@ class Agent:
             protocol=s.protocol,
             master=s.master,
             segment=self.store.segment_name,
+            metrics=metrics_url,
         )
         self.keeper: LeaseKeeper | None = None
         self.reregistrations = 0
+        self._admin: Any = None
+        if s.master_admin:
+            from l3pool.tools.inspect import MasterAdmin
+
+            self._admin = MasterAdmin(s.master_admin, timeout=1.0)
+            self._update_used()
+        metrics.AGENT_DONATED_BYTES.set(s.segment_bytes)
+        metrics.AGENT_MOONCAKE_HEALTHY.set(1)
 
     def register(self) -> None:
         self.keeper = self.metadata.register_member(self.info, self.settings.lease_ttl)
+        metrics.AGENT_REGISTERED.set(1)
+
+    def _update_used(self) -> None:
+        """l3pool_agent_used_bytes from the master's /query_segment (only with --master-admin)."""
+        from l3pool.tools.inspect import InspectError
+
+        try:
+            usage = self._admin.query_segment(self.info.segment)
+        except InspectError as e:
+            log.debug("agent %s: used bytes not refreshed: %s", self.settings.id, e)
+            return
+        if usage is not None:
+            metrics.agent_used_bytes().set(usage[0])
 
     def serve(self, stop: threading.Event) -> None:
         """Watch health and the lease until `stop` is set."""
@@ -220,7 +262,10 @@ class Agent:
         healthy = True
         etcd_down_logged = False
         while not stop.wait(s.lease_ttl / 3):
+            if self._admin is not None:
+                self._update_used()
             ok = self.store.healthy()
+            metrics.AGENT_MOONCAKE_HEALTHY.set(int(ok))
             if ok != healthy:
                 if ok:
                     log.info("agent %s: mooncake client healthy again", s.id)
@@ -232,6 +277,7 @@ class Agent:
                 self.keeper.close(revoke=False)
                 self.keeper = None
             if self.keeper is None or self.keeper.lost.is_set():
+                metrics.AGENT_REGISTERED.set(0)
                 if self.keeper is not None and not etcd_down_logged:
                     log.warning("agent %s: etcd lease lost (etcd restarted or unreachable); re-registering", s.id)
                 try:
@@ -247,6 +293,7 @@ class Agent:
                         etcd_down_logged = True
                     continue
                 self.reregistrations += 1
+                metrics.AGENT_REREGISTRATIONS.inc()
                 etcd_down_logged = False
                 log.info("agent %s: registered again under %s", s.id, self.metadata.member_key(s.id))
 
@@ -259,6 +306,7 @@ class Agent:
 
     def close(self, unmount: bool = True) -> None:
         """Deregister (key deleted, lease revoked), then unmount the segment (close the store)."""
+        metrics.AGENT_REGISTERED.set(0)
         if self.keeper is not None:  # never registered (or refused): the key, if any, is not ours
             try:
                 self.metadata.deregister_member(self.settings.id, self.keeper)
@@ -269,10 +317,21 @@ class Agent:
             self.store.close()
 
 
+def segment_too_small(nbytes: int, typed: int | str, what: str | None = "--segment-size") -> str | None:
+    """The one-line refusal of a segment below Mooncake's minimum, in the units the user typed
+    (None when it is big enough). Shared by the agent, `l3pool cluster up` and `l3pool deploy`."""
+    if nbytes >= MIN_SEGMENT_BYTES:
+        return None
+    least = format_size(MIN_SEGMENT_BYTES, typed)
+    alt = "" if least == "16 MiB" else " (16 MiB)"
+    size = f"{what} {format_size(nbytes, typed)}" if what else format_size(nbytes, typed)
+    return f"{size} is below Mooncake's minimum segment of {least}{alt}; raise {what or 'it'}"
+
+
 def _fail(code: int, message: str) -> int:
-    sys.stderr.write(f"l3pool agent: error: {message}\n")
-    sys.stderr.flush()
-    return code
+    from l3pool.cli import fail
+
+    return fail("l3pool agent", message, code=code)
 
 
 def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
@@ -303,11 +362,18 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
             for sig in handlers:
                 signal.signal(sig, on_signal)
     etcd = EtcdClient(s.etcd, timeout=2.0, security=s.etcd_security)
+    server: metrics.MetricsServer | None = None
     try:
         try:
             check_reachable(s, etcd)
         except ConnectionError as e:
             return _fail(2, str(e))
+        if s.metrics_port:
+            try:
+                server = metrics.serve(s.metrics_port, s.metrics_host)
+            except metrics.MetricsError as e:
+                return _fail(2, f"--metrics-port: {e}")
+            log.info("agent %s: metrics at %s", s.id, server.url)
         from l3pool.pool.store import StoreError
 
         if stop.is_set():
@@ -320,7 +386,7 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
             for sig in handlers:
                 signal.signal(sig, signal.SIG_DFL)
         try:
-            agent = Agent(s, etcd)
+            agent = Agent(s, etcd, server.url if server is not None else "")
         except StoreError as e:
             return _fail(1, str(e))
         finally:
@@ -342,6 +408,8 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
         agent.close()
         return rc
     finally:
+        if server is not None:
+            server.shutdown()
         etcd.close()
 
 
@@ -386,6 +454,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help=f"etcd key prefix (default {DEFAULT_PREFIX})")
     p.add_argument("--lease-ttl", default="10", metavar="SECONDS", help="member lease TTL, >= 2 (default 10)")
     p.add_argument("--id", default="", help="member id (default <host>-<pid>)")
+    p.add_argument(
+        "--metrics-port", default="0", metavar="PORT",
+        help="serve Prometheus metrics (l3pool_agent_*, l3pool_lease_*) on this port (default 0: off)",
+    )  # fmt: skip
+    p.add_argument("--metrics-host", default="", help="address the metrics endpoint binds (default: --host)")
+    p.add_argument(
+        "--master-admin", default="", metavar="URL",
+        help="mooncake_master admin URL http://HOST:PORT: the metrics then include this node's used bytes",
+    )  # fmt: skip
     p.add_argument(
         "--stop-timeout", default="10", metavar="SECONDS",
         help="longest wait for a hung Mooncake call after SIGTERM/SIGINT before exiting anyway (default 10)",

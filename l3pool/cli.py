@@ -4,9 +4,112 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
 
 from l3pool import __version__
+
+
+# -- user mistakes: one line (+ a hint), never a traceback -----------------------------------------
+class UserError(Exception):
+    """A mistake the user can fix (a bad path, an unreachable endpoint, a too-small size): shown as
+    one line plus an optional hint, exit `code`. Raise it where the mistake is found."""
+
+    def __init__(self, message: str, hint: str | None = None, code: int = 2) -> None:
+        super().__init__(message)
+        self.hint, self.code = hint, code
+
+
+_LOG_QUOTE = "; last lines of "  # how a local cluster's error quotes a process's log (cluster._os._Proc.tail)
+
+
+def fail(prog: str, message: str, hint: str | None = None, code: int = 2) -> int:
+    """Print `prog: error: message` (and `prog: hint: ...`) on stderr; returns `code` for `return fail(...)`.
+
+    A message quoting a log ("...; last lines of PATH:\n<lines>") prints the quoted lines first,
+    so that the error stays the last line but one, and points at the whole log in the hint."""
+    sys.stdout.flush()
+    message, sep, quote = str(message).partition(_LOG_QUOTE)
+    if sep:
+        path, _, lines = quote.partition(":\n")
+        print(lines.rstrip(), file=sys.stderr)
+        hint = hint or f"the whole log: {path}"
+    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+    if hint:
+        print(f"{prog}: hint: {hint}", file=sys.stderr)
+    return code
+
+
+# Errors of the layers below that already carry a clear message about something outside this
+# program (a dead endpoint, a cluster that cannot start, a bad size): looked up only in modules that
+# are already imported, so this module stays light (no mooncake, no torch).
+_OPERATIONAL = (
+    ("l3pool.pool.store", "StoreUnavailable", "is mooncake_master running at that address? (--master)"),
+    ("l3pool.pool.etcd", "EtcdUnavailable", "is etcd running at that address? (--etcd)"),
+    ("l3pool.cluster._os", "ClusterError", None),
+    ("l3pool.cluster.local", "ClusterConfigError", None),
+    ("l2core.units", "ConfigError", None),
+)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that `with` blocks (a local cluster the command
+    started, registered buffers) unwind as on Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def guarded(prog: str, fn: Callable[[], int]) -> int:
+    """Run a command's body: UserError, the operational errors above and Ctrl-C become one line
+    (+ hint) and a non-zero exit code instead of a traceback. Every entry point runs under it."""
+    try:
+        return int(fn())
+    except UserError as e:
+        return fail(prog, str(e), e.hint, e.code)
+    except Terminated:
+        return fail(prog, "terminated (SIGTERM)", code=143)
+    except KeyboardInterrupt:
+        return fail(prog, "interrupted", code=130)
+    except Exception as e:
+        for mod, name, hint in _OPERATIONAL:
+            kind = getattr(sys.modules.get(mod), name, None)
+            if kind is not None and isinstance(e, kind):
+                return fail(prog, str(e), hint, code=2 if isinstance(e, ValueError) else 1)  # 2: a bad argument
+        raise
+
+
+def output_file(path: str | os.PathLike[str], what: str) -> Path:
+    """Check before any work that a report file can be written at `path` (its parent is created);
+    UserError naming `what` (e.g. '--out') otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{what} {p}: is a directory", "give a file name")
+    output_dir(p.parent, what)
+    if p.exists() and not os.access(p, os.W_OK):
+        raise UserError(f"{what} {p}: not writable")
+    return p
+
+
+def output_dir(path: str | os.PathLike[str], what: str) -> Path:
+    """Create the directory `path` (and its parents) now; UserError when it cannot be (a file is
+    in the way, no permission)."""
+    p = Path(path)
+    blocker = next((q for q in (p, *p.parents) if q.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise UserError(f"{what} {p}: {blocker} is a file, not a directory", "pick another path")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{what} {p}: cannot create it: {e.strerror or e}") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {p}: not writable")
+    return p
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -69,11 +172,13 @@ _COMMANDS = (
 
 def main(argv: list[str] | None = None) -> int:
     import importlib
-    import logging
 
     p = argparse.ArgumentParser(prog="l3pool", description=__doc__)
     p.add_argument("--version", action="version", version=f"l3pool {__version__}")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="debug logging, and Mooncake's own log lines on stderr (else in $L3POOL_LOG_DIR or <tmp>/l3pool-<uid>)",
+    )  # fmt: skip
     sub = p.add_subparsers(dest="cmd", required=True)
     info = sub.add_parser("info", help="versions, device and native build of this installation")
     info.add_argument("--json", action="store_true", help="machine-readable output")
@@ -87,12 +192,22 @@ def main(argv: list[str] | None = None) -> int:
             continue
         mod.add_parser(sub)
     args = p.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    return int(args.fn(args))
+    from l3pool import logs
+
+    native = logs.setup(args.verbose, args.cmd)  # Mooncake's native log lines: a file unless -v
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None  # a command may set its own
+    try:
+        return guarded(f"l3pool {args.cmd}", lambda: args.fn(args))
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
+        logs.teardown(native)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m l3pool.cli` runs this file as __main__: run the imported module's main, so that
+    # UserError raised by the commands is the class guarded() catches
+    from l3pool.cli import main as _main
+
+    sys.exit(_main())

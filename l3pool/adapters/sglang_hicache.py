@@ -101,6 +101,7 @@ from l2core.memory import HostMemory
 from l2core.pool import HostKVPool, L2Config
 from l2core.spec import ConfigError, KVSpec, dtype_name
 from l2core.units import parse_size
+from l3pool import metrics
 from l3pool.pool.client import L3Client
 from l3pool.pool.etcd import security_mapping
 from l3pool.pool.keys import Namespace
@@ -556,6 +557,7 @@ class L3PoolStorage(HiCacheStorage):
     def _failed(self, what: str, e: BaseException) -> None:
         with self._stats_lock:
             self.stats.errors += 1
+        metrics.ADAPTER_ERRORS("sglang").inc()
         log.warning("l3pool %s failed: %s: %s", what, type(e).__name__, e)
 
     # -- the v1 interface -----------------------------------------------------------------------
@@ -566,6 +568,7 @@ class L3PoolStorage(HiCacheStorage):
         assert self._reader is not None
         with self._stats_lock:
             self.stats.exists_calls += 1
+        metrics.ADAPTER_CALLS("sglang", "exists").inc()
         try:
             return self._reader.lookup(self._keys(list(keys)))
         except Exception as e:
@@ -639,6 +642,7 @@ class L3PoolStorage(HiCacheStorage):
                 self.stats.set_calls += 1
             else:
                 self.stats.get_calls += 1
+        metrics.ADAPTER_CALLS("sglang", "set" if write else "get").inc()
         return out
 
     # -- the copying interface (abstract in SGLang; never called with interface_v1) -------------

@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from l2core import _native
+from l3pool.pool.keys import HASH_BYTES
 from l3pool.pool.prefetch import PrefetchHandle
 
 if TYPE_CHECKING:
     from l3pool.cache.controller import TieredCache
-    from l3pool.cache.index import TierIndex
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -34,19 +35,31 @@ def _timed(name: str) -> Callable[[_F], _F]:
                 return fn(self, *a, **kw)
             finally:
                 dt = time.perf_counter() - t0
-                with self._mu:
-                    self._stats.api_s[name] = self._stats.api_s.get(name, 0.0) + dt
+                with self._api_mu:  # a plain lock of its own (stats() takes it inside _mu)
+                    api = self._stats.api_s
+                    api[name] = api.get(name, 0.0) + dt
 
         return wrapper  # type: ignore[return-value]
 
     return deco
 
 
-def _check_distinct(hs: list[bytes]) -> None:
-    """A chained hash never repeats within a request; a list that does is not one (and would map
-    two pages to one hash). ~10 us for 512 hashes."""
-    if len(set(hs)) != len(hs):
+def _join(hs: list[bytes]) -> bytes:
+    """The request's page hashes as one buffer (what the native index takes), checked at C speed:
+    16-byte hashes (one join checks types and lengths) and no hash twice (a chained hash never
+    repeats within a request; a list that does is not one, and would map two pages to one hash)."""
+    if not hs:
+        return b""
+    try:
+        buf = b"".join(hs)
+        ok = isinstance(hs[0], bytes) and len(hs[0]) == HASH_BYTES and len(buf) == len(hs) * HASH_BYTES
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"page_hashes must be {HASH_BYTES}-byte hashes (l3pool.pool.keys.page_hashes)")
+    if not _native.load().keys_distinct(buf, HASH_BYTES):
         raise ValueError("page_hashes repeat a hash: not a chain of page hashes (l3pool.pool.keys.page_hashes)")
+    return buf
 
 
 def _member(s: set[bytes] | dict[bytes, str], hs: list[bytes]) -> np.ndarray:
@@ -56,37 +69,12 @@ def _member(s: set[bytes] | dict[bytes, str], hs: list[bytes]) -> np.ndarray:
     return np.fromiter(map(s.__contains__, hs), dtype=np.bool_, count=len(hs))
 
 
-def _run(pages: np.ndarray, start: int) -> int:
-    """End of the leading run of present pages (>= 0) in pages[start:]."""
-    miss = np.flatnonzero(pages[start:] < 0)
-    return start + int(miss[0]) if miss.size else len(pages)
-
-
-# (tier's (gen, removed) when looked up, offset, pages of hashes[offset:offset + len]) or None
-_Seen = tuple[tuple[int, int], int, np.ndarray] | None
-
-
-def _seen(t: TierIndex, off: int, pages: np.ndarray) -> _Seen:
-    return (t.gen, t.removed), off, pages
-
-
-def _pages_of(t: TierIndex, seen: _Seen, hashes: list[bytes], lo: int, hi: int) -> np.ndarray:
-    """t.pages_of(hashes[lo:hi]) (a fresh array), from `seen` when that lookup covers it and no
-    hash was added to the tier since (its gen; removals are caught by TierIndex.still): one
-    gather instead of a probe pass (~20 us per 512 pages)."""
-    if seen is not None:
-        (g, rm), off, a = seen
-        if g == t.gen and off <= lo and hi - off <= len(a):
-            a = a[lo - off : hi - off]
-            return a.copy() if rm == t.removed else t.still(a)
-    return t.pages_of(hashes[lo:hi])
-
-
-@dataclass
+@dataclass(slots=True)
 class _Req:
     rid: str
     serial: int
     hashes: list[bytes]
+    buf: bytes  # the hashes joined (checked by _join)
     limit: int
     n1: int = 0
     n2: int = 0
@@ -103,8 +91,6 @@ class _Req:
     load_ok: bool | None = None
     pp_held: bool = False
     l3_wait_s: float = 0.0
-    seen1: _Seen = None  # L1 / L2 lookups of this request's hashes, reusable while their gen holds
-    seen2: _Seen = None
 
 
 @dataclass

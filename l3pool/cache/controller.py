@@ -22,9 +22,10 @@ from l2core.allocator import OutOfPages, PageAllocator
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
 from l2core.transfer import TransferEngine, TransferError
-from l3pool.cache._internal import _Backup, _check_distinct, _member, _pages_of, _Req, _run, _seen, _timed
+from l3pool import metrics
+from l3pool.cache._internal import _Backup, _join, _member, _Req, _timed
 from l3pool.cache.config import CacheConfig
-from l3pool.cache.index import GhostList, TierIndex, hash64
+from l3pool.cache.index import GhostList, TierIndex, split
 from l3pool.cache.types import (
     L1,
     BackgroundError,
@@ -38,6 +39,7 @@ from l3pool.cache.types import (
 )
 from l3pool.cache.writer import L3Writer
 from l3pool.pool.client import L3Client
+from l3pool.pool.keys import HASH_BYTES
 from l3pool.pool.pplock import StageLocks
 from l3pool.pool.prefetch import Prefetcher, PrefetchResult
 from l3pool.pool.store import Outcome
@@ -92,6 +94,7 @@ class TieredCache:
         self._reqs: dict[str, _Req] = {}
         self._serial = 0
         self._mu = threading.Condition(threading.RLock())  # wait() releases every level
+        self._api_mu = threading.Lock()  # stats()["api_s"] (_timed)
         self._arange = torch.arange(self.page_size)
         self._closed = False
         self._backups: queue.Queue[_Backup | None] = queue.Queue()
@@ -130,10 +133,12 @@ class TieredCache:
         with self._mu:
             self._errors.append(what)
             self._stats.errors += 1
+        metrics.CACHE_ERRORS.inc()
 
     def _add_wait(self, tier: str, s: float) -> None:
         with self._mu:
             self._stats.wait_s[tier] += s
+        metrics.CACHE_WAIT_SECONDS(tier).observe(s)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -149,34 +154,18 @@ class TieredCache:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         hs = page_hashes if isinstance(page_hashes, list) else list(page_hashes)
-        if hs:  # one join checks types and lengths at C speed (a per-page Python check cost 40 us)
-            try:
-                ok = isinstance(hs[0], bytes) and len(b"".join(hs)) == len(hs) * len(hs[0])
-            except TypeError:
-                ok = False
-            if not ok or len(hs[0]) % 8:
-                raise ValueError(
-                    "page_hashes must be equal-length bytes, a multiple of 8 long (l3pool.pool.keys.page_hashes)"
-                )
-            _check_distinct(hs)
+        buf = _join(hs)  # checked: 16-byte hashes, no repeats
         limit = len(hs) if max_hit is None else max(0, min(int(max_hit), len(hs)))
         with self._mu:
             if request_id in self._reqs:
                 raise CacheError(f"request {request_id!r} is already active: release() it first")
             self._serial += 1
-            r = _Req(request_id, self._serial, hs, limit)
-            # one probe pass per tier over the whole matchable range: the prefixes, and the pages
-            # _count_hits / _policy_on_use need (reused while the tier's mapping is unchanged)
-            q = hs if limit == len(hs) else hs[:limit]
-            a1, a2 = self.t1.pages_of(q), self.t2.pages_of(q)
-            n1 = _run(a1, 0)
-            n2 = _run(a2, n1)
-            p1, p2 = a1[:n1], a2[n1:n2]
-            r.n1, r.n2 = n1, n2
-            self.t1.pin(p1)
-            self.t2.pin(p2)
-            r.l1_hit, r.l2_hit = p1, p2
-            r.seen1, r.seen2 = _seen(self.t1, 0, a1), _seen(self.t2, 0, a2)
+            r = _Req(request_id, self._serial, hs, buf, limit)
+            # the L1 prefix, then its continuation in L2: one native probe-and-pin call per tier
+            r.l1_hit = p1 = self.t1.pin_prefix(buf, 0, limit)
+            r.n1 = len(p1)
+            r.l2_hit = self.t2.pin_prefix(buf, r.n1, limit)
+            r.n2 = r.n1 + len(r.l2_hit)
             self._reqs[request_id] = r
         n3 = r.n2
         try:
@@ -196,7 +185,7 @@ class TieredCache:
             if n3 < r.n2:  # PP: the lock is shorter than what this stage holds locally
                 self._truncate(r, n3)
             r.n3 = n3
-            self._count_hits(r, r.n2)
+            self._count_hits(r, r.n2, r.l1_hit if r.n2 == r.n1 else None)  # no L2 hits: L1's are known
             self._policy_on_use(r)
             return Match(request_id, len(hs), r.n1, r.n2 - r.n1, r.n3 - r.n2)
 
@@ -218,18 +207,17 @@ class TieredCache:
         r.l2_hit = r.l2_hit[:k2]
         r.n1, r.n2 = k1, k1 + k2
 
-    def _count_hits(self, r: _Req, upto: int) -> None:
-        """Hit counts of hashes[counted:upto] in every tier holding them: once per request."""
+    def _count_hits(self, r: _Req, upto: int, l1: np.ndarray | None = None) -> None:
+        """Hit counts of hashes[counted:upto] in every tier holding them: once per request.
+        `l1`: the L1 pages of hashes[counted:upto] if the caller has them (no probes)."""
         if upto <= r.counted:
             return
         lo, hi = r.counted, min(upto, len(r.hashes))
-        for t, seen in ((self.t1, r.seen1), (self.t2, r.seen2)):
-            p = _pages_of(t, seen, r.hashes, lo, hi)
-            p = p[p >= 0]
-            if not p.size:
-                continue
-            t.hits[p] += 1
-            t.touch(p)
+        if l1 is None:
+            self.t1.count_hits(r.buf, lo, hi)  # hit count + 1 and used now, per page present
+        else:
+            self.t1.hit_pages(l1)
+        self.t2.count_hits(r.buf, lo, hi)
         r.counted = upto
 
     def _policy_on_use(self, r: _Req) -> None:
@@ -238,13 +226,13 @@ class TieredCache:
         if self.cfg.l1_to_l2 == "write_through_selective" and len(r.l1_hit):
             hot = r.l1_hit[self.t1.hits[r.l1_hit] >= thr]
             if hot.size:
-                self._backup(self.t1.hash_of[hot].tolist(), hot, "selective")
+                self._backup(self.t1.keys_of(hot), hot, "selective")
         if self.cfg.l2_to_l3 == "write_through_selective" and self.writer is not None:
-            p2 = _pages_of(self.t2, r.seen2, r.hashes, 0, r.n2)
+            p2 = self.t2.lookup(r.buf, 0, r.n2)
             p2 = p2[p2 >= 0]
             hot = p2[(self.t2.hits[p2] >= thr) & ~self._in_l3[p2]]
             if hot.size:
-                self._write_l3(self.t2.hash_of[hot].tolist(), hot, "selective")
+                self._write_l3(self.t2.keys_of(hot), hot, "selective")
 
     # -- prefetch / load --------------------------------------------------------------------------
     @_timed("prefetch")
@@ -320,7 +308,7 @@ class TieredCache:
         with self._mu:
             k = len(fetched)
             if k:
-                used = self.t2.insert(r.hashes[r.n2 : r.n2 + k], fetched)
+                used = self.t2.insert(r.buf, fetched, r.n2)
                 dup = fetched[used != fetched]
                 if dup.size:
                     self.l2.free(dup)
@@ -342,17 +330,21 @@ class TieredCache:
             nload = r.n_hit - r.n1
             extra = 0 if total_pages is None else max(0, total_pages - r.n_hit)
             new = self._alloc_l1(r, nload + extra)
-            src = np.concatenate([r.l2_hit, r.l2_fetched])
             job = None
             if nload:
+                src = np.concatenate([r.l2_hit, r.l2_fetched])
                 job = self._engine.submit_load(self.slots(new[:nload]), src)
                 r.load_job = job
             st = self._stats
             st.requests += 1
+            metrics.CACHE_REQUESTS.inc()
             for t, n in (("l1", r.n1), ("l2", r.n2 - r.n1), ("l3", k)):
                 st.hit_pages[t] += n
                 st.hit_bytes[t] += n * self.page_bytes
+                metrics.CACHE_HIT_PAGES(t).inc(n)
+                metrics.CACHE_HIT_BYTES(t).inc(n * self.page_bytes)
             st.miss_pages += len(r.hashes) - r.n_hit
+            metrics.CACHE_MISS_PAGES.inc(len(r.hashes) - r.n_hit)
             h = LoadHandle(self, r.rid, np.concatenate([r.l1_hit, new]), r.n_hit, job)
             h.l1, h.l2, h.l3 = r.n1, r.n2 - r.n1, k
             h.l3_wait_s = r.l3_wait_s
@@ -378,38 +370,48 @@ class TieredCache:
     def _alloc_l1(self, r: _Req, n: int) -> np.ndarray:
         if n == 0:
             return _EMPTY
+        t1 = self.t1.native
         short = n - self._l1_alloc.free_pages
-        if short > self.t1.evictable and self._bk_inflight:
+        if short > t1.evictable and self._bk_inflight:
             # pages pinned by backups in flight come free when the backup thread is done with them
             deadline = time.monotonic() + self.cfg.load_timeout_s
-            while short > self.t1.evictable and self._bk_inflight and time.monotonic() < deadline:
+            while short > t1.evictable and self._bk_inflight and time.monotonic() < deadline:
                 self._mu.wait(0.05)
                 short = n - self._l1_alloc.free_pages
+        victims = _EMPTY
         if short > 0:
-            if short > self.t1.evictable:
+            if short > t1.evictable:
                 raise CacheFull(
-                    f"L1 full: need {n} pages, {self._l1_alloc.free_pages} free and {self.t1.evictable} evictable "
+                    f"L1 full: need {n} pages, {self._l1_alloc.free_pages} free and {t1.evictable} evictable "
                     f"of {self._l1_alloc.num_pages} (the rest are pinned by in-flight requests)"
                 )
-            self._evict_l1(short)
+            victims = self._evict_l1(short)
         try:
-            pages = self._l1_alloc.alloc(n)
+            # = free(victims) + alloc(n): the allocator hands out the pages freed last first, in
+            # order; the victims skip the round trip through its stack
+            pages = self._l1_alloc.alloc(n - len(victims))
         except OutOfPages as e:
+            self._l1_alloc.free(victims)
             raise CacheFull(f"L1 full: {e}") from None
+        if victims.size:
+            pages = np.concatenate([victims, pages])
         self._l1_owner[pages] = r.serial
         r.l1_owned.append(pages)
         return pages
 
-    def _evict_l1(self, n: int) -> None:
-        victims, hs = self.t1.victims(n)
+    def _evict_l1(self, n: int) -> np.ndarray:
+        """Evict `n` L1 pages (LRU); returns them still allocated (the caller reuses or frees them)."""
+        # one native call: the LRU victims out of the index, their hashes into the ghost list
+        victims, keys = self.t1.native.evict(n, self.ghost.native if self.ghost.capacity else None)
         self._stats.evictions["l1"] += len(victims)
-        if self.ghost.capacity:
-            self.ghost.add(hash64(hs))
-        try:
-            if self.cfg.l1_to_l2 == "write_back":
-                self._write_back_l1(hs, victims)
-        finally:
-            self._l1_alloc.free(victims)
+        metrics.CACHE_EVICTIONS("l1").inc(len(victims))
+        if self.cfg.l1_to_l2 == "write_back":
+            try:
+                self._write_back_l1(split(keys), victims)
+            except BaseException:
+                self._l1_alloc.free(victims)
+                raise
+        return victims
 
     def _write_back_l1(self, hs: list[bytes], victims: np.ndarray) -> None:
         """write_back: an evicted L1 page not in L2 is copied down before its page is reused."""
@@ -458,6 +460,7 @@ class TieredCache:
         if not victims.size:
             return
         self._stats.evictions["l2"] += len(victims)
+        metrics.CACHE_EVICTIONS("l2").inc(len(victims))
         try:
             if self.cfg.l2_to_l3 == "write_back" and self.l3 is not None:
                 keep = ~self._in_l3[victims]
@@ -493,18 +496,21 @@ class TieredCache:
         p = np.asarray(l1_pages)
         if p.size and p.dtype.kind not in "iu":
             raise TypeError(f"l1_pages must be integers, got {p.dtype}")
-        p = p.astype(np.int64).reshape(-1)
+        p = p.astype(np.int64, copy=False).reshape(-1)
         m = len(hs)
         if len(p) < m:
             raise ValueError(f"{m} page hashes but only {len(p)} L1 pages")
         known = min(m, len(r.hashes))
-        same = hs[:known] == r.hashes[:known]  # one C pass (identical objects compare by identity)
+        # the list match() got, or one C pass (identical objects compare by identity)
+        same = hs is r.hashes or hs[:known] == r.hashes[:known]
         if (not same or known < r.n_hit) and hs[: r.n_hit] != r.hashes[: r.n_hit]:
             raise ValueError(f"page_hashes of {request_id!r} disagree with the {r.n_hit} pages it matched")
         if m < r.n_hit:
             raise ValueError(f"commit of {m} pages is shorter than the {r.n_hit} pages {request_id!r} hit")
-        if not (same and m == known):  # match() checked r.hashes already
-            _check_distinct(hs)
+        if same and m == known:  # match() checked r.hashes already
+            buf = r.buf if m == len(r.hashes) else r.buf[: m * HASH_BYTES]
+        else:
+            buf = _join(hs)
         self._collect_load(r)
         if r.load_ok is False:
             raise TransferError(f"the L2 -> L1 load of {request_id!r} failed: its pages were not inserted")
@@ -513,27 +519,27 @@ class TieredCache:
             if len(r.l1_hit) != n1 or not (pages[:n1] == r.l1_hit).all():
                 raise ValueError(f"l1_pages[:{n1}] must be the L1 hit pages load() returned")
             rest = pages[n1:]
-            if rest.size and (rest.min() < 0 or rest.max() >= len(self._l1_owner)):
+            own = r.l1_owned[0] if len(r.l1_owned) == 1 else _EMPTY
+            if rest.size and rest.size <= own.size and (rest == own[: rest.size]).all():
+                pass  # the pages load() allocated, in order: in range, this request's, distinct
+            elif rest.size and (rest.min() < 0 or rest.max() >= len(self._l1_owner)):
                 raise IndexError(f"L1 page ids out of range [0, {len(self._l1_owner)})")
-            if (self._l1_owner[rest] != r.serial).any():
+            elif (self._l1_owner[rest] != r.serial).any():
                 bad = rest[self._l1_owner[rest] != r.serial][:8].tolist()
                 raise ValueError(f"L1 pages {bad} were not allocated to request {request_id!r}")
-            srt = np.sort(rest)
-            if srt.size > 1 and not (srt[1:] != srt[:-1]).all():
+            elif rest.size > 1 and not (np.diff(np.sort(rest)) != 0).all():
                 raise ValueError("the same L1 page appears twice in l1_pages")
             was = self.t1.cached[rest]
             if was.any():
-                idx = np.flatnonzero(was).tolist()
-                if any(self.t1.hash_of[int(rest[i])] != hs[n1 + i] for i in idx):
+                idx = np.flatnonzero(was)
+                if self.t1.keys_of(rest[idx]) != [hs[n1 + i] for i in idx.tolist()]:
                     raise ValueError("an L1 page committed before is committed again under another hash")
-            hsn = hs[n1:m]
-            have = _pages_of(self.t1, r.seen1, r.hashes, n1, m) if same and m == known else None
-            used, newly = self.t1.insert_pinned(hsn, rest, have)
+            used, newly = self.t1.insert_pinned(buf, rest, n1)
             r.l1_inserted.append(newly)
-            if same:  # used[i] is the page of r.hashes[n1 + i] now
-                r.seen1 = _seen(self.t1, n1, used)
-            self._count_hits(r, m)
-            self._policy_on_commit(r, hs, np.concatenate([r.l1_hit, used]))
+            # used[i]: the L1 page of hs[n1 + i], = r.hashes[n1 + i] when `same`; counted >= n1
+            fresh = used[r.counted - n1 :] if same and m == known and r.counted >= n1 else None
+            self._count_hits(r, m, fresh)
+            self._policy_on_commit(r, hs, buf, np.concatenate([r.l1_hit, used]))
             return int(newly.size)
 
     def _collect_load(self, r: _Req) -> None:
@@ -550,16 +556,17 @@ class TieredCache:
         self._collect_load(r)
         return bool(r.load_ok)
 
-    def _policy_on_commit(self, r: _Req, hs: list[bytes], pages: np.ndarray) -> None:
+    def _policy_on_commit(self, r: _Req, hs: list[bytes], buf: bytes, pages: np.ndarray) -> None:
         pol, thr = self.cfg.l1_to_l2, self.cfg.hit_threshold
         if pol == "write_through":
             self._backup(hs, pages, "through")
         elif pol == "write_through_selective":
             hot = self.t1.hits[pages] >= thr
             start = r.n_hit
-            g = self.ghost.leading_of(hs, start)
+            g = self.ghost.native.leading_of(buf, start, HASH_BYTES) if self.ghost.capacity else 0
             if g:  # rebuilt pages evicted from L1 before: proven reuse
                 self._stats.ghost_hits += g
+                metrics.CACHE_GHOST_HITS.inc(g)
                 gp = pages[start : start + g]
                 self.t1.hits[gp] = np.maximum(self.t1.hits[gp], thr)
                 hot[start : start + g] = False
@@ -706,8 +713,10 @@ class TieredCache:
             # one unpin per tier: the pages are distinct (hits were cached, inserted ones were not;
             # fetched pages hold other hashes than the L2 hits), order as before (hits first)
             self.t1.unpin(np.concatenate([r.l1_hit, *r.l1_inserted]))
-            self.t2.unpin(np.concatenate([r.l2_hit, r.l2_fetched]))
-            owned = np.concatenate(r.l1_owned) if r.l1_owned else _EMPTY
+            if r.l2_hit.size or r.l2_fetched.size:
+                self.t2.unpin(np.concatenate([r.l2_hit, r.l2_fetched]))
+            lo = r.l1_owned
+            owned = (lo[0] if len(lo) == 1 else np.concatenate(lo)) if lo else _EMPTY
             if owned.size and not quarantine:
                 self._l1_owner[owned] = -1
                 free = owned[~self.t1.cached[owned]]
@@ -735,7 +744,7 @@ class TieredCache:
             raise BackgroundError("; ".join(errs[:5]) + more)
 
     def stats(self) -> dict[str, Any]:
-        with self._mu:
+        with self._mu, self._api_mu:
             d = self._stats.as_dict()
             for name, t, a in (("l1", self.t1, self._l1_alloc), ("l2", self.t2, self.l2.allocator)):
                 d[f"{name}_pages"] = {

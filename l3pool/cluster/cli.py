@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from l2core.units import format_size
+from l3pool.cli import fail
 from l3pool.cluster.local import (
     DEFAULT_NAME,
     DEFAULT_SUBNET,
@@ -40,17 +42,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
             ready_timeout=args.timeout,
         )  # fmt: skip
     except ClusterConfigError as e:
-        print(f"l3pool cluster up: {e}", file=sys.stderr)
-        return 2
+        return fail("l3pool cluster up", str(e))
     old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM during up: clean up like SIGINT
     try:
         cluster.start()
     except ClusterError as e:
-        print(f"l3pool cluster up: {e}", file=sys.stderr)
-        return 1
+        return fail("l3pool cluster up", str(e), code=1)
     except KeyboardInterrupt:
-        print("l3pool cluster up: interrupted; everything started was stopped", file=sys.stderr)
-        return 130
+        return fail("l3pool cluster up", "interrupted; everything started was stopped", code=130)
     finally:
         signal.signal(signal.SIGTERM, old)
     state = cluster.detach()
@@ -59,20 +58,30 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 0
     if cluster.fallback_reason:
         print(f"namespaces unavailable: {cluster.fallback_reason}; falling back to loopback ports")
-    print(f"cluster {cluster.name!r} up in {cluster.up_seconds:.1f} s ({cluster.mode})")
+    size = format_size(cluster.segment_bytes, cluster.segment_text)
+    print(f"cluster {cluster.name!r} up in {cluster.up_seconds:.1f} s ({cluster.mode}): "
+          f"{len(cluster.agents)} agents donating {size} each")  # fmt: skip
     _print_endpoints(state)
     for a in cluster.agents:
         print(f"agent {a.id}: ip {a.ip} netns {a.netns or '-'} pid {a.pid} log {a.log}")
+    print("for clients in this shell (Mooncake advertises MC_TCP_BIND_ADDRESS; inspect/doctor/purge read L3POOL_*):")
+    print(f"  {client_exports(state)}")
     print(f"stop with: l3pool cluster down --state-dir {cluster.state_dir}")
     return 0
 
 
+def client_exports(state: dict[str, Any]) -> str:
+    """The `export ...` line a shell needs to be a client of the cluster in `state`."""
+    ep = state["endpoints"]
+    env = {**ep.get("client_env", {}), "L3POOL_ETCD": ep["etcd"], "L3POOL_MASTER_ADMIN": ep["admin"]}
+    return "export " + " ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items())
+
+
 def _cmd_down(args: argparse.Namespace) -> int:
     try:
-        result = down(_state_dir(args))
+        result = down(_state_dir(args), remove_logs=not args.keep_logs)
     except ClusterError as e:
-        print(f"l3pool cluster down: {e}", file=sys.stderr)
-        return 1
+        return fail("l3pool cluster down", str(e), code=1)
     if result is None:
         msg = f"nothing to stop: no cluster state in {_state_dir(args)}"
         print(json.dumps({"stopped": [], "message": msg}) if args.json else msg)
@@ -84,6 +93,10 @@ def _cmd_down(args: argparse.Namespace) -> int:
         print(f"deleted: {', '.join(result['links'] + result['netns']) or 'no network (loopback mode)'}")
         for err in result["errors"]:
             print(f"warning: {err}")
+        if result["logs_removed"]:
+            print(f"removed: {', '.join(result['logs_removed'])} (keep them with --keep-logs)")
+        elif result["logs_kept"]:
+            print(f"logs kept in {_state_dir(args)}: {', '.join(result['logs_kept'])}")
     if result["survivors"]:
         print(f"l3pool cluster down: pids {result['survivors']} survived SIGKILL", file=sys.stderr)
         return 1
@@ -94,8 +107,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     try:
         st = status(_state_dir(args))
     except ClusterError as e:
-        print(f"l3pool cluster status: {e}", file=sys.stderr)
-        return 1
+        return fail("l3pool cluster status", str(e), code=1)
     if st is None:
         msg = f"no cluster up: no state in {_state_dir(args)}"
         print(json.dumps({"up": False, "message": msg}) if args.json else msg)
@@ -139,4 +151,6 @@ def add_parser(subparsers: Any) -> None:
         s.add_argument("--state-dir", help=dirs)
         s.add_argument("--name", default=DEFAULT_NAME, help="the cluster's name, when --state-dir is not given")
         s.add_argument("--json", action="store_true")
+        if name == "down":
+            s.add_argument("--keep-logs", action="store_true", help="keep the logs (default: removed once all stopped)")
         s.set_defaults(fn=fn)

@@ -29,7 +29,7 @@ Lifecycle (`LocalCluster`, a context manager):
 `state_dir/state.json` records pids (with their start times, so a recycled pid is never
 signalled), process groups, ports, namespaces and links; it is rewritten after each step of
 start(), so `down` can clean up even after the launching process was killed. Logs go to
-`state_dir/{etcd,master,agent-K}.log`.
+`state_dir/{etcd,master,agent-K}.log` (an agent's Mooncake lines: `state_dir/mooncake-agent-<pid>.log`).
 
 CLI: `l3pool cluster up|down|status` (`l3pool.cluster.cli`).
 """
@@ -51,7 +51,7 @@ import sys
 import sysconfig
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -230,15 +230,29 @@ def _teardown(
     }
 
 
-def down(state_dir: str | Path) -> dict[str, Any] | None:
-    """Stop exactly what `state_dir/state.json` records; None when nothing is recorded. Idempotent."""
+def down(state_dir: str | Path, remove_logs: bool = False) -> dict[str, Any] | None:
+    """Stop exactly what `state_dir/state.json` records; None when nothing is recorded. Idempotent.
+
+    `remove_logs`: once everything stopped, also delete the logs the cluster wrote (the files its
+    processes logged to, and the state dir itself when nothing else is left in it); with
+    survivors, or without the flag, they stay (`logs_kept`)."""
     state = read_state(state_dir)
     if state is None:
         return None
     procs = _state_procs(state)
     result = _teardown(procs, state.get("links", []), state.get("netns", []), state.get("etcd_data_dir"))
+    logs = sorted({p.log for p in procs if p.log} | {a["log"] for a in state.get("agents", []) if a.get("log")})
+    result["logs_removed"], result["logs_kept"] = [], [x for x in logs if os.path.exists(x)]
     if not result["survivors"]:
         (Path(state_dir) / STATE_FILE).unlink(missing_ok=True)
+        if remove_logs:
+            for x in result["logs_kept"]:
+                Path(x).unlink(missing_ok=True)
+            result["logs_removed"], result["logs_kept"] = result["logs_kept"], []
+            (Path(state_dir) / ".lock").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # only when empty: a user's own files stay
+                Path(state_dir).rmdir()
+                result["logs_removed"].append(str(state_dir))
     return result
 
 
@@ -265,11 +279,15 @@ def _check_args(
     if isinstance(segment_size, bool) or not isinstance(segment_size, (int, str)):
         raise ClusterConfigError(f"segment_size must be an int or a size such as '256MB', got {segment_size!r}")
     try:
-        nbytes = segment_size if isinstance(segment_size, int) else parse_size(segment_size, "segment_size")
+        nbytes = segment_size if isinstance(segment_size, int) else parse_size(segment_size, "--segment-size")
     except ValueError as e:
         raise ClusterConfigError(str(e)) from None
     if nbytes <= 0:
         raise ClusterConfigError(f"segment_size must be positive, got {segment_size!r}")
+    from l3pool.agent import segment_too_small
+
+    if agents and (problem := segment_too_small(nbytes, segment_size)) is not None:
+        raise ClusterConfigError(problem)  # refused here, before anything starts, not by each agent
     return agents, nbytes, net
 
 
@@ -297,6 +315,7 @@ class LocalCluster:
         master_bin: str | None = None,
     ) -> None:
         self.agent_count, self.segment_bytes, net = _check_args(agents, segment_size, netns, name, subnet)
+        self.segment_text = segment_size.strip() if isinstance(segment_size, str) else str(segment_size)
         for what, v in (
             ("lease_ttl", lease_ttl), ("client_ttl", client_ttl),
             ("put_start_discard_timeout_sec", put_start_discard_timeout_sec),
@@ -375,7 +394,10 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         if self._started:
             raise ClusterError("this LocalCluster was already started")
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ClusterError(f"cannot create the state dir {self.state_dir}: {e.strerror or e}") from None
         self._claim_state_dir()  # raises ClusterAlreadyUp before this object owns anything
         self._started = True
         t0 = time.monotonic()
@@ -557,6 +579,9 @@ class LocalCluster:
         self, role: str, pid_id: str, cmd: list[str], log_path: Path, netns: str | None = None, ip: str | None = None
     ) -> _Proc:
         full = ["ip", "netns", "exec", netns, *cmd] if netns else cmd
+        env = _child_env(ip if role == "agent" else None)
+        if role == "agent":  # the agent's Mooncake log file (l3pool/logs.py) beside its own log
+            env.setdefault("L3POOL_LOG_DIR", str(self.state_dir))
         with open(log_path, "ab") as f:
             log_from = f.tell()
             f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(full)}\n".encode())
@@ -568,7 +593,7 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 cwd=self.state_dir,
-                env=_child_env(ip if role == "agent" else None),
+                env=env,
             )
         st = _proc_stat(popen.pid)
         p = _Proc(
@@ -628,7 +653,7 @@ class LocalCluster:
         a = self.agents[k]
         cmd = [
             *self.agent_cmd, "--master", self.master, "--metadata", self.metadata_url,
-            "--etcd", self.etcd_endpoints, "--host", a.ip, "--segment-size", str(self.segment_bytes),
+            "--etcd", self.etcd_endpoints, "--host", a.ip, "--segment-size", self.segment_text,
             "--lease-ttl", str(self.lease_ttl), "--key-prefix", self.key_prefix, "--id", a.id,
         ]  # fmt: skip
         a.pid = self._spawn("agent", a.id, cmd, a.log, a.netns, a.ip).pid
@@ -787,3 +812,84 @@ def status(state_dir: str | Path) -> dict[str, Any] | None:
         "links": {x: x in links for x in state.get("links", [])},
         "netns": {x: x in nss for x in state.get("netns", [])},
     }
+
+
+# -- finding a pool: given endpoints, the cluster `l3pool cluster up` left running, or a new one ---
+STATE_DIR_HELP = (
+    "the running local cluster to use when no --master is given (default: `l3pool cluster up`'s state dir; "
+    "none running there: a cluster is started here and stopped at the end)"
+)
+
+
+def running_cluster(state_dir: str | Path | None = None) -> dict[str, Any] | None:
+    """The state of the local cluster recorded in `state_dir` (default: the default name's, where
+    `l3pool cluster up` writes) when its start completed and every process is alive; else None."""
+    state = read_state(state_dir if state_dir is not None else default_state_dir())
+    if state is None or state.get("up_seconds") is None:
+        return None
+    procs = _state_procs(state)
+    if not procs or not all(_alive(p) for p in procs):
+        return None
+    return state
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where a tool's pool is: what a client in this process needs, and where another node's
+    process (a writer) can run. `cluster` is the LocalCluster the tool started (else None)."""
+
+    master: str
+    metadata: str
+    host: str  # this process's Mooncake address
+    etcd: str | None = None
+    writer_netns: str | None = None  # run a second node's process here (a local cluster in netns mode)
+    writer_host: str | None = None
+    mode: str = "external"
+    admin: str | None = None
+    key_prefix: str = "/l3pool"
+    cluster: LocalCluster | None = None
+
+
+def _from_state(state: dict[str, Any]) -> Endpoints:
+    ep = state["endpoints"]
+    agent = (state.get("agents") or [{}])[-1]
+    netns = agent.get("netns")
+    return Endpoints(ep["master"], ep["metadata"], ep["client_host"], ep["etcd"], netns,
+                     agent.get("ip") if netns else None, f"running local cluster ({state['state_dir']})",
+                     ep.get("admin"), ep.get("key_prefix") or "/l3pool")  # fmt: skip
+
+
+@contextlib.contextmanager
+def pool_endpoints(
+    master: str | None = None,
+    metadata: str | None = None,
+    host: str | None = None,
+    etcd: str | None = None,
+    *,
+    segment_size: int | str = "1GB",
+    name: str | None = None,
+    state_dir: str | Path | None = None,
+) -> Iterator[Endpoints]:
+    """The pool a tool or benchmark runs against (a context manager yielding `Endpoints`):
+    `master` + `metadata` when given; else the local cluster `l3pool cluster up` left running
+    (`state_dir`, default the default name's); else a LocalCluster of 2 agents started here and
+    torn down on exit. For a local cluster this process's environment gets `client_env()` (the
+    tool is the application: it sets Mooncake's address variable for its own client)."""
+    if master:
+        if not metadata:
+            raise ClusterConfigError("--master needs --metadata (the transfer-engine metadata URL)")
+        yield Endpoints(master, metadata, host or "127.0.0.1", etcd)
+        return
+    if metadata or etcd:
+        raise ClusterConfigError("--metadata/--etcd need --master too (or give none to use the local cluster)")
+    state = running_cluster(state_dir)
+    if state is not None:
+        os.environ.update(state["endpoints"].get("client_env") or mooncake_env(state["endpoints"]["client_host"]))
+        log.info("using the running local cluster in %s", state["state_dir"])
+        yield _from_state(state)
+        return
+    with LocalCluster(agents=2, segment_size=segment_size, name=name or f"l3t{uuid.uuid4().hex[:6]}") as c:
+        os.environ.update(c.client_env())
+        wa = c.agents[-1]
+        yield Endpoints(c.master, c.metadata_url, c.client_host, c.etcd_endpoints, wa.netns,
+                        wa.ip if wa.netns else None, c.mode, c.admin_url, c.key_prefix, c)  # fmt: skip

@@ -51,6 +51,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +64,7 @@ import xxhash
 
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
+from l3pool import metrics
 from l3pool.pool.keys import FORMAT_VERSION, GEOMETRY_FIELDS, Namespace, geometry_of
 from l3pool.pool.store import MooncakeStore, Outcome
 
@@ -85,6 +87,25 @@ TRAILER_BYTES = TRAILER.itemsize  # 32
 TRAILER_MAGIC = int.from_bytes(b"L3PG", "little")
 FLAG_CHECKSUM = 1
 assert TRAILER_BYTES == 32
+
+_FAILURES = [o for o in Outcome if o is not Outcome.OK]
+
+
+def tally(res: list[Outcome]) -> list[tuple[str, int]]:
+    """(outcome value, pages) for each outcome present in `res`: one C-level `list.count` per
+    outcome, stopping once every page is counted (an all-OK batch is one pass)."""
+    ok = res.count(Outcome.OK)
+    out = [(Outcome.OK.value, ok)] if ok else []
+    left = len(res) - ok
+    for o in _FAILURES:
+        if not left:
+            break
+        c = res.count(o)
+        if c:
+            out.append((o.value, c))
+            left -= c
+    return out
+
 
 # content checksums of a batch are split over threads above this many bytes (xxh3 releases the GIL)
 _PARALLEL_MIN_BYTES = 8 << 20
@@ -290,18 +311,27 @@ class L3Client:
     # -- lookups -----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[str]) -> int:
         """Length of the longest prefix of `keys` present in L3 (stops at the first miss)."""
-        n = 0
-        for b in range(0, len(keys), max(self.batch_pages, 512)):
-            chunk = keys[b : b + max(self.batch_pages, 512)]
-            res = self.store.exists(chunk)
-            k = next((i for i, r in enumerate(res) if r is not Outcome.OK), len(res))
-            n += k
-            if k < len(res):
-                break
+        n, acc, lat = 0, dict[str, int](), metrics.CLIENT_BATCH_SECONDS("exists")
+        try:
+            for b in range(0, len(keys), max(self.batch_pages, 512)):
+                chunk = keys[b : b + max(self.batch_pages, 512)]
+                t0 = time.perf_counter()
+                res = self.store.exists(chunk)
+                lat.observe(time.perf_counter() - t0)
+                metrics.add_tally(acc, tally(res))
+                k = next((i for i, r in enumerate(res) if r is not Outcome.OK), len(res))
+                n += k
+                if k < len(res):
+                    break
+        finally:
+            metrics.count_pages("exists", acc, 0)
         with self._lock:
             self.stats.lookups += 1
             self.stats.hits += n
             self.stats.misses += int(n < len(keys))
+        metrics.CLIENT_LOOKUPS.inc()
+        if n:
+            metrics.CLIENT_LOOKUP_HIT_PAGES.inc(n)
         return n
 
     # -- data --------------------------------------------------------------------------------
@@ -311,20 +341,29 @@ class L3Client:
         whose writer was killed — is PENDING, never OK."""
         p = self._pages(keys, pages)
         out: list[Outcome] = []
-        for b in range(0, len(keys), self.batch_pages):
-            ks, ps = list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages]
-            with self._slot() as slot:
-                res, taken = self._put_batch(ks, ps, slot)
-            stored = sum(1 for i, r in enumerate(res) if r is Outcome.OK and not taken[i])
-            skipped = sum(1 for i, r in enumerate(res) if r is Outcome.OK and taken[i])
-            pending = res.count(Outcome.PENDING)
-            with self._lock:
-                self.stats.puts += stored
-                self.stats.put_skipped += skipped
-                self.stats.put_pending += pending
-                self.stats.put_failed += len(ks) - stored - skipped - pending
-                self.stats.bytes_put += stored * self.pool.layout.page_bytes
-            out += res
+        pb, acc, lat = self.pool.layout.page_bytes, dict[str, int](), metrics.CLIENT_BATCH_SECONDS("put")
+        try:
+            for b in range(0, len(keys), self.batch_pages):
+                ks, ps = list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages]
+                t0 = time.perf_counter()
+                with self._slot() as slot:
+                    res, taken = self._put_batch(ks, ps, slot)
+                lat.observe(time.perf_counter() - t0)
+                counts = dict(tally(res))
+                pending = counts.get(Outcome.PENDING.value, 0)
+                skipped = taken.count(True) - pending  # another put held it: complete (OK) or PENDING
+                stored = counts.pop(Outcome.OK.value, 0) - skipped
+                # put's OK is two outcomes: stored now (ok), or already present (skipped)
+                metrics.add_tally(acc, [("ok", stored), ("skipped", skipped), *counts.items()])
+                with self._lock:
+                    self.stats.puts += stored
+                    self.stats.put_skipped += skipped
+                    self.stats.put_pending += pending
+                    self.stats.put_failed += len(ks) - stored - skipped - pending
+                    self.stats.bytes_put += stored * pb
+                out += res
+        finally:
+            metrics.count_pages("put", acc, acc.get("ok", 0) * pb)
         return out
 
     def get(self, keys: Sequence[str], pages: Sequence[int] | np.ndarray) -> list[Outcome]:
@@ -332,15 +371,23 @@ class L3Client:
         for an object whose trailer names this key (and whose checksum matches, if on)."""
         p = self._pages(keys, pages)
         out: list[Outcome] = []
-        for b in range(0, len(keys), self.batch_pages):
-            with self._slot() as slot:
-                res = self._get_batch(list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages], slot)
-            ok = sum(1 for r in res if r is Outcome.OK)
-            with self._lock:
-                self.stats.gets += ok
-                self.stats.get_failed += len(res) - ok
-                self.stats.bytes_got += ok * self.pool.layout.page_bytes
-            out += res
+        pb, acc, lat = self.pool.layout.page_bytes, dict[str, int](), metrics.CLIENT_BATCH_SECONDS("get")
+        try:
+            for b in range(0, len(keys), self.batch_pages):
+                t0 = time.perf_counter()
+                with self._slot() as slot:
+                    res = self._get_batch(list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages], slot)
+                lat.observe(time.perf_counter() - t0)
+                counts = tally(res)
+                metrics.add_tally(acc, counts)
+                ok = counts[0][1] if counts and counts[0][0] == Outcome.OK.value else 0
+                with self._lock:
+                    self.stats.gets += ok
+                    self.stats.get_failed += len(res) - ok
+                    self.stats.bytes_got += ok * pb
+                out += res
+        finally:
+            metrics.count_pages("get", acc, acc.get("ok", 0) * pb)
         return out
 
     def _pages(self, keys: Sequence[str], pages: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -471,6 +518,10 @@ class L3Client:
             with self._lock:
                 self.stats.trailer_rejections += len(rejected)
                 self.stats.checksum_failures += len(bad_sum)
+            if rejected:
+                metrics.CLIENT_TRAILER_REJECTIONS.inc(len(rejected))
+            if bad_sum:
+                metrics.CLIENT_CHECKSUM_FAILURES.inc(len(bad_sum))
             log.warning(
                 "L3 get: %d object(s) not bound to their key (e.g. %s) and %d checksum mismatch(es): treated as misses",
                 len(rejected),
@@ -494,7 +545,7 @@ class L3Client:
                 if keeper is None or keeper.lost.is_set():
                     if keeper is not None:
                         keeper.close(revoke=False)
-                    keeper = LeaseKeeper(self.metadata.etcd, ttl)
+                    keeper = LeaseKeeper(self.metadata.etcd, ttl, owner="stats")
                 self._ensure_namespace()
                 self.publish_stats(keeper.lease)
             except EtcdError as e:

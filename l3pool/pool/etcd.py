@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+from l3pool.metrics import LEASE_RENEWAL_FAILURES, LEASE_RENEWALS
 from l3pool.pool.breaker import Breaker
 
 log = logging.getLogger(__name__)
@@ -682,11 +683,14 @@ class LeaseKeeper:
     """Keeps one lease alive from a background thread (refresh every ttl/3).
 
     `lost` is set when the lease expired or etcd stayed unreachable past the TTL; the owner
-    decides what that means (an agent re-registers, a lock holder gives up).
+    decides what that means (an agent re-registers, a lock holder gives up). Keep-alives are
+    counted in `l3pool_lease_renewals_total{owner}` / `l3pool_lease_renewal_failures_total{owner}`
+    (`owner` one of a few fixed words: member, stats, other).
     """
 
-    def __init__(self, client: EtcdClient, ttl: int) -> None:
+    def __init__(self, client: EtcdClient, ttl: int, owner: str = "other") -> None:
         self.client, self.ttl = client, ttl
+        self._renewed, self._failed = LEASE_RENEWALS(owner), LEASE_RENEWAL_FAILURES(owner)
         self.lease = client.lease_grant(ttl)
         self.lost = threading.Event()
         self._stop = threading.Event()
@@ -698,11 +702,14 @@ class LeaseKeeper:
         while not self._stop.wait(max(0.2, self.ttl / 3)):
             try:
                 if self.client.lease_keepalive(self.lease, bypass=True) <= 0:
+                    self._failed.inc()
                     log.warning("etcd lease %x expired", self.lease)
                     self.lost.set()
                     return
+                self._renewed.inc()
                 last_ok = time.monotonic()
             except EtcdError as e:
+                self._failed.inc()
                 if "lease not found" in str(e) and not isinstance(e, (EtcdUnavailable, EtcdAuthError)):  # wiped
                     log.warning("etcd lease %x is gone: %s", self.lease, e)
                     self.lost.set()

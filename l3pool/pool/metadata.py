@@ -80,6 +80,7 @@ class MemberInfo:
     protocol: str = "tcp"
     master: str = ""  # host:port of the mooncake_master it mounted its segment on
     segment: str = ""  # its segment's name at the master ("host:port"), to join with /query_segment
+    metrics: str = ""  # its Prometheus endpoint (http://host:port/metrics), "" when it serves none
     version: str = __version__
     started_at: float = field(default_factory=time.time)
     pid: int = field(default_factory=os.getpid)
@@ -153,7 +154,7 @@ class Metadata:
         its lease revoked. The caller watches `keeper.lost` and calls this again when it is set.
         """
         key = self.member_key(info.id)
-        keeper = LeaseKeeper(self.etcd, ttl)
+        keeper = LeaseKeeper(self.etcd, ttl, owner="member")
         try:
             value = _dumps(info.to_dict())
             created, existing = self.etcd.put_if_absent(key, value, lease=keeper.lease)

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from l3pool import metrics
 from l3pool.pool.etcd import EtcdError, do_count_prefix, do_put, if_absent, if_lease, txn_count, txn_succeeded
 from l3pool.pool.keys import Namespace
 from l3pool.pool.metadata import Metadata, check_id
@@ -192,6 +193,7 @@ class StageLocks:
             self._wake.set()  # top the spares up
             raise LockError(f"request {request_id!r} is already locked (lease {existing.lease if existing else 0:x})")
         t2 = time.perf_counter()
+        metrics.PPLOCK_ACQUIRE_SECONDS.observe(t2 - t0)
         keys = [k for ks in stage_keys for k in ks[:length]]
         self._hold(request_id, _Held(lease, keys, fresh=True))
         return LockGrant(request_id, length, self.stages, n, lease, per_stage, t1 - t0, t2 - t1)
@@ -206,12 +208,15 @@ class StageLocks:
         re-grants the read leases of this stage's locked pages. Raises UnknownRequest when no lock
         appeared within `timeout`."""
         key = self.lock_key(request_id)
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         while True:
             kv = self.etcd.get(key)
             if kv is not None:
+                metrics.PPLOCK_WAIT_SECONDS.observe(time.monotonic() - t0)
                 break
             if time.monotonic() >= deadline:
+                metrics.PPLOCK_TIMEOUTS.inc()
                 raise UnknownRequest(
                     f"no lock for request {request_id!r} (stage 0 has not acquired it, or it was released or expired)"
                 )

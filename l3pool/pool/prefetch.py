@@ -64,6 +64,7 @@ import numpy as np
 
 from l2core.allocator import OutOfPages
 from l2core.spec import ConfigError
+from l3pool import metrics
 from l3pool.pool.client import L3Client
 from l3pool.pool.store import Outcome
 
@@ -445,6 +446,8 @@ class Prefetcher:
                 res.batch_ms.append(ms)
                 self.batch_ms.append(ms)
                 res.keys_loaded += k
+                if k:
+                    metrics.PREFETCH_PAGES.inc(k)
                 if k < len(out):
                     res.stopped_by, ended, issuing = out[k].value, True, False
         finally:
@@ -459,6 +462,10 @@ class Prefetcher:
             res.elapsed_s = time.perf_counter() - t0
             stopped_early = res.keys_loaded < n and res.stopped_by is None and res.error is None
             res.interrupted = h._stop.is_set() and h._why == "interrupt" and stopped_early
+            if res.interrupted:
+                metrics.PREFETCH_INTERRUPTS.inc()
+            if res.error is not None:
+                metrics.PREFETCH_ERRORS.inc()
             h._finish(res)
 
     def _landed(self, h: PrefetchHandle, pages: np.ndarray) -> bool:

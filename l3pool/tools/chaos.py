@@ -737,5 +737,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_child"]:
-        sys.exit(_child_main(sys.argv[2:]))
+        from l3pool.cli import guarded
+
+        sys.exit(guarded("l3pool chaos child", lambda: _child_main(sys.argv[2:])))
     sys.exit("usage: l3pool chaos (python -m l3pool.tools.chaos _child is internal)")

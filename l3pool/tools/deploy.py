@@ -30,9 +30,9 @@ import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
+from l2core.units import format_size
 from l3pool.tools.deploy_config import (
     ADAPTER,
     ADAPTER_KEYS,
@@ -322,7 +322,8 @@ def verify(cfg: DeployConfig) -> dict[str, Any]:
     nodes: list[dict[str, Any]] = []
     members = {mem["id"]: mem for mem in (report or {}).get("members", [])}
     for d in cfg.decode:
-        item: dict[str, Any] = {"name": d.name, "host": d.host, "donate_bytes": d.donate_bytes, "problems": []}
+        item: dict[str, Any] = {"name": d.name, "host": d.host, "donate": d.donate, "donate_bytes": d.donate_bytes,
+                                "problems": []}  # fmt: skip
         mem = members.get(d.name)
         if report is None:
             item["status"] = "unknown"
@@ -336,7 +337,8 @@ def verify(cfg: DeployConfig) -> dict[str, Any]:
             checks = [
                 (mem["host"] == d.host, f"registered with host {mem['host']}, configured {d.host}"),
                 (mem["donated_bytes"] == d.donate_bytes,
-                 f"donates {mem['donated_bytes']} bytes, configured {d.donate} = {d.donate_bytes} bytes"),
+                 f"donates {format_size(mem['donated_bytes'], d.donate)}, "
+                 f"configured {format_size(d.donate_bytes, d.donate)}"),
                 (mem["protocol"] == cfg.protocol, f"uses protocol {mem['protocol']}, configured {cfg.protocol}"),
                 (mem["master"] == m.rpc, f"mounted on master {mem['master']}, configured {m.rpc}"),
                 (mem["in_master"] is not False, f"its segment {mem['segment']} is not mounted at the master"),
@@ -376,7 +378,8 @@ def _verify_text(v: dict[str, Any]) -> str:
     lines = [f"etcd {v['etcd']}  master admin {v['master_admin']}  prefix {v['key_prefix']}"]
     lines += [f"error: {p}" for p in v["problems"]]
     for n in v["decode"]:
-        lines.append(f"{n['status'].upper():8s} {n['name']} ({n['host']}, {n['donate_bytes']} bytes)")
+        size = format_size(n["donate_bytes"], n["donate"])
+        lines.append(f"{n['status'].upper():8s} {n['name']} ({n['host']}, {size})")
         lines += [f"         {p}" for p in n["problems"]]
     if v["unexpected_members"]:
         lines.append(f"note: members not in the config: {', '.join(v['unexpected_members'])}")
@@ -413,7 +416,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     procs = plan(cfg)
     hosts = sorted({p.host for p in procs})
     print(f"{args.config}: OK: {len(cfg.prefill)} prefill, {len(cfg.decode)} decode nodes donating "
-          f"{sum(d.donate_bytes for d in cfg.decode)} bytes; {len(procs)} processes on {len(hosts)} hosts")  # fmt: skip
+          f"{format_size(sum(d.donate_bytes for d in cfg.decode), cfg.decode[0].donate)}; {len(procs)} processes on "
+          f"{len(hosts)} hosts")  # fmt: skip
     return 0
 
 
@@ -433,8 +437,9 @@ def _cmd_render(args: argparse.Namespace) -> int:
         return 2
     firewall = {h: rules for h in dict.fromkeys(p.host for p in chosen) if (rules := firewall_rules(cfg, h))}
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        from l3pool.cli import output_dir
+
+        out = output_dir(args.out, "--out")
         groups = (
             {args.node: chosen} if args.node else {n: select(procs, n) for n in dict.fromkeys(p.node for p in procs)}
         )

@@ -36,7 +36,7 @@ from typing import Any
 
 from l2core.names import LAYOUTS
 from l2core.units import ConfigError, parse_size
-from l3pool.agent import MIN_SEGMENT_BYTES, PROTOCOLS
+from l3pool.agent import PROTOCOLS, segment_too_small
 from l3pool.pool.etcd import SECURITY_KEYS
 from l3pool.pool.metadata import DEFAULT_PREFIX, check_id, check_prefix
 from l3pool.pool.store import DEFAULT_METADATA_PORT, metadata_url
@@ -720,10 +720,8 @@ def _read_decode(r: _Reader, i: int, raw: Any, sg: tuple[Src | None, Src | None]
     lease = r.get(src, "lease_ttl", _int_in(2, 3600), 10)
     run_sg = r.get(src, "run_sglang", _as_bool, True)
     own = r.table(_sub(src, "sglang"), f"{where}.sglang", _SG_DECODE)
-    if nbytes is not None and nbytes < MIN_SEGMENT_BYTES:
-        r.error(
-            src["donate"][1], f"{donate!r} is below Mooncake's minimum segment of {MIN_SEGMENT_BYTES} bytes (16MiB)"
-        )
+    if nbytes is not None and (problem := segment_too_small(nbytes, src["donate"][0], None)) is not None:
+        r.error(src["donate"][1], problem)
         nbytes = None
     spec = _read_sglang(r, _merge(*sg, own), f"{where}.sglang", prefill=False) if run_sg else None
     if _none_in(name, host, donate, nbytes, numa, rdma, lease, run_sg) or (run_sg and spec is None):

@@ -9,7 +9,10 @@
                 master's /get_all_keys) and bytes (objects x page_bytes); None without the master
     counters    the sum of every client's numeric counters; clients: each client's own
     locks       every key under {prefix}/locks/ with its value and lease TTL left
-    master      admin URL, totals from /metrics, every segment (with the member that owns it)
+    master      admin URL, totals from /metrics, every segment (with the member that owns it),
+                `metrics_url` (the master's own Prometheus endpoint, enabled by default in 0.3.13)
+                and `metrics`: a summary of it (request items and failures, evictions, discards)
+Members that serve metrics (`l3pool agent --metrics-port`) carry their endpoint's URL.
 Unreachable etcd or master admin: one line on stderr, exit 1.
 """
 
@@ -29,6 +32,19 @@ from l3pool.pool.etcd import EtcdClient, EtcdError, EtcdSecurity, add_security_a
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata
 
 ADMIN_TIMEOUT = 3.0
+# the master's /metrics samples `inspect` summarises (mooncake_master 0.3.13 names), label -> sample
+MASTER_SUMMARY = {
+    "put_items": "master_batch_put_start_items_total",
+    "put_failed_items": "master_batch_put_start_failed_items_total",
+    "get_items": "master_batch_get_replica_list_items_total",
+    "get_failed_items": "master_batch_get_replica_list_failed_items_total",
+    "exist_items": "master_batch_exist_key_items_total",
+    "evicted_keys": "master_evicted_key_count",
+    "evicted_bytes": "master_evicted_size_bytes",
+    "evictions": "master_successful_evictions_total",
+    "put_discards": "master_put_start_discard_cnt",
+    "put_releases": "master_put_start_release_cnt",
+}
 _NS_FIELDS = ("model", "attention", "layout", "dtype", "page_size", "page_bytes")
 
 
@@ -135,6 +151,8 @@ def collect(
             allocated_bytes=int(m.get("master_allocated_bytes", 0)),
             capacity_bytes=int(m.get("master_total_capacity_bytes", 0)),
             active_clients=int(m.get("master_active_clients", 0)),
+            metrics_url=f"{admin.url}/metrics",
+            metrics={"series": len(m), **{k: int(m[v]) for k, v in MASTER_SUMMARY.items() if v in m}},
             segments=[
                 {
                     "name": s,
@@ -164,6 +182,7 @@ def collect(
                 "pid": info.pid,
                 "age_s": round(now - info.started_at, 1),
                 "master": info.master,
+                "metrics": info.metrics or None,
             }
         )
 
@@ -246,6 +265,7 @@ def render(report: dict[str, Any]) -> str:
             for m in members
         ],
     )
+    out[-1:-1] = [f"  metrics of {m['id']}: {m['metrics']}" for m in members if m.get("metrics")]
     out += _table(
         "NAMESPACES",
         ["NS_ID", "MODEL", "LAYOUT", "DTYPE", "PAGE", "PAGE_BYTES", "LAYERS", "TP", "OBJECTS", "BYTES"],
@@ -288,6 +308,14 @@ def render(report: dict[str, Any]) -> str:
             f"MASTER {master['admin_url']}: keys {master['keys']}, used {_size(master['allocated_bytes'])} of "
             f"{_size(master['capacity_bytes'])}, segments {len(master['segments'])}, clients {master['active_clients']}"
         )
+        ms = master.get("metrics") or {}
+        if ms:
+            out.append(
+                f"  metrics {master['metrics_url']} ({ms['series']} series): put items {_na(ms.get('put_items'))} "
+                f"(failed {_na(ms.get('put_failed_items'))}), get items {_na(ms.get('get_items'))} "
+                f"(failed {_na(ms.get('get_failed_items'))}), evicted {_na(ms.get('evicted_keys'))} keys / "
+                f"{_size(ms.get('evicted_bytes'))}, put discards {_na(ms.get('put_discards'))}"
+            )
         orphans = [s["name"] for s in master["segments"] if s["member"] is None]
         if orphans:
             out.append(f"  segments without a live member: {', '.join(orphans)}")
@@ -299,9 +327,20 @@ def render(report: dict[str, Any]) -> str:
 def run_inspect(args: argparse.Namespace) -> int:
     endpoints = args.etcd or os.environ.get("L3POOL_ETCD", "")
     admin = args.master_admin or os.environ.get("L3POOL_MASTER_ADMIN") or None
-    if not endpoints:
-        sys.stderr.write("l3pool inspect: error: --etcd is required (or set L3POOL_ETCD)\n")
-        return 2
+    if not endpoints:  # the local cluster `l3pool cluster up` left running, if any
+        from l3pool.cli import UserError
+        from l3pool.cluster.local import default_state_dir, running_cluster
+
+        state_dir = args.state_dir or default_state_dir()
+        state = running_cluster(state_dir)
+        if state is None:
+            raise UserError(
+                f"no pool to inspect: no --etcd (or L3POOL_ETCD) and no local cluster running in {state_dir}",
+                "start one with `l3pool cluster up`, or give --etcd ENDPOINTS [--master-admin URL]",
+            )
+        endpoints, admin = state["endpoints"]["etcd"], admin or state["endpoints"]["admin"]
+        if args.key_prefix == DEFAULT_PREFIX:
+            args.key_prefix = state["endpoints"].get("key_prefix") or DEFAULT_PREFIX
     try:
         report = collect(endpoints, admin, args.key_prefix, security_from_args(args))
     except ValueError as e:  # bad endpoint, prefix or security setting
@@ -316,12 +355,15 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("inspect", help="members, namespaces, counters and locks of an L3 pool")
-    p.add_argument("--etcd", metavar="ENDPOINTS", help="comma-separated etcd endpoints (or env L3POOL_ETCD)")
+    p.add_argument("--etcd", metavar="ENDPOINTS", help="comma-separated etcd endpoints (or env L3POOL_ETCD; "
+                   "default: the local cluster of `l3pool cluster up`)")  # fmt: skip
     p.add_argument(
         "--master-admin",
         metavar="URL",
         help="mooncake_master admin address http://HOST:METRICS_PORT (or env L3POOL_MASTER_ADMIN)",
     )
+    p.add_argument("--state-dir", help="without --etcd: the local cluster recorded here (default: `l3pool cluster "
+                   "up`'s, /tmp/l3pool-cluster)")  # fmt: skip
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help=f"etcd key prefix (default {DEFAULT_PREFIX})")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     add_security_args(p)

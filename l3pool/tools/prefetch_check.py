@@ -4,10 +4,10 @@
     l3pool prefetch-check --master H:P --metadata URL --host MY_IP     # a running pool
 
 1. A *writer* process puts a test prefix set (`--requests` prefixes of `--pages` pages whose bytes
-   come from `--seed`) from one node: without endpoints the local cluster is started
-   (`LocalCluster(agents=2)`, torn down at the end) and, when it has network namespaces, the
-   writer runs inside agent 1's namespace with that agent's IP; against a running pool it is a
-   separate process on this host.
+   come from `--seed`) from one node: without endpoints the local cluster `l3pool cluster up` left
+   running is used, else one is started (`LocalCluster(agents=2)`, torn down at the end); when it
+   has network namespaces, the writer runs inside the last agent's namespace with that agent's IP;
+   against a pool given by --master it is a separate process on this host.
 2. This process (root namespace, another node) prefetches every prefix into its own L2 pool
    with a `Prefetcher` (all requests submitted at once, `--inflight` at a time), verifies every
    byte against the recomputed expectation, and frees the pages. The L2 pool is filled with 0xA5
@@ -23,21 +23,27 @@ nothing leaked. `python -m l3pool.tools.prefetch_check writer ...` is the writer
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from l2core.units import format_size
+from l3pool.cli import UserError, fail, guarded, output_file
+from l3pool.cluster.local import STATE_DIR_HELP, Endpoints, pool_endpoints
 from l3pool.measure import percentile
 from l3pool.procenv import python_env
+
+__all__ = ["Endpoints", "PrefixSet", "run_test", "run_writer"]
 
 LAYOUT = "page_first_direct"  # page bytes contiguous: one zero-copy fragment per page
 MODEL = "l3pool-prefetch-check"
@@ -87,17 +93,6 @@ class PrefixSet:
         return [f"--{k.replace('_', '-')}={getattr(self, k)}" for k in self.__dataclass_fields__]
 
 
-@dataclass(frozen=True)
-class Endpoints:
-    master: str
-    metadata: str
-    host: str  # this (reader) process's address
-    etcd: str | None = None
-    writer_netns: str | None = None  # run the writer here (local cluster in netns mode)
-    writer_host: str | None = None
-    mode: str = "external"
-
-
 def _pages_view(pool: Any) -> Any:
     return pool.buffer.view(pool.num_pages, pool.layout.page_bytes)
 
@@ -121,7 +116,7 @@ def _writer_main(argv: list[str]) -> int:
     pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=ps.pages * ps.page_size, pin="never"))
     store = MooncakeStore(StoreConfig(master=a.master, metadata=a.metadata, local_hostname=a.host))
     client = L3Client(pool, store, ps.namespace(), batch_pages=64)
-    bad, put_s = 0, 0.0
+    bad, put_s, outcomes = 0, 0.0, collections.Counter[str]()
     try:
         view = _pages_view(pool)
         for r in range(ps.requests):
@@ -130,12 +125,14 @@ def _writer_main(argv: list[str]) -> int:
             res = client.put(ps.keys(r), range(ps.pages))
             put_s += time.perf_counter() - t0
             bad += sum(x is not Outcome.OK for x in res)
+            outcomes.update(x.name for x in res if x is not Outcome.OK)
     finally:
         client.close()
         store.close()
         pool.close()
     nbytes = ps.requests * ps.pages * spec.page_bytes
-    print(json.dumps({"written_pages": ps.requests * ps.pages - bad, "failed": bad, "put_s": put_s,
+    print(json.dumps({"written_pages": ps.requests * ps.pages - bad, "failed": bad, "refused": dict(outcomes),
+                      "put_s": put_s,
                       "put_GBps": nbytes / put_s / 1e9 if put_s else None, "host": a.host}))  # fmt: skip
     return 0 if bad == 0 else 1
 
@@ -149,35 +146,66 @@ def run_writer(ps: PrefixSet, ep: Endpoints, timeout: float = 300) -> dict[str, 
         cmd = ["ip", "netns", "exec", ep.writer_netns, *cmd]
     base = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
     env = python_env({"MC_TCP_BIND_ADDRESS": host}, base)  # a child's environment, set by the application
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"the writer process did not finish within {timeout:.0f} s", code=1) from None
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if lines and (failed := json.loads(lines[-1]).get("failed")):
+        refused = ", ".join(f"{n} {k}" for k, n in json.loads(lines[-1]).get("refused", {}).items())
+        total = ps.requests * ps.pages
+        raise UserError(f"the writer stored {total - failed} of {total} test pages ({refused or 'refused'})",
+                        f"a full pool refuses pages: {_pool_hint(ps)}", code=1)  # fmt: skip
     if r.returncode != 0 or not lines:
-        raise RuntimeError(f"writer failed (code {r.returncode}): {r.stderr.strip()[-2000:]}")
+        raise UserError(f"the writer process failed (exit {r.returncode}): {_last_error(r.stderr)}",
+                        "the writer is a second client of the same pool: is that pool reachable from here? "
+                        "(l3pool doctor, l3pool inspect)", code=1)  # fmt: skip
     out: dict[str, Any] = json.loads(lines[-1])
     out["netns"] = ep.writer_netns
     return out
 
 
-# -- endpoints -----------------------------------------------------------------------------------
-@contextlib.contextmanager
-def endpoints(args: argparse.Namespace) -> Iterator[Endpoints]:
-    """The given pool, or a local cluster started here (and torn down on exit)."""
-    if args.master:
-        if not args.metadata:
-            raise SystemExit("--master needs --metadata")
-        yield Endpoints(args.master, args.metadata, args.host or "127.0.0.1", args.etcd)
-        return
-    if args.metadata or args.etcd:
-        raise SystemExit("--metadata/--etcd need --master too (or give none to start a local cluster)")
-    from l3pool.cluster.local import LocalCluster
+def _set_bytes(ps: PrefixSet) -> int:
+    from l3pool.pool.client import TRAILER_BYTES
 
-    name = args.name or f"l3pt{uuid.uuid4().hex[:4]}"
-    with LocalCluster(agents=2, segment_size=args.segment_size, name=name) as c:
-        # this program is the application: it sets Mooncake's address variable for its own client
-        os.environ.update(c.client_env())
-        wa = c.agents[-1]
-        yield Endpoints(c.master, c.metadata_url, c.client_host, c.etcd_endpoints,
-                        wa.netns, wa.ip if wa.netns else None, c.mode)  # fmt: skip
+    return ps.requests * ps.pages * (ps.spec().page_bytes + TRAILER_BYTES)  # type: ignore[no-any-return]
+
+
+def _pool_hint(ps: PrefixSet) -> str:
+    need = format_size(_set_bytes(ps), "1MiB")
+    return f"the test set is {need}: raise --segment-size (or lower --pages/--requests)"
+
+
+def check_fits(ps: PrefixSet, ep: Endpoints) -> None:
+    """Refuse, before writing, a test set that cannot fit a local cluster started here (Mooncake
+    evicts above 90 % of the pool, so the set must stay under that)."""
+    c = ep.cluster
+    if c is None or not c.agents:
+        return
+    need = _set_bytes(ps)
+    have = len(c.agents) * c.segment_bytes
+    if need > 0.9 * have:
+        donated = f"{len(c.agents)} x {format_size(c.segment_bytes, c.segment_text)}"
+        raise UserError(f"the test set ({format_size(need, c.segment_text)}) does not fit the local cluster's pool "
+                        f"({donated}; Mooncake evicts above 90 %)", _pool_hint(ps))  # fmt: skip
+
+
+_GLOG = re.compile(r"^[IWEF]\d{4} ")  # Mooncake's log lines (glog), not an error of the process
+
+
+def _last_error(stderr: str) -> str:
+    """The line a failed child process ended with (its error, not its traceback or log lines)."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not _GLOG.match(ln)]
+    errors = [ln.split(": error: ", 1)[1] for ln in lines if ": error: " in ln]  # the `fail` line, hint after it
+    return (errors or lines or ["no output"])[-1][-300:]
+
+
+# -- endpoints -----------------------------------------------------------------------------------
+def endpoints(args: argparse.Namespace) -> contextlib.AbstractContextManager[Endpoints]:
+    """The given pool, the local cluster `l3pool cluster up` left running, or a local cluster
+    started here (and torn down on exit)."""
+    return pool_endpoints(args.master, args.metadata, args.host, args.etcd, segment_size=args.segment_size,
+                          name=args.name or f"l3pt{uuid.uuid4().hex[:4]}", state_dir=args.state_dir)  # fmt: skip
 
 
 # -- the test ------------------------------------------------------------------------------------
@@ -194,9 +222,14 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
     from l3pool.pool.prefetch import Prefetcher
     from l3pool.pool.store import MooncakeStore, StoreConfig
 
+    check_fits(ps, ep)
     bar = tqdm(total=2 * ps.requests + 1, desc="prefetch-check", unit="step", file=sys.stderr, disable=not progress)
     bar.set_postfix_str("writing")
-    writer = run_writer(ps, ep)
+    try:
+        writer = run_writer(ps, ep)
+    except BaseException:
+        bar.close()  # before the error line, so that the error is the last line
+        raise
     bar.update(1)
     spec = ps.spec()
     pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=ps.requests * ps.pages * ps.page_size, pin="never"))
@@ -343,15 +376,15 @@ def _cmd(args: argparse.Namespace) -> int:
         except ImportError:
             print("l3pool prefetch-check: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
             return 2
+        output_file(args.plot, "--plot")
     ps = PrefixSet(args.layers, args.page_size, args.pages, args.requests, args.seed, uuid.uuid4().hex)
     try:
         with endpoints(args) as ep:
             if ep.writer_netns and shutil.which("ip") is None:
                 ep = Endpoints(**{**ep.__dict__, "writer_netns": None})
             rep = run_test(ps, ep, args, progress=not args.no_progress)
-    except (RuntimeError, OSError) as e:  # ClusterError, StoreError, writer failures
-        print(f"l3pool prefetch-check: {e}", file=sys.stderr)
-        return 1
+    except (RuntimeError, OSError) as e:  # ClusterError, StoreError
+        return fail("l3pool prefetch-check", str(e), code=1)
     if args.plot:
         _plot(rep, args.plot)
     out = {k: v for k, v in rep.items() if not k.startswith("_")}
@@ -377,7 +410,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--page-size", type=int, default=64, help="tokens per page (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--segment-size", default="1GB", help="DRAM per agent of the local cluster (default %(default)s)")
-    p.add_argument("--name", help="local cluster name (default: random)")
+    p.add_argument("--name", help="name of a local cluster started here (default: random)")
+    p.add_argument("--state-dir", help=STATE_DIR_HELP)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="latency plot (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -386,6 +420,6 @@ def add_parser(subparsers: Any) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["writer"]:
-        sys.exit(_writer_main(sys.argv[2:]))
+        sys.exit(guarded("prefetch-check writer", lambda: _writer_main(sys.argv[2:])))
     print("usage: l3pool prefetch-check ... (or python -m l3pool.tools.prefetch_check writer ...)", file=sys.stderr)
     sys.exit(2)

@@ -16,7 +16,7 @@ SMALL = ["--pages", "64", "--requests", "30", "--l1-pages", "512", "--layers", "
 
 def test_cache_bench_json_contract(tmp_path: Path) -> None:
     out = tmp_path / "cache.json"
-    rc = cache.main([*SMALL, "--segment-size", "256MB", "--out", str(out)])
+    rc = cache.main([*SMALL, "--segment-size", "256MB", "--out", str(out), "--state-dir", str(tmp_path)])
     r = json.loads(out.read_text())
     assert rc == 0 and r["correct"] is True
     assert isinstance(r["device"], str) and r["device"]  # "cpu" or the GPU's name

@@ -19,7 +19,7 @@ TINY = ["--pages", "4", "--rounds", "2", "--models", "mla", "--segment-size", "2
 
 def test_l3_bench_json_contract(tmp_path: Path) -> None:
     out = tmp_path / "l3.json"
-    rc = l3.main([*TINY, "--layouts", "page_first_direct,layer_first", "--out", str(out)])
+    rc = l3.main([*TINY, "--layouts", "page_first_direct,layer_first", "--out", str(out), "--state-dir", str(tmp_path)])
     report = json.loads(out.read_text())
     assert rc == 0 and report["correct"] is True and report["transport"] == "tcp"
     for key in ("raw_put_GBps", "raw_get_GBps", "put_GBps", "get_GBps", "put_ratio", "get_ratio", "lookup_ms_512"):
@@ -65,7 +65,7 @@ def test_l3_bench_correct_can_become_false(
     else:  # a lookup that always claims 512 hits misses the absent-key check
         monkeypatch.setattr(L3Client, "lookup", lambda self, keys: 512)
     out = tmp_path / "l3.json"
-    rc = l3.main([*TINY, "--rounds", "1", "--layouts", layout, "--out", str(out)])
+    rc = l3.main([*TINY, "--rounds", "1", "--layouts", layout, "--out", str(out), "--state-dir", str(tmp_path)])
     report = json.loads(out.read_text())
     (row,) = report["rows"][:1]
     assert rc == 1 and report["correct"] is False and row["correct"] is False

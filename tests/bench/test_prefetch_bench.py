@@ -19,7 +19,7 @@ ARGV = ["--pages", "24", "--batch", "4", "--max-batch", "8", "--rounds", "1", "-
 
 def test_prefetch_bench_json_contract(tmp_path: Path) -> None:
     out = tmp_path / "prefetch.json"
-    rc = prefetch.main([*ARGV, "--lock-requests", "4", "--out", str(out)])
+    rc = prefetch.main([*ARGV, "--lock-requests", "4", "--out", str(out), "--state-dir", str(tmp_path)])
     report = json.loads(out.read_text())
     assert rc == 0 and report["correct"] is True and report["leaked_pages"] == 0 and report["wrong_pages"] == 0
     assert report["transport"] == "tcp" and report["batch_schedule"] == [4, 8, 8, 4]
@@ -67,7 +67,7 @@ def test_prefetch_bench_correct_can_become_false(tmp_path: Path, monkeypatch: py
 
     monkeypatch.setattr(L3Client, "get", faulty_get)
     out = tmp_path / "prefetch.json"
-    rc = prefetch.main([*ARGV, "--lock-requests", "2", "--out", str(out)])
+    rc = prefetch.main([*ARGV, "--lock-requests", "2", "--out", str(out), "--state-dir", str(tmp_path)])
     report = json.loads(out.read_text())
     assert rc == 1 and report["correct"] is False and report["wrong_pages"] > 0
     assert report["leaked_pages"] == 0 and calls[0] >= 2

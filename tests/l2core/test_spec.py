@@ -186,3 +186,25 @@ def test_names_have_one_home() -> None:
         t = KVSpec.mla(1, dtype=n).torch_dtype
         assert spec.dtype_name(t) == n and t.itemsize == names.ELEM_BYTES[n]
     assert spec.dtype_name(torch.float32) is None
+
+
+@pytest.mark.parametrize(
+    "typed, n, shown",
+    [
+        ("2GiB", 2 << 30, "2 GiB"),  # the user's own value, in the unit typed
+        ("2gib", 16 << 20, "16 MiB"),  # another value: the same family (binary)
+        ("1KB", 1000, "1 KB"),
+        ("1KB", 16 << 20, "16.78 MB"),  # decimal family, 4 significant digits
+        ("1000MB", 10**9, "1000 MB"),  # not rewritten as 1 GB
+        ("1.5GB", 1_500_000_000, "1.5 GB"),
+        ("4096", 4096, "4 KiB"),  # plain bytes: binary units
+        ("4096B", 4096, "4096 B"),
+        (None, 100, "100 B"),
+    ],
+)
+def test_format_size_keeps_the_users_unit(typed: str | None, n: int, shown: str) -> None:
+    from l2core.units import format_size
+
+    assert format_size(n, typed) == shown
+    if typed is not None and n == parse_size(typed):
+        assert parse_size(shown.replace(" ", "")) == n  # what is shown parses back to the same bytes

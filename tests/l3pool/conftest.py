@@ -249,6 +249,19 @@ def run_master(client_ttl: int = 3, attempts: int = 3, extra: Sequence[str] = ()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Agents and CLIs started by the tests write Mooncake's log lines (l3pool/logs.py) under
+    pytest's own temporary directory (pruned by pytest), not into the user's log dir."""
+    old = os.environ.get("L3POOL_LOG_DIR")
+    os.environ["L3POOL_LOG_DIR"] = str(tmp_path_factory.mktemp("mooncake-logs"))
+    yield
+    if old is None:
+        os.environ.pop("L3POOL_LOG_DIR", None)
+    else:
+        os.environ["L3POOL_LOG_DIR"] = old
+
+
 @pytest.fixture(scope="module")
 def etcd_server() -> Iterator[EtcdServer]:
     with run_etcd() as server:

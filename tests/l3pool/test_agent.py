@@ -189,7 +189,7 @@ def _run_bad(args: list[str]) -> subprocess.CompletedProcess[str]:
     [
         ({"--segment-size": "12 gigs"}, "--segment-size: cannot parse '12 gigs'"),
         ({"--segment-size": "0"}, "must be positive"),
-        ({"--segment-size": "8MiB"}, "Mooncake needs at least 16777216 bytes"),
+        ({"--segment-size": "8MiB"}, "--segment-size 8 MiB is below Mooncake's minimum segment of 16 MiB; raise"),
         ({"--lease-ttl": "1"}, "--lease-ttl '1'"),
         ({"--lease-ttl": "ten"}, "--lease-ttl 'ten'"),
         ({"--master": "127.0.0.1"}, "--master '127.0.0.1': expected HOST:PORT"),

@@ -1,6 +1,6 @@
-"""The cache's index internals against simple reference models: the ghost list's ring and set, the
-LRU record ring of TierIndex (wrap-around, compaction, victims order), insert_pinned, the addition
-generation and the lookups the controller reuses across a request's calls."""
+"""The cache's native index against simple reference models: the ghost list's ring and set, and
+TierIndex (map on whole 16-byte keys, refs, hits, LRU list, victims, drops) under thousands of
+random operations; bad calls; and the controller's hit counting across requests."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import pytest
 
 from l2core.allocator import PageAllocator
 from l3pool.cache import CacheConfig, GhostList
-from l3pool.cache._internal import _pages_of, _seen
 from l3pool.cache.index import TierIndex, hash64, key64
 
 from .cache_helpers import Engine, chain
@@ -46,8 +45,9 @@ def test_ghost_list_matches_reference_model(cap: int) -> None:
         g.add(np.asarray(keys, dtype=np.uint64) if step % 2 else keys)
         ref.add(keys)
         assert len(g) == len(ref.d) and all(k in g for k in ref.d), step
-        live = [int(g._ring[(g._head - g._size + i) % cap]) for i in range(g._size)] if cap else []
-        assert live == list(ref.d), step  # the ring holds them oldest first, one-to-one with the set
+        assert g.order().tolist() == list(ref.d), step  # the ring holds them oldest first
+        assert all((k in g) == (k in ref.d) for k in range(41)), step  # the set: the same keys, no more
+        g.check()
 
 
 def test_ghost_leading_of_is_leading_of_hash64() -> None:
@@ -63,132 +63,237 @@ def test_ghost_leading_of_is_leading_of_hash64() -> None:
     assert g.leading_of(hs) == 5 and g.leading_of(hs, 7) == 1 and g.leading_of(hs, 12) == 0
 
 
+def test_ghost_list_native_footprint_and_errors() -> None:
+    g = GhostList(1000)
+    assert g.nbytes() / 1000 <= 64  # 8 B of ring + 16-32 B of set per entry
+    g.add(np.arange(5000, dtype=np.uint64))
+    assert len(g) == 1000 and g.order().tolist() == list(range(4000, 5000))
+    g.check()
+    with pytest.raises(ValueError, match="capacity"):
+        GhostList(-1)
+    with pytest.raises(ValueError, match="capacity"):
+        GhostList(True)
+    t = TierIndex("T", PageAllocator(16384))  # map (2 slots of 8 B per page) + 32-byte records + flags
+    assert 48 <= t.nbytes() / 16384 <= 80
+
+
 def _hashes(n: int, tag: int) -> list[bytes]:
     return [tag.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(n)]
 
 
-def test_tier_index_lru_ring_matches_reference_model() -> None:
-    """Random inserts, touches, pins, unpins, victims and drops over a small tier: the victims come
-    in the reference LRU order, and check() holds after every step, across many wrap-arounds of the
-    record ring and its compactions (one page stays evictable and untouched while others churn)."""
-    rng = random.Random(1)
+class _FakeTier:
+    """Reference model of TierIndex: a dict for the map, an OrderedDict for the LRU list (the
+    evictable pages, oldest first), lists for refs and hits; one Python step per page."""
+
+    def __init__(self, n: int) -> None:
+        self.map: dict[bytes, int] = {}
+        self.key: list[bytes | None] = [None] * n
+        self.ref, self.hits = [0] * n, [0] * n
+        self.lru: OrderedDict[int, None] = OrderedDict()
+
+    def lookup(self, hs: list[bytes]) -> list[int]:
+        return [self.map.get(h, -1) for h in hs]
+
+    def pin(self, pages: list[int]) -> None:
+        for p in pages:
+            self.lru.pop(p, None)
+            self.ref[p] += 1
+
+    def unpin(self, pages: list[int]) -> None:
+        for p in pages:
+            self.ref[p] -= 1
+        for p in pages:
+            if self.key[p] is not None and self.ref[p] == 0 and p not in self.lru:
+                self.lru[p] = None
+
+    def touch(self, pages: list[int]) -> None:
+        for p in pages:
+            if p in self.lru:
+                self.lru.move_to_end(p)
+
+    def prefix(self, hs: list[bytes]) -> list[int]:
+        run: list[int] = []
+        for h in hs:
+            if h not in self.map:
+                break
+            run.append(self.map[h])
+        return run
+
+    def pin_prefix(self, hs: list[bytes]) -> list[int]:
+        run = self.prefix(hs)
+        self.pin(run)
+        return run
+
+    def count_hits(self, hs: list[bytes]) -> None:
+        for p in self.lookup(hs):
+            if p >= 0:
+                self.hits[p] += 1
+                self.touch([p])
+
+    def insert(self, hs: list[bytes], pages: list[int], pin: bool) -> tuple[list[int], list[int]]:
+        used = self.lookup(hs)
+        self.touch([p for p in used if p >= 0])
+        newly = []
+        for i, (h, p) in enumerate(zip(hs, pages, strict=True)):
+            if used[i] >= 0:
+                continue
+            if h in self.map:  # repeated within the call: its first page won
+                used[i] = self.map[h]
+                continue
+            self.map[h], self.key[p], self.hits[p], used[i] = p, h, 0, p
+            newly.append(p)
+            if pin:
+                self.ref[p] += 1
+            elif self.ref[p] == 0:
+                self.lru[p] = None
+        return used, newly
+
+    def remove(self, p: int) -> bytes:
+        h = self.key[p]
+        assert h is not None
+        self.lru.pop(p, None)
+        del self.map[h]
+        self.key[p] = None
+        return h
+
+    def victims(self, n: int) -> tuple[list[int], list[bytes]]:
+        pages = list(self.lru)[:n]
+        return pages, [self.remove(p) for p in pages]
+
+    def drop(self, pages: list[int]) -> list[bytes]:
+        return [self.remove(p) for p in pages if self.key[p] is not None]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_tier_index_matches_reference_model(seed: int) -> None:
+    """Thousands of random whole-request operations on the native index and on _FakeTier: the
+    pages, refs, hits, LRU order, victims and dropped hashes are equal after every step, and
+    check() holds. Keys come from a small space in which many share their first (or last) 8
+    bytes, so the map must compare whole keys; the tier is small, so the map's deletions run
+    against full probe chains."""
+    rng = random.Random(seed)
     n = 24
     alloc = PageAllocator(n)
-    t = TierIndex("T", alloc)
-    lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
-    ref = np.zeros(n, dtype=np.int64)
-    tag = 0
-    cap0 = t._cap
-    for step in range(6000):
+    t, ref = TierIndex("T", alloc), _FakeTier(n)
+    space = [a.to_bytes(8, "little") + b.to_bytes(8, "little") for a in range(3) for b in range(20)]
+
+    def keys(k: int) -> list[bytes]:
+        return rng.sample(space, k)  # distinct within a call, as a request's chain is
+
+    for step in range(4000):
         op = rng.random()
-        cached = np.flatnonzero(t.cached)
-        if op < 0.25 and alloc.free_pages:
-            k = rng.randint(1, min(4, alloc.free_pages))
-            pages = alloc.alloc(k)
-            tag += 1
-            got = t.insert(_hashes(k, tag), pages)
-            assert np.array_equal(got, pages)
-            for p in pages.tolist():
-                lru[p] = None
-        elif op < 0.55 and cached.size:
-            pages = np.asarray(rng.sample(cached.tolist(), min(5, cached.size)), dtype=np.int64)
-            t.touch(pages)
-            for p in pages.tolist():
-                if p in lru:
-                    lru.move_to_end(p)
-        elif op < 0.65 and cached.size:
-            pages = np.asarray(rng.sample(cached.tolist(), min(3, cached.size)), dtype=np.int64)
-            t.pin(pages)
-            ref[pages] += 1
-            for p in pages.tolist():
-                lru.pop(p, None)
-        elif op < 0.75 and ref.any():
-            pages = np.flatnonzero(ref)[:3]
-            t.unpin(pages)
-            ref[pages] -= 1
-            for p in pages.tolist():
-                if ref[p] == 0:
-                    lru[p] = None
+        cached = [p for p in range(n) if ref.key[p] is not None]
+        pinned = [p for p in range(n) if ref.ref[p] > 0]
+        if op < 0.2 and alloc.free_pages:
+            k = rng.randint(1, min(6, alloc.free_pages))
+            hs, got = keys(k), alloc.alloc(k)
+            pin = rng.random() < 0.5
+            used, newly = t.insert_pinned(hs, got) if pin else (t.insert(hs, got), None)
+            want, want_new = ref.insert(hs, got.tolist(), pin)
+            assert used.tolist() == want, step
+            if newly is not None:
+                assert newly.tolist() == want_new, step
+            alloc.free([p for p in got.tolist() if p not in want_new])
+        elif op < 0.3:
+            hs = keys(rng.randint(0, 8))
+            assert t.pages_of(hs).tolist() == ref.lookup(hs), step
+            lo = rng.randint(0, len(hs))
+            assert t.prefix(hs, lo).tolist() == ref.prefix(hs[lo:]), step
+        elif op < 0.4:
+            hs = keys(rng.randint(0, 8))
+            assert t.pin_prefix(b"".join(hs), 0, len(hs)).tolist() == ref.pin_prefix(hs), step
+        elif op < 0.5:
+            hs = keys(rng.randint(0, 8))
+            t.count_hits(b"".join(hs), 0, len(hs))
+            ref.count_hits(hs)
+        elif op < 0.6 and cached:
+            pages = rng.sample(cached, min(len(cached), rng.randint(1, 5)))
+            t.touch(np.asarray(pages, dtype=np.int64))
+            ref.touch(pages)
+        elif op < 0.7 and cached:
+            pages = rng.sample(cached, min(len(cached), rng.randint(1, 3)))
+            t.pin(np.asarray(pages, dtype=np.int64))
+            ref.pin(pages)
+        elif op < 0.8 and pinned:
+            pages = rng.sample(pinned, min(len(pinned), rng.randint(1, 3)))
+            t.unpin(np.asarray(pages, dtype=np.int64))
+            ref.unpin(pages)
         elif op < 0.95:
-            k = rng.randint(1, 4)
+            k = rng.randint(0, 5)
             v, hs = t.victims(k)
-            want = list(lru)[:k]
-            assert v.tolist() == want, step
-            assert len(hs) == len(want) and all(h not in t.index for h in hs)
-            for p in want:
-                del lru[p]
+            want, want_hs = ref.victims(k)
+            assert v.tolist() == want and hs == want_hs, step
             alloc.free(v)
-        elif cached.size:
-            p = int(rng.choice(cached.tolist()))
-            if ref[p] == 0:
-                t.drop(np.asarray([p]))
-                lru.pop(p, None)
-                alloc.free([p])
+        elif cached:
+            pages = [p for p in rng.sample(cached, min(len(cached), 3)) if ref.ref[p] == 0]
+            dropped = t.drop(np.asarray(pages, dtype=np.int64))
+            assert dropped == ref.drop(pages), step
+            alloc.free(pages)
         t.check()
-        assert t.evictable == len(lru)
-    assert t._tail > 4 * cap0  # the ring wrapped several times
+        assert t.ref.tolist() == ref.ref and t.hits.tolist() == ref.hits, step
+        assert t.cached.tolist() == [k is not None for k in ref.key], step
+        assert t.lru().tolist() == list(ref.lru) and t.evictable == len(ref.lru), step
+        assert t.keys_of(np.arange(n)) == ref.key, step
+    assert alloc.used_pages == len(ref.map)
 
 
-def test_tier_index_ring_compacts_dead_records() -> None:
+def test_tier_index_keys_on_all_16_bytes() -> None:
+    """Hashes that share their first 8 bytes (or their last 8) are different pages: a 64-bit
+    truncation would hand out another page's bytes as a hit."""
     alloc = PageAllocator(8)
     t = TierIndex("T", alloc)
-    pages = alloc.alloc(8)
-    t.insert(_hashes(8, 0), pages)
-    cap = t._cap
-    for _ in range(3 * cap // 7):  # page 0 stays the oldest while 7 pages churn: the window overflows
-        t.touch(pages[1:])
+    a, b, c = bytes(8) + b"A" * 8, bytes(8) + b"B" * 8, b"C" * 8 + b"A" * 8
+    t.insert([a, c], alloc.alloc(2))
+    assert t.pages_of([a, b, c]).tolist() == [0, -1, 1]
+    t.insert([b], alloc.alloc(1))
+    assert t.pages_of([b, a, c]).tolist() == [2, 0, 1]
+    v, hs = t.victims(1)
+    assert v.tolist() == [0] and hs == [a] and t.pages_of([a, b, c]).tolist() == [-1, 2, 1]
     t.check()
-    assert t._tail - t._head <= t._cap and t._cap == cap  # compacted, not grown
-    v, hs = t.victims(8)
-    assert v.tolist() == [0, 1, 2, 3, 4, 5, 6, 7] and hs == _hashes(8, 0)
 
 
-def test_insert_pinned_generation_and_still() -> None:
+def test_tier_index_rejects_bad_calls_and_changes_nothing() -> None:
+    alloc = PageAllocator(8)
+    t = TierIndex("T", alloc)
+    pages = alloc.alloc(3)
+    t.insert(_hashes(3, 1), pages)
+    t.pin(pages[:1])
+    with pytest.raises(RuntimeError, match="T: reference count of page 1 below zero"):
+        t.unpin(pages[:2])  # page 0 is pinned, page 1 is not: neither changes
+    assert t.ref.tolist()[:3] == [1, 0, 0] and t.lru().tolist() == [1, 2]
+    with pytest.raises(IndexError, match="out of range"):
+        t.pin(np.asarray([8]))
+    with pytest.raises(ValueError, match="indexed under another key"):
+        t.insert(_hashes(2, 2), pages[1:])
+    with pytest.raises(ValueError, match="whole 16-byte keys"):
+        t.native.lookup(b"x" * 17)
+    with pytest.raises(ValueError, match="read-only"):
+        t.ref[0] = 5  # only the index changes refs and residency
+    assert t.pages_of(_hashes(3, 1)).tolist() == [0, 1, 2] and t.pages_of(_hashes(2, 2)).tolist() == [-1, -1]
+    t.check()
+
+
+def test_insert_pinned() -> None:
     alloc = PageAllocator(16)
     t = TierIndex("T", alloc)
     a = alloc.alloc(4)
-    g0 = t.gen
     used, newly = t.insert_pinned(_hashes(4, 1), a)
-    assert np.array_equal(used, a) and np.array_equal(newly, a) and t.gen == g0 + 1
-    assert t.ref[a].tolist() == [1, 1, 1, 1] and t.evictable == 0  # pinned at insert: no records
+    assert np.array_equal(used, a) and np.array_equal(newly, a)
+    assert t.ref[a].tolist() == [1, 1, 1, 1] and t.evictable == 0  # pinned at insert: not in the LRU list
     t.check()
     b = alloc.alloc(4)
     hs = _hashes(2, 1) + _hashes(2, 2)  # two known hashes (theirs wins), two new
     used, newly = t.insert_pinned(hs, b)
     assert used.tolist() == [*a[:2].tolist(), *b[2:].tolist()] and newly.tolist() == b[2:].tolist()
-    g1 = t.gen
     t.unpin(np.concatenate([a, newly]))
-    seen = t.pages_of(hs)  # a0 a1 b2 b3; LRU: a0 a1 a2 a3 b2 b3
+    assert t.lru().tolist() == [*a.tolist(), *newly.tolist()]
+    seen = t.pages_of(hs)  # a0 a1 b2 b3
     t.touch(seen[2:])
     t.pin(seen[:1])
-    assert t.gen == g1  # touches and pins add no hash
-    v, _ = t.victims(2)  # removals do not bump gen: still() drops what they removed
-    assert t.gen == g1 and v.tolist() == [int(a[1]), int(a[2])]
-    assert t.still(seen).tolist() == [int(a[0]), -1, *b[2:].tolist()]
-    assert np.array_equal(t.still(seen), t.pages_of(hs))
-    assert np.array_equal(t.still(np.asarray([-1, int(seen[0])])), [-1, int(seen[0])])
+    v, _ = t.victims(2)
+    assert v.tolist() == [int(a[1]), int(a[2])]
+    assert t.pages_of(hs).tolist() == [int(a[0]), -1, *b[2:].tolist()]
     t.check()
-
-
-def test_pages_of_reuses_a_lookup_only_while_no_hash_was_added() -> None:
-    alloc = PageAllocator(16)
-    t = TierIndex("T", alloc)
-    hs = _hashes(6, 3)
-    t.insert(hs[:3], alloc.alloc(3))
-    a = t.pages_of(hs)
-    seen = _seen(t, 0, a)
-    assert np.array_equal(_pages_of(t, seen, hs, 1, 5), a[1:5])
-    s2 = _pages_of(t, seen, hs, 0, 6)
-    s2[:] = 99  # a copy: the stored lookup stays intact
-    assert np.array_equal(_pages_of(t, seen, hs, 0, 6), a)
-    v, _ = t.victims(1)  # a removal: still() drops it from the reused lookup
-    assert _pages_of(t, seen, hs, 0, 3).tolist() == [-1, int(a[1]), int(a[2])] and v.tolist() == [int(a[0])]
-    alloc.free(v)
-    late = alloc.alloc(2)
-    t.insert(hs[3:5], late)  # added after the lookup: a stale `seen` must not be used
-    assert _pages_of(t, seen, hs, 2, 6).tolist() == [int(a[2]), *late.tolist(), -1]
-    assert _pages_of(t, seen, hs, 0, 2).tolist() == [-1, int(a[1])]
-    assert _pages_of(t, _seen(t, 2, t.pages_of(hs[2:])), hs, 1, 4).tolist() == t.pages_of(hs[1:4]).tolist()
 
 
 @pytest.fixture
@@ -259,3 +364,22 @@ def test_ghost_list_kept_only_for_the_policy_that_reads_it(engines: list[Engine]
     st = c.stats()
     assert st["evictions"]["l1"] == 8
     assert st["ghost_entries"] == (8 if kept else 0)
+
+
+def test_match_takes_whole_16_byte_hashes(engines: list[Engine]) -> None:
+    """The native index keys on 16 bytes: other lengths are refused with one clear error, and
+    two hashes that differ only in their last 8 bytes are two pages end to end."""
+    e = Engine(CacheConfig(), l1_pages=8)
+    engines.append(e)
+    c = e.cache
+    for bad in ([b"x" * 8, b"y" * 8], [b"x" * 32], [b"x" * 16, b"y" * 8]):
+        with pytest.raises(ValueError, match="16-byte hashes"):
+            c.match("r", bad)
+    a, b = bytes(8) + b"A" * 8, bytes(8) + b"B" * 8
+    e.run("a", [a])
+    m = c.match("b", [b])
+    assert m.l1 == 0  # shares 8 bytes with a cached page, still a miss
+    c.release("b")
+    assert c.match("a2", [a]).l1 == 1
+    c.release("a2")
+    assert e.used() == (0, 0)

@@ -243,9 +243,11 @@ def test_cli_up_status_down(state_dir: Path) -> None:
     assert status["up"] and status["ready"] and all(p["alive"] for p in status["processes"])
     assert all(status["netns"].values()) and all(status["links"].values())
 
-    dn = _cli("down", "--state-dir", str(state_dir))
+    dn = _cli("down", "--state-dir", str(state_dir), "--keep-logs")
     assert dn.returncode == 0, dn.stderr
     assert not [p for p in pids if _pid_alive(p)]
+    kept = sorted(x.name for x in state_dir.glob("*.log"))  # kept as asked, and said so
+    assert kept == ["agent-0.log", "agent-1.log", "etcd.log", "master.log"] and "logs kept in" in dn.stdout
     if HAVE_NETNS:
         assert _my_links(name) == [] and _my_netns(name) == []
     dn2 = _cli("down", "--state-dir", str(state_dir))

@@ -79,7 +79,7 @@ BAD = {
     "port out of range": (("rpc_port = 50051", "rpc_port = 70000"), ["master.rpc_port: 70000 is out of range"]),
     "too small donation": (
         ('donate = "192GB"', 'donate = "8MiB"'),
-        ["decode[3].donate: '8MiB' is below Mooncake's minimum segment of 16777216 bytes"],
+        ["decode[3].donate: 8 MiB is below Mooncake's minimum segment of 16 MiB; raise it"],
     ),
     "wrong type int": (("tp_size = 8", 'tp_size = "8"'), ["sglang.tp_size: expected an integer, got a string '8'"]),
     "wrong type bool": (("checksum = false ", 'checksum = "no" '), ["l3.checksum: expected true or false"]),
@@ -461,7 +461,7 @@ def test_verify_local_cluster_reports_missing_and_mismatch(
     status = {n["name"]: n for n in v["decode"]}
     assert status[a0.id]["status"] == "ok"
     assert status[a1.id]["status"] == "mismatch"
-    assert status[a1.id]["problems"] == [f"donates {32 << 20} bytes, configured 64MiB = {64 << 20} bytes"]
+    assert status[a1.id]["problems"] == ["donates 32 MiB, configured 64 MiB"]
     assert status["dn-gone"]["status"] == "missing"
     assert f"{cluster.key_prefix}/members/dn-gone" in status["dn-gone"]["problems"][0]
     rc, out, _ = _cli(capsys, "verify", path)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -194,9 +195,13 @@ def test_unreachable_master_admin_exit_1_one_line(etcd_server: EtcdServer) -> No
     assert len(lines) == 1 and lines[0].startswith("l3pool inspect: error: mooncake master admin unreachable at")
 
 
-def test_missing_etcd_and_bad_input_exit_2() -> None:
-    r = _cli()
-    assert r.returncode == 2 and r.stderr.strip() == "l3pool inspect: error: --etcd is required (or set L3POOL_ETCD)"
+def test_missing_etcd_and_bad_input_exit_2(tmp_path: Path) -> None:
+    r = _cli("--state-dir", str(tmp_path))  # no --etcd, and no local cluster recorded there
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "l3pool inspect: error: no pool to inspect: no --etcd (or L3POOL_ETCD) and no local cluster running in "
+        f"{tmp_path}",
+        "l3pool inspect: hint: start one with `l3pool cluster up`, or give --etcd ENDPOINTS [--master-admin URL]",
+    ]
     r = _cli("--etcd", "127.0.0.1:1", "--key-prefix", "l3pool")
     assert r.returncode == 2 and "key prefix must start with '/'" in r.stderr and "Traceback" not in r.stderr
 

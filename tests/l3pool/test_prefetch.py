@@ -413,11 +413,12 @@ def test_dead_agent_gives_shorter_prefix() -> None:
             st.close()
 
 
-def test_cli_prefetch_check_json() -> None:
+def test_cli_prefetch_check_json(tmp_path: Path) -> None:
     env = python_env()
     cmd = [sys.executable, "-m", "l3pool.cli", "prefetch-check", "--json", "--pages", "48", "--batch", "8",
            "--requests", "2", "--interrupt-after", "0.5", "--layers", "2", "--page-size", "16",
-           "--segment-size", "64MB", "--name", f"l3pq{uuid.uuid4().hex[:4]}"]  # fmt: skip
+           "--segment-size", "64MB", "--name", f"l3pq{uuid.uuid4().hex[:4]}",
+           "--state-dir", str(tmp_path)]  # no cluster recorded there: it starts its own  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout)

@@ -1,5 +1,6 @@
 // The one binding file: checks every tensor (device, dtype, contiguity, shape, bounds), then
 // calls the torch-free kernels in cpu_kernels.cpp / cuda_kernels.cu.
+#include <pybind11/numpy.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "l2core_kernels.h"
+#include "page_index.h"
 
 #ifdef L2CORE_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -373,6 +375,185 @@ bool with_cuda() {
 #endif
 }
 
+// -- page index / ghost list (page_index.h): keys arrive as one buffer of n * key_bytes bytes ------
+namespace {
+
+namespace py = pybind11;
+using Pages = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// The keys [lo, hi) of a buffer of whole keys (hi < 0: to the end), 8-byte aligned (copied into
+// `tmp` if the buffer is not).
+struct Keys {
+  const uint64_t* ptr = nullptr;
+  int64_t n = 0;
+  std::vector<uint64_t> tmp;
+};
+
+Keys keys_of_buffer(const py::buffer& buf, int64_t key_bytes, int64_t lo, int64_t hi) {
+  py::buffer_info info = buf.request();
+  const int64_t bytes = info.size * info.itemsize;
+  TORCH_CHECK_VALUE(bytes % key_bytes == 0, "a key buffer of ", bytes, " bytes is not whole ", key_bytes,
+                    "-byte keys");
+  const int64_t total = bytes / key_bytes;
+  if (hi < 0 || hi > total) hi = total;
+  lo = std::min(std::max<int64_t>(lo, 0), hi);
+  Keys k;
+  k.n = hi - lo;
+  const char* p = static_cast<const char*>(info.ptr) + lo * key_bytes;
+  if (reinterpret_cast<uintptr_t>(p) % 8) {
+    k.tmp.resize(static_cast<size_t>(k.n * key_bytes / 8));
+    std::memcpy(k.tmp.data(), p, static_cast<size_t>(k.n * key_bytes));
+    k.ptr = k.tmp.data();
+  } else {
+    k.ptr = reinterpret_cast<const uint64_t*>(p);
+  }
+  return k;
+}
+
+py::array_t<int64_t> to_array(const int64_t* p, int64_t n) {
+  py::array_t<int64_t> a(n);
+  if (n) std::memcpy(a.mutable_data(), p, static_cast<size_t>(n) * 8);
+  return a;
+}
+
+int64_t key_bytes(const PageIndex& x) { return x.key_words() * 8; }
+
+void bind_page_index(py::module_& m) {
+  py::class_<GhostSet>(m, "GhostSet", "Bounded set of 64-bit keys recently evicted (ring + hash set)")
+      .def(py::init<int64_t>(), py::arg("capacity"))
+      .def_property_readonly("capacity", &GhostSet::capacity)
+      .def("__len__", &GhostSet::size)
+      .def("__contains__", [](const GhostSet& g, uint64_t k) { return g.contains(k); })
+      .def("add",
+           [](GhostSet& g, const py::array_t<uint64_t, py::array::c_style | py::array::forcecast>& k) {
+             g.add(k.data(), k.size(), 1);
+           })
+      .def("leading",
+           [](const GhostSet& g, const py::array_t<uint64_t, py::array::c_style | py::array::forcecast>& k) {
+             return g.leading(k.data(), k.size(), 1);
+           })
+      .def(
+          "leading_of",
+          [](const GhostSet& g, const py::buffer& buf, int64_t start, int64_t kb) {
+            TORCH_CHECK_VALUE(kb >= 8 && kb % 8 == 0, "key_bytes must be a positive multiple of 8");
+            Keys k = keys_of_buffer(buf, kb, start, -1);
+            return g.leading(k.ptr, k.n, kb / 8);
+          },
+          py::arg("keys"), py::arg("start") = 0, py::arg("key_bytes") = 16)
+      .def("order",
+           [](const GhostSet& g) {
+             py::array_t<uint64_t> a(g.size());
+             g.order(a.mutable_data());
+             return a;
+           })
+      .def("nbytes", &GhostSet::nbytes)
+      .def("check", &GhostSet::check);
+
+  py::class_<PageIndex>(m, "PageIndex", "Key -> page index of one cache tier with refs, hits and LRU")
+      .def(py::init<std::string, int64_t, int64_t>(), py::arg("name"), py::arg("num_pages"),
+           py::arg("key_bytes") = 16)
+      .def_property_readonly("num_pages", &PageIndex::num_pages)
+      .def_property_readonly("key_bytes", &key_bytes)
+      .def_property_readonly("evictable", &PageIndex::evictable)
+      .def_property_readonly("size", &PageIndex::size)
+      .def_property_readonly("evictions", &PageIndex::evictions)
+      .def(
+          "lookup",
+          [](const PageIndex& x, const py::buffer& buf, int64_t lo, int64_t hi) {
+            Keys k = keys_of_buffer(buf, key_bytes(x), lo, hi);
+            py::array_t<int64_t> out(k.n);
+            x.lookup(k.ptr, k.n, out.mutable_data());
+            return out;
+          },
+          py::arg("keys"), py::arg("lo") = 0, py::arg("hi") = -1)
+      .def(
+          "pin_prefix",
+          [](PageIndex& x, const py::buffer& buf, int64_t lo, int64_t hi) {
+            Keys k = keys_of_buffer(buf, key_bytes(x), lo, hi);
+            std::vector<int64_t> out(static_cast<size_t>(k.n));
+            return to_array(out.data(), x.pin_prefix(k.ptr, k.n, out.data()));
+          },
+          py::arg("keys"), py::arg("lo") = 0, py::arg("hi") = -1)
+      .def(
+          "count_hits",
+          [](PageIndex& x, const py::buffer& buf, int64_t lo, int64_t hi) {
+            Keys k = keys_of_buffer(buf, key_bytes(x), lo, hi);
+            return x.count_hits(k.ptr, k.n);
+          },
+          py::arg("keys"), py::arg("lo") = 0, py::arg("hi") = -1)
+      .def("hit_pages", [](PageIndex& x, const Pages& p) { x.hit_pages(p.data(), p.size()); })
+      .def("pin", [](PageIndex& x, const Pages& p) { x.pin(p.data(), p.size()); })
+      .def("unpin", [](PageIndex& x, const Pages& p) { x.unpin(p.data(), p.size()); })
+      .def("touch", [](PageIndex& x, const Pages& p) { x.touch(p.data(), p.size()); })
+      .def(
+          "insert",
+          [](PageIndex& x, const py::buffer& buf, int64_t lo, const Pages& p, bool pin) {
+            Keys k = keys_of_buffer(buf, key_bytes(x), lo, lo + p.size());
+            TORCH_CHECK_VALUE(k.n == p.size(), "insert: ", p.size(), " pages but ", k.n, " keys");
+            py::array_t<int64_t> used(k.n);
+            std::vector<int64_t> newly(static_cast<size_t>(k.n));
+            const int64_t m = x.insert(k.ptr, p.data(), k.n, pin, used.mutable_data(), newly.data());
+            return py::make_tuple(used, to_array(newly.data(), m));
+          },
+          py::arg("keys"), py::arg("lo"), py::arg("pages"), py::arg("pin"))
+      .def(
+          "evict",
+          [](PageIndex& x, int64_t n, GhostSet* ghost) {
+            n = std::max<int64_t>(0, std::min(n, x.evictable()));
+            std::vector<int64_t> pages(static_cast<size_t>(n));
+            std::string keys(static_cast<size_t>(n * key_bytes(x)), '\0');
+            const int64_t k = x.evict(n, pages.data(), reinterpret_cast<uint64_t*>(keys.data()), ghost);
+            return py::make_tuple(to_array(pages.data(), k), py::bytes(keys.data(), k * key_bytes(x)));
+          },
+          py::arg("n"), py::arg("ghost") = nullptr)
+      .def("drop",
+           [](PageIndex& x, const Pages& p) {
+             std::string keys(static_cast<size_t>(p.size() * key_bytes(x)), '\0');
+             const int64_t k = x.drop(p.data(), p.size(), reinterpret_cast<uint64_t*>(keys.data()));
+             return py::bytes(keys.data(), k * key_bytes(x));
+           })
+      .def("keys_of",
+           [](const PageIndex& x, const Pages& p) {
+             x.check_pages(p.data(), p.size());
+             py::list out(p.size());
+             for (int64_t i = 0; i < p.size(); ++i) {
+               const int64_t q = p.data()[i];
+               if (x.cached_at(q))
+                 out[i] = py::bytes(reinterpret_cast<const char*>(x.key_of(q)), key_bytes(x));
+               else
+                 out[i] = py::none();
+             }
+             return out;
+           })
+      .def("state",
+           [](py::object self) {
+             auto& x = self.cast<PageIndex&>();
+             const int64_t n = x.num_pages();
+             const int64_t st = PageIndex::node_bytes();  // ref and hits live in per-page records
+             return py::make_tuple(py::array_t<int32_t>({n}, {st}, x.ref(), self),
+                                   py::array(py::dtype("bool"), {n}, {int64_t{1}}, x.cached(), self),
+                                   py::array_t<int32_t>({n}, {st}, x.hits(), self));
+           })
+      .def("lru",
+           [](const PageIndex& x) {
+             py::array_t<int64_t> a(x.evictable());
+             x.lru(a.mutable_data());
+             return a;
+           })
+      .def("nbytes", &PageIndex::nbytes)
+      .def("check", &PageIndex::check);
+
+  m.def(
+      "keys_distinct",
+      [](const py::buffer& buf, int64_t kb) {
+        TORCH_CHECK_VALUE(kb >= 8 && kb % 8 == 0, "key_bytes must be a positive multiple of 8");
+        Keys k = keys_of_buffer(buf, kb, 0, -1);
+        return keys_distinct(k.ptr, k.n, kb / 8);
+      },
+      py::arg("keys"), py::arg("key_bytes") = 16);
+}
+
+}  // namespace
 }  // namespace l2core
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -384,4 +565,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("with_cuda", &l2core::with_cuda);
   m.def("cuda_clear_error", &l2core::cuda_clear_error, "Return and clear the CUDA runtime's last error");
   m.def("max_buffers", [] { return l2core::kMaxBuffers; });
+  l2core::bind_page_index(m);
 }

@@ -139,16 +139,19 @@ def _endpoints(a: argparse.Namespace) -> Iterator[tuple[str, str, str, str | Non
 
 def _cmd(a: argparse.Namespace) -> int:
     from l2core.spec import ConfigError
+    from l3pool.cli import output_dir
     from l3pool.cluster.local import ClusterError
     from l3pool.pool.etcd import EtcdAuthError
     from l3pool.pool.store import StoreError
 
+    output_dir(a.out, "--out")  # before the run: a path it cannot write fails now, not after minutes
     try:
         opts = _options(a)
         report = _run(a, opts)
     except (ConfigError, DemoError, ClusterError, StoreError, ValueError, EtcdAuthError) as e:
-        print(f"l3pool demo: {e}", file=sys.stderr)
-        return 2
+        from l3pool.cli import fail
+
+        return fail("l3pool demo", str(e))
     ok = _write(a, report)
     return 0 if ok else 1
 

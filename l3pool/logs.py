@@ -1,0 +1,128 @@
+"""Where log lines go when `l3pool` runs as a command.
+
+Two sources write to stderr: our `logging` calls, and the C++ libraries inside the `mooncake`
+module (glog: "WARNING: Logging before InitGoogleLogging() ...", `I...`/`W...`/`E...` lines,
+among them an `E... metadata not found` on every successful client setup). What works, measured
+with mooncake-transfer-engine 0.3.13: glog's environment variables (GLOG_minloglevel,
+GLOG_logtostderr=0 + GLOG_log_dir, GLOG_stderrthreshold) change nothing — the module never calls
+InitGoogleLogging, and uninitialised glog writes every line to file descriptor 2. So the command
+line points descriptor 2 at a log file before any command runs and gives Python's `sys.stderr` a
+private copy of the terminal's descriptor: our own lines, tracebacks and faulthandler dumps still
+reach the terminal, every native write lands in the file. With `-v` nothing is redirected.
+
+The file is `<log dir>/mooncake-<command>-<pid>.log` (log dir: `$L3POOL_LOG_DIR`, else
+`<tmp>/l3pool-<uid>`); it is deleted at exit when nothing was written to it (`l3pool --help`
+names the place; an error stays one line, so the path is not repeated there). Child processes
+started without their own stderr inherit it. When `mooncake` is already loaded as the command
+starts (`main()` called inside a process that set up Mooncake itself, e.g. a test), descriptor 2
+is left alone: that process owns it.
+
+Our log records go through `tqdm.write` (`TqdmHandler`), so a line logged while a progress bar is
+drawn appears above the bar instead of breaking it.
+
+Only the command line (an application) does this; library code never touches descriptors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import TextIO
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def log_dir() -> Path:
+    d = os.environ.get("L3POOL_LOG_DIR")
+    return Path(d) if d else Path(tempfile.gettempdir()) / f"l3pool-{os.getuid()}"
+
+
+class TqdmHandler(logging.Handler):
+    """Writes records to the current `sys.stderr` through `tqdm.write`: active progress bars on
+    that stream are cleared, the line printed, the bars drawn again."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+class NativeLog:
+    """File descriptor 2 pointed at `path` until `close()`; `sys.stderr` keeps the terminal."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        self._saved = os.dup(2)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.dup2(fd, 2)
+        finally:
+            os.close(fd)
+        self._old_stderr: TextIO | None = None
+        try:
+            real = sys.stderr.fileno() == 2
+        except (AttributeError, OSError, ValueError):
+            real = False  # a test's capture object: Python writes never went to descriptor 2
+        if real:
+            self._old_stderr = sys.stderr
+            enc = getattr(sys.stderr, "encoding", None) or "utf-8"
+            sys.stderr = open(os.dup(self._saved), "w", buffering=1, encoding=enc, errors="backslashreplace")
+
+    def written(self) -> bool:
+        try:
+            return self.path.stat().st_size > 0
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        """Give descriptor 2 back to the terminal and delete the file when it stayed empty."""
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        if self._old_stderr is not None:
+            private, sys.stderr = sys.stderr, self._old_stderr
+            with contextlib.suppress(Exception):
+                private.close()
+        if not self.written():
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+
+def setup(verbose: bool, command: str) -> NativeLog | None:
+    """Configure logging for one command: our records through tqdm on stderr (DEBUG with
+    `verbose`, else INFO) and, unless `verbose`, native output into a log file (returned; the
+    caller closes it)."""
+    native = None
+    if not verbose and "mooncake.store" not in sys.modules:
+        try:
+            native = NativeLog(log_dir() / f"mooncake-{command}-{os.getpid()}.log")
+        except OSError as e:  # an unwritable log dir: leave stderr as it is, say why once
+            sys.stderr.write(f"l3pool: native log lines stay on stderr ({log_dir()}: {e.strerror or e})\n")
+    root = logging.getLogger()
+    if all(isinstance(h, TqdmHandler) for h in root.handlers):  # as basicConfig: an embedder's handlers win
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        handler = TqdmHandler()
+        handler.setFormatter(logging.Formatter(FORMAT))
+        root.addHandler(handler)
+        root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    return native
+
+
+def teardown(native: NativeLog | None) -> None:
+    """After the command: descriptor 2 and sys.stderr back as they were."""
+    if native is not None:
+        native.close()

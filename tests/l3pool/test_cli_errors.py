@@ -1,0 +1,348 @@
+"""No traceback for a user mistake: every entry point, run as a real subprocess with bad input.
+
+Each case runs `python -m l3pool ...` or `python -m bench.X ...` with one kind of mistake (a path
+that cannot be written, a missing or malformed config, an unreachable endpoint, a too-small or
+unparsable size, a writer subprocess that fails) and must exit non-zero with no "Traceback"
+anywhere, its error as the last stderr line (or the one before a `hint:` line). The cases run
+concurrently from one module fixture (about 1-4 s of interpreter start each) so the sweep stays
+well under a minute; the parametrised tests only judge the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from l3pool.procenv import python_env
+
+from .conftest import free_ports
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "deploy" / "cluster.example.toml"
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    argv: tuple[str, ...]  # after `python -m`
+    expect: str  # in the error line
+    hint: bool = False  # a `hint:` line must follow the error line
+    error_last: bool = True  # False: a report (doctor's FAIL lines), not a one-line error
+
+
+def _cases(tmp: Path) -> list[Case]:
+    afile = tmp / "afile"  # an existing file where a directory (or its parent) is wanted
+    port = free_ports(1)[0]  # nothing listens there
+    dead = ("--master", f"127.0.0.1:{port}", "--metadata", f"http://127.0.0.1:{port}/metadata")
+    etcd = f"http://127.0.0.1:{port}"
+    empty = tmp / "no-cluster"  # a state dir with no cluster recorded
+    bad_toml, unknown = tmp / "bad.toml", tmp / "unknown.toml"
+    cache_small = ("--pages", "8", "--hit", "4", "--requests", "2", "--rounds", "1", "--l1-pages", "16",
+                   "--backup-pages", "2", "--backup-requests", "1")  # fmt: skip
+    L = ("l3pool",)
+    return [
+        # demo
+        Case("demo-out-is-file", (*L, "demo", "--quick", "--out", str(afile)), "is a file, not a directory", True),
+        Case("demo-out-under-file", (*L, "demo", "--quick", "--out", str(afile / "x")), "is a file, not a directory"),
+        Case(
+            "demo-master-unreachable",
+            (*L, "demo", "--quick", "--no-progress", "--out", str(tmp / "d"), *dead),
+            f"mooncake master 127.0.0.1:{port} unreachable",
+        ),
+        # prefetch-check: its writer subprocess fails against a dead master
+        Case(
+            "prefetch-writer-fails",
+            (*L, "prefetch-check", "--no-progress", *dead),
+            "the writer process failed (exit 1): mooncake master",
+            True,
+        ),
+        Case(
+            "prefetch-plot-under-file",
+            (*L, "prefetch-check", "--plot", str(afile / "p.png"), *dead),
+            "is a file, not a directory",
+        ),
+        Case(
+            "prefetch-segment-too-small",  # no cluster running there: it would start one, refused first
+            (*L, "prefetch-check", "--segment-size", "1KB", "--state-dir", str(empty)),
+            "--segment-size 1 KB is below Mooncake's minimum segment of 16.78 MB (16 MiB); raise --segment-size",
+        ),
+        Case(
+            "prefetch-set-exceeds-own-cluster",  # refused after its own 2 x 16 MiB cluster is up, before writing
+            (
+                *L,
+                "prefetch-check",
+                "--segment-size",
+                "16MiB",
+                "--pages",
+                "64",
+                "--requests",
+                "1",
+                "--state-dir",
+                str(empty),
+            ),
+            "the test set (36 MiB) does not fit the local cluster's pool (2 x 16 MiB; Mooncake evicts above 90 %)",
+            True,
+        ),
+        Case(
+            "prefetch-master-without-metadata",
+            (*L, "prefetch-check", "--master", f"127.0.0.1:{port}"),
+            "--master needs --metadata",
+        ),
+        Case(
+            "prefetch-metadata-without-master",
+            (*L, "prefetch-check", "--metadata", "http://x:1/metadata"),
+            "need --master too",
+        ),
+        # deploy
+        Case("deploy-check-missing", (*L, "deploy", "check", str(tmp / "missing.toml")), "No such file"),
+        Case("deploy-check-malformed", (*L, "deploy", "check", str(bad_toml)), "is not valid TOML"),
+        Case("deploy-check-unknown-key", (*L, "deploy", "check", str(unknown)), "bogus_key: unknown key"),
+        Case("deploy-check-directory", (*L, "deploy", "check", str(tmp)), "Is a directory"),
+        Case(
+            "deploy-render-out-under-file",
+            (*L, "deploy", "render", str(EXAMPLE), "--out", str(afile / "s")),
+            "is a file, not a directory",
+            True,
+        ),
+        Case(
+            "deploy-render-out-is-file",
+            (*L, "deploy", "render", str(EXAMPLE), "--out", str(afile)),
+            "is a file, not a directory",
+            True,
+        ),
+        Case("deploy-render-unknown-node", (*L, "deploy", "render", str(EXAMPLE), "--node", "nope"), "no node"),
+        Case("deploy-verify-malformed", (*L, "deploy", "verify", str(bad_toml)), "is not valid TOML"),
+        # cluster
+        Case(
+            "cluster-up-segment-too-small",
+            (*L, "cluster", "up", "--segment-size", "1KB", "--state-dir", str(tmp / "c1")),
+            "--segment-size 1 KB is below Mooncake's minimum segment of 16.78 MB (16 MiB); raise --segment-size",
+        ),
+        Case(
+            "cluster-up-bad-size",
+            (*L, "cluster", "up", "--segment-size", "2 gigs", "--state-dir", str(tmp / "c2")),
+            "cannot parse '2 gigs'",
+        ),
+        Case(
+            "cluster-up-state-dir-is-file",
+            (*L, "cluster", "up", "--state-dir", str(afile), "--agents", "1", "--segment-size", "16MiB"),
+            "cannot create the state dir",
+        ),
+        Case("cluster-down-state-dir-is-file", (*L, "cluster", "down", "--state-dir", str(afile)), "Not a directory"),
+        Case(
+            "cluster-status-nothing-up",
+            (*L, "cluster", "status", "--state-dir", str(empty)),
+            "no cluster up",
+            error_last=False,
+        ),
+        Case(
+            "cluster-up-agent-exits",  # its log's end above the error line, the log's path in the hint
+            (
+                *L,
+                "cluster",
+                "up",
+                "--agents",
+                "1",
+                "--segment-size",
+                "16MiB",
+                "--netns",
+                "off",
+                "--state-dir",
+                str(tmp / "c3"),
+                "--name",
+                f"ce{os.getpid() % 10000}x",
+                "--agent-cmd",
+                f"{sys.executable} -c 'import sys; print(\"agent-boom\", file=sys.stderr); sys.exit(3)'",
+            ),
+            "exited (code 3) while waiting for registration",
+            True,
+        ),
+        # inspect
+        Case("inspect-etcd-unreachable", (*L, "inspect", "--etcd", etcd), "etcd unreachable"),
+        Case("inspect-no-cluster", (*L, "inspect", "--state-dir", str(empty)), "no pool to inspect", True),
+        # chaos, purge, doctor, agent
+        Case(
+            "agent-etcd-unreachable",
+            (*L, "agent", "--master", f"127.0.0.1:{port}", "--etcd", etcd, "--segment-size", "16MiB"),
+            "etcd unreachable",
+        ),
+        Case("chaos-unknown-scenario", (*L, "chaos", "--scenarios", "bogus"), "unknown scenario(s) bogus"),
+        Case("purge-etcd-unreachable", (*L, "purge", "--etcd", etcd, "--model", "m", "--dry-run"), "etcd unreachable"),
+        Case("doctor-bad-size", (*L, "doctor", "--l2-size", "lots"), "--l2-size: cannot parse 'lots'"),
+        Case(
+            "doctor-unreachable",
+            (*L, "doctor", "--etcd", etcd, "--master", f"127.0.0.1:{port}", "--skip", "native,agent"),
+            "FAIL  etcd",
+            error_last=False,
+        ),
+        Case(
+            "agent-segment-too-small",
+            (*L, "agent", "--master", f"127.0.0.1:{port}", "--etcd", etcd, "--segment-size", "2MiB"),
+            "--segment-size 2 MiB is below Mooncake's minimum segment of 16 MiB",
+        ),
+        # benchmarks
+        Case(
+            "bench-l3-master-unreachable",
+            ("bench.l3", "--pages", "1", "--rounds", "1", *dead),
+            f"mooncake master 127.0.0.1:{port} unreachable",
+            True,
+        ),
+        Case(
+            "bench-l3-segment-too-small",
+            ("bench.l3", "--segment-size", "8MiB", "--state-dir", str(empty)),
+            "--segment-size 8 MiB is below Mooncake's minimum segment of 16 MiB; raise --segment-size",
+        ),
+        Case("bench-l3-unknown-model", ("bench.l3", "--models", "mla,gpt"), "--models: unknown gpt"),
+        Case("bench-l3-out-under-file", ("bench.l3", "--out", str(afile / "r.json"), *dead), "is a file"),
+        Case(
+            "bench-prefetch-writer-fails",
+            ("bench.prefetch", "--pages", "1", "--rounds", "1", *dead),
+            "the writer process failed (exit 1)",
+            True,
+        ),
+        Case("bench-prefetch-out-under-file", ("bench.prefetch", "--out", str(afile / "r.json"), *dead), "is a file"),
+        Case(
+            "bench-prefetch-bad-size",
+            ("bench.prefetch", "--segment-size", "lots", "--state-dir", str(empty)),
+            "--segment-size: cannot parse 'lots'",
+        ),
+        Case("bench-prefetch-bad-pages", ("bench.prefetch", "--pages", "0"), "--pages must be >= 1"),
+        Case(
+            "bench-transfer-out-under-file",
+            ("bench.transfer", "--quick", "--out", str(afile / "r.json")),
+            "is a file",
+            True,
+        ),
+        Case("bench-transfer-bad-tokens", ("bench.transfer", "--tokens", "63"), "not a multiple of the page size"),
+        Case(
+            "bench-cache-segment-too-small",
+            ("bench.cache", *cache_small, "--segment-size", "1MB", "--state-dir", str(empty)),
+            "--segment-size 1 MB is below Mooncake's minimum",
+        ),
+        Case("bench-cache-out-under-file", ("bench.cache", "--no-l3", "--out", str(afile / "r.json")), "is a file"),
+        Case(
+            "bench-cache-master-unreachable",
+            ("bench.cache", *cache_small, *dead),
+            f"mooncake master 127.0.0.1:{port} unreachable",
+            True,
+        ),
+    ]
+
+
+def _run(argv: tuple[str, ...], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = python_env(base={k: v for k, v in os.environ.items() if not k.startswith(("L3POOL_", "MC_"))})
+    return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Case, subprocess.CompletedProcess[str]]]:
+    tmp = tmp_path_factory.mktemp("cli-errors")
+    (tmp / "afile").write_text("not a directory\n")
+    (tmp / "bad.toml").write_text("[etcd\nhosts = \n")
+    (tmp / "unknown.toml").write_text(EXAMPLE.read_text() + "\nbogus_key = 1\n")
+    (tmp / "no-cluster").mkdir()
+    cases = _cases(tmp)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # a start costs ~0.3 s (3 s with torch) of one core
+        done = list(pool.map(lambda c: _run(c.argv, REPO), cases))
+    return {c.id: (c, r) for c, r in zip(cases, done, strict=True)}
+
+
+CASE_IDS = [c.id for c in _cases(Path("/nonexistent"))]
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_one_clear_line_no_traceback(case_id: str, results: dict[str, tuple[Case, subprocess.CompletedProcess[str]]]
+                                     ) -> None:  # fmt: skip
+    case, r = results[case_id]
+    shown = f"rc={r.returncode}\nstdout:\n{r.stdout[-1500:]}\nstderr:\n{r.stderr[-3000:]}"
+    assert r.returncode not in (0, None), shown
+    assert "Traceback" not in r.stdout and "Traceback" not in r.stderr, shown
+    if not case.error_last:
+        assert case.expect in r.stdout + r.stderr, shown
+        return
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines, shown
+    if case.hint:
+        assert len(lines) >= 2 and ": hint: " in lines[-1], shown
+    error = lines[-2] if ": hint: " in lines[-1] else lines[-1]
+    if case.id == "cluster-up-agent-exits":
+        assert lines[-3] == "agent-boom" and lines[-1].endswith("/c3/agent-0.log"), shown
+    if case.id.startswith("deploy-check") or case.id == "deploy-verify-malformed":
+        error = "\n".join(lines[-2:])  # `deploy check`: one line per problem, then the count
+    assert case.expect in error, shown
+    assert "\n" not in error.strip() or case.id.startswith("deploy"), shown
+
+
+# -- with a running local cluster (one, shared) ---------------------------------------------------
+def test_tools_reuse_the_running_local_cluster(tmp_path: Path) -> None:
+    """The README's L3 flow: after `l3pool cluster up`, inspect / prefetch-check / bench.l3 /
+    bench.prefetch use that cluster (no ClusterAlreadyUp, no second cluster), `up` prints the
+    exports a client shell needs and the size as typed, and `down` removes the logs it wrote."""
+    state = tmp_path / "cluster"
+    name = f"ce{os.getpid() % 100000}"
+    up = _run(("l3pool", "cluster", "up", "--agents", "2", "--segment-size", "64MiB", "--state-dir", str(state),
+               "--name", name), REPO)  # fmt: skip
+    try:
+        assert up.returncode == 0, up.stderr
+        assert "2 agents donating 64 MiB each" in up.stdout, up.stdout
+        exports = [ln.strip() for ln in up.stdout.splitlines() if ln.strip().startswith("export ")]
+        st = json.loads((state / "state.json").read_text())
+        ep = st["endpoints"]
+        assert exports == [f"export MC_TCP_BIND_ADDRESS={ep['client_host']} L3POOL_ETCD={ep['etcd']} "
+                           f"L3POOL_MASTER_ADMIN={ep['admin']}"]  # fmt: skip
+        logs = sorted(state.glob("*.log"))
+        assert [p.name for p in logs] == ["agent-0.log", "agent-1.log", "etcd.log", "master.log"]
+
+        again = _run(("l3pool", "cluster", "up", "--state-dir", str(state), "--name", name), REPO)
+        assert again.returncode == 1 and "already up" in again.stderr and "Traceback" not in again.stderr
+
+        r = _run(("l3pool", "inspect", "--state-dir", str(state), "--json"), REPO)  # no --etcd: the recorded cluster
+        assert r.returncode == 0, r.stderr
+        rep = json.loads(r.stdout)
+        assert sorted(m["id"] for m in rep["members"]) == [f"{name}-a0", f"{name}-a1"]
+        assert all(m["donated_bytes"] == 64 << 20 for m in rep["members"])
+
+        r = _run(("l3pool", "prefetch-check", "--state-dir", str(state), "--pages", "16", "--requests", "1",
+                  "--batch", "8", "--json", "--no-progress"), REPO)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        rep = json.loads(r.stdout)
+        assert rep["correct"] and rep["mode"] == f"running local cluster ({state.resolve()})"
+        assert rep["leaked_pages"] == 0 and rep["interrupted_prefix_pages"][0] <= 16
+
+        r = _run(("bench.l3", "--state-dir", str(state), "--pages", "2", "--rounds", "1", "--models", "mla",
+                  "--layouts", "page_first_direct", "--json"), REPO)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        rep = json.loads(r.stdout)
+        assert rep["correct"] and rep["pool"] == f"running local cluster ({state.resolve()})"
+        assert rep["rows"][0]["pages_checked"] == 4
+
+        r = _run(("bench.prefetch", "--state-dir", str(state), "--pages", "16", "--requests", "1", "--rounds", "1",
+                  "--batch", "8", "--max-batch", "8", "--lock-requests", "3", "--json"), REPO)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        rep = json.loads(r.stdout)
+        assert rep["correct"] and rep["mode"] == f"running local cluster ({state.resolve()})"
+        assert rep["lock_note"] is None and rep["lock_acquire_p50_ms"] is not None  # locks ran on its etcd
+
+        # a test set larger than the running pool (2 x 64 MiB): the writer's refused pages, one line + hint
+        r = _run(
+            ("l3pool", "prefetch-check", "--state-dir", str(state), "--pages", "256", "--requests", "1"), REPO
+        )  # with its progress bar: the error line still comes last
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        err, hint = [ln for ln in r.stderr.splitlines() if ln.strip()][-2:]
+        want = r"l3pool prefetch-check: error: the writer stored (\d+) of 256 test pages \(\d+ POOL_FULL\)"
+        assert re.fullmatch(want, err), err
+        assert hint.endswith("the test set is 144 MiB: raise --segment-size (or lower --pages/--requests)"), hint
+    finally:
+        down = _run(("l3pool", "cluster", "down", "--state-dir", str(state)), REPO)
+    assert down.returncode == 0, down.stderr
+    assert "removed:" in down.stdout and "keep them with --keep-logs" in down.stdout
+    assert not any(p.exists() for p in logs) and not state.exists()  # logs, state file and the dir it made
