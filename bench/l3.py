@@ -93,8 +93,9 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
     t: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "put": [], "get": []}
     outcomes_ok = True  # every outcome OK (a full pool would show here too)
     wrong_pages = 0  # destination pages whose bytes differ from the source after a get
+    raw_prefix = f"raw-{uuid.uuid4().hex[:12]}-"
     for rnd in range(args.rounds):
-        raw_keys = [f"raw-{uuid.uuid4().hex}" for _ in range(n)]
+        raw_keys = [f"{raw_prefix}{uuid.uuid4().hex}" for _ in range(n)]
         keys = _keys(ns, n, rng)
         ops: dict[str, Callable[[], list[Outcome]]]
         if contiguous:
@@ -121,6 +122,9 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
             outcomes_ok &= len(res) == n and all(x is Outcome.OK for x in res)
             if is_get:  # every page of this get landed the source bytes (one vectorised compare)
                 wrong_pages += int((pool.read_pages(dst) != want).any(dim=1).sum())
+        # every round allocates the same memory: this round's objects go (forced: a put's check leased them)
+        for prefix in (raw_prefix, ns.ns_id + "/"):
+            outcomes_ok &= store.remove_prefix(prefix, force=True) == (Outcome.OK, n)
     lk = _lookup_512(client, store, ns, rng)
     staging_bytes = client.staging_bytes
     client.close()
@@ -166,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         "--host", default="127.0.0.1", help="this client's address (with --master; export MC_TCP_BIND_ADDRESS too)"
     )
     p.add_argument("--pages", type=int, default=32, help="pages per round and model")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--rounds", type=int, default=7, help="paired rounds per row (the H200 host swings single rounds by +-25 %%)"
+    )
     p.add_argument("--batch", type=int, default=64, help="L3Client batch size (pages)")
     p.add_argument("--models", default="mla,mha")
     p.add_argument("--layouts", default="page_first_direct,layer_first")

@@ -8,9 +8,12 @@ torch has CUDA and a CUDA toolkit (nvcc) is found; otherwise the CPU kernels alo
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -33,6 +36,23 @@ def _want_cuda() -> bool:
     from torch.utils.cpp_extension import CUDA_HOME
 
     return CUDA_HOME is not None
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """An flock over the build (released by the kernel when its holder dies, unlike torch's own
+    `lock` file, which a build killed midway leaves behind and every later load then waits on
+    forever). Holding the flock, a torch `lock` file can only be such a leftover: removed."""
+    with open(build_dir / ".l2core-build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s left by an interrupted build of the native extension", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load() -> ModuleType:
@@ -63,16 +83,19 @@ def load() -> ModuleType:
             ]
         log.info("loading l2core native extension (%s) from %s", tag, build_dir)
         try:
-            _module = cpp_extension.load(
-                name="l2core_native",
-                sources=sources,
-                extra_include_paths=[str(_ROOT / "include")],
-                extra_cflags=cflags,
-                build_directory=str(build_dir),
-                with_cuda=cuda,
-                verbose=False,
-                **extra,  # type: ignore[arg-type]
-            )
+            with _build_lock(build_dir):
+                _module = cpp_extension.load(
+                    name="l2core_native",
+                    sources=sources,
+                    extra_include_paths=[str(_ROOT / "include")],
+                    extra_cflags=cflags,
+                    build_directory=str(build_dir),
+                    with_cuda=cuda,
+                    verbose=False,
+                    **extra,  # type: ignore[arg-type]
+                )
+        except OSError as e:
+            raise NativeBuildError(f"cannot lock the l2core build directory {build_dir}: {e}") from e
         except Exception as e:
             raise NativeBuildError(f"building the l2core native extension in {build_dir} failed: {e}") from e
         return _module
