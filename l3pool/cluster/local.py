@@ -241,7 +241,11 @@ def down(state_dir: str | Path, remove_logs: bool = False) -> dict[str, Any] | N
         return None
     procs = _state_procs(state)
     result = _teardown(procs, state.get("links", []), state.get("netns", []), state.get("etcd_data_dir"))
-    logs = sorted({p.log for p in procs if p.log} | {a["log"] for a in state.get("agents", []) if a.get("log")})
+    logs = sorted(
+        {p.log for p in procs if p.log}
+        | {a["log"] for a in state.get("agents", []) if a.get("log")}
+        | {str(x) for x in Path(state_dir).glob("mooncake-agent-*.log")}  # the agents' Mooncake lines
+    )
     result["logs_removed"], result["logs_kept"] = [], [x for x in logs if os.path.exists(x)]
     if not result["survivors"]:
         (Path(state_dir) / STATE_FILE).unlink(missing_ok=True)

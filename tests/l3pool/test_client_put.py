@@ -160,7 +160,7 @@ def test_exception_mid_put_propagates_and_the_client_stays_usable() -> None:
     def boom(*a: object) -> list[Outcome]:
         raise RuntimeError("transfer engine exploded")
 
-    st.put_multi = boom  # type: ignore[method-assign]
+    st.put_multi = boom  # type: ignore[method-assign,assignment]
     with pytest.raises(RuntimeError, match="exploded"):
         c.put(keys, range(2))
     assert not st.objects and c.stats.puts == 0

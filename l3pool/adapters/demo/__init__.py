@@ -35,7 +35,7 @@ DEFAULTS_CPU = {
     "side_turns": 3,
 }  # fmt: skip
 DEFAULTS_GPU = {
-    "sessions": 4, "turns": 4, "min_context": 24576, "max_context": 65536, "cold": 2, "fit_points": 5, "repeats": 3,
+    "sessions": 6, "turns": 4, "min_context": 24576, "max_context": 65536, "cold": 2, "fit_points": 5, "repeats": 3,
     "side_turns": 3,
 }  # fmt: skip
 
