@@ -66,7 +66,8 @@ from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
 from l3pool import metrics
 from l3pool.pool.keys import FORMAT_VERSION, GEOMETRY_FIELDS, Namespace, geometry_of
-from l3pool.pool.store import MooncakeStore, Outcome
+from l3pool.pool.protocols import NamespaceRegistry, PageStore
+from l3pool.pool.store import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +200,10 @@ class L3Client:
     def __init__(
         self,
         pool: HostKVPool,
-        store: MooncakeStore,
+        store: PageStore,
         namespace: Namespace,
         *,
-        metadata: Any = None,
+        metadata: NamespaceRegistry | None = None,
         batch_pages: int = 64,
         layer_first_mode: LayerFirstMode = "multi",
         client_id: str | None = None,
@@ -545,7 +546,7 @@ class L3Client:
                 if keeper is None or keeper.lost.is_set():
                     if keeper is not None:
                         keeper.close(revoke=False)
-                    keeper = LeaseKeeper(self.metadata.etcd, ttl, owner="stats")
+                    keeper = LeaseKeeper(self._registry().etcd, ttl, owner="stats")
                 self._ensure_namespace()
                 self.publish_stats(keeper.lease)
             except EtcdError as e:
@@ -561,9 +562,10 @@ class L3Client:
     def _ensure_namespace(self) -> None:
         """Self-healing: write the namespace record again when etcd lost it (restarted empty),
         so readers that do not create namespaces can attach again. One etcd read per interval."""
-        if self.metadata.namespace(self.ns_id) is not None:
+        md = self._registry()
+        if md.namespace(self.ns_id) is not None:
             return
-        stored = self.metadata.register_namespace(self.ns_id, self.ns.record())
+        stored = md.register_namespace(self.ns_id, self.ns.record())
         if stored != self.ns.record():
             log.warning("namespace %s came back with a different record: %s", self.ns_id, stored)
             return
@@ -574,7 +576,12 @@ class L3Client:
         with self._lock:
             counters: dict[str, Any] = self.stats.as_dict()
         counters["namespace"] = self.ns_id
-        self.metadata.publish_stats(self.client_id, counters, lease)
+        self._registry().publish_stats(self.client_id, counters, lease)
+
+    def _registry(self) -> NamespaceRegistry:
+        if self.metadata is None:
+            raise ConfigError("this L3Client was made without metadata (an etcd registry): nothing to publish to")
+        return self.metadata
 
     def close(self) -> None:
         """Stop publishing stats and unregister this client's buffers (the store stays open).

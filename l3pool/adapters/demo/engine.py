@@ -38,6 +38,7 @@ from l3pool.adapters.demo.model import RefModel
 from l3pool.cache import L1, CacheConfig, CacheFull, LoadHandle, Match, TieredCache
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.protocols import NamespaceRegistry
 from l3pool.pool.store import MooncakeStore
 
 # The demo waits for the L3 -> L2 prefetch at load (wait_complete): every variant then gets the
@@ -95,7 +96,7 @@ class Record:
 class L3Side:
     store: MooncakeStore
     namespace: Namespace
-    metadata: object = None
+    metadata: NamespaceRegistry | None = None
 
 
 @dataclass

@@ -49,6 +49,7 @@ from l3pool.adapters.demo.model import ModelConfig, RefModel
 from l3pool.adapters.demo.workload import Request, WorkloadConfig, generate, prefix_reuse
 from l3pool.cache import CacheConfig
 from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.protocols import NamespaceRegistry
 from l3pool.pool.store import MooncakeStore
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,7 @@ class Demo:
         self,
         opts: DemoOptions,
         store: MooncakeStore,
-        metadata: object = None,
+        metadata: NamespaceRegistry | None = None,
         tick: Callable[[str], None] | None = None,
     ) -> None:
         self.opts, self.store, self.metadata = opts, store, metadata
@@ -494,7 +495,9 @@ def summarize(opts: DemoOptions, requests: list[Any], runs: dict[str, QueueRun],
     }
 
 
-def run(opts: DemoOptions, store: MooncakeStore, metadata: object = None, bar: Any = None) -> dict[str, Any]:
+def run(
+    opts: DemoOptions, store: MooncakeStore, metadata: NamespaceRegistry | None = None, bar: Any = None
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     requests = generate(opts.workload)
     if not requests:
