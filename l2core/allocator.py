@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .units import check_int
+
 
 class AllocatorError(ValueError):
     """Double free, foreign page, or a bad request."""
@@ -32,8 +34,7 @@ class AllocatorStats:
 
 class PageAllocator:
     def __init__(self, num_pages: int) -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise AllocatorError(f"num_pages must be an integer >= 1, got {num_pages!r}")
+        check_int("num_pages", num_pages, 1, AllocatorError)
         self.num_pages = num_pages
         # Stack bottom holds the highest id, so a fresh pool hands out 0, 1, 2, ...
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from .spec import ConfigError, parse_size
+from .units import check_int
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +142,7 @@ def _clear_cuda_error() -> None:
 
 
 def _check_numa_node(node: int) -> None:
-    if isinstance(node, bool) or not isinstance(node, int) or node < 0:
-        raise ConfigError(f"numa_node must be a non-negative integer, got {node!r}")
+    check_int("numa_node", node, 0)
     if not Path(f"/sys/devices/system/node/node{node}").exists():
         raise ConfigError(f"NUMA node {node} does not exist on this machine")
 

@@ -13,7 +13,7 @@ import torch
 
 from .names import ELEM_BYTES as _ELEM_BYTES
 from .names import DTypeName
-from .units import ConfigError, parse_size
+from .units import ConfigError, check_int, parse_size
 
 Attention = Literal["mha", "mla"]
 
@@ -53,18 +53,18 @@ class KVSpec:
     rope_dim: int = 64
 
     def __post_init__(self) -> None:
-        _check_int("num_layers", self.num_layers, lo=1)
-        _check_int("page_size", self.page_size, lo=1)
+        check_int("num_layers", self.num_layers, lo=1)
+        check_int("page_size", self.page_size, lo=1)
         if self.attention not in ("mha", "mla"):
             raise ConfigError(f"attention must be 'mha' or 'mla', got {self.attention!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.attention == "mha":
-            _check_int("num_kv_heads", self.num_kv_heads, lo=1)
-            _check_int("head_dim", self.head_dim, lo=1)
+            check_int("num_kv_heads", self.num_kv_heads, lo=1)
+            check_int("head_dim", self.head_dim, lo=1)
         else:
-            _check_int("kv_lora_rank", self.kv_lora_rank, lo=1)
-            _check_int("rope_dim", self.rope_dim, lo=0)
+            check_int("kv_lora_rank", self.kv_lora_rank, lo=1)
+            check_int("rope_dim", self.rope_dim, lo=0)
 
     @classmethod
     def mla(cls, num_layers: int, kv_lora_rank: int = 512, rope_dim: int = 64, **kw: Any) -> KVSpec:
@@ -116,8 +116,3 @@ class KVSpec:
     @property
     def page_bytes(self) -> int:
         return self.token_bytes * self.page_size
-
-
-def _check_int(name: str, v: object, lo: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")

@@ -7,6 +7,7 @@ Decimal units (KB, MB, GB, TB) are powers of 10, binary units (KiB, ...) powers 
 
 from __future__ import annotations
 
+import numbers
 import re
 from decimal import Decimal
 
@@ -26,6 +27,18 @@ _UNITS = {
 
 class ConfigError(ValueError):
     """Bad configuration: raised at construction, never from deep inside the data path."""
+
+
+def is_int(value: object) -> bool:
+    """An integer (Python or numpy), and not a bool: `True` is never a count."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, lo: int = 0, error: type[Exception] = ConfigError) -> int:
+    """`value` as an int >= `lo`, else `error` naming `name` (the one integer check of both packages)."""
+    if not is_int(value) or value < lo:  # type: ignore[operator]
+        raise error(f"{name} must be an integer >= {lo}, got {value!r}")
+    return int(value)  # type: ignore[call-overload]
 
 
 def parse_size(value: int | str, what: str = "size") -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from l2core.spec import ConfigError
+from l2core.units import check_int
 
 WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
@@ -20,11 +21,6 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     close = difflib.get_close_matches(str(value), choices, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}{hint}")
-
-
-def _int(name: str, value: object, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
 
 
 def _num(name: str, value: object, lo: float) -> None:
@@ -68,14 +64,14 @@ class CacheConfig:
         _choice("l1_to_l2", self.l1_to_l2, WRITE_POLICIES)
         _choice("l2_to_l3", self.l2_to_l3, WRITE_POLICIES)
         _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
-        _int("hit_threshold", self.hit_threshold, 1)
-        _int("ghost_capacity", self.ghost_capacity, 0)
-        _int("prefetch_batch_pages", self.prefetch_batch_pages, 1)
-        _int("prefetch_max_batch_pages", self.prefetch_max_batch_pages, 1)
-        _int("writer_batch_pages", self.writer_batch_pages, 1)
+        check_int("hit_threshold", self.hit_threshold, 1)
+        check_int("ghost_capacity", self.ghost_capacity, 0)
+        check_int("prefetch_batch_pages", self.prefetch_batch_pages, 1)
+        check_int("prefetch_max_batch_pages", self.prefetch_max_batch_pages, 1)
+        check_int("writer_batch_pages", self.writer_batch_pages, 1)
         _num("prefetch_timeout_s", self.prefetch_timeout_s, 0.0)
         _num("writer_linger_ms", self.writer_linger_ms, 0.0)
-        _int("writer_parallel", self.writer_parallel, 1)
+        check_int("writer_parallel", self.writer_parallel, 1)
         _num("pp_join_timeout_s", self.pp_join_timeout_s, 0.0)
         _num("load_timeout_s", self.load_timeout_s, 0.0)
         if self.prefetch_max_batch_pages < self.prefetch_batch_pages:

@@ -22,6 +22,7 @@ from l2core.allocator import OutOfPages, PageAllocator
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
 from l2core.transfer import TransferEngine, TransferError
+from l2core.units import check_int
 from l3pool import metrics
 from l3pool.cache._internal import _Backup, _join, _member, _Req, _timed
 from l3pool.cache.config import CacheConfig
@@ -279,10 +280,8 @@ class TieredCache:
         r = self._req(m.request_id)
         if r.n_hit >= 0:
             raise CacheError(f"request {r.rid!r} was already loaded")
-        if total_pages is not None and (
-            isinstance(total_pages, bool) or not isinstance(total_pages, int) or total_pages < 0
-        ):
-            raise ValueError(f"total_pages must be an integer >= 0, got {total_pages!r}")
+        if total_pages is not None:
+            check_int("total_pages", total_pages, 0, ValueError)
         fetched = _EMPTY
         if r.n3 > r.n2:
             res: PrefetchResult | None = None
@@ -362,8 +361,7 @@ class TieredCache:
     def alloc_l1(self, request_id: str, n: int) -> np.ndarray:
         """`n` more L1 pages owned by the request (freed at release unless committed)."""
         self._check_open()
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be an integer >= 0, got {n!r}")
+        check_int("n", n, 0, ValueError)
         with self._mu:
             return self._alloc_l1(self._req(request_id), n)
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from l2core import _native
 from l2core.allocator import PageAllocator
+from l2core.units import check_int
 from l3pool.pool.keys import HASH_BYTES
 
 Hashes = Sequence[bytes] | bytes
@@ -158,8 +159,7 @@ class GhostList:
     """
 
     def __init__(self, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"ghost list capacity must be an integer >= 0, got {capacity!r}")
+        check_int("ghost list capacity", capacity, 0, ValueError)
         self.capacity = capacity
         self.native: Any = _native.load().GhostSet(capacity)
 

@@ -64,6 +64,7 @@ import xxhash
 
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
+from l2core.units import check_int
 from l3pool import metrics
 from l3pool.pool.keys import FORMAT_VERSION, GEOMETRY_FIELDS, Namespace, geometry_of
 from l3pool.pool.protocols import NamespaceRegistry, PageStore
@@ -235,8 +236,7 @@ class L3Client:
             raise ConfigError(f"namespace tenant {ns.tenant!r} != the store's Mooncake tenant {store.tenant!r}")
         if batch_pages < 1:
             raise ConfigError("batch_pages must be >= 1")
-        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
-            raise ConfigError(f"max_concurrency must be an integer >= 1, got {max_concurrency!r}")
+        check_int("max_concurrency", max_concurrency, 1)
         if layer_first_mode not in ("multi", "staging"):
             raise ConfigError(f"layer_first_mode must be 'multi' or 'staging', got {layer_first_mode!r}")
         self.pool, self.store, self.ns = pool, store, ns

@@ -26,6 +26,7 @@ import numpy as np
 
 from l2core.layout import LAYOUTS
 from l2core.spec import ConfigError, KVSpec
+from l2core.units import check_int
 
 HASH_BYTES = 16
 # The stored object's format: 1 = the bare page (+ an optional CRC32); 2 = page + the 32-byte
@@ -71,8 +72,7 @@ class Namespace:
             raise ConfigError(f"tp_rank {self.tp_rank} outside [0, {self.tp_size})")
         for name in ("page_size", "page_bytes", "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+            check_int(name, v, 0)
         if self.page_size < 1 or self.page_bytes < 1:
             raise ConfigError(f"page_size and page_bytes must be >= 1, got {self.page_size}, {self.page_bytes}")
         if self.attention == "mha":

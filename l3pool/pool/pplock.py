@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from l2core.units import check_int
 from l3pool import metrics
 from l3pool.pool.etcd import EtcdError, do_count_prefix, do_put, if_absent, if_lease, txn_count, txn_succeeded
 from l3pool.pool.keys import Namespace
@@ -112,8 +113,7 @@ class StageLocks:
             raise ValueError("namespaces: one per pipeline stage, got none")
         if not 0 <= stage < len(namespaces):
             raise ValueError(f"stage {stage} outside [0, {len(namespaces)})")
-        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
-            raise ValueError(f"ttl must be a positive int (seconds), got {ttl!r}")
+        check_int("ttl (seconds)", ttl, 1, ValueError)
         self.md, self.etcd, self.store = metadata, metadata.etcd, store
         self.namespaces = list(namespaces)
         self.ns_ids = [ns.ns_id for ns in self.namespaces]

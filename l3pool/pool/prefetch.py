@@ -64,6 +64,7 @@ import numpy as np
 
 from l2core.allocator import OutOfPages
 from l2core.spec import ConfigError
+from l2core.units import check_int
 from l3pool import metrics
 from l3pool.pool.client import L3Client
 from l3pool.pool.store import Outcome
@@ -266,8 +267,7 @@ class Prefetcher:
             ("batch_pages", batch_pages), ("max_batch_pages", cap), ("max_inflight", max_inflight),
             ("pipeline", pipeline),
         ):  # fmt: skip
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+            check_int(name, v, 1)
         if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not growth >= 1:
             raise ConfigError(f"growth must be a number >= 1, got {growth!r}")
         if isinstance(interrupt_wait_s, bool) or not isinstance(interrupt_wait_s, (int, float)) or interrupt_wait_s < 0:

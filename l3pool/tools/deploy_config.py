@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from l2core.names import LAYOUTS
-from l2core.units import ConfigError, parse_size
+from l2core.units import ConfigError, is_int, parse_size
 from l3pool.agent import PROTOCOLS, segment_too_small
 from l3pool.pool.etcd import SECURITY_KEYS
 from l3pool.pool.metadata import DEFAULT_PREFIX, check_id, check_prefix
@@ -310,7 +310,7 @@ def _as_bool(v: Any) -> bool:
 
 def _int_in(lo: int, hi: int | None = None) -> Callable[[Any], int]:
     def conv(v: Any) -> int:
-        if isinstance(v, bool) or not isinstance(v, int):
+        if not is_int(v):
             raise _Bad(f"expected an integer, got {_tname(v)} {v!r}")
         if v < lo or (hi is not None and v > hi):
             raise _Bad(f"{v} is out of range [{lo}, {hi if hi is not None else 'inf'}]")

@@ -208,3 +208,17 @@ def test_format_size_keeps_the_users_unit(typed: str | None, n: int, shown: str)
     assert format_size(n, typed) == shown
     if typed is not None and n == parse_size(typed):
         assert parse_size(shown.replace(" ", "")) == n  # what is shown parses back to the same bytes
+
+
+def test_check_int_is_the_one_integer_check() -> None:
+    import numpy as np
+
+    from l2core.units import ConfigError, check_int, is_int
+
+    assert check_int("n", 3, 1) == 3 and check_int("n", np.int64(7)) == 7 and type(check_int("n", np.int32(2))) is int
+    assert not is_int(True) and not is_int(2.0) and not is_int("2") and is_int(np.uint8(1))
+    for bad in (True, 2.5, "4", None, 0):
+        with pytest.raises(ConfigError, match=r"^n must be an integer >= 1, got "):
+            check_int("n", bad, 1)
+    with pytest.raises(IndexError, match="k must be an integer >= 0, got -1"):
+        check_int("k", -1, 0, IndexError)
