@@ -6,7 +6,7 @@ A page key is `<ns_id>/<page hash>` (`Namespace.keys` is the one place that form
   layout, dtype, page size, page bytes, layer range (PP stage), TP shard (MHA only: MLA's latent
   is the same on every TP rank, so MLA keys are shared across ranks), the content-checksum flag,
   a tenant salt and the stored-object FORMAT_VERSION. Two clients that differ in any of these can
-  never read each other's pages (tests/l3pool/test_keys.py changes each field and checks).
+  never read each other's pages (tests/l3pool/pool/test_keys.py changes each field and checks).
 - the page hash chains from the root: h_i = H(h_{i-1} || token ids of page i), so equal hashes
   imply equal prefixes (up to the 128-bit hash).
 

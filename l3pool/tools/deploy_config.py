@@ -187,7 +187,7 @@ class MasterSpec:
     extra_args: tuple[str, ...] = ()
     # the transfer engine's HTTP metadata server: "standalone" runs the wheel's
     # mooncake_http_metadata_server bound to `host`; "embedded" is the master's own, which binds
-    # 0.0.0.0 whatever --http_metadata_server_host says (0.3.13; tests/l3pool/test_listeners.py)
+    # 0.0.0.0 whatever --http_metadata_server_host says (0.3.13; tests/l3pool/cluster/test_listeners.py)
     metadata_server: str = "standalone"
     metadata_binary: str = "mooncake_http_metadata_server"  # a command ("python3 -m mooncake.http_metadata_server")
 

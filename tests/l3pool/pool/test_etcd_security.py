@@ -39,7 +39,7 @@ from l3pool.pool.etcd import (
 from l3pool.pool.metadata import MemberInfo, Metadata
 from l3pool.tools.doctor import check_etcd_tls
 
-from .conftest import (
+from ..conftest import (
     EtcdServer,
     EtcdTls,
     MasterServer,

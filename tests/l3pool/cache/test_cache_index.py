@@ -16,7 +16,7 @@ from l2core.allocator import PageAllocator
 from l3pool.cache import CacheConfig, GhostList
 from l3pool.cache.index import TierIndex, hash64, key64
 
-from .cache_helpers import Engine, chain
+from ..cache_helpers import Engine, chain
 
 pytestmark = pytest.mark.usefixtures("native")
 

@@ -20,8 +20,8 @@ from l2core.spec import ConfigError
 from l2core.transfer import TransferError
 from l3pool.cache import L1, BackgroundError, CacheConfig, CacheError, CacheFull, GhostList, TieredCache, UnknownRequest
 
-from .cache_helpers import LAYERS, SPEC, Engine, P, chain, contents
-from .fake_store import FakePageStore
+from ..cache_helpers import LAYERS, SPEC, Engine, P, chain, contents
+from ..fake_store import FakePageStore
 
 # the native extension is built (or loaded) before any test times a copy: a JIT build in the
 # shared cache dir (other checkouts rebuild it) took 25-30 s inside a flush() here

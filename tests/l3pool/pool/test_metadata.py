@@ -13,7 +13,7 @@ from l3pool import __version__
 from l3pool.pool.etcd import EtcdClient, LeaseKeeper
 from l3pool.pool.metadata import MemberInfo, Metadata, MetadataError, check_id, check_prefix
 
-from .conftest import EtcdServer, wait_for
+from ..conftest import EtcdServer, wait_for
 
 
 @pytest.fixture

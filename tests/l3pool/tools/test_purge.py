@@ -16,7 +16,7 @@ from l3pool.pool.keys import Namespace
 from l3pool.pool.metadata import MemberInfo, Metadata
 from l3pool.pool.store import MooncakeStore, StoreConfig
 
-from .conftest import EtcdServer, MasterServer, free_ports
+from ..conftest import EtcdServer, MasterServer, free_ports
 
 OBJ = 256  # bytes per object: the purge never looks at them
 

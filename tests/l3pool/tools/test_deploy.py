@@ -22,7 +22,7 @@ from l3pool.procenv import python_env
 from l3pool.tools.deploy import ADAPTER, plan, select
 from l3pool.tools.deploy_config import LAYOUTS, load_config
 
-from .conftest import REPO, free_ports, required_binaries
+from ..conftest import REPO, free_ports, required_binaries
 
 EXAMPLE = REPO / "deploy" / "cluster.example.toml"
 EXAMPLE_TEXT = EXAMPLE.read_text()

@@ -25,7 +25,7 @@ from l3pool.pool.metadata import Metadata
 from l3pool.pool.pplock import StageLocks
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
-from .conftest import EtcdServer, agent_args, agent_process, run_etcd, run_master, slack
+from ..conftest import EtcdServer, agent_args, agent_process, run_etcd, run_master, slack
 
 SPEC = KVSpec.mla(2, page_size=16)
 

@@ -33,7 +33,7 @@ SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
 LAYOUT = "page_first_direct"
 N = 96  # pages per test prefix
 POISON = 0xA5  # byte every reader page holds until a prefetch writes it
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _store(c: LocalCluster) -> MooncakeStore:

@@ -35,7 +35,7 @@ from l3pool.pool.pplock import LockError, StageLocks, UnknownRequest, _prefix_le
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 from l3pool.procenv import python_env
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STAGES = 4
 LAYERS_PER_STAGE = 2
 SPEC = KVSpec.mla(LAYERS_PER_STAGE, page_size=16)  # 36,864 B pages
@@ -273,7 +273,7 @@ class _Stage:
     def __init__(self, cfg: dict[str, Any], env: dict[str, str]) -> None:
         code = (
             "import sys; sys.path.insert(0, sys.argv[2]); "
-            "from tests.l3pool.test_pplock import _stage_main; _stage_main()"
+            "from tests.l3pool.pool.test_pplock import _stage_main; _stage_main()"
         )
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, json.dumps(cfg), str(ROOT)],

@@ -22,7 +22,7 @@ from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.prefetch import Prefetcher
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, StoreError
 
-from .conftest import slack
+from ..conftest import slack
 
 SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
 LAYOUT = "page_first_direct"

@@ -27,7 +27,7 @@ from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
-from .conftest import MasterServer, run_master
+from ..conftest import MasterServer, run_master
 
 SPEC = KVSpec.mla(4, page_size=16)
 PAGES = 8

@@ -40,7 +40,7 @@ from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.metadata import Metadata
 from l3pool.pool.store import Outcome, StoreUnavailable
 
-from .conftest import (
+from ..conftest import (
     EtcdServer,
     MasterServer,
     _kill_group,
@@ -410,7 +410,7 @@ def test_deploy_rendered_extra_config_is_accepted() -> None:
     from l3pool.tools.deploy import adapter_extra_config
     from l3pool.tools.deploy_config import load_config
 
-    cfg, problems = load_config(Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml")
+    cfg, problems = load_config(Path(__file__).resolve().parents[3] / "deploy" / "cluster.example.toml")
     assert cfg is not None and cfg.prefill and not [p for p in problems if p.severity == "error"]
     for node in cfg.prefill:
         bc = BackendConfig.from_extra_config(adapter_extra_config(cfg, node))

@@ -17,7 +17,7 @@ from l3pool.pool.metadata import Metadata
 from l3pool.procenv import python_env
 from l3pool.tools.inspect import InspectError, collect
 
-from .conftest import AgentProc, EtcdServer, MasterServer, agent_args, agent_process, free_ports
+from ..conftest import AgentProc, EtcdServer, MasterServer, agent_args, agent_process, free_ports
 
 MiB = 1 << 20
 PAGE = 4096

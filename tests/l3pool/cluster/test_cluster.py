@@ -31,7 +31,7 @@ from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 from l3pool.procenv import python_env
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 HAVE_NETNS = os.geteuid() == 0 and subprocess.run(["which", "ip"], capture_output=True).returncode == 0
 NETNS_SKIP = "network namespaces need root and iproute2's `ip`; the loopback fallback test covers the rest"
 

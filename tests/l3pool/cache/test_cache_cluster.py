@@ -16,8 +16,8 @@ from l3pool.pool.metadata import Metadata
 from l3pool.pool.pplock import StageLocks
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
-from .cache_helpers import LAYERS, SPEC, Engine, chain
-from .conftest import EtcdServer, MasterServer
+from ..cache_helpers import LAYERS, SPEC, Engine, chain
+from ..conftest import EtcdServer, MasterServer
 
 # the native extension is built (or loaded) before any test times a copy: a JIT build in the
 # shared cache dir (other checkouts rebuild it) took 25-30 s inside a flush() here

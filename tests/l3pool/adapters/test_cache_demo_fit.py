@@ -14,7 +14,7 @@ from l3pool.cache import L1, CacheConfig, TieredCache
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 
-from .fake_store import FakePageStore
+from ..fake_store import FakePageStore
 
 # the native extension is built (or loaded) before any test times a copy: a JIT build in the
 # shared cache dir (other checkouts rebuild it) took 25-30 s inside a flush() here

@@ -35,7 +35,7 @@ from l3pool.pool.client import TRAILER, TRAILER_BYTES, TRAILER_MAGIC, L3Client, 
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, outcome_of
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SENTINEL = 0xA5
 SPECS = {"mla": KVSpec.mla(6, page_size=16), "mha": KVSpec.mha(4, 2, 64, page_size=16)}
 # every layout, and layer_first in both modes

@@ -21,7 +21,7 @@ import time
 
 from l3pool.procenv import python_env
 
-from .conftest import REPO, free_ports, run_master
+from ..conftest import REPO, free_ports, run_master
 
 
 def _addr(hexaddr: str) -> tuple[str, int]:
@@ -63,7 +63,7 @@ def test_master_binds() -> None:
 _CHILD = """
 import json, os, sys
 from l3pool.pool.store import MooncakeStore, StoreConfig
-from tests.l3pool.test_listeners import listening
+from tests.l3pool.cluster.test_listeners import listening
 before = set(listening(os.getpid()))
 store = MooncakeStore(StoreConfig(master=sys.argv[1], metadata=sys.argv[2], segment_bytes=16 << 20))
 print(json.dumps({p: h for p, h in listening(os.getpid()).items() if p not in before}))

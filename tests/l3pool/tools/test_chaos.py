@@ -11,9 +11,9 @@ from pathlib import Path
 from l3pool.procenv import python_env
 from l3pool.tools.chaos import SCENARIOS, render
 
-from .conftest import slack
+from ..conftest import slack
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FIELDS = {"scenario", "pages_checked", "wrong", "false_ok", "leaked", "recover_s", "figures", "note", "error",
           "elapsed_s", "passed"}  # fmt: skip
 

@@ -29,7 +29,7 @@ from l3pool.tools.doctor import (
     has_ipc_lock,
 )
 
-from .conftest import EtcdServer, MasterServer, free_ports
+from ..conftest import EtcdServer, MasterServer, free_ports
 
 GiB = 1 << 30
 

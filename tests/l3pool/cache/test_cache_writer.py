@@ -18,8 +18,8 @@ from l3pool.pool.client import TRAILER_BYTES, L3Client
 from l3pool.pool.keys import Namespace
 from l3pool.pool.store import Outcome
 
-from .cache_helpers import SPEC, chain
-from .fake_store import FakePageStore, FakeStoreError
+from ..cache_helpers import SPEC, chain
+from ..fake_store import FakePageStore, FakeStoreError
 
 
 @pytest.fixture
