@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -392,8 +393,9 @@ struct Keys {
 Keys keys_of_buffer(const py::buffer& buf, int64_t key_bytes, int64_t lo, int64_t hi) {
   py::buffer_info info = buf.request();
   const int64_t bytes = info.size * info.itemsize;
-  TORCH_CHECK_VALUE(bytes % key_bytes == 0, "a key buffer of ", bytes, " bytes is not whole ", key_bytes,
-                    "-byte keys");
+  if (bytes % key_bytes != 0)
+    throw std::invalid_argument("a key buffer of " + std::to_string(bytes) + " bytes is not whole " +
+                                std::to_string(key_bytes) + "-byte keys");
   const int64_t total = bytes / key_bytes;
   if (hi < 0 || hi > total) hi = total;
   lo = std::min(std::max<int64_t>(lo, 0), hi);
@@ -435,7 +437,7 @@ void bind_page_index(py::module_& m) {
       .def(
           "leading_of",
           [](const GhostSet& g, const py::buffer& buf, int64_t start, int64_t kb) {
-            TORCH_CHECK_VALUE(kb >= 8 && kb % 8 == 0, "key_bytes must be a positive multiple of 8");
+            if (kb < 8 || kb % 8 != 0) throw std::invalid_argument("key_bytes must be a positive multiple of 8");
             Keys k = keys_of_buffer(buf, kb, start, -1);
             return g.leading(k.ptr, k.n, kb / 8);
           },
@@ -489,7 +491,9 @@ void bind_page_index(py::module_& m) {
           "insert",
           [](PageIndex& x, const py::buffer& buf, int64_t lo, const Pages& p, bool pin) {
             Keys k = keys_of_buffer(buf, key_bytes(x), lo, lo + p.size());
-            TORCH_CHECK_VALUE(k.n == p.size(), "insert: ", p.size(), " pages but ", k.n, " keys");
+            if (k.n != p.size())
+              throw std::invalid_argument("insert: " + std::to_string(p.size()) + " pages but " + std::to_string(k.n) +
+                                          " keys");
             py::array_t<int64_t> used(k.n);
             std::vector<int64_t> newly(static_cast<size_t>(k.n));
             const int64_t m = x.insert(k.ptr, p.data(), k.n, pin, used.mutable_data(), newly.data());
@@ -546,7 +550,7 @@ void bind_page_index(py::module_& m) {
   m.def(
       "keys_distinct",
       [](const py::buffer& buf, int64_t kb) {
-        TORCH_CHECK_VALUE(kb >= 8 && kb % 8 == 0, "key_bytes must be a positive multiple of 8");
+        if (kb < 8 || kb % 8 != 0) throw std::invalid_argument("key_bytes must be a positive multiple of 8");
         Keys k = keys_of_buffer(buf, kb, 0, -1);
         return keys_distinct(k.ptr, k.n, kb / 8);
       },

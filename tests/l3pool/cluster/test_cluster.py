@@ -352,10 +352,9 @@ def test_status_without_iproute2(tmp_path: Path) -> None:
     state = {"name": "noip", "mode": "netns", "links": ["noip-br0"], "netns": ["noip-a0"], "processes": [],
              "endpoints": {"etcd": "http://127.0.0.1:1"}, "up_seconds": 1.0}  # fmt: skip
     (tmp_path / "state.json").write_text(json.dumps(state))
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "python").symlink_to(sys.executable)
-    r = subprocess.run([str(bindir / "python"), "-m", "l3pool.cli", "cluster", "status", "--state-dir", str(tmp_path),
+    bindir = tmp_path / "bin"  # an empty PATH: no `ip`. The interpreter by its own path (a symlink to a
+    bindir.mkdir()  # venv's python elsewhere loses the venv: the H200 host's base python has no numpy)
+    r = subprocess.run([sys.executable, "-m", "l3pool.cli", "cluster", "status", "--state-dir", str(tmp_path),
                         "--json"], capture_output=True, text=True, timeout=60,
                        env=python_env({"PATH": str(bindir)}))  # fmt: skip
     assert "Traceback" not in r.stderr, r.stderr
