@@ -25,7 +25,14 @@ NATIVE = ("l2core/native/csrc/bindings.cpp", "l2core/native/csrc/cpu_kernels.cpp
           "l2core/native/include/l2core_kernels.h", "l2core/py.typed", "l3pool/py.typed")  # fmt: skip
 
 
+def _clean_env() -> dict[str, str]:
+    """The environment without PYTHONPATH/VIRTUAL_ENV: with the source tree on PYTHONPATH the new
+    venv would import l2core/l3pool from it (and pip would take the dev install as this version)."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
 def _run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    kw.setdefault("env", _clean_env())
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)  # type: ignore[call-overload]
 
 
@@ -67,7 +74,7 @@ def test_wheel_and_sdist_carry_the_native_sources_and_license(dist: Path) -> Non
 
 
 def test_installed_wheel_info_and_round_trip(venv: Path, tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = _clean_env()
     env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
     r = _run([str(venv / "bin" / "l3pool"), "info", "--json"], cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
@@ -82,7 +89,7 @@ def test_installed_wheel_info_and_round_trip(venv: Path, tmp_path: Path) -> None
 
 def test_info_fails_when_kernels_are_unusable(venv: Path, tmp_path: Path) -> None:
     """A broken native source in the installed package: `info` says so and exits 1."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = _clean_env()
     env["L2CORE_BUILD_DIR"] = str(tmp_path / "build")
     site = Path(_run([str(venv / "bin" / "python"), "-c", "import l2core, os; print(os.path.dirname(l2core.__file__))"],
                      cwd=tmp_path, env=env).stdout.strip())  # fmt: skip
