@@ -158,6 +158,7 @@ def plan(cfg: DeployConfig) -> list[Process]:
                 e.endpoints_str, "--host", d.host, "--segment-size", d.donate, "--protocol", cfg.protocol]  # fmt: skip
         argv += ["--rdma-devices", d.rdma_devices] if d.rdma_devices else []
         argv += ["--key-prefix", cfg.key_prefix, "--lease-ttl", str(d.lease_ttl), "--id", d.name]
+        argv += ["--metrics-port", str(d.metrics_port), "--metrics-host", d.host] if d.metrics_port else []
         argv += e.security_flags()
         out.append(Process(f"agent-{d.name}", "agent", d.name, d.host, argv, client_env(cfg, d.host)))
     for p in cfg.prefill:
@@ -204,6 +205,9 @@ def listening_ports(cfg: DeployConfig) -> dict[str, dict[str, list[str]]]:
     lo, hi = cfg.firewall.client_ports
     for h in [d.host for d in cfg.decode] + [p.host for p in cfg.prefill]:
         add(h, "pool", f"{lo}:{hi}")
+    for d in cfg.decode:  # the agent's metrics, for scrapers inside firewall.allow
+        if d.metrics_port:
+            add(d.host, "pool", str(d.metrics_port))
     return out
 
 

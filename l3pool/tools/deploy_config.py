@@ -6,7 +6,7 @@
     [master]    mooncake_master: host, rpc/metadata/admin ports, client_ttl, eviction ratios, kv lease TTL
     [l3]        adapter defaults for prefill nodes: model (fingerprint), checksum, tenant
     [sglang]    SGLang defaults for every node; [sglang.prefill] / [sglang.decode] for one role
-    [[decode]]  name, host (IP), donate ("64GB"), numa_node, rdma_devices, lease_ttl, run_sglang,
+    [[decode]]  name, host (IP), donate ("64GB"), numa_node, rdma_devices, lease_ttl, metrics_port, run_sglang,
                 [decode.sglang] overrides
     [[prefill]] name, host (IP), [prefill.sglang] and [prefill.l3] overrides
     [router]    optional sglang_router in PD mode: host, port, python, extra_args
@@ -48,6 +48,8 @@ LAYOUT_IO = {"layer_first": ("kernel", "direct"), "page_first": ("kernel",), "pa
 IO_BACKENDS = ("kernel", "direct")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# The agent's Prometheus endpoint (`l3pool agent --metrics-port`) on each decode node; `metrics_port = 0`: none.
+AGENT_METRICS_PORT = 9464
 # Where `render` pins the listening ports of every Mooncake client (agents, prefill engines) with
 # MC_MIN_RPC_PORT/MC_MAX_RPC_PORT: each client listens on two ports of the range, on all interfaces
 # (0.3.13 has no bind-address setting for them), so the firewall rules can name them. Mooncake's
@@ -88,7 +90,7 @@ _SG_COMMON = ("model_path", "tp_size", "page_size", "port", "python", "ib_device
 _SG_PREFILL = (*_SG_COMMON, "bootstrap_port", "hicache_layout", "hicache_io_backend", "hicache_ratio",
                "hicache_size", "hicache_write_policy", "hicache_prefetch_policy")  # fmt: skip
 _SG_DECODE = _SG_COMMON
-_DECODE = ("name", "host", "donate", "numa_node", "rdma_devices", "lease_ttl", "run_sglang", "sglang")
+_DECODE = ("name", "host", "donate", "numa_node", "rdma_devices", "lease_ttl", "metrics_port", "run_sglang", "sglang")
 _PREFILL = ("name", "host", "sglang", "l3")
 _ROUTER = ("host", "port", "python", "extra_args")
 # Flags the render generates from typed keys: extra_args must not repeat them.
@@ -242,6 +244,7 @@ class DecodeNode:
     rdma_devices: str = ""
     lease_ttl: int = 10
     sglang: SGLangSpec | None = None
+    metrics_port: int = AGENT_METRICS_PORT  # the agent's Prometheus endpoint on `host`; 0: none
 
 
 @dataclass(frozen=True)
@@ -718,16 +721,17 @@ def _read_decode(r: _Reader, i: int, raw: Any, sg: tuple[Src | None, Src | None]
     numa = r.get(src, "numa_node", _int_in(0, 1023), -1)
     rdma = r.get(src, "rdma_devices", _as_str, "")
     lease = r.get(src, "lease_ttl", _int_in(2, 3600), 10)
+    mport = r.get(src, "metrics_port", _int_in(0, 65535), AGENT_METRICS_PORT)
     run_sg = r.get(src, "run_sglang", _as_bool, True)
     own = r.table(_sub(src, "sglang"), f"{where}.sglang", _SG_DECODE)
     if nbytes is not None and (problem := segment_too_small(nbytes, src["donate"][0], None)) is not None:
         r.error(src["donate"][1], problem)
         nbytes = None
     spec = _read_sglang(r, _merge(*sg, own), f"{where}.sglang", prefill=False) if run_sg else None
-    if _none_in(name, host, donate, nbytes, numa, rdma, lease, run_sg) or (run_sg and spec is None):
+    if _none_in(name, host, donate, nbytes, numa, rdma, lease, mport, run_sg) or (run_sg and spec is None):
         return None
     assert donate is not None
-    return DecodeNode(name, host, donate, nbytes, None if numa < 0 else numa, rdma, lease, spec)
+    return DecodeNode(name, host, donate, nbytes, None if numa < 0 else numa, rdma, lease, spec, mport)
 
 
 def _read_prefill(
@@ -772,6 +776,8 @@ def _services(cfg: DeployConfig) -> list[tuple[str, int, str]]:
     out += [(m.host, m.rpc_port, "master.rpc_port"), (m.host, m.metadata_port, "master.metadata_port"),
             (m.host, m.admin_port, "master.admin_port")]  # fmt: skip
     for i, d in enumerate(cfg.decode):
+        if d.metrics_port:
+            out.append((d.host, d.metrics_port, f"decode[{i}].metrics_port"))
         if d.sglang:
             out.append((d.host, d.sglang.port, f"decode[{i}].sglang.port"))
     for i, p in enumerate(cfg.prefill):

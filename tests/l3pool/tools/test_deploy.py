@@ -77,6 +77,14 @@ BAD = {
         ["router.port: port 2379 on 10.0.0.1 is also etcd.client_port"],
     ),
     "port out of range": (("rpc_port = 50051", "rpc_port = 70000"), ["master.rpc_port: 70000 is out of range"]),
+    "metrics port clash": (
+        ("metrics_port = 9464 ", "metrics_port = 30000 "),  # decode-0's SGLang port
+        ["decode[0].sglang.port: port 30000 on 10.0.1.21 is also decode[0].metrics_port"],
+    ),
+    "metrics port out of range": (
+        ("metrics_port = 9464 ", "metrics_port = 70000 "),
+        ["decode[0].metrics_port: 70000 is out of range"],
+    ),
     "too small donation": (
         ('donate = "192GB"', 'donate = "8MiB"'),
         ["decode[3].donate: 8 MiB is below Mooncake's minimum segment of 16 MiB; raise it"],
@@ -268,6 +276,7 @@ def test_render_json_prefill_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert a[:3] == ["numactl", "--cpunodebind=1", "--membind=1"] and a[3:5] == ["l3pool", "agent"]
     assert _flag(a, "--segment-size") == "192GB" and _flag(a, "--id") == "decode-3"
     assert _flag(a, "--metadata") == "http://10.0.0.1:8080/metadata" and _flag(a, "--host") == "10.0.1.24"
+    assert _flag(a, "--metrics-port") == "9464" and _flag(a, "--metrics-host") == "10.0.1.24"  # the default
     assert procs["agent-decode-3"]["env"] == {
         "MC_TCP_BIND_ADDRESS": "10.0.1.24", "MC_MIN_RPC_PORT": "15000", "MC_MAX_RPC_PORT": "15999",
     }  # fmt: skip
@@ -357,7 +366,8 @@ def _local_config(
     lines += [f'[[prefill]]\nname = "p0"\nhost = "{prefill_host}"']
     for name, host, donate in decode:
         lines += [
-            f'[[decode]]\nname = "{name}"\nhost = "{host}"\ndonate = "{donate}"\nrun_sglang = false\nlease_ttl = 3'
+            f'[[decode]]\nname = "{name}"\nhost = "{host}"\ndonate = "{donate}"\nrun_sglang = false\nlease_ttl = 3\n'
+            "metrics_port = 0"  # two agents on one host: the default port would clash
         ]
     return _write(tmp_path, "\n".join(lines) + "\n")
 
@@ -583,8 +593,10 @@ def test_firewall_rules_cover_every_pool_port(tmp_path: Path, capsys: pytest.Cap
     ]
     assert "iptables -A L3POOL-ADMIN -s 10.0.0.1/32 -j ACCEPT" in ctl
     assert "iptables -A L3POOL-ADMIN -s 10.0.0.0/24 -j ACCEPT" not in ctl  # admin: the master host only
-    for host in ("10.0.0.11", "10.0.1.21"):  # Mooncake clients: their pinned port range
-        assert any(ln.endswith("--dports 15000:15999 -j L3POOL") for ln in fw[host])
+    # Mooncake clients: their pinned port range; a decode node also its agent's metrics port
+    assert any(ln.endswith("--dports 15000:15999 -j L3POOL") for ln in fw["10.0.0.11"])
+    assert any(ln.endswith("--dports 15000:15999,9464 -j L3POOL") for ln in fw["10.0.1.21"])
+    for host in ("10.0.0.11", "10.0.1.21"):
         assert not any("L3POOL-ADMIN" in ln for ln in fw[host])
     # default allow without [firewall]: exactly the config's hosts
     text = EXAMPLE_TEXT[: EXAMPLE_TEXT.index("[firewall]")]
