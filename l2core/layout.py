@@ -24,6 +24,7 @@ import numpy as np
 
 from .names import LAYOUTS, LayoutName
 from .spec import ConfigError, KVSpec
+from .units import check_int
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,7 @@ class HostLayout:
     def __post_init__(self) -> None:
         if self.name not in LAYOUTS:
             raise ConfigError(f"unknown layout {self.name!r}; choose one of {list(LAYOUTS)}")
-        if isinstance(self.num_pages, bool) or not isinstance(self.num_pages, int) or self.num_pages < 1:
-            raise ConfigError(f"num_pages must be an integer >= 1, got {self.num_pages!r}")
+        check_int("num_pages", self.num_pages, 1)
 
     # -- sizes -------------------------------------------------------------------------------
     @property

@@ -23,6 +23,7 @@ from .allocator import AllocatorStats, PageAllocator
 from .layout import LAYOUTS, HostLayout, LayoutName
 from .memory import HostMemory, PinMode
 from .spec import ConfigError, KVSpec, parse_size
+from .units import check_int
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,7 @@ class L2Config:
         if (self.size is None) == (self.tokens is None):
             raise ConfigError("give exactly one of size (bytes, e.g. '64GB') or tokens")
         if self.tokens is not None:
-            if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
-                raise ConfigError(f"tokens must be a positive integer, got {self.tokens!r}")
+            check_int("tokens", self.tokens, 1)
             pages = -(-self.tokens // self.kv.page_size)
         else:
             nbytes = parse_size(self.size, "size")  # type: ignore[arg-type]

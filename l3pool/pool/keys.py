@@ -89,8 +89,7 @@ class Namespace:
                 )
         else:
             raise ConfigError(f"attention must be 'mha' or 'mla', got {self.attention!r}")
-        if isinstance(self.format_version, bool) or not isinstance(self.format_version, int):
-            raise ConfigError(f"format_version must be an int, got {self.format_version!r}")
+        check_int("format_version", self.format_version, 0)
 
     @classmethod
     def for_pool(

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from l2core.units import check_int
 from l3pool import __version__
 from l3pool.pool.etcd import KV, EtcdClient, EtcdError, LeaseKeeper
 
@@ -87,8 +88,7 @@ class MemberInfo:
 
     def __post_init__(self) -> None:
         check_id("member id", self.id)
-        if isinstance(self.segment_bytes, bool) or not isinstance(self.segment_bytes, int) or self.segment_bytes < 0:
-            raise ValueError(f"segment_bytes must be a non-negative int, got {self.segment_bytes!r}")
+        check_int("segment_bytes", self.segment_bytes, 0, ValueError)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
