@@ -117,6 +117,7 @@ class AgentSettings:
     metrics_host: str = "127.0.0.1"
     master_admin: str = ""  # mooncake_master's admin URL: used bytes from its /query_segment
     etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
+    segment_size: str = ""  # --segment-size as the operator typed it (what inspect shows)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AgentSettings:
@@ -168,6 +169,7 @@ class AgentSettings:
             etcd=args.etcd,
             host=host,
             segment_bytes=segment_bytes,
+            segment_size=str(args.segment_size).strip(),
             protocol=protocol,
             rdma_devices=args.rdma_devices,
             key_prefix=args.key_prefix,
@@ -224,6 +226,7 @@ class Agent:
             id=s.id,
             host=s.host,
             segment_bytes=s.segment_bytes,
+            segment_size=s.segment_size,
             protocol=s.protocol,
             master=s.master,
             segment=self.store.segment_name,

@@ -78,6 +78,7 @@ class MemberInfo:
     id: str
     host: str  # its Mooncake local_hostname (the address peers transfer to)
     segment_bytes: int  # DRAM donated to the pool
+    segment_size: str = ""  # the same, as the operator typed it ("64GB"); "" from older agents
     protocol: str = "tcp"
     master: str = ""  # host:port of the mooncake_master it mounted its segment on
     segment: str = ""  # its segment's name at the master ("host:port"), to join with /query_segment

@@ -174,6 +174,7 @@ def collect(
                 "host": info.host,
                 "segment": info.segment or None,
                 "donated_bytes": info.segment_bytes,
+                "donated": info.segment_size or None,  # as the operator typed it ("64GB")
                 "used_bytes": usage[0] if usage else None,
                 "in_master": (info.segment in seg_usage) if admin is not None else None,
                 "lease_ttl_left": mem.ttl_left,
@@ -256,7 +257,7 @@ def render(report: dict[str, Any]) -> str:
             [
                 m["id"],
                 m["host"],
-                _size(m["donated_bytes"]),
+                m.get("donated") or _size(m["donated_bytes"]),
                 _size(m["used_bytes"]),
                 f"{m['lease_ttl_left']}s" if m["lease_ttl_left"] >= 0 else "gone",
                 m["version"],

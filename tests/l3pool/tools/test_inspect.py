@@ -101,7 +101,7 @@ def test_collect(pool: tuple[AgentProc, str], etcd_server: EtcdServer, mooncake_
     r = collect(etcd_server.endpoints, mooncake_master.admin_url, prefix)
     (m,) = r["members"]
     assert m["id"] == "dn-i" and m["host"] == "127.0.0.1" and m["pid"] == agent.proc.pid
-    assert m["donated_bytes"] == 32 * MiB and m["in_master"] is True
+    assert m["donated_bytes"] == 32 * MiB and m["donated"] == "32MiB" and m["in_master"] is True  # as typed
     assert m["used_bytes"] == 4 * PAGE  # all 4 objects landed in the only segment
     assert 1 <= m["lease_ttl_left"] <= 5 and m["version"] and m["age_s"] >= 0
     ns = {n["ns_id"]: n for n in r["namespaces"]}
@@ -156,8 +156,8 @@ def test_cli_table(
     lines = out.splitlines()
     header = next(ln for ln in lines if ln.strip().startswith("ID"))
     row = next(ln for ln in lines if ln.strip().startswith("dn-i"))
-    assert "32.0 MiB" in row and "16.0 KiB" in row  # donated, used
-    assert header.index("DONATED") == row.index("32.0 MiB")  # aligned columns
+    assert "32MiB" in row and "16.0 KiB" in row  # donated (as the agent was told), used
+    assert header.index("DONATED") == row.index("32MiB")  # aligned columns
     ns_row = next(ln for ln in lines if ln.strip().startswith(NS_ID))
     assert ns_row.split()[-3:] == ["3", "12.0", "KiB"]
     assert "COUNTERS (2)" in lines and any(ln.strip().startswith("(total)") and " 6 " in ln for ln in lines)
