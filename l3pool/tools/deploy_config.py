@@ -24,22 +24,44 @@ Torch-free (runs on any node, before anything is installed but l3pool itself).
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import re
-import shlex
 import tomllib
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from l2core.names import LAYOUTS
-from l2core.units import ConfigError, is_int, parse_size
 from l3pool.agent import PROTOCOLS, segment_too_small
 from l3pool.pool.etcd import SECURITY_KEYS
-from l3pool.pool.metadata import DEFAULT_PREFIX, check_id, check_prefix
+from l3pool.pool.metadata import DEFAULT_PREFIX
 from l3pool.pool.store import DEFAULT_METADATA_PORT, metadata_url
+from l3pool.tools.deploy_values import (
+    Problem,
+    Src,
+    _as_bool,
+    _as_command,
+    _as_duration,
+    _as_env,
+    _as_fingerprint,
+    _as_id,
+    _as_ip,
+    _as_nonempty,
+    _as_prefix,
+    _as_size,
+    _as_str,
+    _as_strlist,
+    _Bad,
+    _choice,
+    _int_in,
+    _merge,
+    _none_in,
+    _port,
+    _ratio,
+    _Reader,
+    _sub,
+    _tname,
+)
 
 # The io backend each layout needs. SGLang rewrites other combinations (page_first + direct becomes
 # layer_first or page_first_direct, page_first_direct + kernel switches to direct), so the layout
@@ -103,19 +125,6 @@ _MASTER_OWNED = ("rpc_address", "rpc_port", "port", "enable_http_metadata_server
                  "http_metadata_server_port", "metrics_host", "metrics_port", "client_ttl",
                  "eviction_high_watermark_ratio", "eviction_ratio", "default_kv_lease_ttl",
                  "put_start_discard_timeout_sec", "put_start_release_timeout_sec")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Problem:
-    severity: str  # "error" | "warning"
-    path: str  # the key it is about, e.g. "prefill[1].sglang.page_size" ("" for the file itself)
-    message: str
-
-    def line(self) -> str:
-        return f"{self.severity}: {self.path}: {self.message}" if self.path else f"{self.severity}: {self.message}"
-
-    def to_json(self) -> dict[str, str]:
-        return {"severity": self.severity, "path": self.path, "message": self.message}
 
 
 @dataclass(frozen=True)
@@ -281,207 +290,6 @@ class DeployConfig:
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-# -- typed values ------------------------------------------------------------------------------
-class _Bad(ValueError):
-    """One value is wrong; the message says why (the caller adds the key path)."""
-
-
-def _tname(v: Any) -> str:
-    return {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
-            dict: "a table"}.get(type(v), type(v).__name__)  # fmt: skip
-
-
-def _as_str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise _Bad(f"expected a string, got {_tname(v)} {v!r}")
-    return v
-
-
-def _as_nonempty(v: Any) -> str:
-    if not _as_str(v).strip():
-        raise _Bad("must not be empty")
-    return str(v).strip()
-
-
-def _as_bool(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise _Bad(f"expected true or false, got {_tname(v)} {v!r}")
-    return v
-
-
-def _int_in(lo: int, hi: int | None = None) -> Callable[[Any], int]:
-    def conv(v: Any) -> int:
-        if not is_int(v):
-            raise _Bad(f"expected an integer, got {_tname(v)} {v!r}")
-        if v < lo or (hi is not None and v > hi):
-            raise _Bad(f"{v} is out of range [{lo}, {hi if hi is not None else 'inf'}]")
-        return v
-
-    return conv
-
-
-def _ratio(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _Bad(f"expected a number in (0, 1], got {_tname(v)} {v!r}")
-    if not 0 < v <= 1:
-        raise _Bad(f"{v} is outside (0, 1]")
-    return float(v)
-
-
-def _as_size(v: Any) -> int:
-    try:
-        return parse_size(v, "size")
-    except ConfigError as e:
-        raise _Bad(str(e).removeprefix("size: ")) from None
-
-
-def _as_ip(v: Any) -> str:
-    try:
-        ip = ipaddress.ip_address(_as_str(v).strip())
-    except ValueError:
-        raise _Bad(f"{v!r} is not an IP address (use the node's IP: Mooncake advertises it to peers)") from None
-    if ip.is_unspecified or ip.is_multicast:
-        raise _Bad(f"{v!r} is not a unicast address a peer can connect to")
-    return str(ip)
-
-
-_port = _int_in(1, 65535)
-
-
-def _as_strlist(v: Any) -> tuple[str, ...]:
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise _Bad(f"expected an array of strings, got {v!r}")
-    return tuple(v)
-
-
-def _as_env(v: Any) -> dict[str, str]:
-    if not isinstance(v, dict):
-        raise _Bad(f'expected a table of NAME = "value", got {_tname(v)}')
-    for k, x in v.items():
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) or not isinstance(x, str):
-            raise _Bad(f'{k!r}: expected NAME = "string value"')
-    return dict(v)
-
-
-def _as_duration(v: Any) -> str:
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-        return str(v)  # milliseconds, as mooncake_master takes them
-    if isinstance(v, str) and re.fullmatch(r"\d+(ms|s|m|h)?", v.strip()) and int(re.sub(r"\D", "", v)) > 0:
-        return v.strip()
-    raise _Bad(f"expected milliseconds or a duration such as '10s', '500ms', '2m', got {v!r}")
-
-
-def _as_command(v: Any) -> str:
-    try:
-        if shlex.split(_as_nonempty(v)):
-            return str(v).strip()
-    except ValueError as e:
-        raise _Bad(f"{v!r} is not a shell command: {e}") from None
-    raise _Bad("must not be empty")
-
-
-def _as_id(v: Any) -> str:
-    try:
-        return check_id("name", _as_str(v))
-    except ValueError as e:
-        raise _Bad(str(e)) from None
-
-
-def _as_fingerprint(v: Any) -> str:
-    s = _as_nonempty(v)
-    if "/" in s:
-        raise _Bad(f"{s!r}: a model fingerprint must not contain '/' (it is part of every page key)")
-    return s
-
-
-def _as_prefix(v: Any) -> str:
-    try:
-        return check_prefix(_as_str(v))
-    except ValueError as e:
-        raise _Bad(str(e)) from None
-
-
-def _choice(options: Iterable[str]) -> Callable[[Any], str]:
-    opts = tuple(options)
-
-    def conv(v: Any) -> str:
-        if _as_str(v) not in opts:
-            raise _Bad(f"{v!r} is not one of {', '.join(opts)}")
-        return str(v)
-
-    return conv
-
-
-# -- the reader --------------------------------------------------------------------------------
-Src = dict[str, tuple[Any, str]]  # key -> (value, full key path)
-_REQUIRED = object()
-
-
-class _Reader:
-    def __init__(self) -> None:
-        self.problems: list[Problem] = []
-
-    def error(self, path: str, message: str) -> None:
-        self._add(Problem("error", path, message))
-
-    def warn(self, path: str, message: str) -> None:
-        self._add(Problem("warning", path, message))
-
-    def _add(self, p: Problem) -> None:
-        if p not in self.problems:  # a bad [sglang] default is one problem, not one per node
-            self.problems.append(p)
-
-    @property
-    def errors(self) -> int:
-        return sum(p.severity == "error" for p in self.problems)
-
-    def table(self, raw: Any, path: str, allowed: Iterable[str], required: bool = False) -> Src | None:
-        """The keys of one TOML table; unknown keys are errors (with a did-you-mean)."""
-        if raw is None:
-            if required:
-                self.error(path, f"missing section [{path}]")
-            return None
-        if not isinstance(raw, dict):
-            self.error(path, f"expected a table, got {_tname(raw)}")
-            return None
-        known = tuple(allowed)
-        for k in raw:
-            if k not in known:
-                close = difflib.get_close_matches(k, known, n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
-                self.error(f"{path}.{k}" if path else k, f"unknown key ({hint})")
-        return {k: (v, f"{path}.{k}" if path else k) for k, v in raw.items() if k in known}
-
-    def get(self, src: Src, key: str, conv: Callable[[Any], Any], default: Any = _REQUIRED, where: str = "") -> Any:
-        """src[key] converted; its default when absent; None (and an error) when wrong or missing."""
-        if key not in src:
-            if default is _REQUIRED:
-                self.error(f"{where}.{key}" if where else key, "missing (required)")
-                return None
-            return default
-        value, path = src[key]
-        try:
-            return conv(value)
-        except _Bad as e:
-            self.error(path, str(e))
-            return None
-
-
-def _sub(src: Src, key: str) -> Any:
-    return src[key][0] if key in src else None
-
-
-def _merge(*layers: Src | None) -> Src:
-    out: Src = {}
-    for layer in layers:
-        out.update(layer or {})
-    return out
-
-
-def _none_in(*values: Any) -> bool:
-    return any(v is None for v in values)
 
 
 # -- sections ----------------------------------------------------------------------------------
