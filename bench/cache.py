@@ -47,7 +47,7 @@ import torch
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.cache import L1, CacheConfig, TieredCache
 from l3pool.cli import guarded, output_file
-from l3pool.cluster.local import STATE_DIR_HELP, pool_endpoints
+from l3pool.cluster.running import STATE_DIR_HELP, pool_endpoints
 from l3pool.measure import percentile, spread
 from l3pool.pool.keys import page_hashes
 

@@ -36,7 +36,7 @@ import torch
 from bench._transfer_report import _loadavg
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.cli import guarded, output_file
-from l3pool.cluster.local import STATE_DIR_HELP, pool_endpoints
+from l3pool.cluster.running import STATE_DIR_HELP, pool_endpoints
 from l3pool.measure import spread
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes

@@ -53,7 +53,7 @@ import torch
 from bench._transfer_report import _loadavg
 from l2core import HostKVPool, L2Config
 from l3pool.cli import guarded, output_file
-from l3pool.cluster.local import STATE_DIR_HELP, pool_endpoints
+from l3pool.cluster.running import STATE_DIR_HELP, pool_endpoints
 from l3pool.measure import percentile
 from l3pool.pool.client import TRAILER_BYTES, L3Client
 from l3pool.pool.prefetch import Prefetcher, batch_schedule

@@ -20,8 +20,8 @@ from l3pool.cluster.local import (
     LocalCluster,
     default_state_dir,
     down,
-    status,
 )
+from l3pool.cluster.running import status
 
 
 def _print_endpoints(state: dict[str, Any]) -> None:

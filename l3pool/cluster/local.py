@@ -51,7 +51,7 @@ import sys
 import sysconfig
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -796,104 +796,3 @@ class LocalCluster:
     def processes(self) -> list[dict[str, Any]]:
         """Each process with its current state ('alive' / 'zombie' / 'gone')."""
         return [{**p.to_json(), "state": _proc_state(p)} for p in self._procs.values()]
-
-
-# -- CLI -------------------------------------------------------------------------------------
-def status(state_dir: str | Path) -> dict[str, Any] | None:
-    state = read_state(state_dir)
-    if state is None:
-        return None
-    links, nss = _existing_links(), _existing_netns()
-    procs = [{**p.to_json(), "alive": _alive(p)} for p in _state_procs(state)]
-    return {
-        "state_dir": str(state_dir),
-        "name": state.get("name"),
-        "mode": state.get("mode"),
-        "all_alive": bool(procs) and all(p["alive"] for p in procs),
-        "ready": state.get("up_seconds") is not None,  # False: its `up` never finished (killed mid-start?)
-        "endpoints": state.get("endpoints", {}),
-        "processes": procs,
-        "links": {x: x in links for x in state.get("links", [])},
-        "netns": {x: x in nss for x in state.get("netns", [])},
-    }
-
-
-# -- finding a pool: given endpoints, the cluster `l3pool cluster up` left running, or a new one ---
-STATE_DIR_HELP = (
-    "the running local cluster to use when no --master is given (default: `l3pool cluster up`'s state dir; "
-    "none running there: a cluster is started here and stopped at the end)"
-)
-
-
-def running_cluster(state_dir: str | Path | None = None) -> dict[str, Any] | None:
-    """The state of the local cluster recorded in `state_dir` (default: the default name's, where
-    `l3pool cluster up` writes) when its start completed and every process is alive; else None."""
-    state = read_state(state_dir if state_dir is not None else default_state_dir())
-    if state is None or state.get("up_seconds") is None:
-        return None
-    procs = _state_procs(state)
-    if not procs or not all(_alive(p) for p in procs):
-        return None
-    return state
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    """Where a tool's pool is: what a client in this process needs, and where another node's
-    process (a writer) can run. `cluster` is the LocalCluster the tool started (else None)."""
-
-    master: str
-    metadata: str
-    host: str  # this process's Mooncake address
-    etcd: str | None = None
-    writer_netns: str | None = None  # run a second node's process here (a local cluster in netns mode)
-    writer_host: str | None = None
-    mode: str = "external"
-    admin: str | None = None
-    key_prefix: str = "/l3pool"
-    cluster: LocalCluster | None = None
-
-
-def _from_state(state: dict[str, Any]) -> Endpoints:
-    ep = state["endpoints"]
-    agent = (state.get("agents") or [{}])[-1]
-    netns = agent.get("netns")
-    return Endpoints(ep["master"], ep["metadata"], ep["client_host"], ep["etcd"], netns,
-                     agent.get("ip") if netns else None, f"running local cluster ({state['state_dir']})",
-                     ep.get("admin"), ep.get("key_prefix") or "/l3pool")  # fmt: skip
-
-
-@contextlib.contextmanager
-def pool_endpoints(
-    master: str | None = None,
-    metadata: str | None = None,
-    host: str | None = None,
-    etcd: str | None = None,
-    *,
-    segment_size: int | str = "1GB",
-    name: str | None = None,
-    state_dir: str | Path | None = None,
-) -> Iterator[Endpoints]:
-    """The pool a tool or benchmark runs against (a context manager yielding `Endpoints`):
-    `master` + `metadata` when given; else the local cluster `l3pool cluster up` left running
-    (`state_dir`, default the default name's); else a LocalCluster of 2 agents started here and
-    torn down on exit. For a local cluster this process's environment gets `client_env()` (the
-    tool is the application: it sets Mooncake's address variable for its own client)."""
-    if master:
-        if not metadata:
-            raise ClusterConfigError("--master needs --metadata (the transfer-engine metadata URL)")
-        yield Endpoints(master, metadata, host or "127.0.0.1", etcd)
-        return
-    if metadata or etcd:
-        raise ClusterConfigError("--metadata/--etcd need --master too (or give none to use the local cluster)")
-    state = running_cluster(state_dir)
-    if state is not None:
-        os.environ.update(state["endpoints"].get("client_env") or mooncake_env(state["endpoints"]["client_host"]))
-        log.info("using the running local cluster in %s", state["state_dir"])
-        yield _from_state(state)
-        return
-    with LocalCluster(agents=2, segment_size=segment_size, name=name or f"l3t{uuid.uuid4().hex[:6]}") as c:
-        os.environ.update(c.client_env())
-        wa = c.agents[-1]
-        yield Endpoints(c.master, c.metadata_url, c.client_host, c.etcd_endpoints, wa.netns,
-                        wa.ip if wa.netns else None, c.mode, c.admin_url, c.key_prefix, c)  # fmt: skip

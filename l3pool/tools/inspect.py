@@ -330,7 +330,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     admin = args.master_admin or os.environ.get("L3POOL_MASTER_ADMIN") or None
     if not endpoints:  # the local cluster `l3pool cluster up` left running, if any
         from l3pool.cli import UserError
-        from l3pool.cluster.local import default_state_dir, running_cluster
+        from l3pool.cluster.local import default_state_dir
+        from l3pool.cluster.running import running_cluster
 
         state_dir = args.state_dir or default_state_dir()
         state = running_cluster(state_dir)

@@ -39,7 +39,7 @@ from typing import Any
 
 from l2core.units import format_size
 from l3pool.cli import UserError, fail, guarded, output_file
-from l3pool.cluster.local import STATE_DIR_HELP, Endpoints, pool_endpoints
+from l3pool.cluster.running import STATE_DIR_HELP, Endpoints, pool_endpoints
 from l3pool.measure import percentile
 from l3pool.procenv import python_env
 

@@ -27,6 +27,7 @@ import pytest
 
 import l3pool.cluster.local as cluster_mod
 from l3pool.cluster.local import ClusterAlreadyUp, ClusterError, LocalCluster, down, read_state
+from l3pool.cluster.running import status
 from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 from l3pool.procenv import python_env
@@ -136,7 +137,7 @@ def test_netns_cluster(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None
         c.start()
         print(f"\n[cluster] up with 2 agents in {c.up_seconds:.2f} s ({c.mode})")
         assert c.mode == "netns" and c.client_host == "10.77.101.1"
-        st = cluster_mod.status(state_dir)
+        st = status(state_dir)
         assert st is not None and st["ready"] and st["all_alive"] and all(st["netns"].values())
         assert sorted(_my_netns(name)) == [f"{name}-a0", f"{name}-a1"]
         members = _members(c)
