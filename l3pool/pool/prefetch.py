@@ -424,17 +424,19 @@ class Prefetcher:
                 try:
                     out = fut.result()
                 except BaseException as e:
-                    self._landed(h, pages)
-                    self._free(pages)
+                    if not self._landed(h, pages):
+                        self._free(pages)
                     if not ended:
                         res.error = f"{type(e).__name__}: {e}"
                         log.warning("prefetch %s gen %d: batch at %d failed: %s", h.request_id, h.generation, start, e)
                     ended = True
                     issuing = False
                     continue
-                if self._landed(h, pages) or ended:  # left behind by interrupt(), or after the prefix ended
-                    self._free(pages)
+                if self._landed(h, pages):  # left behind by interrupt(): freed there
                     ended = True
+                    continue
+                if ended:  # after the prefix ended
+                    self._free(pages)
                     continue
                 k = next((i for i, r in enumerate(out) if r is not Outcome.OK), len(out))
                 self._free(pages[k:])
@@ -454,8 +456,8 @@ class Prefetcher:
             for _, pages, fut, _ in flight:  # only on an unexpected exception above
                 with contextlib.suppress(BaseException):
                     fut.result()
-                self._landed(h, pages)
-                self._free(pages)
+                if not self._landed(h, pages):
+                    self._free(pages)
             with h._lock:
                 got, h._got = h._got, []
             res.pages = np.concatenate(got) if got else np.empty(0, dtype=np.int64)
@@ -470,11 +472,13 @@ class Prefetcher:
 
     def _landed(self, h: PrefetchHandle, pages: np.ndarray) -> bool:
         """A batch's call returned: its pages are no longer in flight. True when interrupt()
-        left it behind (the caller frees its pages; they leave the quarantine)."""
+        left it behind: its pages are freed here, and only then leave the quarantine (so a
+        caller that saw quarantined_pages() == 0 finds them free)."""
         with h._lock:
             h._inflight_pages -= len(pages)
             detached = h._detached
         if detached:
+            self._free(pages)
             with self._lock:
                 self._quarantined -= len(pages)
         return detached
