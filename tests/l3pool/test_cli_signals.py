@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from l3pool.cluster.local import default_state_dir, live_pids, read_state
+from l3pool.procenv import python_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +25,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigterm_stops_the_demo_and_its_cluster(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = python_env()  # the bundle's packages too, where the parent found them on PYTHONPATH
     p = subprocess.Popen([sys.executable, "-m", "l3pool", "demo", "--quick", "--out", str(tmp_path / "out")],
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     state_dir = default_state_dir(f"demo{p.pid % 100000}")

@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import math
+import os
 import re
 import signal
 import socket
@@ -422,24 +423,41 @@ def test_tqdm_handler_writes_to_current_stderr() -> None:
     assert buf.getvalue() == "hello there\n"
 
 
+def _without_prometheus_client(tmp_path: Path) -> dict[str, str]:
+    """A child environment in which `import prometheus_client` fails wherever it is installed (the
+    H200 host has it on PYTHONPATH, this venv may have it): a stand-in package that raises
+    ImportError, first on PYTHONPATH."""
+    block = tmp_path / "block"
+    (block / "prometheus_client").mkdir(parents=True)
+    (block / "prometheus_client" / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
+    return python_env({"PYTHONPATH": os.pathsep.join([str(block), os.environ.get("PYTHONPATH", "")])})
+
+
 def test_without_prometheus_client_metrics_are_inert(tmp_path: Path) -> None:
-    """The interpreter outside this venv (a bare python3, as tests of `cluster status` use): counting
-    is a no-op, serving is one clear error, an agent's --metrics-port is one line and exit 2."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "python").symlink_to(sys.executable)  # without pyvenv.cfg beside it: no venv packages
+    """Without prometheus_client: counting is a no-op, serving is one clear error."""
     code = (
         "from l3pool import metrics\n"
-        "assert not metrics.AVAILABLE\n"
+        "print('available', metrics.AVAILABLE)\n"
         "metrics.CLIENT_PAGES('get', 'ok').inc(3); metrics.CLIENT_BATCH_SECONDS('get').observe(0.1)\n"
         "metrics.agent_used_bytes().set(5); metrics.count_pages('get', {'ok': 3}, 9)\n"
         "try:\n    metrics.serve(1234)\nexcept metrics.MetricsError as e:\n    print(e)\n"
     )
-    r = subprocess.run([str(bindir / "python"), "-c", code], capture_output=True, text=True, timeout=60,
-                       env=python_env({"PATH": str(bindir)}))  # fmt: skip
-    if "No module named" in r.stderr:  # the base interpreter lacks numpy too: nothing to learn here
-        pytest.skip(r.stderr.strip().splitlines()[-1])
-    if r.returncode and "assert not metrics.AVAILABLE" in r.stderr:
-        pytest.skip("prometheus_client is installed outside the venv too")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=_without_prometheus_client(tmp_path))  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "cannot serve metrics: the prometheus_client package is not installed (pip install it)"
+    assert r.stdout.splitlines() == [
+        "available False",
+        "cannot serve metrics: the prometheus_client package is not installed (pip install it)",
+    ]
+
+
+def test_agent_metrics_port_without_prometheus_client_is_one_line(
+    tmp_path: Path, etcd_server: EtcdServer, mooncake_master: MasterServer, prefix: str
+) -> None:
+    (port,) = free_ports(1)
+    args = agent_args(etcd_server, mooncake_master, prefix, "--segment-size", "16MiB", "--metrics-port", str(port))
+    r = subprocess.run([sys.executable, "-m", "l3pool", "agent", *args], capture_output=True, text=True, timeout=60,
+                       cwd=REPO, env=_without_prometheus_client(tmp_path))  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert "--metrics-port: cannot serve metrics: the prometheus_client package is not installed" in r.stderr

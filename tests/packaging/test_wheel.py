@@ -26,9 +26,15 @@ NATIVE = ("l2core/native/csrc/bindings.cpp", "l2core/native/csrc/cpu_kernels.cpp
 
 
 def _clean_env() -> dict[str, str]:
-    """The environment without PYTHONPATH/VIRTUAL_ENV: with the source tree on PYTHONPATH the new
-    venv would import l2core/l3pool from it (and pip would take the dev install as this version)."""
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    """The environment without VIRTUAL_ENV and without the source tree on PYTHONPATH: with it the
+    new venv would import l2core/l3pool from it (and pip would take the dev install as this
+    version). Other PYTHONPATH entries stay: on a GPU host Mooncake comes from a bundle there, and
+    the master the round trip starts must find it too."""
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    keep = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != REPO]
+    if keep:
+        env["PYTHONPATH"] = os.pathsep.join(keep)
+    return env
 
 
 def _run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
