@@ -55,9 +55,10 @@ from l2core import HostKVPool, L2Config
 from l3pool.cli import guarded, output_file
 from l3pool.cluster.running import STATE_DIR_HELP, pool_endpoints
 from l3pool.measure import percentile
-from l3pool.pool.client import TRAILER_BYTES, L3Client
+from l3pool.pool.client import L3Client
 from l3pool.pool.prefetch import Prefetcher, batch_schedule
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.trailer import TRAILER_BYTES
 from l3pool.tools.prefetch_check import LAYOUT, Endpoints, PrefixSet, check_fits, run_writer
 
 from ._locks import measure_lock_latencies

@@ -69,26 +69,12 @@ from l3pool import metrics
 from l3pool.pool.keys import FORMAT_VERSION, GEOMETRY_FIELDS, Namespace, geometry_of
 from l3pool.pool.protocols import NamespaceRegistry, PageStore
 from l3pool.pool.store import Outcome
+from l3pool.pool.trailer import FLAG_CHECKSUM, TRAILER, TRAILER_BYTES, TRAILER_MAGIC
 
 log = logging.getLogger(__name__)
 
 LayerFirstMode = Literal["multi", "staging"]
 
-# -- the stored object's trailer ------------------------------------------------------------------
-TRAILER = np.dtype(
-    [
-        ("magic", "<u4"),
-        ("version", "<u2"),
-        ("flags", "<u2"),
-        ("length", "<u8"),  # page bytes before the trailer
-        ("key", "<u8"),  # xxh3-64 of the full key "ns_id/pagehash"
-        ("checksum", "<u8"),  # xxh3-64 of the page bytes (FLAG_CHECKSUM), else 0
-    ]
-)
-TRAILER_BYTES = TRAILER.itemsize  # 32
-TRAILER_MAGIC = int.from_bytes(b"L3PG", "little")
-FLAG_CHECKSUM = 1
-assert TRAILER_BYTES == 32
 
 _FAILURES = [o for o in Outcome if o is not Outcome.OK]
 

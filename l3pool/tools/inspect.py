@@ -6,7 +6,8 @@
     members     each live agent: id, host, segment, donated bytes, used bytes (from the master's
                 /query_segment; None without --master-admin), lease TTL left, version, age
     namespaces  each registered namespace: its key fields, objects (keys "<ns_id>/..." in the
-                master's /get_all_keys) and bytes (objects x page_bytes); None without the master
+                master's /get_all_keys) and bytes (objects x (page_bytes + the 32-byte trailer));
+                None without the master
     counters    the sum of every client's numeric counters; clients: each client's own
     locks       every key under {prefix}/locks/ with its value and lease TTL left
     master      admin URL, totals from /metrics, every segment (with the member that owns it),
@@ -30,6 +31,7 @@ from typing import Any
 
 from l3pool.pool.etcd import EtcdClient, EtcdError, EtcdSecurity, add_security_args, security_from_args
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata
+from l3pool.pool.trailer import object_bytes
 
 ADMIN_TIMEOUT = 3.0
 # the master's /metrics samples `inspect` summarises (mooncake_master 0.3.13 names), label -> sample
@@ -191,7 +193,7 @@ def collect(
     for ns_id, rec in sorted(namespaces.items()):
         objects = None if keys is None else sum(1 for k in keys if k.startswith(f"{ns_id}/"))
         page_bytes = rec.get("page_bytes")
-        nbytes = objects * page_bytes if objects is not None and isinstance(page_bytes, int) else None
+        nbytes = objects * object_bytes(page_bytes) if objects is not None and isinstance(page_bytes, int) else None
         item: dict[str, Any] = {"ns_id": ns_id, **{f: rec.get(f) for f in _NS_FIELDS}}
         if "layer_begin" in rec and "layer_end" in rec:
             item["layers"] = f"{rec['layer_begin']}-{rec['layer_end']}"

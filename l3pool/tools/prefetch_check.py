@@ -166,7 +166,7 @@ def run_writer(ps: PrefixSet, ep: Endpoints, timeout: float = 300) -> dict[str, 
 
 
 def _set_bytes(ps: PrefixSet) -> int:
-    from l3pool.pool.client import TRAILER_BYTES
+    from l3pool.pool.trailer import TRAILER_BYTES
 
     return ps.requests * ps.pages * (ps.spec().page_bytes + TRAILER_BYTES)  # type: ignore[no-any-return]
 

@@ -268,8 +268,9 @@ def store(mooncake_master: MasterServer) -> Iterator[object]:
 def test_client_counters_are_exact(store: object, endpoint: str) -> None:
     torch = pytest.importorskip("torch")
     from l2core import HostKVPool, KVSpec, L2Config
-    from l3pool.pool.client import TRAILER_BYTES, L3Client
+    from l3pool.pool.client import L3Client
     from l3pool.pool.keys import Namespace, page_hashes
+    from l3pool.pool.trailer import TRAILER_BYTES
 
     spec = KVSpec.mla(4, page_size=16)
     pool = HostKVPool(L2Config(kv=spec, layout="page_first_direct", tokens=64 * 16, pin="never"))

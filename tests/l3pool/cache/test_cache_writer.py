@@ -14,9 +14,10 @@ import torch
 
 from l2core import HostKVPool, L2Config
 from l3pool.cache.writer import L3Writer
-from l3pool.pool.client import TRAILER_BYTES, L3Client
+from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace
 from l3pool.pool.store import Outcome
+from l3pool.pool.trailer import TRAILER_BYTES
 
 from ..cache_helpers import SPEC, chain
 from ..fake_store import FakePageStore, FakeStoreError

@@ -14,10 +14,11 @@ import torch
 
 from l2core import LAYOUTS, ConfigError, HostKVPool, KVSpec, L2Config
 from l3pool.cluster.local import LocalCluster
-from l3pool.pool.client import FLAG_CHECKSUM, TRAILER, TRAILER_BYTES, TRAILER_MAGIC, L3Client, key_digest
+from l3pool.pool.client import L3Client, key_digest
 from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.keys import FORMAT_VERSION, Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, StoreUnavailable
+from l3pool.pool.trailer import FLAG_CHECKSUM, TRAILER, TRAILER_BYTES, TRAILER_MAGIC
 
 SPECS = {"mla": KVSpec.mla(6, page_size=16), "mha": KVSpec.mha(4, 2, 64, page_size=16)}
 

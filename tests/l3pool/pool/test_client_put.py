@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.pool.client import TRAILER_BYTES, L3Client
+from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import Outcome
+from l3pool.pool.trailer import TRAILER_BYTES
 
 SPEC = KVSpec.mha(2, 2, 32, page_size=4)
 

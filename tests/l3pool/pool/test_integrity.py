@@ -31,9 +31,10 @@ import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.cluster.local import LocalCluster
-from l3pool.pool.client import TRAILER, TRAILER_BYTES, TRAILER_MAGIC, L3Client, key_digest
+from l3pool.pool.client import L3Client, key_digest
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, outcome_of
+from l3pool.pool.trailer import TRAILER, TRAILER_BYTES, TRAILER_MAGIC
 
 REPO = Path(__file__).resolve().parents[3]
 SENTINEL = 0xA5

@@ -14,6 +14,7 @@ import pytest
 from l3pool.cli import main
 from l3pool.pool.etcd import LeaseKeeper
 from l3pool.pool.metadata import Metadata
+from l3pool.pool.trailer import TRAILER_BYTES
 from l3pool.procenv import python_env
 from l3pool.tools.inspect import InspectError, collect
 
@@ -21,6 +22,7 @@ from ..conftest import AgentProc, EtcdServer, MasterServer, agent_args, agent_pr
 
 MiB = 1 << 20
 PAGE = 4096
+OBJ = PAGE + TRAILER_BYTES  # what L3Client stores per page: page bytes + trailer
 NS_ID = "5eed0f00d5eed0f0"
 NS_RECORD = {
     "model": "toy@1",
@@ -54,7 +56,7 @@ print("RESULT " + json.dumps([r.value for r in res]), flush=True)
 def _put_in_subprocess(master: MasterServer, keys: list[str]) -> list[str]:
     env = python_env({"MC_TCP_BIND_ADDRESS": "127.0.0.1"})
     r = subprocess.run(
-        [sys.executable, "-c", _WRITER, master.rpc, master.metadata_url, str(PAGE), *keys],
+        [sys.executable, "-c", _WRITER, master.rpc, master.metadata_url, str(OBJ), *keys],
         env=env,
         capture_output=True,
         text=True,
@@ -102,17 +104,17 @@ def test_collect(pool: tuple[AgentProc, str], etcd_server: EtcdServer, mooncake_
     (m,) = r["members"]
     assert m["id"] == "dn-i" and m["host"] == "127.0.0.1" and m["pid"] == agent.proc.pid
     assert m["donated_bytes"] == 32 * MiB and m["donated"] == "32MiB" and m["in_master"] is True  # as typed
-    assert m["used_bytes"] == 4 * PAGE  # all 4 objects landed in the only segment
+    assert m["used_bytes"] == 4 * OBJ  # all 4 objects landed in the only segment
     assert 1 <= m["lease_ttl_left"] <= 5 and m["version"] and m["age_s"] >= 0
     ns = {n["ns_id"]: n for n in r["namespaces"]}
-    assert ns[NS_ID]["objects"] == 3 and ns[NS_ID]["bytes"] == 3 * PAGE and ns[NS_ID]["layout"] == "page_first"
+    assert ns[NS_ID]["objects"] == 3 and ns[NS_ID]["bytes"] == 3 * OBJ and ns[NS_ID]["layout"] == "page_first"
     assert ns["0ther"]["objects"] == 0 and ns["0ther"]["bytes"] == 0
     assert r["counters"] == {"hits": 6, "misses": 6, "puts": 3}
     assert r["clients"]["client-a"]["hits"] == 5 and set(r["clients"]) == {"client-a", "client-b"}
     (lk,) = r["locks"]
     assert lk["key"] == "req-7" and lk["value"]["pages"] == 3 and lk["lease_ttl_left"] > 0
     assert r["master"]["keys"] == 4 and r["master"]["capacity_bytes"] >= 32 * MiB
-    assert {"name": m["segment"], "used_bytes": 4 * PAGE, "capacity_bytes": 32 * MiB, "member": "dn-i"} in r["master"][
+    assert {"name": m["segment"], "used_bytes": 4 * OBJ, "capacity_bytes": 32 * MiB, "member": "dn-i"} in r["master"][
         "segments"
     ]
 
@@ -156,10 +158,10 @@ def test_cli_table(
     lines = out.splitlines()
     header = next(ln for ln in lines if ln.strip().startswith("ID"))
     row = next(ln for ln in lines if ln.strip().startswith("dn-i"))
-    assert "32MiB" in row and "16.0 KiB" in row  # donated (as the agent was told), used
+    assert "32MiB" in row and "16.1 KiB" in row  # donated (as the agent was told), used: 4 x (4 KiB + 32 B)
     assert header.index("DONATED") == row.index("32MiB")  # aligned columns
     ns_row = next(ln for ln in lines if ln.strip().startswith(NS_ID))
-    assert ns_row.split()[-3:] == ["3", "12.0", "KiB"]
+    assert ns_row.split()[-3:] == ["3", "12.1", "KiB"]
     assert "COUNTERS (2)" in lines and any(ln.strip().startswith("(total)") and " 6 " in ln for ln in lines)
     assert any(ln.strip().startswith("req-7") for ln in lines)
     assert any(ln.startswith("MASTER http://127.0.0.1") and "keys 4," in ln for ln in lines)
