@@ -24,6 +24,9 @@ backup       `--backup-requests` requests of `--backup-pages` pages each committ
              min/max in `backup_put_ratio_spread`. `backup_put_ratio` times the writer alone (the same
              `--backup-requests` submits of pages already in L2); `end_to_end_put_ratio` times the
              whole path from the first commit (D2H included). Every written key is read back.
+             `raw_objects`: the same raw put, each object with a 32-byte trailer fragment after its
+             page (what L3Client stores); `writer_vs_raw_objects` = the writer against that: the
+             writer's own cost, apart from the key-bound trailer's (a fragment more per object).
              Without --master a LocalCluster is started (and stopped); --no-l3 skips this part.
 The CUDA path (L1 on the GPU, pinned L2) runs when torch sees a GPU; CPU otherwise.
 """
@@ -267,6 +270,7 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
     from l3pool.pool.client import L3Client
     from l3pool.pool.keys import Namespace
     from l3pool.pool.store import Outcome
+    from l3pool.pool.trailer import TRAILER_BYTES
 
     spec = KVSpec.mla(8, page_size=64)  # 589,824-byte pages, as bench.prefetch
     per, reqs = args.backup_pages, args.backup_requests
@@ -282,10 +286,12 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
         client, lambda *a: None, batch_pages=512, linger_ms=cfg.writer_linger_ms, parallel=cfg.writer_parallel
     )
     rng = np.random.default_rng(args.seed + 2)
-    rows: dict[str, list[float]] = {"writer_s": [], "raw_put_s": [], "end_to_end_s": []}
+    rows: dict[str, list[float]] = {"writer_s": [], "raw_put_s": [], "raw_objects_s": [], "end_to_end_s": []}
     correct = True
     raw_pages = pool.alloc(total)
     pool.buffer.view(pool.num_pages, -1)[torch.from_numpy(raw_pages)] = 7
+    trailers = np.zeros((total, TRAILER_BYTES), dtype=np.uint8)  # contents do not matter to a put
+    store.register(trailers.ctypes.data, trailers.nbytes)
     try:
         for r in range(args.backup_rounds):
             # end to end: commits of `reqs` requests -> L1 -> L2 (backup thread) -> L3 (writer)
@@ -302,13 +308,20 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
             rows["end_to_end_s"].append(time.perf_counter() - t0)
             correct = correct and _read_back(client, pool, ns.keys(hs_all), cache)
             l2p = cache.t2.pages_of(hs_all)
-            for who in ("writer", "raw") if r % 2 == 0 else ("raw", "writer"):
+            order = ("writer", "raw", "raw_objects")
+            for who in order if r % 2 == 0 else order[::-1]:
                 keys = ns.keys(_hashes(rng, total, spec.page_size))  # fresh keys: nothing is skipped
-                if who == "raw":
+                if who != "writer":
                     addrs, sizes = pool.page_runs(raw_pages)
+                    a, z = addrs[:, 0].tolist(), sizes[:, 0].tolist()
                     t0 = time.perf_counter()
-                    res = store.put(keys, addrs[:, 0].tolist(), sizes[:, 0].tolist())
-                    rows["raw_put_s"].append(time.perf_counter() - t0)
+                    if who == "raw":
+                        res = store.put(keys, a, z)
+                    else:
+                        t = (trailers.ctypes.data + TRAILER_BYTES * np.arange(total)).tolist()
+                        res = store.put_multi(keys, [[x, y] for x, y in zip(a, t, strict=True)],
+                                              [[x, TRAILER_BYTES] for x in z])  # fmt: skip
+                    rows[f"{who}_put_s" if who == "raw" else f"{who}_s"].append(time.perf_counter() - t0)
                     correct = correct and all(o is Outcome.OK for o in res)
                     continue
                 # the writer alone: `reqs` submits of `per` pages already in L2, back to back
@@ -322,13 +335,15 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
                 correct = correct and all(store.present(keys))
             # every round allocates the same memory: this round's objects go (forced: put leased them)
             removed = store.remove_prefix(ns.ns_id + "/", force=True)
-            correct = correct and removed == (Outcome.OK, 3 * total)
+            correct = correct and removed == (Outcome.OK, 4 * total)
         med = {k: statistics.median(v) for k, v in rows.items()}
         paired = [r / w for r, w in zip(rows["raw_put_s"], rows["writer_s"], strict=True)]
+        paired_obj = [r / w for r, w in zip(rows["raw_objects_s"], rows["writer_s"], strict=True)]
         nbytes = total * spec.page_bytes
         st = cache.stats()
     finally:
         solo.close()
+        store.unregister(trailers.ctypes.data)
         pool.free(raw_pages)
         cache.close()
         client.close()
@@ -344,6 +359,9 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
         "end_to_end_GBps": round(nbytes / med["end_to_end_s"] / 1e9, 3),
         "backup_put_ratio": round(statistics.median(paired), 4),
         "backup_put_ratio_spread": spread(paired),
+        "writer_vs_raw_objects": round(statistics.median(paired_obj), 4),
+        "writer_vs_raw_objects_spread": spread(paired_obj),
+        "trailer_fragment_cost": round(med["raw_objects_s"] / med["raw_put_s"] - 1, 4),
         "end_to_end_put_ratio": round(med["raw_put_s"] / med["end_to_end_s"], 4),
         "cache_writer_puts": st["writer_puts"],
         "solo_writer_puts": solo.puts,

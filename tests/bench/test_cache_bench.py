@@ -38,6 +38,11 @@ def test_cache_bench_json_contract(tmp_path: Path) -> None:
     sp = bu["backup_put_ratio_spread"]  # the median of per-round paired ratios
     assert sp["min"] <= bu["backup_put_ratio"] <= sp["max"] and bu["backup_put_ratio"] == round(sp["median"], 4)
     assert sp["min"] <= bu["raw_put_s"]["max"] / bu["writer_s"]["min"]
+    so = bu["writer_vs_raw_objects_spread"]  # the same against raw puts of page + trailer objects
+    assert so["min"] <= bu["writer_vs_raw_objects"] <= so["max"]
+    assert set(bu["raw_objects_s"]) == {"median", "min", "max"}
+    cost = bu["raw_objects_s"]["median"] / bu["raw_put_s"]["median"] - 1
+    assert abs(bu["trailer_fragment_cost"] - cost) < 1e-3
     assert bu["solo_writer_puts"] <= 2 * 3, "the writer did not coalesce 4 requests per round"
     assert set(r["targets"]) == {"bookkeeping_p99_ms<=0.5", "exposed_load_fraction<=0.3", "backup_put_ratio>=0.9"}
 
