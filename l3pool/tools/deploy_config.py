@@ -651,6 +651,15 @@ def _cross_check(r: _Reader, cfg: DeployConfig) -> None:
         if differs and key not in ADAPTER_KEYS:
             r.warn(path, f"the SGLang adapter's extra-config has no {key!r} key (it has: {', '.join(ADAPTER_KEYS)}): "
                          f"prefill nodes use their default ({default})")  # fmt: skip
+    # a tenant is Mooncake-isolated only by a master run with --enable_multi_tenants (deploy/README.md)
+    multi = any(a.split("=", 1)[0] == "--enable_multi_tenants" and a.split("=", 1)[1:] in ([], ["true"], ["1"])
+                for a in cfg.master.extra_args)  # fmt: skip
+    for i, p in enumerate(cfg.prefill):
+        if p.l3.tenant and not multi:
+            r.warn(f"prefill[{i}].l3.tenant", f"{p.l3.tenant!r} keeps this node's pages in its own namespace, but "
+                   "the master runs without --enable_multi_tenants, so Mooncake ignores tenant ids: any client can "
+                   "read or remove them; add the flag and a quota policy to [master] extra_args "
+                   "(deploy/README.md, Tenants)")  # fmt: skip
     if cfg.protocol == "rdma":
         for i, d in enumerate(cfg.decode):
             if not d.rdma_devices:

@@ -604,3 +604,20 @@ def test_firewall_rules_cover_every_pool_port(tmp_path: Path, capsys: pytest.Cap
     rules = json.loads(out)["firewall"]["10.0.1.21"]
     allowed = sorted(ln.split(" -s ")[1].split()[0] for ln in rules if ln.startswith("iptables -A L3POOL -s"))
     assert allowed == sorted(["10.0.0.1/32", "10.0.0.11/32", "10.0.0.12/32"] + [f"10.0.1.2{i}/32" for i in range(1, 5)])
+
+
+def test_tenant_without_multi_tenant_master_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tenant is kept apart by Mooncake only on a master with --enable_multi_tenants: say so."""
+    text = _edit('tenant = ""', 'tenant = "team-a"')
+    rc, out, err = _cli(capsys, "check", _write(tmp_path, text))
+    assert rc == 0, err
+    assert "warning: prefill[0].l3.tenant: 'team-a' keeps this node's pages in its own namespace" in out
+    assert "without --enable_multi_tenants" in out
+    flags = ('extra_args = ["--enable_multi_tenants=true", "--tenant_quota_connector_type=file", '
+             '"--tenant_quota_connector_uri=/etc/l3pool/tenants.yaml"]')  # fmt: skip
+    old = "extra_args = []                        # more mooncake_master flags, verbatim"
+    rc, out, err = _cli(capsys, "check", _write(tmp_path, _edit(old, flags, text)))
+    assert rc == 0, err
+    assert "l3.tenant" not in out
+    rc, out, _ = _cli(capsys, "render", _write(tmp_path, _edit(old, flags, text)), "--node", "master", "--json")
+    assert "--enable_multi_tenants=true" in json.loads(out)["processes"][-1]["argv"]
