@@ -26,9 +26,11 @@ import argparse
 import ipaddress
 import json
 import logging
+import os
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -83,6 +85,7 @@ class Process:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     ready_ports: tuple[int, ...] = ()  # accept TCP once the process is up (waited for before the next one)
+    files: dict[str, str] = field(default_factory=dict)  # path -> content, written before it starts
 
     def shell(self) -> str:
         env = [f"{k}={v}" for k, v in self.env.items()]
@@ -117,6 +120,14 @@ def _url(host: str, port: int, scheme: str = "http") -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
+def tenant_policy_yaml(tenants: Sequence[tuple[str, int]]) -> str:
+    """mooncake_master's tenant quota policy (`--tenant_quota_connector_type=file`; the format of
+    0.3.13, checked against a real master in tests/l3pool/pool/test_mooncake_tenants.py). Tenant
+    names are validated by the config reader (no quoting needed)."""
+    lines = ["version: 1", "tenants:"] + [f"  - name: {n}\n    quota: {q}" for n, q in tenants]
+    return "\n".join(lines) + "\n"
+
+
 def plan(cfg: DeployConfig) -> list[Process]:
     """Every process of the cluster, in start order (etcd, master, agents, prefill, decode, router)."""
     out: list[Process] = []
@@ -148,8 +159,13 @@ def plan(cfg: DeployConfig) -> list[Process]:
             f"--put_start_discard_timeout_sec={m.put_start_discard_timeout_sec}",
             f"--put_start_release_timeout_sec={m.put_start_release_timeout_sec}"]  # fmt: skip
     argv += [f"--default_kv_lease_ttl={m.default_kv_lease_ttl}"] if m.default_kv_lease_ttl else []
+    files = {}
+    if m.tenants:
+        argv += ["--enable_multi_tenants=true", "--tenant_quota_connector_type=file",
+                 f"--tenant_quota_connector_uri={m.tenant_policy}"]  # fmt: skip
+        files[m.tenant_policy] = tenant_policy_yaml(m.tenants)
     ports = (m.rpc_port, m.admin_port) + ((m.metadata_port,) if embedded else ())  # agents check rpc + metadata
-    out.append(Process("master", "master", "master", m.host, argv + list(m.extra_args), {}, ports))
+    out.append(Process("master", "master", "master", m.host, argv + list(m.extra_args), {}, ports, files))
     for d in cfg.decode:
         numa = (
             ["numactl", f"--cpunodebind={d.numa_node}", f"--membind={d.numa_node}"] if d.numa_node is not None else []
@@ -285,6 +301,13 @@ _status() {{
 """
 
 
+def write_file_line(path: str, text: str) -> str:
+    """One bash line that writes `text` to `path` (its directory made first), the text in $'...'
+    quoting so that the script stays one command per line."""
+    ansi = text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
+    return f"mkdir -p {shlex.quote(os.path.dirname(path) or '.')} && printf %s $'{ansi}' >{shlex.quote(path)}"
+
+
 def script(cfg: DeployConfig, node: str, procs: list[Process]) -> str:
     """A bash start/stop/status script for `procs` (one node's processes, in start order)."""
     q = shlex.quote
@@ -293,6 +316,7 @@ def script(cfg: DeployConfig, node: str, procs: list[Process]) -> str:
     start = []
     for i, p in enumerate(procs):
         env = ["env", *(f"{k}={v}" for k, v in p.env.items())] if p.env else []
+        start += [f"    {write_file_line(path, text)}" for path, text in p.files.items()]  # before it starts
         start.append(f"    _start {q(p.name)} {shlex.join([*env, *p.argv])}")
         if i + 1 < len(procs):
             start += [f"    _wait_port {q(p.host)} {port} {q(p.name)}" for port in p.ready_ports]
@@ -464,6 +488,8 @@ def _cmd_render(args: argparse.Namespace) -> int:
         print(json.dumps({"ok": True, "processes": procs_json, "firewall": firewall}, indent=2))
     elif not args.out:
         for p in chosen:
+            for fpath, text in p.files.items():
+                print(f"# {p.name} reads {fpath}:\n" + "".join(f"#   {ln}\n" for ln in text.splitlines()))
             print(f"# {p.name} ({p.role}) on {p.host}\n{p.shell()}\n")
         for rules in firewall.values():
             print("\n".join(rules) + "\n")

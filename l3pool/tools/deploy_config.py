@@ -3,7 +3,8 @@
     [cluster]   name, key_prefix, protocol (tcp | rdma), l3pool (the CLI on every node), log_dir
     [etcd]      endpoints = [...] of a running etcd, or host/client_port/peer_port/data_dir to launch one;
                 TLS/auth: ca, cert, key, user, password_file (every component), server_cert/server_key (launch)
-    [master]    mooncake_master: host, rpc/metadata/admin ports, client_ttl, eviction ratios, kv lease TTL
+    [master]    mooncake_master: host, rpc/metadata/admin ports, client_ttl, eviction ratios, kv lease TTL,
+                tenants (tenant = quota: Mooncake tenant isolation) and tenant_policy (where the policy goes)
     [l3]        adapter defaults for prefill nodes: model (fingerprint), checksum, tenant
     [sglang]    SGLang defaults for every node; [sglang.prefill] / [sglang.decode] for one role
     [[decode]]  name, host (IP), donate ("64GB"), numa_node, rdma_devices, lease_ttl, metrics_port, run_sglang,
@@ -39,6 +40,7 @@ from l3pool.pool.store import DEFAULT_METADATA_PORT, metadata_url
 from l3pool.tools.deploy_values import (
     Problem,
     Src,
+    _as_abspath,
     _as_bool,
     _as_command,
     _as_duration,
@@ -48,6 +50,7 @@ from l3pool.tools.deploy_values import (
     _as_ip,
     _as_nonempty,
     _as_prefix,
+    _as_quotas,
     _as_size,
     _as_str,
     _as_strlist,
@@ -105,7 +108,7 @@ _FIREWALL = ("allow", "admin_allow", "client_ports")
 _MASTER = ("host", "rpc_port", "metadata_port", "admin_port", "client_ttl", "eviction_high_watermark_ratio",
            "eviction_ratio", "default_kv_lease_ttl", "put_start_discard_timeout_sec",
            "put_start_release_timeout_sec", "binary", "extra_args", "metadata_server",
-           "metadata_binary")  # fmt: skip
+           "metadata_binary", "tenants", "tenant_policy")  # fmt: skip
 _L3 = ("model", "checksum", "tenant")
 _SG_COMMON = ("model_path", "tp_size", "page_size", "port", "python", "ib_device", "transfer_backend", "extra_args",
               "env")  # fmt: skip
@@ -124,7 +127,8 @@ _SG_OWNED = ("--model-path", "--tp-size", "--tp", "--page-size", "--host", "--po
 _MASTER_OWNED = ("rpc_address", "rpc_port", "port", "enable_http_metadata_server", "http_metadata_server_host",
                  "http_metadata_server_port", "metrics_host", "metrics_port", "client_ttl",
                  "eviction_high_watermark_ratio", "eviction_ratio", "default_kv_lease_ttl",
-                 "put_start_discard_timeout_sec", "put_start_release_timeout_sec")  # fmt: skip
+                 "put_start_discard_timeout_sec", "put_start_release_timeout_sec", "enable_multi_tenants",
+                 "tenant_quota_connector_type", "tenant_quota_connector_uri")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,10 @@ class MasterSpec:
     # 0.0.0.0 whatever --http_metadata_server_host says (0.3.13; tests/l3pool/cluster/test_listeners.py)
     metadata_server: str = "standalone"
     metadata_binary: str = "mooncake_http_metadata_server"  # a command ("python3 -m mooncake.http_metadata_server")
+    # Mooncake's own tenant isolation: (tenant, byte quota) pairs; non-empty = the master runs with
+    # --enable_multi_tenants and this policy, which the master's start script writes to tenant_policy
+    tenants: tuple[tuple[str, int], ...] = ()
+    tenant_policy: str = "/etc/l3pool/tenants.yaml"
 
     @property
     def rpc(self) -> str:
@@ -410,6 +418,8 @@ def _read_master(r: _Reader, raw: Any) -> MasterSpec | None:
         "extra_args": r.get(src, "extra_args", _as_strlist, ()),
         "metadata_server": r.get(src, "metadata_server", _choice(("standalone", "embedded")), d.metadata_server),
         "metadata_binary": r.get(src, "metadata_binary", _as_command, d.metadata_binary),
+        "tenants": r.get(src, "tenants", _as_quotas, ()),
+        "tenant_policy": r.get(src, "tenant_policy", _as_abspath, d.tenant_policy),
     }  # fmt: skip
     lease = r.get(src, "default_kv_lease_ttl", _as_duration, "")
     if _none_in(lease, *vals.values()):
@@ -423,8 +433,10 @@ def _read_master(r: _Reader, raw: Any) -> MasterSpec | None:
     for arg in vals["extra_args"]:
         flag = arg.lstrip("-").split("=", 1)[0]
         if arg.startswith("-") and flag in _MASTER_OWNED:
-            key = flag if flag in _MASTER else "host/ports"
+            key = flag if flag in _MASTER else "tenants" if "tenant" in flag else "host/ports"
             r.error("master.extra_args", f"{arg!r} is generated from master.{key}; set it there")
+    if vals["tenants"] and "default" not in dict(vals["tenants"]):
+        r.error("master.tenants", "list 'default' too: decode agents and clients without a tenant use it")
     return MasterSpec(**vals, default_kv_lease_ttl=lease or None)
 
 
@@ -651,15 +663,16 @@ def _cross_check(r: _Reader, cfg: DeployConfig) -> None:
         if differs and key not in ADAPTER_KEYS:
             r.warn(path, f"the SGLang adapter's extra-config has no {key!r} key (it has: {', '.join(ADAPTER_KEYS)}): "
                          f"prefill nodes use their default ({default})")  # fmt: skip
-    # a tenant is Mooncake-isolated only by a master run with --enable_multi_tenants (deploy/README.md)
-    multi = any(a.split("=", 1)[0] == "--enable_multi_tenants" and a.split("=", 1)[1:] in ([], ["true"], ["1"])
-                for a in cfg.master.extra_args)  # fmt: skip
+    # a tenant is Mooncake-isolated only by a master run with --enable_multi_tenants (master.tenants)
+    quotas = dict(cfg.master.tenants)
     for i, p in enumerate(cfg.prefill):
-        if p.l3.tenant and not multi:
+        if p.l3.tenant and not quotas:
             r.warn(f"prefill[{i}].l3.tenant", f"{p.l3.tenant!r} keeps this node's pages in its own namespace, but "
-                   "the master runs without --enable_multi_tenants, so Mooncake ignores tenant ids: any client can "
-                   "read or remove them; add the flag and a quota policy to [master] extra_args "
-                   "(deploy/README.md, Tenants)")  # fmt: skip
+                   "without master.tenants the master ignores tenant ids: any client can read or remove them; "
+                   "list each tenant with its quota there (deploy/README.md, Tenants)")  # fmt: skip
+        elif quotas and (p.l3.tenant or "default") not in quotas:
+            r.error(f"prefill[{i}].l3.tenant", f"{p.l3.tenant!r} is not in master.tenants: the master would refuse "
+                    "every put of this node (TENANT_NOT_REGISTERED)")  # fmt: skip
     if cfg.protocol == "rdma":
         for i, d in enumerate(cfg.decode):
             if not d.rdma_devices:

@@ -113,6 +113,31 @@ def _as_env(v: Any) -> dict[str, str]:
     return dict(v)
 
 
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _as_quotas(v: Any) -> tuple[tuple[str, int], ...]:
+    """A table of tenant = byte quota ("200GB" or bytes), as Mooncake's tenant policy takes it."""
+    if not isinstance(v, dict):
+        raise _Bad(f'expected a table of tenant = "size", got {_tname(v)}')
+    out = []
+    for k, x in v.items():
+        if not _TENANT.fullmatch(k):
+            raise _Bad(f"{k!r}: a tenant is 1-64 of A-Z a-z 0-9 . _ - (not starting with . _ -)")
+        try:
+            out.append((k, _as_size(x)))  # > 0 (parse_size refuses 0)
+        except _Bad as e:
+            raise _Bad(f"{k!r}: {e}") from None
+    return tuple(out)
+
+
+def _as_abspath(v: Any) -> str:
+    p = _as_nonempty(v).strip()
+    if not p.startswith("/"):
+        raise _Bad(f"{p!r}: expected an absolute path (it is used on another host)")
+    return p
+
+
 def _as_duration(v: Any) -> str:
     if isinstance(v, int) and not isinstance(v, bool) and v > 0:
         return str(v)  # milliseconds, as mooncake_master takes them

@@ -26,6 +26,7 @@ from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.tools.deploy import tenant_policy_yaml
 
 from ..conftest import MasterServer, run_master
 
@@ -35,10 +36,10 @@ LEASE_S = 0.3
 
 
 def tenant_policy(path: Path, tenants: dict[str, int]) -> Path:
-    """The file the master's `--tenant_quota_connector_type file` reads (format of 0.3.13,
-    learned from its error messages: a version, then a sequence of name + quota in bytes)."""
-    lines = ["version: 1", "tenants:"] + [f"  - name: {n}\n    quota: {q}" for n, q in tenants.items()]
-    path.write_text("\n".join(lines) + "\n")
+    """The file the master's `--tenant_quota_connector_type file` reads, as `l3pool deploy render`
+    writes it (format of 0.3.13, learned from its error messages: a version, then a sequence of
+    name + quota in bytes); the master below accepting it is the test of that format."""
+    path.write_text(tenant_policy_yaml(tuple(tenants.items())))
     return path
 
 

@@ -19,7 +19,7 @@ import pytest
 from l3pool.cli import main
 from l3pool.cluster.local import LocalCluster
 from l3pool.procenv import python_env
-from l3pool.tools.deploy import ADAPTER, plan, select
+from l3pool.tools.deploy import ADAPTER, plan, select, tenant_policy_yaml, write_file_line
 from l3pool.tools.deploy_config import LAYOUTS, load_config
 
 from ..conftest import REPO, free_ports, required_binaries
@@ -606,18 +606,69 @@ def test_firewall_rules_cover_every_pool_port(tmp_path: Path, capsys: pytest.Cap
     assert allowed == sorted(["10.0.0.1/32", "10.0.0.11/32", "10.0.0.12/32"] + [f"10.0.1.2{i}/32" for i in range(1, 5)])
 
 
-def test_tenant_without_multi_tenant_master_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tenant_without_master_tenants_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A tenant is kept apart by Mooncake only on a master with --enable_multi_tenants: say so."""
-    text = _edit('tenant = ""', 'tenant = "team-a"')
-    rc, out, err = _cli(capsys, "check", _write(tmp_path, text))
+    rc, out, err = _cli(capsys, "check", _write(tmp_path, _edit('tenant = ""', 'tenant = "team-a"')))
     assert rc == 0, err
     assert "warning: prefill[0].l3.tenant: 'team-a' keeps this node's pages in its own namespace" in out
-    assert "without --enable_multi_tenants" in out
-    flags = ('extra_args = ["--enable_multi_tenants=true", "--tenant_quota_connector_type=file", '
-             '"--tenant_quota_connector_uri=/etc/l3pool/tenants.yaml"]')  # fmt: skip
-    old = "extra_args = []                        # more mooncake_master flags, verbatim"
-    rc, out, err = _cli(capsys, "check", _write(tmp_path, _edit(old, flags, text)))
-    assert rc == 0, err
-    assert "l3.tenant" not in out
-    rc, out, _ = _cli(capsys, "render", _write(tmp_path, _edit(old, flags, text)), "--node", "master", "--json")
-    assert "--enable_multi_tenants=true" in json.loads(out)["processes"][-1]["argv"]
+    assert "without master.tenants the master ignores tenant ids" in out
+
+
+TENANTS = 'tenants = { default = "1GB", team-a = "2GB" }'
+
+
+def test_master_tenants_render_flags_and_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "etc" / "tenants.yaml"
+    text = _edit('tenant = ""', 'tenant = "team-a"', _edit("tenants = {}", TENANTS))
+    text = _edit('tenant_policy = "/etc/l3pool/tenants.yaml"', f'tenant_policy = "{policy}"', text)
+    path = _write(tmp_path, text)
+    rc, out, err = _cli(capsys, "check", path)
+    assert rc == 0 and "l3.tenant" not in out, out + err
+    rc, out, _ = _cli(capsys, "render", path, "--node", "master", "--json")
+    master = json.loads(out)["processes"][-1]
+    want = "version: 1\ntenants:\n  - name: default\n    quota: 1000000000\n  - name: team-a\n    quota: 2000000000\n"
+    assert (
+        master["files"] == {str(policy): want}
+        and tenant_policy_yaml((("default", 10**9), ("team-a", 2 * 10**9))) == want
+    )
+    a = master["argv"]
+    assert "--enable_multi_tenants=true" in a and "--tenant_quota_connector_type=file" in a
+    assert f"--tenant_quota_connector_uri={policy}" in a
+    # the start script writes the policy before it starts the master: run just that line
+    rc, _, _ = _cli(capsys, "render", path, "--node", "master", "--out", str(tmp_path / "out"))
+    line = next(ln for ln in (tmp_path / "out" / "master.sh").read_text().splitlines() if "printf %s" in ln)
+    assert subprocess.run(["bash", "-c", line], timeout=30).returncode == 0
+    assert policy.read_text() == want
+    rc, out, _ = _cli(capsys, "render", path, "--node", "master")
+    assert f"# master reads {policy}:\n#   version: 1\n" in out
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ("tenants = {}", 'tenants = { team-a = "2GB" }', "master.tenants: list 'default' too"),
+        ("tenants = {}", 'tenants = { default = "1GB", "a b" = "2GB" }', "'a b': a tenant is 1-64 of"),
+        ("tenants = {}", 'tenants = { default = "lots" }', "master.tenants: 'default': "),
+        ("tenants = {}", "tenants = { default = 0 }", "'default': must be positive, got 0"),
+        ("tenants = {}", 'tenants = "default"', "expected a table of tenant"),
+        ('tenant_policy = "/etc/l3pool/tenants.yaml"', 'tenant_policy = "tenants.yaml"', "expected an absolute path"),
+        ("extra_args = []                        # more", 'extra_args = ["--enable_multi_tenants=true"]  #',
+         "is generated from master.tenants"),
+        ('tenant = ""', 'tenant = "team-b"', "prefill[0].l3.tenant: 'team-b' is not in master.tenants"),
+    ],
+)  # fmt: skip
+def test_bad_master_tenants(
+    old: str, new: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = _edit("tenants = {}", TENANTS) if old != "tenants = {}" else EXAMPLE_TEXT
+    rc, _, err = _cli(capsys, "check", _write(tmp_path, _edit(old, new, text)))
+    assert rc == 2 and expected in err, err
+
+
+def test_write_file_line_keeps_any_text(tmp_path: Path) -> None:
+    text = "it's a \\ back'slash\n$HOME `x` \"q\"\n\ttab\n"
+    path = tmp_path / "d e" / "f.txt"
+    line = write_file_line(str(path), text)
+    assert "\n" not in line
+    assert subprocess.run(["bash", "-c", line], timeout=30).returncode == 0
+    assert path.read_text() == text
