@@ -292,6 +292,11 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
     pool.buffer.view(pool.num_pages, -1)[torch.from_numpy(raw_pages)] = 7
     trailers = np.zeros((total, TRAILER_BYTES), dtype=np.uint8)  # contents do not matter to a put
     store.register(trailers.ctypes.data, trailers.nbytes)
+    addrs, sizes = pool.page_runs(raw_pages)  # the raw puts' buffers: one run per page, + a trailer
+    raw_a, raw_z = addrs[:, 0].tolist(), sizes[:, 0].tolist()
+    raw_frags = [[a, trailers.ctypes.data + TRAILER_BYTES * i] for i, a in enumerate(raw_a)]
+    raw_lens = [[z, TRAILER_BYTES] for z in raw_z]
+    raw_key = {"raw": "raw_put_s", "raw_objects": "raw_objects_s"}
     try:
         for r in range(args.backup_rounds):
             # end to end: commits of `reqs` requests -> L1 -> L2 (backup thread) -> L3 (writer)
@@ -312,16 +317,12 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
             for who in order if r % 2 == 0 else order[::-1]:
                 keys = ns.keys(_hashes(rng, total, spec.page_size))  # fresh keys: nothing is skipped
                 if who != "writer":
-                    addrs, sizes = pool.page_runs(raw_pages)
-                    a, z = addrs[:, 0].tolist(), sizes[:, 0].tolist()
                     t0 = time.perf_counter()
                     if who == "raw":
-                        res = store.put(keys, a, z)
+                        res = store.put(keys, raw_a, raw_z)
                     else:
-                        t = (trailers.ctypes.data + TRAILER_BYTES * np.arange(total)).tolist()
-                        res = store.put_multi(keys, [[x, y] for x, y in zip(a, t, strict=True)],
-                                              [[x, TRAILER_BYTES] for x in z])  # fmt: skip
-                    rows[f"{who}_put_s" if who == "raw" else f"{who}_s"].append(time.perf_counter() - t0)
+                        res = store.put_multi(keys, raw_frags, raw_lens)
+                    rows[raw_key[who]].append(time.perf_counter() - t0)
                     correct = correct and all(o is Outcome.OK for o in res)
                     continue
                 # the writer alone: `reqs` submits of `per` pages already in L2, back to back

@@ -41,6 +41,7 @@ from .conftest import (
     slack,
     wait_for,
 )
+from .pool_helpers import master_store
 
 MiB = 1 << 20
 GLOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]")
@@ -254,13 +255,7 @@ def test_mooncake_glog_lines_stay_off_stderr_unless_verbose(
 # -- L3Client, StageLocks and TieredCache in this process ---------------------------------------
 @pytest.fixture(scope="module")
 def store(mooncake_master: MasterServer) -> Iterator[object]:
-    from l3pool.pool.store import MooncakeStore, StoreConfig
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-        s = MooncakeStore(
-            StoreConfig(master=mooncake_master.rpc, metadata=mooncake_master.metadata_url, segment_bytes=64 << 20)
-        )
+    s = master_store(mooncake_master, segment_bytes=64 << 20)
     yield s
     s.close()
 

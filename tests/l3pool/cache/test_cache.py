@@ -8,7 +8,6 @@ import random
 import threading
 import time
 import tracemalloc
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import numpy as np
@@ -28,14 +27,6 @@ from ..fake_store import FakePageStore
 pytestmark = pytest.mark.usefixtures("native")
 
 D = SPEC.dim
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for e in made:
-        e.close()
 
 
 def mk(engines: list[Engine], **kw: object) -> Engine:

@@ -14,10 +14,11 @@ from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.keys import Namespace
 from l3pool.pool.metadata import Metadata
 from l3pool.pool.pplock import StageLocks
-from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.store import MooncakeStore, Outcome
 
 from ..cache_helpers import LAYERS, SPEC, Engine, chain
 from ..conftest import EtcdServer, MasterServer
+from ..pool_helpers import master_store
 
 # the native extension is built (or loaded) before any test times a copy: a JIT build in the
 # shared cache dir (other checkouts rebuild it) took 25-30 s inside a flush() here
@@ -26,21 +27,9 @@ pytestmark = pytest.mark.usefixtures("native")
 
 @pytest.fixture(scope="module")
 def store(mooncake_master: MasterServer) -> Iterator[MooncakeStore]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-        s = MooncakeStore(
-            StoreConfig(master=mooncake_master.rpc, metadata=mooncake_master.metadata_url, segment_bytes=64 << 20)
-        )
+    s = master_store(mooncake_master, segment_bytes=64 << 20)
     yield s
     s.close()
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for e in made:
-        e.close()
 
 
 def test_l3_round_trip_real_bytes(store: MooncakeStore, engines: list[Engine]) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 from collections import OrderedDict
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -294,14 +293,6 @@ def test_insert_pinned() -> None:
     assert v.tolist() == [int(a[1]), int(a[2])]
     assert t.pages_of(hs).tolist() == [int(a[0]), -1, *b[2:].tolist()]
     t.check()
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for e in made:
-        e.close()
 
 
 def test_hit_counts_when_another_request_commits_between_match_and_commit(engines: list[Engine]) -> None:

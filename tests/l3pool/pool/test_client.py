@@ -10,15 +10,16 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import torch
 
-from l2core import LAYOUTS, ConfigError, HostKVPool, KVSpec, L2Config
+from l2core import LAYOUTS, ConfigError, HostKVPool, KVSpec
 from l3pool.cluster.local import LocalCluster
 from l3pool.pool.client import L3Client, key_digest
 from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.keys import FORMAT_VERSION, Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, StoreUnavailable
 from l3pool.pool.trailer import FLAG_CHECKSUM, TRAILER, TRAILER_BYTES, TRAILER_MAGIC
+
+from ..pool_helpers import cluster_store, random_keys, random_pool
 
 SPECS = {"mla": KVSpec.mla(6, page_size=16), "mha": KVSpec.mha(4, 2, 64, page_size=16)}
 
@@ -29,34 +30,15 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-def _store(c: LocalCluster) -> MooncakeStore:
-    """A prefill-side client in the root namespace. Mooncake advertises the address named by
-    MC_TCP_BIND_ADDRESS (else the first non-loopback NIC): point it at the cluster's address so
-    every byte stays on loopback / the test's own namespaces. The test process is the
-    application here, so it sets the variable (library code never does)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in c.client_env().items():
-            mp.setenv(k, v)
-        return MooncakeStore(StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host))
-
-
 @pytest.fixture(scope="module")
 def store(cluster: LocalCluster) -> Iterator[MooncakeStore]:
-    s = _store(cluster)
+    s = cluster_store(cluster)
     yield s
     s.close()
 
 
 def _pool(spec: KVSpec, layout: str, pages: int = 64, seed: int = 0) -> HostKVPool:
-    pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=pages * spec.page_size, pin="never"))
-    g = torch.Generator().manual_seed(seed)
-    pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8, generator=g))
-    return pool
-
-
-def _keys(ns: Namespace, n: int, seed: int) -> list[str]:
-    toks = np.random.default_rng(seed).integers(0, 1 << 20, n * ns.page_size)
-    return ns.keys(page_hashes(toks, ns.page_size))
+    return random_pool(spec, layout, pages, seed)
 
 
 @pytest.mark.parametrize("attention", ["mla", "mha"])
@@ -71,7 +53,7 @@ def test_round_trip_bit_exact(store: MooncakeStore, attention: str, layout: str)
         src = rng.choice(32, size=20, replace=False)
         dst = 32 + rng.choice(32, size=20, replace=False)
         want = [pool.page_bytes_of(int(p)) for p in src]
-        keys = _keys(ns, 20, seed=2)
+        keys = random_keys(ns, 20, seed=2)
         assert client.lookup(keys) == 0
         assert client.put(keys, src) == [Outcome.OK] * 20
         assert client.lookup(keys) == 20
@@ -89,7 +71,7 @@ def test_put_dedupes_and_never_overwrites(store: MooncakeStore) -> None:
     ns = Namespace.for_pool(spec, "page_first_direct", "m1", tenant=uuid.uuid4().hex)
     client = L3Client(pool, store, ns)
     try:
-        keys = _keys(ns, 8, seed=3)
+        keys = random_keys(ns, 8, seed=3)
         first = [pool.page_bytes_of(p) for p in range(8)]
         assert client.put(keys, range(8)) == [Outcome.OK] * 8
         assert client.put(keys, range(8, 16)) == [Outcome.OK] * 8  # other bytes, same keys
@@ -144,7 +126,7 @@ def test_bad_input_and_settings(store: MooncakeStore, cluster: LocalCluster) -> 
         Namespace.for_pool(spec, "page_first", "a/b")
     client = L3Client(pool, store, ns)
     try:
-        keys = _keys(ns, 4, seed=4)
+        keys = random_keys(ns, 4, seed=4)
         with pytest.raises(ValueError, match="keys"):
             client.put(keys, [0, 1, 2])
         with pytest.raises(IndexError):
@@ -167,13 +149,13 @@ def test_dead_agent_pages_become_misses(cluster: LocalCluster) -> None:
     """SIGKILL one donor mid-workload: its pages turn into misses, never errors or wrong bytes,
     and it leaves membership within the lease TTL. Runs on its own cluster (destructive)."""
     with LocalCluster(agents=2, segment_size="128MB", name=f"l3pk{uuid.uuid4().hex[:4]}", lease_ttl=3) as c:
-        st = _store(c)
+        st = cluster_store(c)
         spec = SPECS["mla"]
         pool = _pool(spec, "page_first_direct", pages=128)
         ns = Namespace.for_pool(spec, "page_first_direct", "m1", tenant=uuid.uuid4().hex)
         client = L3Client(pool, st, ns, batch_pages=16)
         try:
-            keys = _keys(ns, 48, seed=6)
+            keys = random_keys(ns, 48, seed=6)
             want = [pool.page_bytes_of(p) for p in range(48)]
             assert client.put(keys, range(48)) == [Outcome.OK] * 48
             victim = c.agents[0]
@@ -201,13 +183,13 @@ def test_dead_agent_pages_become_misses(cluster: LocalCluster) -> None:
 
 def test_full_pool_is_a_typed_outcome() -> None:
     with LocalCluster(agents=1, segment_size="48MB", name=f"l3pf{uuid.uuid4().hex[:4]}") as c:
-        st = _store(c)
+        st = cluster_store(c)
         spec = KVSpec.mla(8, page_size=64)  # 590 KB pages: 48 MB holds ~70
         pool = _pool(spec, "page_first", pages=128)
         ns = Namespace.for_pool(spec, "page_first", "m1", tenant=uuid.uuid4().hex)
         client = L3Client(pool, st, ns, batch_pages=32)
         try:
-            res = client.put(_keys(ns, 128, seed=7), range(128))
+            res = client.put(random_keys(ns, 128, seed=7), range(128))
             assert Outcome.POOL_FULL in res, res
             assert set(res) <= {Outcome.OK, Outcome.POOL_FULL}
             assert client.stats.put_failed == res.count(Outcome.POOL_FULL)
@@ -220,23 +202,23 @@ def test_full_pool_is_a_typed_outcome() -> None:
 
 def test_master_restart_errors_then_recovers() -> None:
     with LocalCluster(agents=1, segment_size="128MB", name=f"l3pm{uuid.uuid4().hex[:4]}") as c:
-        st = _store(c)
+        st = cluster_store(c)
         spec = SPECS["mla"]
         pool = _pool(spec, "page_first", pages=64)
         ns = Namespace.for_pool(spec, "page_first", "m1", tenant=uuid.uuid4().hex)
         client = L3Client(pool, st, ns)
         try:
-            keys = _keys(ns, 4, seed=8)
+            keys = random_keys(ns, 4, seed=8)
             assert client.put(keys, range(4)) == [Outcome.OK] * 4
             c.stop_master()
             t0 = time.monotonic()
-            res = client.put(_keys(ns, 4, seed=9), range(4, 8))
+            res = client.put(random_keys(ns, 4, seed=9), range(4, 8))
             assert all(r is not Outcome.OK for r in res) and all(r.retryable or r is Outcome.ERROR for r in res), res
             assert client.lookup(keys) == 0  # unreachable: nothing may be trusted
             assert time.monotonic() - t0 < 60
             c.start_master()
             deadline, ok = time.monotonic() + 40, False
-            fresh = _keys(ns, 4, seed=10)
+            fresh = random_keys(ns, 4, seed=10)
             while time.monotonic() < deadline and not ok:
                 ok = client.put(fresh, range(8, 12)) == [Outcome.OK] * 4
                 if not ok:
@@ -258,7 +240,7 @@ def test_checksum_mismatch_is_a_miss_never_wrong_bytes(store: MooncakeStore) -> 
     ns = Namespace.for_pool(spec, "page_first", "m1", checksum=True, tenant=uuid.uuid4().hex)
     client = L3Client(pool, store, ns)
     try:
-        keys = _keys(ns, 3, seed=11)
+        keys = random_keys(ns, 3, seed=11)
         assert client.put(keys[:2], [0, 1]) == [Outcome.OK] * 2
         # a corrupt object: page 2's bytes under keys[2], its trailer right but for the checksum
         trailer = np.zeros(1, dtype=TRAILER)
@@ -291,7 +273,7 @@ def test_unknown_namespace_and_published_stats(store: MooncakeStore, cluster: Lo
         assert md.namespace(ns.ns_id) == ns.record()
         reader = L3Client(pool, store, ns, metadata=md, create_namespace=False)  # now it exists
         reader.close()
-        writer.put(_keys(ns, 2, seed=12), [0, 1])
+        writer.put(random_keys(ns, 2, seed=12), [0, 1])
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and md.stats().get(writer.client_id, {}).get("puts") != 2:
             time.sleep(0.1)

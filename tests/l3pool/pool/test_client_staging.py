@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from l2core import HostKVPool, KVSpec, L2Config
+from l2core import HostKVPool, KVSpec
 from l3pool.cluster.local import LocalCluster
 from l3pool.pool.client import L3Client
-from l3pool.pool.keys import Namespace, page_hashes
-from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.keys import Namespace
+from l3pool.pool.store import MooncakeStore, Outcome
+
+from ..pool_helpers import cluster_store, random_keys, random_pool
 
 SPECS = {"mla": KVSpec.mla(6, page_size=16), "mha": KVSpec.mha(4, 2, 64, page_size=16)}
 POISON = 0xA5
@@ -26,24 +28,13 @@ BATCH = 8
 @pytest.fixture(scope="module")
 def store() -> Iterator[MooncakeStore]:
     with LocalCluster(agents=2, segment_size="128MB", name=f"l3ps{uuid.uuid4().hex[:4]}") as c:
-        with pytest.MonkeyPatch.context() as mp:  # the test is the application: Mooncake's address
-            for k, v in c.client_env().items():
-                mp.setenv(k, v)
-            s = MooncakeStore(StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host))
+        s = cluster_store(c)
         yield s
         s.close()
 
 
 def _pool(spec: KVSpec, pages: int, seed: int) -> HostKVPool:
-    pool = HostKVPool(L2Config(kv=spec, layout="layer_first", tokens=pages * spec.page_size, pin="never"))
-    g = torch.Generator().manual_seed(seed)
-    pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8, generator=g))
-    return pool
-
-
-def _keys(ns: Namespace, n: int, seed: int) -> list[str]:
-    toks = np.random.default_rng(seed).integers(0, 1 << 20, n * ns.page_size)
-    return ns.keys(page_hashes(toks, ns.page_size))
+    return random_pool(spec, "layer_first", pages, seed)
 
 
 @pytest.mark.parametrize("attention", ["mla", "mha"])
@@ -59,7 +50,7 @@ def test_staging_round_trip(store: MooncakeStore, attention: str, n: int) -> Non
         src = rng.choice(32, size=n, replace=False)
         dst = 32 + rng.choice(32, size=n, replace=False)
         want = pool.read_pages(src)
-        keys = _keys(ns, n, seed=n + 1)
+        keys = random_keys(ns, n, seed=n + 1)
         assert client.put(keys, src) == [Outcome.OK] * n
         pool.fill_pages(dst, POISON)
         assert client.get(keys, dst) == [Outcome.OK] * n
@@ -87,7 +78,7 @@ def test_staging_and_multi_objects_are_the_same_bytes(store: MooncakeStore, atte
         n = 12
         for writer, reader, src, dst, seed in ((staging, multi, 0, 32, 1), (multi, staging, 16, 48, 2)):
             src_pages, dst_pages = np.arange(src, src + n), np.arange(dst, dst + n)
-            keys = _keys(ns, n, seed=seed)
+            keys = random_keys(ns, n, seed=seed)
             assert writer.put(keys, src_pages) == [Outcome.OK] * n
             pool.fill_pages(dst_pages, POISON)
             assert reader.get(keys, dst_pages) == [Outcome.OK] * n

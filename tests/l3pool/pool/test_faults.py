@@ -23,19 +23,11 @@ from l3pool.pool.prefetch import Prefetcher
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, StoreError
 
 from ..conftest import slack
+from ..pool_helpers import cluster_store, random_keys, random_pool
 
 SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
 LAYOUT = "page_first_direct"
 N = 64
-
-
-def _store(c: LocalCluster, **kw: object) -> MooncakeStore:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in c.client_env().items():
-            mp.setenv(k, v)
-        return MooncakeStore(
-            StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host, **kw)  # type: ignore[arg-type]
-        )
 
 
 def _p99(xs: list[float]) -> float:
@@ -47,12 +39,9 @@ class Pages:
 
     def __init__(self, store: MooncakeStore, n: int = N, seed: int = 1) -> None:
         self.ns = Namespace.for_pool(SPEC, LAYOUT, "faults", tenant=uuid.uuid4().hex)
-        self.wpool = HostKVPool(L2Config(kv=SPEC, layout=LAYOUT, tokens=n * SPEC.page_size, pin="never"))
-        g = torch.Generator().manual_seed(seed)
-        self.wpool.buffer.copy_(torch.randint(0, 256, (self.wpool.buffer.numel(),), dtype=torch.uint8, generator=g))
+        self.wpool = random_pool(SPEC, LAYOUT, n, seed)
         self.writer = L3Client(self.wpool, store, self.ns, batch_pages=32)
-        toks = np.random.default_rng(seed).integers(0, 1 << 20, n * SPEC.page_size)
-        self.keys = self.ns.keys(page_hashes(toks, SPEC.page_size))
+        self.keys = random_keys(self.ns, n, seed)
         assert self.writer.put(self.keys, range(n)) == [Outcome.OK] * n
         self.pool = HostKVPool(L2Config(kv=SPEC, layout=LAYOUT, tokens=4 * n * SPEC.page_size, pin="never"))
         self.client = L3Client(self.pool, store, self.ns, batch_pages=32)
@@ -93,7 +82,7 @@ def test_breaker_master_killed_fails_fast_and_recovers(cluster: LocalCluster) ->
     """Master killed: after the first failure every call answers UNAVAILABLE within 50 ms (p99),
     healthy() is False, the breaker counts it; after the restart it closes by itself and new
     pages round-trip."""
-    st = _store(cluster)
+    st = cluster_store(cluster)
     p = Pages(st)
     try:
         assert st.healthy()
@@ -146,7 +135,7 @@ def test_hung_master_interrupt_is_bounded_and_quarantines(cluster: LocalCluster)
     the first batch's pages (byte-exact) within 100 ms; the hung batch's pages stay allocated
     (quarantined) until Mooncake gives up; the breaker opens while the call still hangs, so later
     calls and prefetches fail fast; after SIGCONT nothing is leaked."""
-    st = _store(cluster, breaker_suspect_s=0.5)
+    st = cluster_store(cluster, breaker_suspect_s=0.5)
     p = Pages(st)
     stopped = threading.Event()
     real = p.client.get

@@ -27,14 +27,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from l2core import HostKVPool, KVSpec, L2Config
+from l2core import HostKVPool, KVSpec
 from l3pool.cluster.local import LocalCluster
 from l3pool.pool.client import L3Client, key_digest
 from l3pool.pool.keys import Namespace, page_hashes
-from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, outcome_of
+from l3pool.pool.store import MooncakeStore, Outcome, outcome_of
 from l3pool.pool.trailer import TRAILER, TRAILER_BYTES, TRAILER_MAGIC
+
+from ..pool_helpers import cluster_store, random_keys, random_pool
 
 REPO = Path(__file__).resolve().parents[3]
 SENTINEL = 0xA5
@@ -52,13 +53,6 @@ CONFIGS = [
 ]
 
 
-def _store(c: LocalCluster) -> MooncakeStore:
-    with pytest.MonkeyPatch.context() as mp:  # the test is the application: it sets Mooncake's address
-        for k, v in c.client_env().items():
-            mp.setenv(k, v)
-        return MooncakeStore(StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host))
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     with LocalCluster(agents=2, segment_size="256MB", name=f"l3pi{uuid.uuid4().hex[:4]}") as c:
@@ -67,21 +61,13 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def store(cluster: LocalCluster) -> Iterator[MooncakeStore]:
-    s = _store(cluster)
+    s = cluster_store(cluster)
     yield s
     s.close()
 
 
 def _pool(spec: KVSpec, layout: str, pages: int = 64, seed: int = 0) -> HostKVPool:
-    pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=pages * spec.page_size, pin="never"))
-    g = torch.Generator().manual_seed(seed)
-    pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8, generator=g))
-    return pool
-
-
-def _keys(ns: Namespace, n: int, seed: int) -> list[str]:
-    toks = np.random.default_rng(seed).integers(0, 1 << 20, n * ns.page_size)
-    return ns.keys(page_hashes(toks, ns.page_size))
+    return random_pool(spec, layout, pages, seed)
 
 
 def _poison(pool: HostKVPool, pages: Any) -> None:
@@ -132,8 +118,8 @@ def test_another_keys_object_is_a_miss(store: MooncakeStore, attention: str, lay
     n, size = 6, spec.page_bytes + TRAILER_BYTES
     scratch = _Scratch(store, size)
     try:
-        keys, victims = _keys(ns, n, seed=1), _keys(ns, n, seed=2)
-        foreign = _keys(other_ns, n, seed=3)
+        keys, victims = random_keys(ns, n, seed=1), random_keys(ns, n, seed=2)
+        foreign = random_keys(other_ns, n, seed=3)
         want = {k: pool.page_bytes_of(p) for k, p in zip(keys, range(n), strict=True)}
         want.update({k: pool.page_bytes_of(p) for k, p in zip(foreign, range(n, 2 * n), strict=True)})
         assert client.put(keys, range(n)) == [Outcome.OK] * n
@@ -142,7 +128,7 @@ def test_another_keys_object_is_a_miss(store: MooncakeStore, attention: str, lay
         for src, dst in zip(keys, victims, strict=True):
             assert store.get([src], [scratch.ptr], [size]) == [Outcome.OK]
             assert store.put([dst], [scratch.ptr], [size]) == [Outcome.OK]
-        crossed = _keys(ns, n, seed=4)  # another namespace's objects under this namespace's keys
+        crossed = random_keys(ns, n, seed=4)  # another namespace's objects under this namespace's keys
         for src, dst in zip(foreign, crossed, strict=True):
             assert store.get([src], [scratch.ptr], [size]) == [Outcome.OK]
             assert store.put([dst], [scratch.ptr], [size]) == [Outcome.OK]
@@ -172,7 +158,7 @@ def test_objects_without_trailer_or_of_another_size_are_misses(
     pb = spec.page_bytes
     scratch = _Scratch(store, pb + 2 * TRAILER_BYTES)
     try:
-        keys = _keys(ns, 6, seed=5)
+        keys = random_keys(ns, 6, seed=5)
         scratch.buf[:] = np.frombuffer(np.random.default_rng(1).bytes(scratch.buf.nbytes), dtype=np.uint8)
         tr = scratch.buf[pb : pb + TRAILER_BYTES].view(TRAILER)
 
@@ -284,7 +270,7 @@ def test_killed_writer_no_false_put_ok_and_space_reclaimed() -> None:
         put_start_discard_timeout_sec=discard,
         put_start_release_timeout_sec=release,
     ) as c:
-        st = _store(c)
+        st = cluster_store(c)
         pool = _pool(spec, "page_first", pages=2 * n, seed=3)
         tenant = uuid.uuid4().hex
         ns = Namespace.for_pool(spec, "page_first", "killed-writer", tenant=tenant)
@@ -384,11 +370,11 @@ def test_master_restart_never_ok_with_wrong_bytes(checksum: bool) -> None:
     Then plain reads of the old keys after the restart: misses too."""
     spec, n = SPECS["mla"], 16
     with LocalCluster(agents=1, segment_size="64MB", name=f"l3pr{uuid.uuid4().hex[:4]}") as c:
-        st = _store(c)
+        st = cluster_store(c)
         pool = _pool(spec, "page_first", pages=4 * n, seed=11)
         ns = Namespace.for_pool(spec, "page_first", "m1", checksum=checksum, tenant=uuid.uuid4().hex)
         writer = L3Client(pool, st, ns, batch_pages=n)
-        old, new = _keys(ns, n, seed=1), _keys(ns, n, seed=2)
+        old, new = random_keys(ns, n, seed=1), random_keys(ns, n, seed=2)
         want = {k: pool.page_bytes_of(p) for k, p in zip(old, range(n), strict=True)}
         new_bytes = {pool.page_bytes_of(p) for p in range(n, 2 * n)}
         stalled: dict[str, float] = {}
@@ -451,7 +437,7 @@ def test_client_shared_by_threads(store: MooncakeStore, layout: str, mode: str, 
         want_src = [pool.page_bytes_of(p) for p in src]
         start.wait()
         for r in range(rounds):
-            keys = _keys(ns, per, seed=1000 * t + r)
+            keys = random_keys(ns, per, seed=1000 * t + r)
             want = dict(zip(keys, want_src, strict=True))
             if client.put(keys, src) != [Outcome.OK] * per:
                 errors.append(f"thread {t} round {r}: put failed")

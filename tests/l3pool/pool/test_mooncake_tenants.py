@@ -25,10 +25,11 @@ import pytest
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
-from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.store import MooncakeStore, Outcome
 from l3pool.tools.deploy import tenant_policy_yaml
 
 from ..conftest import MasterServer, run_master
+from ..pool_helpers import master_store
 
 SPEC = KVSpec.mla(4, page_size=16)
 PAGES = 8
@@ -54,12 +55,6 @@ def tenant_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterSe
              "--tenant_quota_connector_uri", str(policy), f"--default_kv_lease_ttl={LEASE_S * 1000:.0f}ms"]  # fmt: skip
     with run_master(extra=extra) as m:
         yield m
-
-
-def _store(m: MasterServer, tenant: str = "", segment: int = 0) -> MooncakeStore:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # the test is the application: stay on loopback
-        return MooncakeStore(StoreConfig(master=m.rpc, metadata=m.metadata_url, segment_bytes=segment, tenant=tenant))
 
 
 def _pool(seed: int) -> HostKVPool:
@@ -94,7 +89,7 @@ class _Raw:
 def _victim(m: MasterServer, tenant: str) -> tuple[L3Client, HostKVPool, Namespace, list[str], list[bytes]]:
     pool = _pool(seed=1)
     ns = Namespace.for_pool(SPEC, "page_first_direct", f"tenants-{uuid.uuid4().hex[:6]}", tenant=tenant)
-    client = L3Client(pool, _store(m, tenant), ns)
+    client = L3Client(pool, master_store(m, tenant=tenant), ns)
     keys = ns.keys(page_hashes(np.arange(PAGES * SPEC.page_size), SPEC.page_size))
     assert client.put(keys, range(PAGES)) == [Outcome.OK] * PAGES
     return client, pool, ns, keys, [pool.page_bytes_of(p) for p in range(PAGES)]
@@ -107,12 +102,12 @@ def _read_back(client: L3Client, pool: HostKVPool, keys: list[str]) -> list[byte
 
 
 def test_multi_tenant_master_keeps_tenants_apart(tenant_master: MasterServer) -> None:
-    donor = _store(tenant_master, segment=64 << 20)  # a decode node's donation (the default tenant)
+    donor = master_store(tenant_master, segment_bytes=64 << 20)  # a decode node's donation (the default tenant)
     client, pool, ns, keys, want = _victim(tenant_master, "ta")
     obj = client.store.object_sizes(keys[:1])[0]
     assert obj is not None and obj > SPEC.page_bytes  # page + trailer
-    other = _Raw(_store(tenant_master, "tb"), obj)
-    same = _store(tenant_master, "ta")  # a second client of the victim's own tenant: the control
+    other = _Raw(master_store(tenant_master, tenant="tb"), obj)
+    same = master_store(tenant_master, tenant="ta")  # a second client of the victim's own tenant: the control
     try:
         assert same.exists(keys) == [Outcome.OK] * PAGES  # visible within the tenant...
         assert other.store.exists(keys) == [Outcome.MISS] * PAGES  # ...not to another one
@@ -126,7 +121,7 @@ def test_multi_tenant_master_keeps_tenants_apart(tenant_master: MasterServer) ->
         # evict: tenant tb writes 96 MiB (its quota is 32 MiB, the pool 64 MiB); Mooncake evicts
         # tb's own objects to keep it inside its quota, never the victim's
         time.sleep(2 * LEASE_S)  # every read lease of the victim's objects is over
-        filler = _Raw(_store(tenant_master, "tb"), 1 << 20)
+        filler = _Raw(master_store(tenant_master, tenant="tb"), 1 << 20)
         fkeys = [f"fill-{uuid.uuid4().hex}" for _ in range(96)]
         try:
             for i in range(0, len(fkeys), PAGES):
@@ -137,7 +132,7 @@ def test_multi_tenant_master_keeps_tenants_apart(tenant_master: MasterServer) ->
         assert kept <= 40, kept  # eviction happened (at most ~32 MiB of tb's objects stay)
         assert client.store.exists(keys) == [Outcome.OK] * PAGES
         assert _read_back(client, pool, keys) == want
-        stranger = _Raw(_store(tenant_master, "tx"), obj)  # a tenant the policy does not list
+        stranger = _Raw(master_store(tenant_master, tenant="tx"), obj)  # a tenant the policy does not list
         try:
             assert stranger.put(keys) == [Outcome.BAD_REQUEST] * PAGES  # TENANT_NOT_REGISTERED (-1701)
             assert stranger.store.exists(keys) == [Outcome.MISS] * PAGES
@@ -156,11 +151,11 @@ def test_multi_tenant_master_keeps_tenants_apart(tenant_master: MasterServer) ->
 
 def test_without_the_flag_tenant_ids_are_ignored(mooncake_master: MasterServer) -> None:
     """The module-wide master runs without --enable_multi_tenants, like Mooncake's default."""
-    donor = _store(mooncake_master, segment=64 << 20)
+    donor = master_store(mooncake_master, segment_bytes=64 << 20)
     client, pool, ns, keys, _ = _victim(mooncake_master, "ta")
     obj = client.store.object_sizes(keys[:1])[0]
     assert obj is not None
-    other = _Raw(_store(mooncake_master, "tb"), obj)
+    other = _Raw(master_store(mooncake_master, tenant="tb"), obj)
     try:
         assert other.store.exists(keys) == [Outcome.OK] * PAGES  # another tenant sees them
         assert set(other.get(keys)) == {Outcome.OK} and other.buf.any()  # reads them

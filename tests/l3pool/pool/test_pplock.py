@@ -23,9 +23,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from l2core import HostKVPool, KVSpec, L2Config
+from l2core import HostKVPool, KVSpec
 from l3pool.cluster.local import LocalCluster, master_binary
 from l3pool.pool.client import L3Client
 from l3pool.pool.etcd import EtcdClient
@@ -34,6 +33,8 @@ from l3pool.pool.metadata import Metadata
 from l3pool.pool.pplock import LockError, StageLocks, UnknownRequest, _prefix_lens
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 from l3pool.procenv import python_env
+
+from ..pool_helpers import random_pool
 
 ROOT = Path(__file__).resolve().parents[3]
 STAGES = 4
@@ -53,10 +54,7 @@ def _namespaces(tenant: str) -> list[Namespace]:
 
 
 def _pool(pages: int, seed: int) -> HostKVPool:
-    pool = HostKVPool(L2Config(kv=SPEC, layout="page_first_direct", tokens=pages * SPEC.page_size, pin="never"))
-    g = torch.Generator().manual_seed(seed)
-    pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8, generator=g))
-    return pool
+    return random_pool(SPEC, "page_first_direct", pages, seed)
 
 
 def _hashes(r: int, pages: int) -> list[bytes]:

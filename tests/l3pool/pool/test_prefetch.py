@@ -24,23 +24,18 @@ import torch
 from l2core import ConfigError, HostKVPool, KVSpec, L2Config
 from l3pool.cluster.local import LocalCluster
 from l3pool.pool.client import L3Client
-from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.keys import Namespace
 from l3pool.pool.prefetch import PrefetchClosed, Prefetcher, batch_schedule
-from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.store import MooncakeStore, Outcome
 from l3pool.procenv import python_env
+
+from ..pool_helpers import cluster_store, random_keys, random_pool
 
 SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
 LAYOUT = "page_first_direct"
 N = 96  # pages per test prefix
 POISON = 0xA5  # byte every reader page holds until a prefetch writes it
 REPO = Path(__file__).resolve().parents[3]
-
-
-def _store(c: LocalCluster) -> MooncakeStore:
-    with pytest.MonkeyPatch.context() as mp:  # the test is the application: it sets Mooncake's address
-        for k, v in c.client_env().items():
-            mp.setenv(k, v)
-        return MooncakeStore(StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +46,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def store(cluster: LocalCluster) -> Iterator[MooncakeStore]:
-    s = _store(cluster)
+    s = cluster_store(cluster)
     yield s
     s.close()
 
@@ -61,12 +56,9 @@ class Setup:
 
     def __init__(self, store: MooncakeStore, n: int = N, reader_pages: int = 4 * N) -> None:
         self.ns = Namespace.for_pool(SPEC, LAYOUT, "pf", tenant=uuid.uuid4().hex)
-        self.wpool = HostKVPool(L2Config(kv=SPEC, layout=LAYOUT, tokens=n * SPEC.page_size, pin="never"))
-        g = torch.Generator().manual_seed(n)
-        self.wpool.buffer.copy_(torch.randint(0, 256, (self.wpool.buffer.numel(),), dtype=torch.uint8, generator=g))
+        self.wpool = random_pool(SPEC, LAYOUT, n, n)
         self.writer = L3Client(self.wpool, store, self.ns, batch_pages=32)
-        toks = np.random.default_rng(n).integers(0, 1 << 20, n * SPEC.page_size)
-        self.keys = self.ns.keys(page_hashes(toks, SPEC.page_size))
+        self.keys = random_keys(self.ns, n, n)
         assert self.writer.put(self.keys, range(n)) == [Outcome.OK] * n
         self.pool = HostKVPool(L2Config(kv=SPEC, layout=LAYOUT, tokens=reader_pages * SPEC.page_size, pin="never"))
         self.poison_pool()
@@ -390,7 +382,7 @@ def test_dead_agent_gives_shorter_prefix() -> None:
     """Kill one donor: the pages it held fail (transfer failure or miss); the prefetch returns the
     prefix before the first of them, byte-exact, with no error. Own cluster (destructive)."""
     with LocalCluster(agents=2, segment_size="64MB", name=f"l3pd{uuid.uuid4().hex[:4]}", lease_ttl=3) as c:
-        st = _store(c)
+        st = cluster_store(c)
         s = Setup(st, n=64)
         try:
             c.kill_agent(0, signal.SIGKILL)
