@@ -93,6 +93,30 @@ def _signal(p: _Proc, sig: int) -> bool:
     return True
 
 
+def _wait_stopped(p: _Proc, timeout: float = 2.0) -> bool:
+    """After SIGSTOP: wait until every thread of every process in p's group is stopped ('T'); kill()
+    only queues the signal, and a thread already running can still answer a request in between."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states: list[str] = []
+        for pid in (d for d in os.listdir("/proc") if d.isdigit()):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+                if int(rest[2]) != p.pgid:
+                    continue
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+        if states and all(s in ("T", "t") for s in states):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+
+
 def _wait_dead(procs: Sequence[_Proc], timeout: float) -> list[_Proc]:
     deadline = time.monotonic() + timeout
     while True:

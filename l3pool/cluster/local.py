@@ -76,6 +76,7 @@ from l3pool.cluster._os import (  # noqa: F401 (re-exported: tests patch/use som
     _stop,
     _subnet_user,
     _wait_dead,
+    _wait_stopped,
 )
 from l3pool.pool.etcd import EtcdClient, EtcdError
 from l3pool.pool.store import metadata_url
@@ -776,8 +777,12 @@ class LocalCluster:
             self._wait_master(["master_rpc", "master_metadata", "master_admin"])
 
     def signal_master(self, sig: int) -> bool:
-        """Send `sig` to the master's process group (SIGSTOP: it accepts TCP but answers nothing)."""
-        return _signal(self._procs["master"], sig)
+        """Send `sig` to the master's process group (SIGSTOP: it accepts TCP but answers nothing; returns
+        once every master thread has stopped, so no request sent afterwards is answered)."""
+        p = self._procs["master"]
+        if not _signal(p, sig):
+            return False
+        return _wait_stopped(p) if sig == signal.SIGSTOP else True
 
     def stop_etcd(self, wipe: bool = False) -> None:
         """Stop etcd; `wipe`: delete its data dir too (a restart then comes back empty)."""

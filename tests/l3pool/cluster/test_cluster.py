@@ -361,3 +361,28 @@ def test_status_without_iproute2(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr, r.stderr
     out = json.loads(r.stdout)
     assert out["links"] == {"noip-br0": False} and out["netns"] == {"noip-a0": False}
+
+
+def test_wait_stopped_sees_every_thread_of_the_group_stop() -> None:
+    """signal_master(SIGSTOP) relies on this: kill() only queues the signal, so the fault tests wait
+    until every thread of the group is in state T before sending the request that must hang."""
+    code = (
+        "import threading, time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(60,)).start()\n"
+        "time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        st = cluster_mod._proc_stat(proc.pid)
+        assert st is not None
+        p = cluster_mod._Proc("t", "t", proc.pid, proc.pid, st[1], "/dev/null", [])
+        assert not cluster_mod._wait_stopped(p, timeout=0.2)  # running: times out, says so
+        os.killpg(proc.pid, signal.SIGSTOP)
+        assert cluster_mod._wait_stopped(p, timeout=5)
+        assert len(os.listdir(f"/proc/{proc.pid}/task")) == 4
+        os.killpg(proc.pid, signal.SIGCONT)
+        assert not cluster_mod._wait_stopped(p, timeout=0.2)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -144,7 +144,7 @@ def test_hung_master_interrupt_is_bounded_and_quarantines(cluster: LocalCluster)
     def get(keys: list[str], pages: np.ndarray) -> list[Outcome]:
         calls[0] += 1
         if calls[0] == 2:  # the master stops while the first batch's pages are already in
-            cluster.signal_master(signal.SIGSTOP)
+            assert cluster.signal_master(signal.SIGSTOP)  # returns once every master thread is stopped
             stopped.set()
         return real(keys, pages)
 
