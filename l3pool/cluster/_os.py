@@ -93,9 +93,14 @@ def _signal(p: _Proc, sig: int) -> bool:
     return True
 
 
-def _wait_stopped(p: _Proc, timeout: float = 2.0) -> bool:
-    """After SIGSTOP: wait until every thread of every process in p's group is stopped ('T'); kill()
-    only queues the signal, and a thread already running can still answer a request in between."""
+def freeze_group(pgid: int, timeout: float = 2.0) -> bool:
+    """SIGSTOP a process group and wait until every thread of every process in it is stopped ('T'):
+    kill() only queues the signal, and a thread already running can still answer a request in
+    between. False when the group is gone or not frozen within `timeout` s."""
+    try:
+        os.killpg(pgid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return False
     deadline = time.monotonic() + timeout
     while True:
         states: list[str] = []
@@ -103,7 +108,7 @@ def _wait_stopped(p: _Proc, timeout: float = 2.0) -> bool:
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     rest = f.read().rsplit(")", 1)[1].split()
-                if int(rest[2]) != p.pgid:
+                if int(rest[2]) != pgid:
                     continue
                 for tid in os.listdir(f"/proc/{pid}/task"):
                     with open(f"/proc/{pid}/task/{tid}/stat") as f:

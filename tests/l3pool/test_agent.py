@@ -12,6 +12,7 @@ import time
 import pytest
 
 from l3pool.agent import parse_size
+from l3pool.cluster._os import freeze_group
 from l3pool.pool.etcd import EtcdClient
 from l3pool.procenv import python_env
 
@@ -142,7 +143,7 @@ def test_agent_reregisters_after_etcd_outage(mooncake_master: MasterServer, pref
             agent.wait_registered()
             first = _member(etcd, prefix, "dn-o")
             assert first is not None
-            os.killpg(etcd.proc.pid, signal.SIGSTOP)  # a partition: connections hang, nothing answers
+            assert freeze_group(etcd.proc.pid)  # a partition: connections hang, nothing answers
             try:
                 wait_for(lambda: any("lease lost" in ln for ln in agent.our_lines()), 10.0, "lease lost", 0.1)
             finally:

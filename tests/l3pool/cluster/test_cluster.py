@@ -363,9 +363,9 @@ def test_status_without_iproute2(tmp_path: Path) -> None:
     assert out["links"] == {"noip-br0": False} and out["netns"] == {"noip-a0": False}
 
 
-def test_wait_stopped_sees_every_thread_of_the_group_stop() -> None:
-    """signal_master(SIGSTOP) relies on this: kill() only queues the signal, so the fault tests wait
-    until every thread of the group is in state T before sending the request that must hang."""
+def test_freeze_group_returns_once_every_thread_is_stopped() -> None:
+    """The fault tests rely on this: kill() only queues SIGSTOP, so a request sent right after it can
+    still be answered; freeze_group returns only once every thread of the group is in state T."""
     code = (
         "import threading, time\n"
         "for _ in range(3): threading.Thread(target=time.sleep, args=(60,)).start()\n"
@@ -374,15 +374,13 @@ def test_wait_stopped_sees_every_thread_of_the_group_stop() -> None:
     proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     try:
         time.sleep(0.3)
-        st = cluster_mod._proc_stat(proc.pid)
-        assert st is not None
-        p = cluster_mod._Proc("t", "t", proc.pid, proc.pid, st[1], "/dev/null", [])
-        assert not cluster_mod._wait_stopped(p, timeout=0.2)  # running: times out, says so
-        os.killpg(proc.pid, signal.SIGSTOP)
-        assert cluster_mod._wait_stopped(p, timeout=5)
         assert len(os.listdir(f"/proc/{proc.pid}/task")) == 4
+        assert cluster_mod.freeze_group(proc.pid, timeout=5)
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            with open(f"/proc/{proc.pid}/task/{tid}/stat") as f:
+                assert f.read().rsplit(")", 1)[1].split()[0] == "T"
         os.killpg(proc.pid, signal.SIGCONT)
-        assert not cluster_mod._wait_stopped(p, timeout=0.2)
     finally:
         proc.kill()
         proc.wait()
+    assert not cluster_mod.freeze_group(proc.pid, timeout=0.2)  # gone: says so

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
+from l3pool.cluster._os import freeze_group
 from l3pool.cluster.local import LocalCluster
 from l3pool.pool.client import L3Client
 from l3pool.pool.etcd import EtcdClient, EtcdUnavailable, LeaseKeeper
@@ -47,7 +48,7 @@ def test_etcd_calls_fail_fast_while_etcd_hangs(etcd_alone: EtcdServer) -> None:
     keeper = LeaseKeeper(c, ttl=6)
     c.put(md.prefix + "/x", "1", lease=keeper.lease)
     try:
-        os.killpg(etcd_alone.proc.pid, signal.SIGSTOP)
+        assert freeze_group(etcd_alone.proc.pid)
         t0 = time.monotonic()
         with pytest.raises(EtcdUnavailable):
             md.namespaces()
@@ -186,7 +187,7 @@ def test_agent_stops_within_its_timeout_while_the_master_hangs(etcd_alone: EtcdS
         try:
             key = f"{prefix}/members/hung-m"
             assert c.get(key) is not None
-            os.killpg(m.proc.pid, signal.SIGSTOP)
+            assert freeze_group(m.proc.pid)
             try:
                 time.sleep(1.5)  # the agent's health probe finds the master hung
                 t0 = time.monotonic()
