@@ -35,8 +35,11 @@ def test_prefetch_bench_json_contract(tmp_path: Path) -> None:
     join_ratio = report["stage_join_p99_ms"] / report["raw_etcd_get_p99_ms"]
     assert abs(report["stage_join_p99_vs_raw"] - join_ratio) < 0.01 * join_ratio + 0.01
     assert set(report["targets"]) == {
-        "prefetch_ratio>=0.90", "lock_acquire_p99_ms<=2", "stage_join_p99_ms<=2", "interrupt_p99_ms<=150",
+        "prefetch_ratio>=0.90", "lock_acquire_vs_raw<=1.5", "stage_join_vs_raw<=1.5", "interrupt_p99_ms<=150",
     }  # fmt: skip
+    # the lock targets are judged on the paired ratios against the floors, not on absolute ms
+    assert report["targets"]["lock_acquire_vs_raw<=1.5"] == (report["lock_acquire_vs_raw"] <= 1.5)
+    assert report["targets"]["stage_join_vs_raw<=1.5"] == (report["stage_join_vs_raw"] <= 1.5)
 
 
 REAL_GET = L3Client.get
