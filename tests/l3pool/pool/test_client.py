@@ -6,12 +6,11 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from l2core import LAYOUTS, ConfigError, HostKVPool, KVSpec
+from l2core import LAYOUTS, ConfigError, KVSpec
 from l3pool.cluster.local import LocalCluster
 from l3pool.pool.client import L3Client, key_digest
 from l3pool.pool.etcd import EtcdClient
@@ -24,28 +23,11 @@ from ..pool_helpers import cluster_store, random_keys, random_pool
 SPECS = {"mla": KVSpec.mla(6, page_size=16), "mha": KVSpec.mha(4, 2, 64, page_size=16)}
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(agents=2, segment_size="256MB", name=f"l3pc{uuid.uuid4().hex[:4]}") as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def store(cluster: LocalCluster) -> Iterator[MooncakeStore]:
-    s = cluster_store(cluster)
-    yield s
-    s.close()
-
-
-def _pool(spec: KVSpec, layout: str, pages: int = 64, seed: int = 0) -> HostKVPool:
-    return random_pool(spec, layout, pages, seed)
-
-
 @pytest.mark.parametrize("attention", ["mla", "mha"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_bit_exact(store: MooncakeStore, attention: str, layout: str) -> None:
     spec = SPECS[attention]
-    pool = _pool(spec, layout, seed=hash((attention, layout)) % 1000)
+    pool = random_pool(spec, layout, 64, hash((attention, layout)) % 1000)
     ns = Namespace.for_pool(spec, layout, "m1", tenant=uuid.uuid4().hex)
     client = L3Client(pool, store, ns, batch_pages=8)
     try:
@@ -67,7 +49,7 @@ def test_round_trip_bit_exact(store: MooncakeStore, attention: str, layout: str)
 
 def test_put_dedupes_and_never_overwrites(store: MooncakeStore) -> None:
     spec = SPECS["mla"]
-    pool = _pool(spec, "page_first_direct")
+    pool = random_pool(spec, "page_first_direct", 64, 0)
     ns = Namespace.for_pool(spec, "page_first_direct", "m1", tenant=uuid.uuid4().hex)
     client = L3Client(pool, store, ns)
     try:
@@ -87,9 +69,9 @@ def test_namespaces_isolate_layouts_and_tenants(store: MooncakeStore) -> None:
     spec = SPECS["mha"]
     tenant = uuid.uuid4().hex
     a_pool, b_pool, c_pool = (
-        _pool(spec, "page_first"),
-        _pool(spec, "page_first_direct", seed=9),
-        _pool(spec, "page_first", seed=5),
+        random_pool(spec, "page_first", 64, 0),
+        random_pool(spec, "page_first_direct", 64, 9),
+        random_pool(spec, "page_first", 64, 5),
     )
     a_ns = Namespace.for_pool(spec, "page_first", "m1", tenant=tenant)
     b_ns = Namespace.for_pool(spec, "page_first_direct", "m1", tenant=tenant)  # same model + tokens
@@ -116,7 +98,7 @@ def test_namespaces_isolate_layouts_and_tenants(store: MooncakeStore) -> None:
 
 def test_bad_input_and_settings(store: MooncakeStore, cluster: LocalCluster) -> None:
     spec = SPECS["mla"]
-    pool = _pool(spec, "page_first")
+    pool = random_pool(spec, "page_first", 64, 0)
     ns = Namespace.for_pool(spec, "page_first", "m1", tenant=uuid.uuid4().hex)
     with pytest.raises(ConfigError, match="layout"):
         L3Client(pool, store, Namespace.for_pool(spec, "layer_first", "m1"))
@@ -151,7 +133,7 @@ def test_dead_agent_pages_become_misses(cluster: LocalCluster) -> None:
     with LocalCluster(agents=2, segment_size="128MB", name=f"l3pk{uuid.uuid4().hex[:4]}", lease_ttl=3) as c:
         st = cluster_store(c)
         spec = SPECS["mla"]
-        pool = _pool(spec, "page_first_direct", pages=128)
+        pool = random_pool(spec, "page_first_direct", 128, 0)
         ns = Namespace.for_pool(spec, "page_first_direct", "m1", tenant=uuid.uuid4().hex)
         client = L3Client(pool, st, ns, batch_pages=16)
         try:
@@ -185,7 +167,7 @@ def test_full_pool_is_a_typed_outcome() -> None:
     with LocalCluster(agents=1, segment_size="48MB", name=f"l3pf{uuid.uuid4().hex[:4]}") as c:
         st = cluster_store(c)
         spec = KVSpec.mla(8, page_size=64)  # 590 KB pages: 48 MB holds ~70
-        pool = _pool(spec, "page_first", pages=128)
+        pool = random_pool(spec, "page_first", 128, 0)
         ns = Namespace.for_pool(spec, "page_first", "m1", tenant=uuid.uuid4().hex)
         client = L3Client(pool, st, ns, batch_pages=32)
         try:
@@ -204,7 +186,7 @@ def test_master_restart_errors_then_recovers() -> None:
     with LocalCluster(agents=1, segment_size="128MB", name=f"l3pm{uuid.uuid4().hex[:4]}") as c:
         st = cluster_store(c)
         spec = SPECS["mla"]
-        pool = _pool(spec, "page_first", pages=64)
+        pool = random_pool(spec, "page_first", 64, 0)
         ns = Namespace.for_pool(spec, "page_first", "m1", tenant=uuid.uuid4().hex)
         client = L3Client(pool, st, ns)
         try:
@@ -236,7 +218,7 @@ def test_checksum_mismatch_is_a_miss_never_wrong_bytes(store: MooncakeStore) -> 
     """An object whose bytes do not match its trailer's checksum (the trailer itself naming the
     right key, format and length) is reported as a miss and counted as a checksum failure."""
     spec = SPECS["mla"]
-    pool = _pool(spec, "page_first")
+    pool = random_pool(spec, "page_first", 64, 0)
     ns = Namespace.for_pool(spec, "page_first", "m1", checksum=True, tenant=uuid.uuid4().hex)
     client = L3Client(pool, store, ns)
     try:
@@ -264,7 +246,7 @@ def test_unknown_namespace_and_published_stats(store: MooncakeStore, cluster: Lo
 
     md = Metadata(EtcdClient(cluster.etcd_endpoints), cluster.key_prefix)
     spec = SPECS["mla"]
-    pool = _pool(spec, "page_first_direct")
+    pool = random_pool(spec, "page_first_direct", 64, 0)
     ns = Namespace.for_pool(spec, "page_first_direct", "m1", tenant=uuid.uuid4().hex)
     with pytest.raises(ConfigError, match="unknown namespace"):
         L3Client(pool, store, ns, metadata=md, create_namespace=False)

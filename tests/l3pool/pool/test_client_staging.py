@@ -6,31 +6,22 @@ page poisoned before the get and compared after it, and byte compatibility with 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 
 from l2core import HostKVPool, KVSpec
-from l3pool.cluster.local import LocalCluster
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace
 from l3pool.pool.store import MooncakeStore, Outcome
 
-from ..pool_helpers import cluster_store, random_keys, random_pool
+from ..pool_helpers import random_keys, random_pool
 
 SPECS = {"mla": KVSpec.mla(6, page_size=16), "mha": KVSpec.mha(4, 2, 64, page_size=16)}
 POISON = 0xA5
 BATCH = 8
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[MooncakeStore]:
-    with LocalCluster(agents=2, segment_size="128MB", name=f"l3ps{uuid.uuid4().hex[:4]}") as c:
-        s = cluster_store(c)
-        yield s
-        s.close()
+CLUSTER_SEGMENT = "128MB"  # per agent of this module's cluster (conftest)
 
 
 def _pool(spec: KVSpec, pages: int, seed: int) -> HostKVPool:

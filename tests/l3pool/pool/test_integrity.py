@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,23 +51,6 @@ CONFIGS = [
         ("layer_first", "staging"),
     )
 ]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(agents=2, segment_size="256MB", name=f"l3pi{uuid.uuid4().hex[:4]}") as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def store(cluster: LocalCluster) -> Iterator[MooncakeStore]:
-    s = cluster_store(cluster)
-    yield s
-    s.close()
-
-
-def _pool(spec: KVSpec, layout: str, pages: int = 64, seed: int = 0) -> HostKVPool:
-    return random_pool(spec, layout, pages, seed)
 
 
 def _poison(pool: HostKVPool, pages: Any) -> None:
@@ -110,7 +93,7 @@ class _Scratch:
 @pytest.mark.parametrize(("attention", "layout", "mode"), CONFIGS)
 def test_another_keys_object_is_a_miss(store: MooncakeStore, attention: str, layout: str, mode: str) -> None:
     spec = SPECS[attention]
-    pool = _pool(spec, layout, seed=len(layout) + len(attention))
+    pool = random_pool(spec, layout, 64, len(layout) + len(attention))
     ns = Namespace.for_pool(spec, layout, "m1", tenant=uuid.uuid4().hex)
     other_ns = Namespace.for_pool(spec, layout, "m1", tenant=uuid.uuid4().hex)  # same geometry and size
     client = L3Client(pool, store, ns, batch_pages=8, layer_first_mode=mode)  # type: ignore[arg-type]
@@ -152,7 +135,7 @@ def test_objects_without_trailer_or_of_another_size_are_misses(
     store: MooncakeStore, attention: str, layout: str, mode: str
 ) -> None:
     spec = SPECS[attention]
-    pool = _pool(spec, layout, seed=7)
+    pool = random_pool(spec, layout, 64, 7)
     ns = Namespace.for_pool(spec, layout, "m1", checksum=layout == "page_first", tenant=uuid.uuid4().hex)
     client = L3Client(pool, store, ns, batch_pages=4, layer_first_mode=mode)  # type: ignore[arg-type]
     pb = spec.page_bytes
@@ -195,7 +178,7 @@ def test_mha_head_geometry_namespaces_isolated(store: MooncakeStore) -> None:
     a_spec, b_spec = KVSpec.mha(4, 2, 128, page_size=16), KVSpec.mha(4, 4, 64, page_size=16)
     assert a_spec.page_bytes == b_spec.page_bytes
     tenant = uuid.uuid4().hex
-    a_pool, b_pool = _pool(a_spec, "page_first", seed=1), _pool(b_spec, "page_first", seed=2)
+    a_pool, b_pool = random_pool(a_spec, "page_first", 64, 1), random_pool(b_spec, "page_first", 64, 2)
     a_ns = Namespace.for_pool(a_spec, "page_first", "same-model", tenant=tenant)
     b_ns = Namespace.for_pool(b_spec, "page_first", "same-model", tenant=tenant)
     assert a_ns.ns_id != b_ns.ns_id
@@ -271,7 +254,7 @@ def test_killed_writer_no_false_put_ok_and_space_reclaimed() -> None:
         put_start_release_timeout_sec=release,
     ) as c:
         st = cluster_store(c)
-        pool = _pool(spec, "page_first", pages=2 * n, seed=3)
+        pool = random_pool(spec, "page_first", 2 * n, 3)
         tenant = uuid.uuid4().hex
         ns = Namespace.for_pool(spec, "page_first", "killed-writer", tenant=tenant)
         client = L3Client(pool, st, ns, batch_pages=64)
@@ -371,7 +354,7 @@ def test_master_restart_never_ok_with_wrong_bytes(checksum: bool) -> None:
     spec, n = SPECS["mla"], 16
     with LocalCluster(agents=1, segment_size="64MB", name=f"l3pr{uuid.uuid4().hex[:4]}") as c:
         st = cluster_store(c)
-        pool = _pool(spec, "page_first", pages=4 * n, seed=11)
+        pool = random_pool(spec, "page_first", 4 * n, 11)
         ns = Namespace.for_pool(spec, "page_first", "m1", checksum=checksum, tenant=uuid.uuid4().hex)
         writer = L3Client(pool, st, ns, batch_pages=n)
         old, new = random_keys(ns, n, seed=1), random_keys(ns, n, seed=2)
@@ -425,7 +408,7 @@ def test_client_shared_by_threads(store: MooncakeStore, layout: str, mode: str, 
     """N threads put and get different keys through one client (fewer buffer slots than
     threads): every page OK and bit-exact."""
     spec, threads, per, rounds = SPECS["mha"], 6, 8, 5
-    pool = _pool(spec, layout, pages=threads * per * 2, seed=13)
+    pool = random_pool(spec, layout, threads * per * 2, 13)
     ns = Namespace.for_pool(spec, layout, "m1", checksum=checksum, tenant=uuid.uuid4().hex)
     client = L3Client(pool, store, ns, batch_pages=3, layer_first_mode=mode, max_concurrency=4)  # type: ignore[arg-type]
     errors: list[str] = []

@@ -33,22 +33,10 @@ from ..pool_helpers import cluster_store, random_keys, random_pool
 
 SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
 LAYOUT = "page_first_direct"
+CLUSTER_SEGMENT = "128MB"  # per agent of this module's cluster (conftest)
 N = 96  # pages per test prefix
 POISON = 0xA5  # byte every reader page holds until a prefetch writes it
 REPO = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(agents=2, segment_size="128MB", name=f"l3pp{uuid.uuid4().hex[:4]}") as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def store(cluster: LocalCluster) -> Iterator[MooncakeStore]:
-    s = cluster_store(cluster)
-    yield s
-    s.close()
 
 
 class Setup:
