@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import json
 import os
 import statistics
 import sys
@@ -47,10 +46,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.cache import L1, CacheConfig, TieredCache
-from l3pool.cli import guarded, output_file
-from l3pool.cluster.running import STATE_DIR_HELP, pool_endpoints
+from l3pool.cli import guarded
+from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import percentile, spread
 from l3pool.pool.keys import page_hashes
 
@@ -393,8 +393,7 @@ def _read_back(client: Any, pool: HostKVPool, keys: list[str], cache: TieredCach
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cache", description=__doc__.splitlines()[0])
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", help="also write the JSON report here")
+    add_report_args(p)
     p.add_argument("--pages", type=int, default=512, help="pages per request (bookkeeping, overlap)")
     p.add_argument("--requests", type=int, default=300, help="requests timed for the bookkeeping")
     p.add_argument("--l1-pages", type=int, default=16384, help="L1 pages of the bookkeeping cache (full: evicting)")
@@ -416,11 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backup-pages", type=int, default=32, help="pages per request of the backup part")
     p.add_argument("--backup-requests", type=int, default=8)
     p.add_argument("--no-l3", action="store_true", help="skip the L2 -> L3 writer part (no cluster)")
-    p.add_argument("--master", help="mooncake_master host:port (default: start a LocalCluster)")
-    p.add_argument("--metadata", help="metadata server URL (with --master)")
-    p.add_argument("--host", default="127.0.0.1", help="this client's address (with --master)")
-    p.add_argument("--segment-size", default="1GB", help="per agent, when starting the local cluster")
-    p.add_argument("--state-dir", help=STATE_DIR_HELP)
+    add_pool_args(p, segment_size="1GB")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -445,8 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.out:
-        output_file(args.out, "--out")
+    check_out(args)
     dev = torch.device("cuda" if cuda else "cpu")
     from l2core import _native
 
@@ -454,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "benchmark": "bench.cache",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "note": args.note,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
     }
     bk = bookkeeping(args, dev)
@@ -490,15 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         "exposed_load_fraction<=0.3": report["exposed_load_fraction"] <= 0.3,
         "backup_put_ratio>=0.9": None if report["backup_put_ratio"] is None else report["backup_put_ratio"] >= 0.9,
     }
-    text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        print(text)
-    else:
-        for k, v in report.items():
-            print(f"{k:26s} {v}")
+    emit_report(report, args)
     return 0 if correct else 1
 
 

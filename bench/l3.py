@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import json
 import statistics
 import sys
 import time
@@ -33,10 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
 from bench._transfer_report import _loadavg
 from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.cli import guarded, output_file
-from l3pool.cluster.running import STATE_DIR_HELP, pool_endpoints
+from l3pool.cli import guarded
+from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import spread
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
@@ -161,14 +161,8 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.l3", description=__doc__.splitlines()[0])
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", help="also write the JSON report here")
-    p.add_argument("--note", help="free text stored in the report (e.g. what else ran on the machine)")
-    p.add_argument("--master", help="mooncake_master host:port (default: start the local cluster)")
-    p.add_argument("--metadata", help="metadata server URL (with --master)")
-    p.add_argument(
-        "--host", default="127.0.0.1", help="this client's address (with --master; export MC_TCP_BIND_ADDRESS too)"
-    )
+    add_report_args(p)
+    add_pool_args(p, segment_size="2GB")
     p.add_argument("--pages", type=int, default=32, help="pages per round and model")
     p.add_argument(
         "--rounds", type=int, default=7, help="paired rounds per row (the H200 host swings single rounds by +-25 %%)"
@@ -176,8 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64, help="L3Client batch size (pages)")
     p.add_argument("--models", default="mla,mha")
     p.add_argument("--layouts", default="page_first_direct,layer_first")
-    p.add_argument("--segment-size", default="2GB", help="per agent, when starting the local cluster")
-    p.add_argument("--state-dir", help=STATE_DIR_HELP)
     args = p.parse_args(argv)
     for what, given, known in (("--models", args.models, MODELS), ("--layouts", args.layouts, LAYOUTS)):
         bad = [x for x in given.split(",") if x not in known]
@@ -186,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("pages", "rounds", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
-    if args.out:
-        output_file(args.out, "--out")
+    check_out(args)
     load_start = _loadavg()
     rows = []
     for model in args.models.split(","):
@@ -229,21 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         "get_ratio>=0.90": report["get_ratio"] >= 0.90,
         "lookup_ms_512<=2": report["lookup_ms_512"] <= 2.0,
     }
-    text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        print(text)
-    else:
-        for r in rows:
-            print(
-                f"{r['model']:4s} {r['layout']:18s} {r['layer_first_mode'] or '':8s} put {r['put_GBps']:6.2f} "
-                f"(raw {r['raw_put_GBps']:6.2f}, x{r['put_ratio']:.2f})  get {r['get_GBps']:6.2f} "
-                f"(raw {r['raw_get_GBps']:6.2f}, x{r['get_ratio']:.2f})  lookup512 {r['lookup_ms_512']:.2f} ms"
-                f"  correct={r['correct']}"
-            )
-        print("targets:", report["targets"])
+    summary = [
+        f"{r['model']:4s} {r['layout']:18s} {r['layer_first_mode'] or '':8s} put {r['put_GBps']:6.2f} "
+        f"(raw {r['raw_put_GBps']:6.2f}, x{r['put_ratio']:.2f})  get {r['get_GBps']:6.2f} "
+        f"(raw {r['raw_get_GBps']:6.2f}, x{r['get_ratio']:.2f})  lookup512 {r['lookup_ms_512']:.2f} ms"
+        f"  correct={r['correct']}"
+        for r in rows
+    ]
+    emit_report(report, args, [*summary, f"targets: {report['targets']}"])
     return 0 if report["correct"] else 1
 
 

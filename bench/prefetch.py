@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime as dt
-import json
 import random
 import statistics
 import sys
@@ -52,10 +51,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
 from bench._transfer_report import _loadavg
 from l2core import HostKVPool, L2Config
-from l3pool.cli import guarded, output_file
-from l3pool.cluster.running import STATE_DIR_HELP, pool_endpoints
+from l3pool.cli import guarded
+from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import percentile
 from l3pool.pool.client import L3Client
 from l3pool.pool.prefetch import Prefetcher, batch_schedule
@@ -218,14 +218,8 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.prefetch", description=__doc__.splitlines()[0])
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", help="also write the JSON report here")
-    p.add_argument("--note", help="free text stored in the report (e.g. what else ran on the machine)")
-    p.add_argument("--master", help="mooncake_master host:port (default: start the local cluster)")
-    p.add_argument("--metadata", help="metadata server URL (with --master)")
-    p.add_argument("--etcd", help="the pool's etcd endpoints (with --master; for the PP-lock latencies)")
-    p.add_argument("--host", default="127.0.0.1", help="this client's address (with --master; export "
-                   "MC_TCP_BIND_ADDRESS too)")  # fmt: skip
+    add_report_args(p)
+    add_pool_args(p, segment_size="1GB", etcd=True)
     p.add_argument("--pages", type=int, default=512, help="pages per request")
     p.add_argument("--requests", type=int, default=2, help="distinct request prefixes")
     p.add_argument("--rounds", type=int, default=5)
@@ -235,15 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inflight", type=int, default=2)
     p.add_argument("--pipeline", type=int, default=1, help="batches in flight per prefetch")
     p.add_argument("--lock-requests", type=int, default=100, help="requests for the PP-lock latencies")
-    p.add_argument("--segment-size", default="1GB", help="per agent, when starting the local cluster")
-    p.add_argument("--state-dir", help=STATE_DIR_HELP)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("pages", "requests", "rounds", "batch", "max_batch", "inflight", "pipeline", "lock_requests"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.out:
-        output_file(args.out, "--out")
+    check_out(args)
     load_start = _loadavg()
     ps = PrefixSet(8, 64, args.pages, args.requests, args.seed, uuid.uuid4().hex)
     # the given pool, the local cluster `l3pool cluster up` left running, or one started here
@@ -291,15 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage_join_vs_raw<=1.5": at_most("stage_join_vs_raw", LOCK_VS_RAW_TARGET),
         "interrupt_p99_ms<=150": at_most("interrupt_p99_ms", 150.0),
     }
-    text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        print(text)
-    else:
-        for k, v in report.items():
-            print(f"{k:26s} {v}")
+    emit_report(report, args)
     return 0 if report["correct"] else 1
 
 

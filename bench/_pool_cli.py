@@ -1,0 +1,53 @@
+"""What the pool benchmarks (bench.l3, bench.prefetch, bench.cache) share on their command line:
+the report options (--json, --out, --note), the pool to run against (--master/--metadata/--host,
+--state-dir, --segment-size of a cluster started here, --etcd where the benchmark needs it), and
+writing the report at the end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from l3pool.cli import output_file
+from l3pool.cluster.running import STATE_DIR_HELP
+
+
+def add_report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of the summary")
+    p.add_argument("--out", help="also write the JSON report here")
+    p.add_argument("--note", help="free text stored in the report (e.g. what else ran on the machine)")
+
+
+def add_pool_args(p: argparse.ArgumentParser, segment_size: str, etcd: bool = False) -> None:
+    p.add_argument(
+        "--master", help="mooncake_master host:port (default: the running local cluster, else one started here)"
+    )
+    p.add_argument("--metadata", help="metadata server URL (with --master)")
+    if etcd:
+        p.add_argument("--etcd", help="the pool's etcd endpoints (with --master; for the PP-lock latencies)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="this client's address (with --master; export MC_TCP_BIND_ADDRESS too)"
+    )
+    p.add_argument("--segment-size", default=segment_size, help="per agent, when starting the local cluster")
+    p.add_argument("--state-dir", help=STATE_DIR_HELP)
+
+
+def check_out(args: argparse.Namespace) -> None:
+    """Before the run: an --out that cannot be written fails now, not after minutes."""
+    if args.out:
+        output_file(args.out, "--out")
+
+
+def emit_report(report: dict[str, Any], args: argparse.Namespace, summary: Iterable[str] | None = None) -> None:
+    """Write the report to --out; print it as JSON with --json, else `summary` (default: key value lines)."""
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        print(text)
+        return
+    for line in summary if summary is not None else (f"{k:26s} {v}" for k, v in report.items()):
+        print(line)
