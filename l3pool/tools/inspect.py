@@ -29,6 +29,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from l2core.units import format_size
 from l3pool.pool.etcd import EtcdClient, EtcdError, EtcdSecurity, add_security_args, security_from_args
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata
 from l3pool.pool.trailer import object_bytes
@@ -214,15 +215,14 @@ def collect(
 
 
 # -- table output ----------------------------------------------------------------------------------
-def _size(n: int | float | None) -> str:
-    if n is None:
-        return "n/a"
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{x:.1f} TiB"  # pragma: no cover
+def _sizer(like: str | None) -> Any:
+    """Byte counts as text in the unit system the operator typed the members' donations in ("64GB":
+    decimal, "64GiB" or none: binary), so the master's totals read like the DONATED column."""
+
+    def size(n: int | float | None) -> str:
+        return "n/a" if n is None else format_size(int(n), like)
+
+    return size
 
 
 def _age(s: float) -> str:
@@ -252,6 +252,7 @@ def render(report: dict[str, Any]) -> str:
     """The human-readable tables of a `collect()` report."""
     out: list[str] = []
     members = report["members"]
+    _size = _sizer(next((m["donated"] for m in members if m.get("donated")), None))
     out += _table(
         "MEMBERS",
         ["ID", "HOST", "DONATED", "USED", "LEASE", "VERSION", "AGE"],

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ from l3pool.pool.etcd import LeaseKeeper
 from l3pool.pool.metadata import Metadata
 from l3pool.pool.trailer import TRAILER_BYTES
 from l3pool.procenv import python_env
-from l3pool.tools.inspect import InspectError, collect
+from l3pool.tools.inspect import InspectError, collect, render
 
 from ..conftest import AgentProc, EtcdServer, MasterServer, agent_args, agent_process, free_ports
 
@@ -158,13 +159,32 @@ def test_cli_table(
     lines = out.splitlines()
     header = next(ln for ln in lines if ln.strip().startswith("ID"))
     row = next(ln for ln in lines if ln.strip().startswith("dn-i"))
-    assert "32MiB" in row and "16.1 KiB" in row  # donated (as the agent was told), used: 4 x (4 KiB + 32 B)
+    assert "32MiB" in row and "16.12 KiB" in row  # donated (as the agent was told), used: 4 x (4 KiB + 32 B)
     assert header.index("DONATED") == row.index("32MiB")  # aligned columns
     ns_row = next(ln for ln in lines if ln.strip().startswith(NS_ID))
-    assert ns_row.split()[-3:] == ["3", "12.1", "KiB"]
+    assert ns_row.split()[-3:] == ["3", "12.09", "KiB"]
     assert "COUNTERS (2)" in lines and any(ln.strip().startswith("(total)") and " 6 " in ln for ln in lines)
     assert any(ln.strip().startswith("req-7") for ln in lines)
     assert any(ln.startswith("MASTER http://127.0.0.1") and "keys 4," in ln for ln in lines)
+
+
+def test_table_sizes_follow_the_units_the_donations_were_typed_in() -> None:
+    """Members donating "512MB" (decimal): the master's totals are decimal too, not "976.6 MiB" next
+    to "512MB"; typed in binary units or not at all: binary."""
+
+    def report(donated: str | None) -> dict[str, Any]:
+        member = {"id": "a", "host": "h", "donated": donated, "donated_bytes": 512 * 10**6, "used_bytes": 1500,
+                  "lease_ttl_left": 3, "version": "v", "age_s": 1.0}  # fmt: skip
+        master = {"admin_url": "http://m", "keys": 1, "allocated_bytes": 1500, "capacity_bytes": 1024 * 10**6,
+                  "segments": [], "active_clients": 1}  # fmt: skip
+        return {"members": [member, {**member, "id": "b"}], "namespaces": [], "counters": {}, "clients": {},
+                "locks": [], "master": master}  # fmt: skip
+
+    dec = render(report("512MB"))
+    assert "used 1.5 KB of 1.024 GB" in dec and "976.6 MiB" not in dec, dec
+    assert any(ln.split()[:4] == ["a", "h", "512MB", "1.5"] for ln in dec.splitlines()), dec
+    binary = render(report(None))
+    assert "used 1.465 KiB of 976.6 MiB" in binary and "488.3 MiB" in binary, binary
 
 
 def test_empty_prefix_table_says_none(etcd_server: EtcdServer, capsys: pytest.CaptureFixture[str]) -> None:
