@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -76,12 +78,30 @@ def guarded(prog: str, fn: Callable[[], int]) -> int:
         return fail(prog, "terminated (SIGTERM)", code=143)
     except KeyboardInterrupt:
         return fail(prog, "interrupted", code=130)
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise  # a socket, not our reader
+        # the reader of our output went away (`| head`): stop quietly, as shell tools do, and keep
+        # the interpreter's final flush of stdout from failing again
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
     except Exception as e:
         for mod, name, hint in _OPERATIONAL:
             kind = getattr(sys.modules.get(mod), name, None)
             if kind is not None and isinstance(e, kind):
                 return fail(prog, str(e), hint, code=2 if isinstance(e, ValueError) else 1)  # 2: a bad argument
         raise
+
+
+def _stdout_gone() -> bool:
+    """stdout is a pipe whose reading end was closed (poll reports an error on the write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def output_file(path: str | os.PathLike[str], what: str) -> Path:

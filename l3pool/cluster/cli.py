@@ -26,6 +26,8 @@ from l3pool.cluster.running import status
 
 def _print_endpoints(state: dict[str, Any]) -> None:
     for k, v in state.get("endpoints", {}).items():
+        if isinstance(v, dict):  # client_env: the variables, as a shell would set them
+            v = " ".join(f"{name}={shlex.quote(str(x))}" for name, x in v.items()) or "-"
         print(f"{k:12s} {v}")
 
 

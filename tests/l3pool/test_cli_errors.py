@@ -347,3 +347,29 @@ def test_tools_reuse_the_running_local_cluster(tmp_path: Path) -> None:
     assert down.returncode == 0, down.stderr
     assert "removed:" in down.stdout and "keep them with --keep-logs" in down.stdout
     assert not any(p.exists() for p in logs) and not state.exists()  # logs, state file and the dir it made
+
+
+def _guarded_child(body: str, reader_closed: bool) -> subprocess.CompletedProcess[str]:
+    """Run `body` (raising or printing) under guarded() in a child whose stdout is a pipe; with
+    `reader_closed` the reading end is closed first, as `l3pool ... | head` does once it has enough."""
+    code = (
+        "import os, sys\n"
+        "from l3pool.cli import guarded\n"
+        f"if {reader_closed}:\n"
+        "    r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
+        "def body():\n"
+        f"    {body}\n"
+        "    return 0\n"
+        "sys.exit(guarded('l3pool x', body))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), timeout=60)
+
+
+def test_closed_reader_of_stdout_ends_quietly() -> None:
+    """`l3pool cluster status | head -2`: the rest of the output has nowhere to go; exit 141 (as a
+    shell tool killed by SIGPIPE) without a traceback. A BrokenPipeError from a socket while stdout
+    is fine is not hidden."""
+    piped = _guarded_child("print('x' * 200000, flush=True)", reader_closed=True)
+    assert piped.returncode == 141 and piped.stderr == "", piped.stderr
+    socket_like = _guarded_child("raise BrokenPipeError(32, 'Broken pipe')", reader_closed=False)
+    assert socket_like.returncode == 1 and "Traceback" in socket_like.stderr and "BrokenPipeError" in socket_like.stderr

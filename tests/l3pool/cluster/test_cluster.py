@@ -243,6 +243,9 @@ def test_cli_up_status_down(state_dir: Path) -> None:
     status = json.loads(st.stdout)
     assert status["up"] and status["ready"] and all(p["alive"] for p in status["processes"])
     assert all(status["netns"].values()) and all(status["links"].values())
+    plain = _cli("status", "--state-dir", str(state_dir))  # the table: shell assignments, not a Python dict
+    env_line = next(ln for ln in plain.stdout.splitlines() if ln.startswith("client_env"))
+    assert env_line.split()[1:] == [f"MC_TCP_BIND_ADDRESS={up['endpoints']['client_host']}"], plain.stdout
 
     dn = _cli("down", "--state-dir", str(state_dir), "--keep-logs")
     assert dn.returncode == 0, dn.stderr
