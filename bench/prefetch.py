@@ -61,7 +61,7 @@ from l3pool.pool.client import L3Client
 from l3pool.pool.prefetch import Prefetcher, batch_schedule
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 from l3pool.pool.trailer import TRAILER_BYTES
-from l3pool.tools.prefetch_check import LAYOUT, Endpoints, PrefixSet, check_fits, run_writer
+from l3pool.tools.prefetch_check import LAYOUT, Endpoints, PrefixSet, check_fits, remove_test_set, run_writer
 
 from ._locks import measure_lock_latencies
 
@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         writer = run_writer(ps, ep)
         row = bench(ps, ep, args)
         locks, lock_note = _lock_latencies(ep, args.lock_requests, args.pages)
+        removed = remove_test_set(ps, ep)  # a running pool keeps nothing of the benchmark
     report: dict[str, Any] = {
         "benchmark": "bench.prefetch",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -268,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline": args.pipeline,
         **locks,
         "lock_note": lock_note,
+        "test_pages_removed": removed,
         **row,
     }
 

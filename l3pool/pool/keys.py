@@ -141,8 +141,13 @@ class Namespace:
         canon = json.dumps(self.record(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(canon, digest_size=8).hexdigest()
 
+    @property
+    def key_prefix(self) -> str:
+        """What every page key of this namespace starts with (`MooncakeStore.remove_prefix`)."""
+        return f"{self.ns_id}/"
+
     def key(self, page_hash: bytes) -> str:
-        return f"{self.ns_id}/{page_hash.hex()}"
+        return f"{self.key_prefix}{page_hash.hex()}"
 
     def keys(self, page_hashes: Sequence[bytes]) -> list[str]:
         ns = self.ns_id

@@ -26,6 +26,7 @@ import argparse
 import collections
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -42,6 +43,8 @@ from l3pool.cli import UserError, fail, guarded, output_file
 from l3pool.cluster.running import STATE_DIR_HELP, Endpoints, pool_endpoints
 from l3pool.measure import percentile
 from l3pool.procenv import python_env
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Endpoints", "PrefixSet", "run_test", "run_writer"]
 
@@ -155,7 +158,7 @@ def run_writer(ps: PrefixSet, ep: Endpoints, timeout: float = 300) -> dict[str, 
         refused = ", ".join(f"{n} {k}" for k, n in json.loads(lines[-1]).get("refused", {}).items())
         total = ps.requests * ps.pages
         raise UserError(f"the writer stored {total - failed} of {total} test pages ({refused or 'refused'})",
-                        f"a full pool refuses pages: {_pool_hint(ps)}", code=1)  # fmt: skip
+                        f"a full pool refuses pages: {_pool_hint(ps, ep)}", code=1)  # fmt: skip
     if r.returncode != 0 or not lines:
         raise UserError(f"the writer process failed (exit {r.returncode}): {_last_error(r.stderr)}",
                         "the writer is a second client of the same pool: is that pool reachable from here? "
@@ -171,23 +174,46 @@ def _set_bytes(ps: PrefixSet) -> int:
     return ps.requests * ps.pages * (ps.spec().page_bytes + TRAILER_BYTES)  # type: ignore[no-any-return]
 
 
-def _pool_hint(ps: PrefixSet) -> str:
+def _pool_hint(ps: PrefixSet, ep: Endpoints) -> str:
     need = format_size(_set_bytes(ps), "1MiB")
-    return f"the test set is {need}: raise --segment-size (or lower --pages/--requests)"
+    if ep.cluster is not None:  # started here: its size is ours to choose
+        return f"the test set is {need}: raise --segment-size (or lower --pages/--requests)"
+    return (f"the test set is {need}: lower --pages/--requests, or use a pool with more donated memory "
+            "(l3pool cluster up --segment-size)")  # fmt: skip
+
+
+def _pool_capacity(ep: Endpoints) -> int | None:
+    """Bytes the pool's segments hold: the local cluster started here, else the master's admin port
+    (a running cluster); None when neither tells."""
+    c = ep.cluster
+    if c is not None:
+        return len(c.agents) * c.segment_bytes if c.agents else None
+    if not ep.admin:
+        return None
+    from l3pool.tools.inspect import InspectError, MasterAdmin
+
+    try:
+        cap = int(MasterAdmin(ep.admin).metrics().get("master_total_capacity_bytes", 0))
+    except (InspectError, ValueError):
+        return None  # the writer's own outcomes still say it if the set does not fit
+    return cap or None
 
 
 def check_fits(ps: PrefixSet, ep: Endpoints) -> None:
-    """Refuse, before writing, a test set that cannot fit a local cluster started here (Mooncake
-    evicts above 90 % of the pool, so the set must stay under that)."""
-    c = ep.cluster
-    if c is None or not c.agents:
+    """Refuse, before writing, a test set that cannot fit the pool (Mooncake evicts above 90 % of
+    it, so the set must stay under that): a local cluster started here, or a running one whose
+    master's admin port gives its capacity."""
+    have = _pool_capacity(ep)
+    if have is None:
         return
     need = _set_bytes(ps)
-    have = len(c.agents) * c.segment_bytes
     if need > 0.9 * have:
-        donated = f"{len(c.agents)} x {format_size(c.segment_bytes, c.segment_text)}"
-        raise UserError(f"the test set ({format_size(need, c.segment_text)}) does not fit the local cluster's pool "
-                        f"({donated}; Mooncake evicts above 90 %)", _pool_hint(ps))  # fmt: skip
+        c = ep.cluster
+        like = c.segment_text if c is not None else "1MiB"
+        pool = (f"the local cluster's pool ({len(c.agents)} x {format_size(c.segment_bytes, c.segment_text)}"
+                if c is not None else f"the pool at {ep.master} ({format_size(have, like)}")  # fmt: skip
+        raise UserError(f"the test set ({format_size(need, like)}) does not fit {pool}; Mooncake evicts above 90 %)",
+                        _pool_hint(ps, ep))  # fmt: skip
 
 
 _GLOG = re.compile(r"^[IWEF]\d{4} ")  # Mooncake's log lines (glog), not an error of the process
@@ -209,6 +235,33 @@ def endpoints(args: argparse.Namespace) -> contextlib.AbstractContextManager[End
 
 
 # -- the test ------------------------------------------------------------------------------------
+def _remove(store: Any, ps: PrefixSet) -> int | None:
+    """Remove the test set's objects (its namespace is this run's alone: its tenant is unique, so
+    `force` takes nothing of anyone else, and skips the read leases our own gets took)."""
+    from l3pool.pool.store import Outcome
+
+    outcome, n = store.remove_prefix(ps.namespace().key_prefix, force=True)
+    if outcome is not Outcome.OK:
+        log.warning("could not remove the test set's pages from the pool: %s", outcome.value)
+        return None
+    return int(n)
+
+
+def remove_test_set(ps: PrefixSet, ep: Endpoints) -> int | None:
+    """`_remove` through a client of its own (after a failed writer); None when it cannot."""
+    from l3pool.pool.store import MooncakeStore, StoreConfig, StoreError
+
+    try:
+        store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
+    except StoreError as e:
+        log.warning("could not remove the test set's pages from the pool: %s", e)
+        return None
+    try:
+        return _remove(store, ps)
+    finally:
+        store.close()
+
+
 def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(x, nd)
 
@@ -227,8 +280,10 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
     bar.set_postfix_str("writing")
     try:
         writer = run_writer(ps, ep)
-    except BaseException:
+    except BaseException as e:
         bar.close()  # before the error line, so that the error is the last line
+        if isinstance(e, Exception):  # not on Ctrl-C: the user wants out now
+            remove_test_set(ps, ep)  # what the writer stored before it failed
         raise
     bar.update(1)
     spec = ps.spec()
@@ -289,6 +344,7 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
         pf.close()
         leaked = pool.stats().used_pages
         client.close()
+        removed = _remove(store, ps)
         store.close()
         pool.close()
         bar.close()
@@ -314,6 +370,7 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
         "interrupt_p99_ms": _r(percentile(interrupt_ms, 99) if interrupt_ms else None),
         "interrupted_prefix_pages": prefix_pages,
         "leaked_pages": leaked,
+        "test_pages_removed": removed,  # the test set leaves nothing in the pool
         "correct": bool(correct) and leaked == 0,
         "failures": wrong,
         "_batch_ms": batch_ms,

@@ -435,3 +435,40 @@ def test_prefetch_check_catches_interrupted_batches_that_write_nothing(
     phases = {f["phase"] for f in rep["failures"]}
     assert rep["correct"] is False and phases == {"interrupt"}, rep["failures"]
     assert rep["leaked_pages"] == 0
+
+
+def test_prefetch_check_leaves_nothing_in_the_pool(
+    cluster: LocalCluster, store: MooncakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check runs against users' running pools: its test set is removed at the end, and what a
+    writer stored before it failed is removed too (the error still reaches the user)."""
+    from l3pool.cli import UserError
+    from l3pool.tools import prefetch_check as pt
+
+    for k, v in cluster.client_env().items():
+        monkeypatch.setenv(k, v)
+    wa = cluster.agents[-1]
+    ep = pt.Endpoints(cluster.master, cluster.metadata_url, cluster.client_host, cluster.etcd_endpoints,
+                      wa.netns, wa.ip if wa.netns else None, cluster.mode)  # fmt: skip
+    args = argparse.Namespace(batch=8, inflight=2, interrupt_after="0.5")
+
+    ps = pt.PrefixSet(2, 16, 48, 2, 0, uuid.uuid4().hex)
+    keys = [k for r in range(ps.requests) for k in ps.keys(r)]
+    rep = pt.run_test(ps, ep, args, progress=False)
+    assert rep["correct"] is True and rep["test_pages_removed"] == len(keys) == 96
+    assert not store.present(keys).any()
+
+    real_writer = pt.run_writer
+    stored: list[int] = []
+
+    def writer_then_fails(ps: pt.PrefixSet, ep: pt.Endpoints) -> dict[str, object]:
+        real_writer(ps, ep)
+        stored.append(int(store.present([k for r in range(ps.requests) for k in ps.keys(r)]).sum()))
+        raise UserError("the writer stored 96 of 192 test pages (96 POOL_FULL)", code=1)
+
+    monkeypatch.setattr(pt, "run_writer", writer_then_fails)
+    ps2 = pt.PrefixSet(2, 16, 48, 2, 1, uuid.uuid4().hex)
+    with pytest.raises(UserError, match="POOL_FULL"):
+        pt.run_test(ps2, ep, args, progress=False)
+    assert stored == [96]  # the pages were there when the writer failed ...
+    assert not store.present([k for r in range(ps2.requests) for k in ps2.keys(r)]).any()  # ... and are gone
