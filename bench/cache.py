@@ -335,7 +335,7 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
                 rows["writer_s"].append(solo.t_last - solo.t_first)
                 correct = correct and all(store.present(keys))
             # every round allocates the same memory: this round's objects go (forced: put leased them)
-            removed = store.remove_prefix(ns.ns_id + "/", force=True)
+            removed = store.remove_prefix(ns.key_prefix, force=True)
             correct = correct and removed == (Outcome.OK, 4 * total)
         med = {k: statistics.median(v) for k, v in rows.items()}
         paired = [r / w for r, w in zip(rows["raw_put_s"], rows["writer_s"], strict=True)]

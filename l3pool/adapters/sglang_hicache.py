@@ -673,7 +673,7 @@ class L3PoolStorage(HiCacheStorage):
         if self.namespace is None:
             log.warning("l3pool backend: clear() before register_mem_pool_host: nothing to remove")
             return
-        outcome, n = self.store.remove_prefix(self.namespace.ns_id + "/", force=self.config.clear_force)
+        outcome, n = self.store.remove_prefix(self.namespace.key_prefix, force=self.config.clear_force)
         with self._stats_lock:
             self.stats.cleared_pages += n
         if outcome is not Outcome.OK:

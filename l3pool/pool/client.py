@@ -386,7 +386,8 @@ class L3Client:
             raise ValueError(f"{len(keys)} keys but {len(p)} pages")
         if p.size and (p.min() < 0 or p.max() >= self.pool.num_pages):
             raise IndexError(f"L2 page index out of range [0, {self.pool.num_pages})")
-        if any(not k.startswith(self.ns_id + "/") for k in keys):
+        prefix = self.ns.key_prefix
+        if any(not k.startswith(prefix) for k in keys):
             raise ValueError(f"keys must belong to this client's namespace {self.ns_id}")
         return p
 

@@ -17,6 +17,7 @@ another format live under other keys and are never read as this format's pages.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -136,7 +137,7 @@ class Namespace:
     def record(self) -> dict[str, object]:
         return asdict(self)
 
-    @property
+    @functools.cached_property  # frozen: computed once per instance (hot paths build keys from it)
     def ns_id(self) -> str:
         canon = json.dumps(self.record(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(canon, digest_size=8).hexdigest()

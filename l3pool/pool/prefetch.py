@@ -298,7 +298,7 @@ class Prefetcher:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         ks = list(keys)
-        prefix = self.client.ns_id + "/"
+        prefix = self.client.ns.key_prefix
         bad = next((k for k in ks if not isinstance(k, str) or not k.startswith(prefix)), None)
         if bad is not None:
             raise ValueError(f"key {bad!r} is not in this client's namespace {self.client.ns_id}")

@@ -238,7 +238,7 @@ class Demo:
     def drop(self, ns: Namespace) -> None:
         """Remove a finished run's pages from the pool (the repeated runs would fill it)."""
         try:
-            self.store.remove_prefix(ns.ns_id + "/", force=True)
+            self.store.remove_prefix(ns.key_prefix, force=True)
         except Exception as e:  # only memory: the next runs use their own namespaces
             log.warning("could not remove the pages of %s: %s", ns.ns_id, e)
 
