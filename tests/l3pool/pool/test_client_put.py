@@ -6,13 +6,14 @@ The real-cluster behaviour is in test_client.py / test_integrity.py."""
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
 
-from l2core import HostKVPool, KVSpec, L2Config
+from l2core import ConfigError, HostKVPool, KVSpec, L2Config
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import Outcome
@@ -33,6 +34,8 @@ class FakeStore:
         self.fail_put: set[str] = set()
         self.exists_answer: Outcome | None = None  # None: the truth
         self.calls: list[str] = []
+        self.full_for = 0  # keys ending "later": refused as full this many put calls, then placed
+        self.evict_fresh = False  # keys ending "later", once placed, are evicted at once (a pool of leased objects)
 
     def register(self, ptr: int, n: int) -> None:
         pass
@@ -56,8 +59,10 @@ class FakeStore:
         self.calls.append("put")
         out = []
         for k, p, z in zip(keys, ptrs, sizes, strict=True):
-            if k.endswith("full"):
+            if k.endswith("full") or (k.endswith("later") and self.calls.count("put") <= self.full_for):
                 out.append(Outcome.POOL_FULL)
+            elif k.endswith("later") and self.evict_fresh:
+                out.append(Outcome.OK)  # stored ... and evicted before anyone looks
             elif k in self.fail_put:
                 out.append(Outcome.TRANSFER_FAIL)
             elif k in self.pending or k in self.objects:
@@ -90,16 +95,61 @@ class FakeStore:
         return [len(self.objects[k]) if k in self.objects else None for k in keys]
 
 
-def _setup(checksum: bool = False) -> tuple[HostKVPool, FakeStore, Namespace, L3Client]:
+def _setup(checksum: bool = False, retry_s: float = 0.0) -> tuple[HostKVPool, FakeStore, Namespace, L3Client]:
     pool = HostKVPool(L2Config(kv=SPEC, layout="page_first", tokens=16 * SPEC.page_size, pin="never"))
     pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8))
     st = FakeStore()
     ns = Namespace.for_pool(SPEC, "page_first", "m", checksum=checksum)
-    return pool, st, ns, L3Client(pool, st, ns, batch_pages=8)  # type: ignore[arg-type]
+    return pool, st, ns, L3Client(pool, st, ns, batch_pages=8, pool_full_retry_s=retry_s)  # type: ignore[arg-type]
 
 
 def _keys(ns: Namespace, n: int, seed: int = 0) -> list[str]:
     return ns.keys(page_hashes(np.random.default_rng(seed).integers(0, 1 << 20, n * SPEC.page_size), SPEC.page_size))
+
+
+def test_full_pool_retries_until_placed_then_checks() -> None:
+    """Pages a full pool refused are put again (20 ms apart) until placed; the others are not put
+    again; the retried pages are then checked like any other and round-trip."""
+    _, st, ns, c = _setup(retry_s=5.0)
+    st.full_for = 3  # the first put call and two retries are refused
+    keys = _keys(ns, 4)
+    keys[1] += "later"
+    keys[3] += "later"
+    t0 = time.monotonic()
+    assert c.put(keys, range(4)) == [Outcome.OK] * 4
+    assert time.monotonic() - t0 >= 0.06  # three pauses of 20 ms: the eviction thread's rounds
+    assert st.calls == ["present", "put", "put", "put", "put", "exists", "exists"]
+    assert c.stats.put_full_retries == 6 and c.stats.puts == 4 and c.stats.put_failed == 0
+    assert c.get(keys, range(8, 12)) == [Outcome.OK] * 4
+    c.close()
+
+
+def test_full_pool_retries_stop_when_fresh_pages_are_evicted_at_once() -> None:
+    """A pool of leased objects can only evict what was just stored: a retried page gone right
+    after is POOL_FULL (not OK, not PENDING) and the retries stop; a never-placeable page
+    stays POOL_FULL once the time is spent; without retries the refusal comes back at once."""
+    _, st, ns, c = _setup(retry_s=5.0)
+    st.full_for, st.evict_fresh = 1, True
+    keys = _keys(ns, 3)
+    keys[1] += "later"
+    t0 = time.monotonic()
+    assert c.put(keys, range(3)) == [Outcome.OK, Outcome.POOL_FULL, Outcome.OK]
+    assert time.monotonic() - t0 < 1.0, "retries went on after the pool evicted a retried page"
+    assert c.stats.put_full_retries == 1 and c.stats.put_pending == 0 and c.stats.put_failed == 1
+
+    _, st, ns, c = _setup(retry_s=0.1)
+    keys = [k + "full" for k in _keys(ns, 2)]
+    t0 = time.monotonic()
+    assert c.put(keys, range(2)) == [Outcome.POOL_FULL] * 2
+    assert 0.1 <= time.monotonic() - t0 < 1.0 and c.stats.put_full_retries >= 2
+    _, st, ns, c = _setup(retry_s=0)
+    assert c.put(keys, range(2)) == [Outcome.POOL_FULL] * 2 and st.calls == ["present", "put"]
+
+
+@pytest.mark.parametrize("bad", [-1, 61, "0.1", True, None])
+def test_bad_pool_full_retry_is_a_config_error(bad: object) -> None:
+    with pytest.raises(ConfigError, match="pool_full_retry_s"):
+        _setup(retry_s=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("checksum", [False, True])
