@@ -37,9 +37,10 @@ tell the truth").
 
 A full pool: Mooncake refuses what it cannot place (POOL_FULL) and wakes its eviction thread
 (every 10 ms, >= `--eviction_ratio` of the pool per round, of objects whose read leases expired),
-so the refused pages of a batch are put again every 20 ms for up to `pool_full_retry_s` (default
-0.1 s; 0: never) — a cache's pool is always nearly full, and a burst larger than its free space
-would otherwise be dropped. `stats.put_full_retries` counts the pages put again.
+so the refused pages are put again every 20 ms for up to `pool_full_retry_s` (default 0.1 s per
+put() call, all its batches together; 0: never) — a cache's pool is always nearly full, and a
+burst larger than its free space would otherwise be dropped. `stats.put_full_retries` counts the
+pages put again.
 
 Thread-safe: one client may be shared by several threads. Each call takes one of up to
 `max_concurrency` buffer slots (trailer rows, and a staging area in layer_first staging mode),
@@ -343,12 +344,13 @@ class L3Client:
         p = self._pages(keys, pages)
         out: list[Outcome] = []
         pb, acc, lat = self.pool.layout.page_bytes, dict[str, int](), metrics.CLIENT_BATCH_SECONDS("put")
+        full_until: list[float] = []  # the retry deadline, set at this call's first full-pool answer
         try:
             for b in range(0, len(keys), self.batch_pages):
                 ks, ps = list(keys[b : b + self.batch_pages]), p[b : b + self.batch_pages]
                 t0 = time.perf_counter()
                 with self._slot() as slot:
-                    res, taken = self._put_batch(ks, ps, slot)
+                    res, taken = self._put_batch(ks, ps, slot, full_until)
                 lat.observe(time.perf_counter() - t0)
                 counts = dict(tally(res))
                 pending = counts.get(Outcome.PENDING.value, 0)
@@ -431,7 +433,9 @@ class L3Client:
         lens = np.concatenate([sizes, np.full((n, 1), TRAILER_BYTES, dtype=np.int64)], axis=1).tolist()
         return flat, base, addrs, sizes, frags, lens
 
-    def _put_batch(self, keys: list[str], pages: np.ndarray, slot: _Slot) -> tuple[list[Outcome], list[bool]]:
+    def _put_batch(
+        self, keys: list[str], pages: np.ndarray, slot: _Slot, full_until: list[float]
+    ) -> tuple[list[Outcome], list[bool]]:
         """One bounded batch: keys already complete are skipped (OK); the others go in one
         multi-buffer put of [page runs..., trailer]; of those the put answered with success, a
         key that is not complete right after is held by another, unfinished put (PENDING).
@@ -448,7 +452,7 @@ class L3Client:
         tr["magic"], tr["version"], tr["flags"], tr["length"] = TRAILER_MAGIC, FORMAT_VERSION, self._flags, pb
         tr["key"] = key_digests(nk)
         tr["checksum"] = page_checksums(flat, base, addrs, sizes) if self._flags else 0
-        put, retried = self._retry_full(nk, frags, lens, self.store.put_multi(nk, frags, lens))
+        put, retried = self._retry_full(nk, frags, lens, self.store.put_multi(nk, frags, lens), full_until)
         said_ok = [j for j, r in enumerate(put) if r is Outcome.OK]
         for i, r in zip(new, put, strict=True):
             res[i] = r
@@ -463,9 +467,15 @@ class L3Client:
         return res, taken
 
     def _retry_full(
-        self, keys: list[str], frags: list[list[int]], lens: list[list[int]], put: list[Outcome]
+        self,
+        keys: list[str],
+        frags: list[list[int]],
+        lens: list[list[int]],
+        put: list[Outcome],
+        full_until: list[float],
     ) -> tuple[list[Outcome], frozenset[int]]:
-        """Put again, every 20 ms for up to `pool_full_retry_s`, the pages a full pool refused.
+        """Put again, every 20 ms until `pool_full_retry_s` after the first refusal of this put()
+        call (one budget for all its batches), the pages a full pool refused.
         Mooncake answers a put it cannot place with NO_AVAILABLE_HANDLE (POOL_FULL) and wakes its
         eviction thread, which runs every 10 ms and frees at least `--eviction_ratio` (5 %) of the
         pool per round, of objects whose read leases expired: a burst larger than the free space
@@ -479,7 +489,9 @@ class L3Client:
         full = [j for j, r in enumerate(put) if r is Outcome.POOL_FULL]
         if not full or self.pool_full_retry_s <= 0:
             return put, frozenset()
-        deadline, retried, tries = time.monotonic() + self.pool_full_retry_s, set(full), 0
+        if not full_until:  # one budget per put() call, however many batches it has
+            full_until.append(time.monotonic() + self.pool_full_retry_s)
+        deadline, retried, tries = full_until[0], set(full), 0
         while full and (left := deadline - time.monotonic()) > 0:
             time.sleep(min(_FULL_RETRY_PAUSE_S, left))
             again = self.store.put_multi([keys[j] for j in full], [frags[j] for j in full], [lens[j] for j in full])
@@ -493,6 +505,7 @@ class L3Client:
             if gone:  # evicted as soon as stored: only fresh objects are evictable, retrying is futile
                 for j in gone:
                     put[j] = Outcome.POOL_FULL
+                full_until[0] = 0.0  # nor for the later batches of this call
                 break
         with self._lock:
             self.stats.put_full_retries += tries
