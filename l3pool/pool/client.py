@@ -480,7 +480,7 @@ class L3Client:
         eviction thread, which runs every 10 ms and frees at least `--eviction_ratio` (5 %) of the
         pool per round, of objects whose read leases expired: a burst larger than the free space
         (a cache's pool is always nearly full) lands over a few rounds instead of being dropped
-        (measured: a 64-page burst into a full 128 MB pool, 10 pages per round). A pool full of
+        (measured: 60-page bursts into a full 2 x 64 MB pool, 10 pages per round). A pool full of
         leased objects can evict only the fresh ones (no read lease until our `exists`): a page a
         retry stored and that is gone right after is POOL_FULL, and the retries stop there, as
         further ones would only evict each other (measured without this check: 16 of 128 pages
