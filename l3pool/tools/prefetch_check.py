@@ -240,7 +240,11 @@ def _remove(store: Any, ps: PrefixSet) -> int | None:
     `force` takes nothing of anyone else, and skips the read leases our own gets took)."""
     from l3pool.pool.store import Outcome
 
-    outcome, n = store.remove_prefix(ps.namespace().key_prefix, force=True)
+    try:
+        outcome, n = store.remove_prefix(ps.namespace().key_prefix, force=True)
+    except Exception as e:  # cleanup: never hides the error or the result it follows
+        log.warning("could not remove the test set's pages from the pool: %s", e)
+        return None
     if outcome is not Outcome.OK:
         log.warning("could not remove the test set's pages from the pool: %s", outcome.value)
         return None
