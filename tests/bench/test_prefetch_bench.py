@@ -12,15 +12,26 @@ import pytest
 
 from bench import prefetch
 from l3pool.pool.client import L3Client
-from l3pool.pool.store import Outcome
+from l3pool.pool.store import MooncakeStore, Outcome
 
 ARGV = ["--pages", "24", "--batch", "4", "--max-batch", "8", "--rounds", "1", "--segment-size", "256MB"]
 
 
-def test_prefetch_bench_json_contract(tmp_path: Path) -> None:
+def test_prefetch_bench_json_contract(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    removed: list[tuple[Outcome, int]] = []
+    real_remove = MooncakeStore.remove_prefix
+
+    def remove_prefix(self: MooncakeStore, prefix: str, force: bool = False) -> tuple[Outcome, int]:
+        removed.append(real_remove(self, prefix, force))
+        return removed[-1]
+
+    monkeypatch.setattr(MooncakeStore, "remove_prefix", remove_prefix)
     out = tmp_path / "prefetch.json"
     rc = prefetch.main([*ARGV, "--lock-requests", "4", "--out", str(out), "--state-dir", str(tmp_path)])
     report = json.loads(out.read_text())
+    # nothing of the benchmark stays in the pool: the 4 lock stages' pages, then the prefix set
+    assert removed == [(Outcome.OK, 24)] * 4 + [(Outcome.OK, 2 * 24)], removed
+    assert report["test_pages_removed"] == 2 * 24
     assert rc == 0 and report["correct"] is True and report["leaked_pages"] == 0 and report["wrong_pages"] == 0
     assert report["transport"] == "tcp" and report["batch_schedule"] == [4, 8, 8, 4]
     assert report["max_batch_pages"] == 8
