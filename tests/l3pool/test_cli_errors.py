@@ -333,15 +333,18 @@ def test_tools_reuse_the_running_local_cluster(tmp_path: Path) -> None:
         assert rep["correct"] and rep["mode"] == f"running local cluster ({state.resolve()})"
         assert rep["lock_note"] is None and rep["lock_acquire_p50_ms"] is not None  # locks ran on its etcd
 
-        # a test set larger than the running pool (2 x 64 MiB): the writer's refused pages, one line + hint
-        r = _run(
-            ("l3pool", "prefetch-check", "--state-dir", str(state), "--pages", "256", "--requests", "1"), REPO
-        )  # with its progress bar: the error line still comes last
-        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        # a test set larger than the running pool (2 x 64 MiB, from its master's admin port): refused
+        # before anything is written, one line + a hint for a pool this command did not start
+        r = _run(("l3pool", "prefetch-check", "--state-dir", str(state), "--pages", "256", "--requests", "1"), REPO)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
         err, hint = [ln for ln in r.stderr.splitlines() if ln.strip()][-2:]
-        want = r"l3pool prefetch-check: error: the writer stored (\d+) of 256 test pages \(\d+ POOL_FULL\)"
+        want = (r"l3pool prefetch-check: error: the test set \(144 MiB\) does not fit the pool at \S+ "
+                r"\(128 MiB; Mooncake evicts above 90 %\)")  # fmt: skip
         assert re.fullmatch(want, err), err
-        assert hint.endswith("the test set is 144 MiB: raise --segment-size (or lower --pages/--requests)"), hint
+        assert hint.endswith("the test set is 144 MiB: lower --pages/--requests, or use a pool with more donated "
+                             "memory (l3pool cluster up --segment-size)"), hint  # fmt: skip
+        r = _run(("l3pool", "inspect", "--state-dir", str(state), "--json"), REPO)
+        assert json.loads(r.stdout)["master"]["keys"] == 0  # the check and the benchmarks left nothing behind
     finally:
         down = _run(("l3pool", "cluster", "down", "--state-dir", str(state)), REPO)
     assert down.returncode == 0, down.stderr
