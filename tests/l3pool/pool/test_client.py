@@ -3,15 +3,17 @@ namespaces when root). Real bytes, real processes; every test is bounded in time
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 import uuid
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-from l2core import LAYOUTS, ConfigError, KVSpec
+from l2core import LAYOUTS, ConfigError, HostKVPool, KVSpec
 from l3pool.cluster.local import LocalCluster
 from l3pool.pool.client import L3Client, key_digest
 from l3pool.pool.etcd import EtcdClient
@@ -164,65 +166,62 @@ def test_dead_agent_pages_become_misses(cluster: LocalCluster) -> None:
             st.close()
 
 
-def test_full_pool_is_a_typed_outcome() -> None:
-    with LocalCluster(agents=1, segment_size="48MB", name=f"l3pf{uuid.uuid4().hex[:4]}") as c:
+@contextlib.contextmanager
+def _small_pool_client(segment: str, layout: str, pages: int) -> Iterator[tuple[MooncakeStore, HostKVPool, L3Client]]:
+    """A one-agent cluster donating `segment`, and a client of 590 KB MLA pages (batches of 32)."""
+    with LocalCluster(agents=1, segment_size=segment, name=f"l3pf{uuid.uuid4().hex[:4]}") as c:
         st = cluster_store(c)
-        spec = KVSpec.mla(8, page_size=64)  # 590 KB pages: 48 MB holds ~70
-        pool = random_pool(spec, "page_first", 128, 0)
-        ns = Namespace.for_pool(spec, "page_first", "m1", tenant=uuid.uuid4().hex)
+        spec = KVSpec.mla(8, page_size=64)
+        pool = random_pool(spec, layout, pages, 0)
+        ns = Namespace.for_pool(spec, layout, "m1", tenant=uuid.uuid4().hex)
         client = L3Client(pool, st, ns, batch_pages=32)
         try:
-            keys = random_keys(ns, 128, seed=7)
-            res = client.put(keys, range(128))
-            seen = {o.value: res.count(o) for o in set(res)}
-            assert Outcome.POOL_FULL in res, seen
-            # PENDING: stored, then evicted at once by the full pool (fresh objects are the only
-            # evictable ones here) before put's check; never OK for a page that is not there
-            assert set(res) <= {Outcome.OK, Outcome.POOL_FULL, Outcome.PENDING}, seen
-            there = st.exists(keys)
-            assert all(t is Outcome.OK for t, r in zip(there, res, strict=True) if r is Outcome.OK), seen
-            assert all(t is Outcome.MISS for t, r in zip(there, res, strict=True) if r is not Outcome.OK), seen
-            print(f"\n128 pages into a full 48 MB pool: {seen}")
-            assert client.stats.put_failed == res.count(Outcome.POOL_FULL)
-            assert client.stats.put_pending == res.count(Outcome.PENDING)
-            assert client.stats.puts == res.count(Outcome.OK)
+            yield st, pool, client
         finally:
             client.close()
             pool.close()
             st.close()
+
+
+def test_full_pool_is_a_typed_outcome() -> None:
+    with _small_pool_client("48MB", "page_first", 128) as (st, _, client):  # 48 MB holds ~70 pages
+        keys = random_keys(client.ns, 128, seed=7)
+        res = client.put(keys, range(128))
+        seen = {o.value: res.count(o) for o in set(res)}
+        assert Outcome.POOL_FULL in res, seen
+        # PENDING: stored, then evicted at once by the full pool (fresh objects are the only
+        # evictable ones here) before put's check; never OK for a page that is not there
+        assert set(res) <= {Outcome.OK, Outcome.POOL_FULL, Outcome.PENDING}, seen
+        there = st.exists(keys)
+        assert all(t is Outcome.OK for t, r in zip(there, res, strict=True) if r is Outcome.OK), seen
+        assert all(t is Outcome.MISS for t, r in zip(there, res, strict=True) if r is not Outcome.OK), seen
+        print(f"\n128 pages into a full 48 MB pool: {seen}")
+        assert client.stats.put_failed == res.count(Outcome.POOL_FULL)
+        assert client.stats.put_pending == res.count(Outcome.PENDING)
+        assert client.stats.puts == res.count(Outcome.OK)
 
 
 def test_burst_into_a_full_pool_lands_over_eviction_rounds() -> None:
     """A pool full of evictable objects (raw puts take no read lease): Mooncake refuses what it
     cannot place at once and evicts only afterwards (every 10 ms). Without retries most of a burst
     is dropped; with them every page lands (bytes checked) and the retries are counted."""
-    with LocalCluster(agents=1, segment_size="64MB", name=f"l3pr{uuid.uuid4().hex[:4]}") as c:
-        st = cluster_store(c)
-        spec = KVSpec.mla(8, page_size=64)  # 590 KB pages: 64 MB holds ~110
-        pool = random_pool(spec, "page_first_direct", 96, 0)
-        ns = Namespace.for_pool(spec, "page_first_direct", "m1", tenant=uuid.uuid4().hex)
-        client = L3Client(pool, st, ns, batch_pages=32)
-        try:
-            pb, ptr = pool.layout.page_bytes, pool.buffer.data_ptr()
-            filler = [f"filler-{uuid.uuid4().hex}" for _ in range(130)]
-            assert Outcome.POOL_FULL in st.put(filler, [ptr] * len(filler), [pb] * len(filler))  # saturated
-            client.pool_full_retry_s = 0
-            dropped = client.put(random_keys(ns, 32, seed=1), range(32))
-            assert Outcome.POOL_FULL in dropped and client.stats.put_full_retries == 0, dropped
-            client.pool_full_retry_s = 5.0  # the default 0.1 s suffices on an idle host; CI may be loaded
-            keys = random_keys(ns, 32, seed=2)
-            t0 = time.monotonic()
-            assert client.put(keys, range(32, 64)) == [Outcome.OK] * 32
-            took = time.monotonic() - t0
-            assert client.stats.put_full_retries > 0
-            print(f"\n32-page burst into a full pool: {took * 1e3:.0f} ms, {client.stats.put_full_retries} re-puts")
-            pool.fill_pages(np.arange(64, 96), 0xA5)
-            assert client.get(keys, range(64, 96)) == [Outcome.OK] * 32
-            assert torch.equal(pool.read_pages(np.arange(64, 96)), pool.read_pages(np.arange(32, 64)))
-        finally:
-            client.close()
-            pool.close()
-            st.close()
+    with _small_pool_client("64MB", "page_first_direct", 96) as (st, pool, client):  # 64 MB: ~110 pages
+        pb, ptr = pool.layout.page_bytes, pool.buffer.data_ptr()
+        filler = [f"filler-{uuid.uuid4().hex}" for _ in range(130)]
+        assert Outcome.POOL_FULL in st.put(filler, [ptr] * len(filler), [pb] * len(filler))  # saturated
+        client.pool_full_retry_s = 0
+        dropped = client.put(random_keys(client.ns, 32, seed=1), range(32))
+        assert Outcome.POOL_FULL in dropped and client.stats.put_full_retries == 0, dropped
+        client.pool_full_retry_s = 5.0  # the default 0.1 s suffices on an idle host; CI may be loaded
+        keys = random_keys(client.ns, 32, seed=2)
+        t0 = time.monotonic()
+        assert client.put(keys, range(32, 64)) == [Outcome.OK] * 32
+        took = time.monotonic() - t0
+        assert client.stats.put_full_retries > 0
+        print(f"\n32-page burst into a full pool: {took * 1e3:.0f} ms, {client.stats.put_full_retries} re-puts")
+        pool.fill_pages(np.arange(64, 96), 0xA5)
+        assert client.get(keys, range(64, 96)) == [Outcome.OK] * 32
+        assert torch.equal(pool.read_pages(np.arange(64, 96)), pool.read_pages(np.arange(32, 64)))
 
 
 def test_master_restart_errors_then_recovers() -> None:
