@@ -115,7 +115,7 @@ def freeze_group(pgid: int, timeout: float = 2.0) -> bool:
                         states.append(f.read().rsplit(")", 1)[1].split()[0])
             except (OSError, IndexError, ValueError):
                 continue  # exited meanwhile
-        if states and all(s in ("T", "t") for s in states):
+        if states and all(s in ("T", "t", "Z", "X") for s in states):  # stopped, or dead: answers nothing
             return True
         if time.monotonic() >= deadline:
             return False
