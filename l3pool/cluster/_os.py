@@ -83,9 +83,12 @@ def _alive(p: _Proc) -> bool:
 
 
 def _signal(p: _Proc, sig: int) -> bool:
-    """Signal p's process group, but only while its leader is verifiably still ours."""
+    """Signal p's process group, but only while its leader is verifiably still ours; SIGSTOP
+    returns once the whole group is stopped (`freeze_group`)."""
     if _proc_state(p) == "gone":
         return False
+    if sig == signal.SIGSTOP:
+        return freeze_group(p.pgid)
     try:
         os.killpg(p.pgid, sig)
     except ProcessLookupError:

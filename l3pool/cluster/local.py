@@ -76,7 +76,6 @@ from l3pool.cluster._os import (  # noqa: F401 (re-exported: tests patch/use som
     _stop,
     _subnet_user,
     _wait_dead,
-    freeze_group,
 )
 from l3pool.pool.etcd import EtcdClient, EtcdError
 from l3pool.pool.store import metadata_url
@@ -779,10 +778,7 @@ class LocalCluster:
     def signal_master(self, sig: int) -> bool:
         """Send `sig` to the master's process group (SIGSTOP: it accepts TCP but answers nothing; returns
         once every master thread has stopped, so no request sent afterwards is answered)."""
-        p = self._procs["master"]
-        if sig == signal.SIGSTOP:
-            return _proc_state(p) != "gone" and freeze_group(p.pgid)
-        return _signal(p, sig)
+        return _signal(self._procs["master"], sig)
 
     def stop_etcd(self, wipe: bool = False) -> None:
         """Stop etcd; `wipe`: delete its data dir too (a restart then comes back empty)."""

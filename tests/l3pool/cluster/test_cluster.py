@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import l3pool.cluster.local as cluster_mod
+from l3pool.cluster._os import freeze_group
 from l3pool.cluster.local import ClusterAlreadyUp, ClusterError, LocalCluster, down, read_state
 from l3pool.cluster.running import status
 from l3pool.pool.etcd import EtcdClient
@@ -378,7 +379,7 @@ def test_freeze_group_returns_once_every_thread_is_stopped() -> None:
     try:
         time.sleep(0.3)
         assert len(os.listdir(f"/proc/{proc.pid}/task")) == 4
-        assert cluster_mod.freeze_group(proc.pid, timeout=5)
+        assert freeze_group(proc.pid, timeout=5)
         for tid in os.listdir(f"/proc/{proc.pid}/task"):
             with open(f"/proc/{proc.pid}/task/{tid}/stat") as f:
                 assert f.read().rsplit(")", 1)[1].split()[0] == "T"
@@ -386,4 +387,4 @@ def test_freeze_group_returns_once_every_thread_is_stopped() -> None:
     finally:
         proc.kill()
         proc.wait()
-    assert not cluster_mod.freeze_group(proc.pid, timeout=0.2)  # gone: says so
+    assert not freeze_group(proc.pid, timeout=0.2)  # gone: says so
