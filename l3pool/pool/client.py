@@ -76,7 +76,7 @@ from l3pool import metrics
 from l3pool.pool.keys import FORMAT_VERSION, GEOMETRY_FIELDS, Namespace, geometry_of
 from l3pool.pool.protocols import NamespaceRegistry, PageStore
 from l3pool.pool.store import Outcome
-from l3pool.pool.trailer import FLAG_CHECKSUM, TRAILER, TRAILER_BYTES, TRAILER_MAGIC
+from l3pool.pool.trailer import FLAG_CHECKSUM, TRAILER, TRAILER_BYTES, TRAILER_MAGIC, object_bytes
 
 log = logging.getLogger(__name__)
 
@@ -554,7 +554,7 @@ class L3Client:
         rejected = [i for i, r in enumerate(res) if (r is Outcome.OK and not good[i]) or r is Outcome.BAD_REQUEST]
         failed = [i for i, r in enumerate(res) if r is Outcome.TRANSFER_FAIL]
         if failed:
-            want = self.pool.layout.page_bytes + TRAILER_BYTES
+            want = object_bytes(self.pool.layout.page_bytes)
             sizes_now = self.store.object_sizes([keys[i] for i in failed])
             rejected += [i for i, z in zip(failed, sizes_now, strict=True) if z is not None and z != want]
         for i in rejected:

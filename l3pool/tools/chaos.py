@@ -564,9 +564,9 @@ def sc_writer_killed(ctx: Ctx, res: Result) -> None:
         res.false_ok = int(sum(got[i] is not Outcome.OK for i in ok))
         res.figures.update(put_ok=len(ok), read_ok=sum(g is Outcome.OK for g in got),
                            dead_writer_bytes=int(peak - base))  # fmt: skip
-        from l3pool.pool.trailer import TRAILER_BYTES
+        from l3pool.pool.trailer import object_bytes
 
-        want = base + sum(g is Outcome.OK for g in got) * (ctx.spec.page_bytes + TRAILER_BYTES) * 1.0
+        want = base + sum(g is Outcome.OK for g in got) * object_bytes(ctx.spec.page_bytes) * 1.0
         reclaim = _wait(lambda: admin.metrics().get("master_allocated_bytes", 0.0) <= want + 1, ctx.bound, 0.5)
         res.figures["reclaim_s"] = None if reclaim is None else round(reclaim, 2)
         if reclaim is None:

@@ -169,9 +169,9 @@ def run_writer(ps: PrefixSet, ep: Endpoints, timeout: float = 300) -> dict[str, 
 
 
 def _set_bytes(ps: PrefixSet) -> int:
-    from l3pool.pool.trailer import TRAILER_BYTES
+    from l3pool.pool.trailer import object_bytes
 
-    return ps.requests * ps.pages * (ps.spec().page_bytes + TRAILER_BYTES)  # type: ignore[no-any-return]
+    return ps.requests * ps.pages * object_bytes(ps.spec().page_bytes)
 
 
 def _pool_hint(ps: PrefixSet, ep: Endpoints) -> str:
