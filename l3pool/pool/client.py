@@ -77,6 +77,7 @@ from l3pool.pool.keys import FORMAT_VERSION, GEOMETRY_FIELDS, Namespace, geometr
 from l3pool.pool.protocols import NamespaceRegistry, PageStore
 from l3pool.pool.store import Outcome
 from l3pool.pool.trailer import FLAG_CHECKSUM, TRAILER, TRAILER_BYTES, TRAILER_MAGIC, object_bytes
+from l3pool.pool.transfers import TRANSFER_LIMIT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -241,42 +242,67 @@ class L3Client:
             raise ConfigError(f"layer_first_mode must be 'multi' or 'staging', got {layer_first_mode!r}")
         self.pool, self.store, self.ns = pool, store, ns
         self.ns_id = ns.ns_id
-        self.batch_pages = batch_pages
+        self._staged = lay.name == "layer_first" and layer_first_mode == "staging"
+        # one Mooncake call moves every fragment of its pages (runs + trailer): a batch never holds
+        # more than the store lets be in flight (l3pool.pool.transfers), or it would fail or hang
+        self.fragments_per_page = (1 if self._staged else lay.runs_per_page) + 1
+        limit = store.max_transfers
+        if self.fragments_per_page > limit:
+            raise ConfigError(
+                f"a {lay.name} page is {self.fragments_per_page} transfer fragments, over the {limit} "
+                f"Mooncake lets be in flight ({TRANSFER_LIMIT_ENV}): use layer_first_mode='staging' or raise it"
+            )
+        self.batch_pages = min(batch_pages, limit // self.fragments_per_page)
+        if self.batch_pages < batch_pages:
+            log.info(
+                "L3Client: batch_pages %d -> %d (%d fragments per page, %d in flight at most)",
+                batch_pages, self.batch_pages, self.fragments_per_page, limit,
+            )  # fmt: skip
         self.max_concurrency = max_concurrency
         self.pool_full_retry_s = float(pool_full_retry_s)
         self.stats = ClientStats()
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self._lock = threading.Lock()  # stats
         self._flags = FLAG_CHECKSUM if ns.checksum else 0
-        self._staged = lay.name == "layer_first" and layer_first_mode == "staging"
-        self._registered = [pool.buffer.data_ptr()]
-        store.register(pool.buffer.data_ptr(), pool.buffer.numel())
-        # trailer rows of every slot: one small registered area (batch_pages x 32 B per slot)
-        self._trailers = np.zeros((max_concurrency, batch_pages), dtype=TRAILER)
-        store.register(self._trailers.ctypes.data, self._trailers.nbytes)
-        self._registered.append(self._trailers.ctypes.data)
-        self._slot_lock = threading.Lock()
-        self._slots: list[_Slot] = []
-        self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
-        self._free.put(self._new_slot())
+        self._registered: list[int] = []  # only what this client registered (and must unregister)
         self.metadata = metadata
         self.reregistrations = 0  # namespace records written again after etcd lost them
         self._stop = threading.Event()
         self._stats_thread: threading.Thread | None = None
-        if metadata is not None:
-            if not create_namespace and metadata.namespace(self.ns_id) is None:
-                self.close()
-                raise ConfigError(
-                    f"unknown namespace {self.ns_id} ({ns.model}, {ns.layout}, {ns.dtype}, page {ns.page_size}): "
-                    "no writer has registered it in etcd"
-                )
-            stored = metadata.register_namespace(self.ns_id, ns.record())
-            if stored != ns.record():
-                raise ConfigError(f"namespace id {self.ns_id} is registered with a different record: {stored}")
-            self._stats_thread = threading.Thread(
-                target=self._publish_loop, args=(stats_interval, stats_ttl), name="l3pool-stats", daemon=True
+        self._slot_lock = threading.Lock()
+        self._slots: list[_Slot] = []
+        self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        # trailer rows of every slot: one small registered area (batch_pages x 32 B per slot)
+        self._trailers = np.zeros((max_concurrency, self.batch_pages), dtype=TRAILER)
+        try:  # whatever fails from here on, nothing this client registered stays registered
+            self._register(pool.buffer.data_ptr(), pool.buffer.numel())
+            self._register(self._trailers.ctypes.data, self._trailers.nbytes)
+            self._free.put(self._new_slot())
+            if metadata is not None:
+                self._attach(metadata, create_namespace, stats_interval, stats_ttl)
+        except BaseException:
+            self.close()
+            raise
+
+    def _register(self, ptr: int, nbytes: int) -> None:
+        self.store.register(ptr, nbytes)
+        self._registered.append(ptr)
+
+    def _attach(self, metadata: NamespaceRegistry, create: bool, interval: float, ttl: int) -> None:
+        """Find (or register) this client's namespace in etcd and start publishing stats."""
+        ns = self.ns
+        if not create and metadata.namespace(self.ns_id) is None:
+            raise ConfigError(
+                f"unknown namespace {self.ns_id} ({ns.model}, {ns.layout}, {ns.dtype}, page {ns.page_size}): "
+                "no writer has registered it in etcd"
             )
-            self._stats_thread.start()
+        stored = metadata.register_namespace(self.ns_id, ns.record())
+        if stored != ns.record():
+            raise ConfigError(f"namespace id {self.ns_id} is registered with a different record: {stored}")
+        self._stats_thread = threading.Thread(
+            target=self._publish_loop, args=(interval, ttl), name="l3pool-stats", daemon=True
+        )
+        self._stats_thread.start()
 
     @property
     def staging_bytes(self) -> int:
@@ -291,8 +317,7 @@ class L3Client:
         staging = None
         if self._staged:
             staging = torch.empty(self.staging_bytes, dtype=torch.uint8)
-            self.store.register(staging.data_ptr(), staging.numel())
-            self._registered.append(staging.data_ptr())
+            self._register(staging.data_ptr(), staging.numel())
         slot = _Slot(i, self._trailers[i], staging)
         self._slots.append(slot)
         return slot

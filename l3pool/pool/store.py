@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from l3pool.pool.breaker import Breaker
+from l3pool.pool.transfers import TransferBudget, fragment_chunks, transfer_limit
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,9 @@ class StoreConfig:
     probe_timeout_s: float = 1.0  # a probe's batch_is_exist must answer within this (healthy: ~1 ms)
     probe_backoff_s: tuple[float, float] = (0.05, 0.5)  # first and longest wait between probes
     health_max_age_s: float = 1.0  # healthy() probes when no call succeeded for this long
+    # transfer fragments in flight at once, all calls together (l3pool.pool.transfers); 0: what
+    # Mooncake's TCP transport allows in this process (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER)
+    max_transfers: int = 0
 
     def __post_init__(self) -> None:
         if self.tenant and not _TENANT.fullmatch(self.tenant):
@@ -144,6 +148,10 @@ class StoreConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise StoreError(f"StoreConfig.{name} must be a number > 0, got {v!r}")
+        if isinstance(self.max_transfers, bool) or not isinstance(self.max_transfers, int) or self.max_transfers < 0:
+            raise StoreError(
+                f"StoreConfig.max_transfers must be an integer >= 0 (0: Mooncake's), got {self.max_transfers!r}"
+            )
         lo, hi = self.probe_backoff_s
         if not 0 < lo <= hi:
             raise StoreError(f"StoreConfig.probe_backoff_s must be (first, max) with 0 < first <= max, got {lo, hi}")
@@ -202,6 +210,7 @@ class MooncakeStore:
                 + (f", tenant {cfg.tenant} (is it in the master's tenant quota policy?)" if cfg.tenant else "")
             )
         self._registered: dict[tuple[int, int], int] = {}  # (ptr, size) -> references
+        self.transfers = TransferBudget(cfg.max_transfers or transfer_limit())
         self._last_ok = time.monotonic()
         self._probe_thread: threading.Thread | None = None
         self.breaker = Breaker(
@@ -332,19 +341,43 @@ class MooncakeStore:
             self.breaker.ok()
         return codes == 1
 
+    @property
+    def max_transfers(self) -> int:
+        """Fragments this client may have in flight at once (a call is cut to fit)."""
+        return self.transfers.limit
+
+    def _moved(
+        self,
+        what: str,
+        fn: Callable[..., Any],
+        keys: list[str],
+        ptrs: list[Any],
+        sizes: list[Any],
+        counts: Sequence[int],
+        totals: Sequence[int] | None = None,
+    ) -> list[Outcome]:
+        """A call that moves bytes, cut into parts of at most `max_transfers` fragments (each
+        object `counts[i]`), each part holding its fragments of the budget while in Mooncake.
+        `totals`: the object sizes a get expects (another size is BAD_REQUEST)."""
+        out: list[Outcome] = []
+        for lo, hi in fragment_chunks(counts, self.transfers.limit):
+            want = None if totals is None else totals[lo:hi]
+            decode = None if want is None else (lambda codes, want=want: _sized_outcomes(codes, want))
+            with self.transfers.hold(int(sum(counts[lo:hi]))):
+                out += self._batch(hi - lo, what, fn, keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], decode=decode)
+        return out
+
     def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
         if not keys:
             return []
-        return self._batch(len(keys), "put", self._s.batch_put_from, list(keys), list(ptrs), list(sizes))
+        return self._moved("put", self._s.batch_put_from, list(keys), list(ptrs), list(sizes), [1] * len(keys))
 
     def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
         """Copy each object into its buffer; a size mismatch is BAD_REQUEST (nothing trusted)."""
         if not keys:
             return []
-        return self._batch(
-            len(keys), "get", self._s.batch_get_into, list(keys), list(ptrs), list(sizes),
-            decode=lambda codes: _sized_outcomes(codes, sizes),
-        )  # fmt: skip
+        n = len(keys)
+        return self._moved("get", self._s.batch_get_into, list(keys), list(ptrs), list(sizes), [1] * n, list(sizes))
 
     def put_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -353,7 +386,8 @@ class MooncakeStore:
         if not keys:
             return []
         frags, lens = [list(p) for p in ptrs], [list(s) for s in sizes]
-        return self._batch(len(keys), "put", self._s.batch_put_from_multi_buffers, list(keys), frags, lens)
+        counts = [len(f) for f in frags]
+        return self._moved("put", self._s.batch_put_from_multi_buffers, list(keys), frags, lens, counts)
 
     def get_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -361,11 +395,8 @@ class MooncakeStore:
         if not keys:
             return []
         frags, lens = [list(p) for p in ptrs], [list(s) for s in sizes]
-        totals = [sum(s) for s in lens]
-        return self._batch(
-            len(keys), "get", self._s.batch_get_into_multi_buffers, list(keys), frags, lens,
-            decode=lambda codes: _sized_outcomes(codes, totals),
-        )  # fmt: skip
+        counts, totals = [len(f) for f in frags], [sum(s) for s in lens]
+        return self._moved("get", self._s.batch_get_into_multi_buffers, list(keys), frags, lens, counts, totals)
 
     def object_sizes(self, keys: Sequence[str]) -> list[int | None]:
         """Each key's object size from its first complete memory replica (one master query for

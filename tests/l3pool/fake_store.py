@@ -25,8 +25,10 @@ class FakeStoreError(RuntimeError):
 class FakePageStore:
     tenant = ""  # Mooncake's default tenant
 
-    def __init__(self) -> None:
+    def __init__(self, max_transfers: int = 2048) -> None:
         self.objects: dict[str, bytes] = {}
+        self.max_transfers = max_transfers  # like Mooncake's per-peer transfer queue: a larger call fails
+        self.peak_fragments = 0  # the most fragments one put/get call carried
         self.lock = threading.Lock()
         self.registered: dict[int, int] = {}
         self.raise_on: set[str] = set()
@@ -44,6 +46,12 @@ class FakePageStore:
     def _check(self, op: str) -> None:
         if op in self.raise_on:
             raise FakeStoreError(f"injected {op} failure")
+
+    def _fragments(self, ptrs: Sequence[Sequence[int]]) -> None:
+        n = sum(len(p) for p in ptrs)
+        self.peak_fragments = max(self.peak_fragments, n)
+        if n > self.max_transfers:
+            raise FakeStoreError(f"{n} fragments in one call, over the store's {self.max_transfers}")
 
     def exists(self, keys: Sequence[str]) -> list[Outcome]:
         self._check("exists")
@@ -65,6 +73,7 @@ class FakePageStore:
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[Outcome]:
         self._check("put")
+        self._fragments(ptrs)
         self.put_calls += 1
         out = []
         for k, ps, ss in zip(keys, ptrs, sizes, strict=True):
@@ -82,6 +91,7 @@ class FakePageStore:
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[Outcome]:
         self._check("get")
+        self._fragments(ptrs)
         self.get_calls += 1
         if self.get_delay_s:
             time.sleep(self.get_delay_s)

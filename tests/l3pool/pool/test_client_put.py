@@ -27,6 +27,7 @@ class FakeStore:
     as Mooncake 0.3.13 answers them (a put of such a key: success, nothing written)."""
 
     tenant = ""  # Mooncake's default tenant
+    max_transfers = 2048
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
