@@ -1,6 +1,8 @@
-# Sourced by .ci/run and scripts/demo.sh: installs the system packages the local cluster needs
-# (etcd, iproute2 for network namespaces, the RDMA libraries Mooncake's wheel links against;
-# openssl makes the certificates of the etcd TLS tests).
+# Sourced by both README commands (scripts/demo.sh, scripts/test.sh) and .ci/run: installs the
+# system packages that are missing (Debian/Ubuntu, root): what the local cluster needs (etcd,
+# iproute2 for network namespaces, the RDMA libraries Mooncake's wheel links against; openssl makes
+# the certificates of the etcd TLS tests) and what scripts/env.sh needs to build the environment
+# (python3's venv module, a C++ compiler and the Python headers for l2core's native extension).
 
 # apt-get "$@", waiting while another apt/dpkg holds the lock (unattended-upgrades on a freshly
 # booted VM runs for minutes): up to SYSDEPS_LOCK_WAIT seconds (default 600), with one message.
@@ -32,9 +34,23 @@ command -v etcd >/dev/null || need+=(etcd-server)
 command -v ip >/dev/null || need+=(iproute2)
 command -v openssl >/dev/null || need+=(openssl)
 ldconfig -p | grep -q libibverbs.so.1 || need+=(libibverbs1 librdmacm1)
+if ! command -v python3 >/dev/null; then
+  need+=(python3 python3-venv python3-dev)
+else
+  # Debian's python3 lacks ensurepip (python3-venv) and Python.h (python3-dev) until installed;
+  # a python3 of its own (pyenv, a distribution's full build) has both
+  python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
+  python3 -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+    2>/dev/null || need+=(python3-dev)
+fi
+command -v c++ >/dev/null || command -v g++ >/dev/null || need+=(g++)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "missing system packages: ${need[*]} (run: sudo apt-get install ${need[*]})" >&2
+    exit 2
+  fi
+  if ! command -v apt-get >/dev/null; then
+    echo "missing system packages: ${need[*]}; this script installs them with apt-get (Debian/Ubuntu): install them with your package manager" >&2
     exit 2
   fi
   echo "[sysdeps] apt-get install ${need[*]}"
