@@ -482,13 +482,20 @@ class L3Client:
         for i, r in zip(new, put, strict=True):
             res[i] = r
         if said_ok:  # success also means "another put holds the key": complete now, or not stored
+            gone: list[int] = []
             for j, r in zip(said_ok, self.store.exists([nk[j] for j in said_ok]), strict=True):
                 if r is Outcome.MISS and j in retried:  # the pool took it back at once: still full
                     res[new[j]] = Outcome.POOL_FULL
                 elif r is Outcome.MISS:
-                    res[new[j]], taken[new[j]] = Outcome.PENDING, True
+                    gone.append(j)
                 elif r is not Outcome.OK:
                     res[new[j]] = r  # unknown (master unreachable): not OK
+            if gone:  # another writer's unfinished put (PENDING), or stored and evicted at once (full)
+                for j, held in zip(gone, self.store.unfinished([nk[j] for j in gone]), strict=True):
+                    if held is False:
+                        res[new[j]] = Outcome.POOL_FULL
+                    else:
+                        res[new[j]], taken[new[j]] = Outcome.PENDING, True
         return res, taken
 
     def _retry_full(

@@ -56,6 +56,11 @@ class PageStore(Protocol):
         """Each object into its fragments; an object of another total size is not OK."""
         ...
 
+    def unfinished(self, keys: Sequence[str]) -> list[bool | None]:
+        """Per key: True (another put started and has not finished), False (no object at all),
+        None (unknown). Tells an abandoned put from an object already evicted."""
+        ...
+
     def object_sizes(self, keys: Sequence[str]) -> list[int | None]:
         """Each complete object's size, None where there is none."""
         ...

@@ -83,6 +83,10 @@ class FakePageStore:
             out.append(Outcome.OK)
         return out
 
+    def unfinished(self, keys: Sequence[str]) -> list[bool | None]:
+        with self.lock:  # no unfinished puts here: a key is complete or absent
+            return [None if k in self.objects else False for k in keys]
+
     def object_sizes(self, keys: Sequence[str]) -> list[int | None]:
         with self.lock:
             return [len(self.objects[k]) if k in self.objects else None for k in keys]

@@ -92,6 +92,10 @@ class FakeStore:
             out.append(Outcome.OK)
         return out
 
+    def unfinished(self, keys: Sequence[str]) -> list[bool | None]:
+        self.calls.append("unfinished")
+        return [True if k in self.pending else None if k in self.objects else False for k in keys]
+
     def object_sizes(self, keys: Sequence[str]) -> list[int | None]:
         return [len(self.objects[k]) if k in self.objects else None for k in keys]
 
@@ -141,10 +145,10 @@ def test_full_pool_retries_stop_when_fresh_pages_are_evicted_at_once() -> None:
     _, st, ns, c = _setup(retry_s=5.0)  # futility seen in the first batch: the second is not retried
     st.full_for, st.evict_fresh = 1, True
     keys = [k + "later" for k in _keys(ns, 12)]  # batches of 8 and 4
-    # the second batch is placed at its first put and evicted at once (PENDING: indistinguishable
-    # from another writer's unfinished put), and not put again
-    assert c.put(keys, range(12)) == [Outcome.POOL_FULL] * 8 + [Outcome.PENDING] * 4
-    assert c.stats.put_full_retries == 8 and st.calls.count("put") == 3
+    # the second batch is placed at its first put and evicted at once: the master has no object
+    # of those keys (not another writer's unfinished put), so POOL_FULL, not PENDING; not put again
+    assert c.put(keys, range(12)) == [Outcome.POOL_FULL] * 12
+    assert c.stats.put_full_retries == 8 and st.calls.count("put") == 3 and c.stats.put_pending == 0
 
     _, st, ns, c = _setup(retry_s=0.5)  # one budget per put() call, not per batch
     keys = [k + "full" for k in _keys(ns, 24)]  # 3 batches of 8, never placeable
@@ -175,7 +179,7 @@ def test_put_outcomes_and_round_trip(checksum: bool) -> None:
     s = c.stats
     assert (s.puts, s.put_skipped, s.put_pending, s.put_failed) == (2, 1, 1, 1)
     assert s.bytes_put == 2 * SPEC.page_bytes
-    assert st.calls == ["present", "put", "exists"]
+    assert st.calls == ["present", "put", "exists", "unfinished"]  # only the MISS after OK is asked about
     assert keys[2] not in st.objects and st.objects[keys[1]] == b"x" * (SPEC.page_bytes + TRAILER_BYTES)
     assert len(st.objects[keys[0]]) == SPEC.page_bytes + TRAILER_BYTES
     got = c.get([keys[0], keys[4]], [8, 9])
