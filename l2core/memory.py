@@ -5,7 +5,8 @@ Order matters and is fixed here:
   2. madvise(MADV_HUGEPAGE) on the range,
   3. mbind to a NUMA node (optional),
   4. first touch (pages fault in as huge pages, on the bound node),
-  5. pin: cudaHostRegister when CUDA is present (pinning first would prevent huge-page merging).
+  5. pin through the accelerator's provider (`l2core.devices.pinning_provider`; CUDA:
+     cudaHostRegister) when there is one (pinning first would prevent huge-page merging).
 
 `HostMemory._map()` is the one place that creates the mapping: a `/dev/shm` MAP_SHARED variant
 for TP-shared pools is a subclass that overrides it.
@@ -25,6 +26,7 @@ from typing import Literal
 
 import torch
 
+from .devices import pinning_provider
 from .spec import ConfigError, parse_size
 from .units import check_int
 
@@ -61,9 +63,12 @@ class HostMemory:
             raise ConfigError(f"pin must be 'auto', 'always' or 'never', got {pin!r}")
         if numa_node is not None:
             _check_numa_node(numa_node)
-        cuda = torch.cuda.is_available()
-        if pin == "always" and not cuda:
-            raise ConfigError("pin='always' needs CUDA, which this process does not have")
+        pinner = pinning_provider() if pin != "never" else None
+        if pin == "always" and pinner is None:
+            raise ConfigError(
+                "pin='always' needs an accelerator that pins host memory (CUDA, or a registered "
+                "l2core device provider), which this process does not have"
+            )
         self.numa_node = numa_node
         self._mm, offset = self._map(self.nbytes + HUGE_PAGE)
         self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
@@ -77,16 +82,16 @@ class HostMemory:
             _mbind(self.ptr, self.nbytes, numa_node)
         self.tensor.zero_()  # first touch: fault in huge pages on the bound node
         self.pinned = False
-        if pin == "always" or (pin == "auto" and cuda):
-            err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 0)
-            if int(err) != 0:
-                _clear_cuda_error()
+        if pinner is not None:
+            try:
+                pinner.pin(self.ptr, self.nbytes)
+            except BaseException:
                 self._unmap()
-                raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed with CUDA error {int(err)}")
+                raise
             self.pinned = True
         # Unpin even when the owner forgets close(): a registration left behind makes the next
-        # mapping at this address fail cudaHostRegister (error 712).
-        self._unpin = weakref.finalize(self, _unregister, self.ptr) if self.pinned else None
+        # mapping at this address fail to pin (CUDA: cudaHostRegister error 712).
+        self._unpin = weakref.finalize(self, pinner.unpin, self.ptr) if pinner is not None else None
         log.info(
             "host memory: %d bytes at 0x%x, hugepages=%s numa=%s pinned=%s",
             self.nbytes,
@@ -125,20 +130,6 @@ class HostMemory:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _unregister(ptr: int) -> None:
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-    if err != 0:
-        _clear_cuda_error()
-        log.warning("cudaHostUnregister(0x%x) failed with CUDA error %d", ptr, err)
-
-
-def _clear_cuda_error() -> None:
-    """A failed cudart call leaves the runtime's last error set; torch would report it later."""
-    from . import _native
-
-    _native.load().cuda_clear_error()
 
 
 def _check_numa_node(node: int) -> None:

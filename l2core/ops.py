@@ -8,6 +8,8 @@ all of `spec.torch_dtype`, contiguous, on one device (CPU or CUDA).
 host page `pages[j // page_size]`. `pages`: int64 `[n / page_size]` host page indices.
 Host side: the pool's flat uint8 tensor (`HostKVPool.buffer`) laid out by a `HostLayout`.
 
+The copy itself is the device's provider's (`l2core.devices`: cpu and cuda built in, another
+accelerator registers its own); the checks here are the same for every device.
 Methods on CUDA: "direct" (one kernel reading/writing pinned host memory, at most `max_sms`
 SMs), "staged" (gather in device memory, then one DMA per contiguous host run), "naive" (one
 copy per page, layer and kv: the baseline we beat). "auto" picks per layout and direction.
@@ -22,12 +24,13 @@ import numpy as np
 import torch
 
 from . import _native
+from .devices import LAYER_FIRST_STAGED_MIN_PAGES as LAYER_FIRST_STAGED_MIN_PAGES
+from .devices import provider_for
 from .layout import HostLayout
 
 Method = Literal["auto", "direct", "staged", "naive"]
 DEFAULT_MAX_SMS = 16
 DEFAULT_STAGING_BYTES = 256 << 20
-LAYER_FIRST_STAGED_MIN_PAGES = 16  # layer_first H2D switches to staged DMAs from here (see resolve_method)
 
 
 def kv_buffers_shape(layout: HostLayout, num_slots: int) -> tuple[int, int, int]:
@@ -100,39 +103,9 @@ def resolve_method(
     layers: tuple[int, int],
     n_pages: int | None = None,
 ) -> str:
-    """The concrete method "auto" stands for.
-
-    Measured on an H200 (bench/results/2026-12-01-h200-*.json):
-    staged (device gather + copy-engine DMAs, ~8 pipelined chunks) is best or tied for all-layer
-    transfers of the page-first layouts at 1K-32K tokens. layer_first has one run per (layer,
-    page); submitted as one `cudaMemcpyBatchAsync` per chunk, its H2D reaches 0.98-0.99 of a raw
-    DMA from 8K tokens (the direct kernel: 0.82-0.85; at 1K tokens 0.94-0.95 against 0.89 in
-    one run, within noise of each other in another), but its D2H DMAs stay at ~0.86 (the direct
-    kernel: 0.94-0.95).
-
-    Layer subsets (TransferEngine's per-layer loads while the forward pass computes): H2D is
-    staged, i.e. copy-engine DMAs plus a short device scatter, because the direct kernel reads
-    host memory with SMs for the whole copy and competes with the compute for them. Measured with
-    bench.cache on an H200 (32-layer MLA, 384 of 512 pages loaded per layer while a calibrated
-    matmul computes): exposed load 0.55 of the load with the direct kernel, 0.12 staged (0.09 with
-    the load stream at high priority), the load alone equally fast (19.2 vs 19.3 ms). layer_first
-    subsets follow its all-layer rule (batched DMAs from LAYER_FIRST_STAGED_MIN_PAGES pages; not
-    measured per layer); page_first (no page-contiguous runs for a subset) and D2H stay direct.
-    """
-    if method != "auto":
-        return method
-    if device.type == "cpu":
-        return "direct"
-    big = n_pages is not None and n_pages >= LAYER_FIRST_STAGED_MIN_PAGES
-    if layers != (0, layout.spec.num_layers):
-        if to_host or layout.name == "page_first":  # page_first: no page-contiguous runs of a layer subset
-            return "direct"
-        if layout.name == "page_first_direct":
-            return "staged"
-        return "staged" if big else "direct"  # layer_first: as its all-layer loads (not measured per layer)
-    if layout.name != "layer_first":
-        return "staged"
-    return "staged" if big and not to_host else "direct"
+    """The concrete method "auto" stands for on `device`: its provider decides (the CUDA
+    provider's rule and the measurements behind it: `l2core.devices.CudaProvider.resolve_method`)."""
+    return provider_for(device).resolve_method(method, layout, to_host, layers, n_pages)
 
 
 def transfer(
@@ -185,27 +158,21 @@ def transfer(
     _check_range(pages_t, layout.num_pages, "host page index")
     if check_slots or slots_t.device.type == "cpu":
         _check_range(slots_t, bufs[0].shape[0], "device slot")
-    m = resolve_method(method, layout, device, to_host, (lb, le), pages_t.numel())
-    if device.type == "cpu" and slots_t.device.type != "cpu":
-        slots_t = slots_t.cpu()
-    _native.load().transfer(
-        list(bufs[lb * s.num_kv : le * s.num_kv]),
+    provider = provider_for(device)
+    m = provider.resolve_method(method, layout, to_host, (lb, le), pages_t.numel())
+    provider.transfer(
+        bufs[lb * s.num_kv : le * s.num_kv],
         slots_t,
         host,
         pages_t,
-        s.page_size,
-        lb,
-        le - lb,
-        s.num_kv,
-        list(layout.strides),
-        layout.num_pages,
-        to_host,
-        m,
-        int(max_sms),
-        int(num_threads or torch.get_num_threads()),
-        int(staging_bytes),
-        False,  # slots were range-checked above when asked (native still checks CPU-resident slots)
-        error_flag,
+        layout,
+        to_host=to_host,
+        layers=(lb, le),
+        method=m,
+        max_sms=int(max_sms),
+        num_threads=int(num_threads or torch.get_num_threads()),
+        staging_bytes=int(staging_bytes),
+        error_flag=error_flag,
     )
 
 

@@ -9,7 +9,8 @@ Lifecycle:
     eng.wait([jid]) / eng.pop_finished()      # JobResult per job (ok, error, bytes, seconds)
     eng.close()                               # drains queued jobs, stops the threads
 
-Each thread owns a CUDA stream (on CPU the copies are synchronous in the thread). A job that
+Each thread owns a stream of the device's provider (`l2core.devices`; CUDA: a CUDA stream; on
+CPU the copies are synchronous in the thread). A job that
 fails (bad slots, CUDA error, ...) completes with ok=False and its error text, the failure is
 counted, layer waiters get a TransferError, and the thread goes on with the next job.
 """
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from . import ops
+from .devices import provider_for
 from .pool import HostKVPool
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ class _Job:
     kind: JobKind
     slots: torch.Tensor
     pages: torch.Tensor
-    after: Any  # torch.cuda.Event recorded on the submitter's stream, or None
+    after: Any  # the provider's event recorded on the submitter's stream, or None
     layers_done: int = 0  # layers whose copy is enqueued (CUDA) / done (CPU)
     layer_events: list[Any] = field(default_factory=list)
     error: str | None = None
@@ -91,6 +93,7 @@ class TransferEngine:
         ops._check_buffers(bufs, pool.layout, (0, spec.num_layers))  # once, up front
         self.pool, self.bufs = pool, list(bufs)
         self.device = self.bufs[0].device
+        self.provider = provider_for(self.device)  # copies, streams, events of this device type
         self.method, self.max_sms, self.layers_per_step = method, max_sms, layers_per_step
         self.stats = EngineStats()
         self._ids = itertools.count(1)
@@ -120,11 +123,8 @@ class TransferEngine:
             raise RuntimeError("TransferEngine is closed")
         s = ops._as_index(slots, "slots")
         p = ops._as_index(torch.as_tensor(np.asarray(pages, dtype=np.int64)), "pages")
-        after = None
-        if self.device.type == "cuda":
-            s = s.to(self.device, non_blocking=True)
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self.device))
+        s = self.provider.to_device(s, self.device)
+        after = self.provider.record(None, self.device)  # ordered after the submitter's stream
         job = _Job(next(self._ids), kind, s, p, after)
         with self._lock:
             self._jobs[job.job_id] = job
@@ -134,13 +134,11 @@ class TransferEngine:
 
     # -- the two worker threads ----------------------------------------------------------------
     def _run(self, kind: JobKind) -> None:
-        stream = flag = None
-        if self.device.type == "cuda":
-            # Loads get the highest stream priority: the forward pass waits on them layer by layer,
-            # so their short scatter kernels must not queue behind its blocks (bench.cache on an
-            # H200: exposed load 0.12 -> 0.09 of the load with staged per-layer copies).
-            stream = torch.cuda.Stream(self.device, priority=-100 if kind == "load" else 0)
-            flag = torch.zeros(1, dtype=torch.int32).pin_memory()  # set by kernels on a bad slot
+        # Loads get the highest stream priority: the forward pass waits on them layer by layer,
+        # so their short scatter kernels must not queue behind its blocks (bench.cache on an
+        # H200: exposed load 0.12 -> 0.09 of the load with staged per-layer copies).
+        stream = self.provider.new_stream(self.device, -100 if kind == "load" else 0)
+        flag = self.provider.error_flag()  # set by asynchronous kernels on a bad slot
         q = self._queues[kind]
         while True:
             job = q.get()
@@ -164,10 +162,10 @@ class TransferEngine:
             "check_slots": flag is None,
             "error_flag": flag,
         }
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
-        with ctx:
+        prov = self.provider
+        with prov.stream_context(stream):
             if job.after is not None:
-                stream.wait_event(job.after)
+                prov.wait(stream, self.device, job.after)
             if job.kind == "backup":
                 ops.transfer(self.bufs, job.slots, self.pool.buffer, job.pages, self.pool.layout, to_host=True, **kw)
                 self._sync(stream, flag)
@@ -184,21 +182,17 @@ class TransferEngine:
                     layers=(lb, le),
                     **kw,
                 )
-                ev = None
-                if stream is not None:
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
+                ev = prov.record(stream, self.device) if stream is not None else None
                 with job.cond:
                     job.layer_events.extend([ev] * (le - lb))
                     job.layers_done = le
                     job.cond.notify_all()
             self._sync(stream, flag)
 
-    @staticmethod
-    def _sync(stream: Any, flag: torch.Tensor | None) -> None:
+    def _sync(self, stream: Any, flag: torch.Tensor | None) -> None:
         if stream is None or flag is None:
             return
-        stream.synchronize()
+        self.provider.synchronize(stream)
         if int(flag[0]) != 0:
             flag.zero_()
             raise IndexError("device slot out of range: the kernel skipped those tokens")
@@ -245,7 +239,7 @@ class TransferEngine:
                 raise TransferError(f"load job {job_id} failed: {job.error}")
             ev = job.layer_events[layer] if layer < len(job.layer_events) else None
         if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
+            self.provider.wait(None, self.device, ev)
 
     def poll(self, job_id: int) -> JobResult | None:
         """The job's result if it has finished (not removed), else None."""
@@ -291,11 +285,3 @@ class TransferEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
