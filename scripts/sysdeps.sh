@@ -1,6 +1,6 @@
 # Sourced by both README commands (scripts/demo.sh, scripts/test.sh) and .ci/run: installs the
 # system packages that are missing (Debian/Ubuntu, root): what the local cluster needs (etcd,
-# iproute2 for network namespaces, the RDMA libraries Mooncake's wheel links against; openssl makes
+# iproute2 for network namespaces, the RDMA libraries and libcurl Mooncake's wheel links against; openssl makes
 # the certificates of the etcd TLS tests) and what scripts/env.sh needs to build the environment
 # (python3's venv module, a C++ compiler and the Python headers for l2core's native extension).
 
@@ -34,6 +34,7 @@ command -v etcd >/dev/null || need+=(etcd-server)
 command -v ip >/dev/null || need+=(iproute2)
 command -v openssl >/dev/null || need+=(openssl)
 ldconfig -p | grep -q libibverbs.so.1 || need+=(libibverbs1 librdmacm1)
+ldconfig -p | grep -q libcurl.so.4 || need+=(libcurl4)  # mooncake_master and the wheel's .so files link it
 if ! command -v python3 >/dev/null; then
   need+=(python3 python3-venv python3-dev)
 else
