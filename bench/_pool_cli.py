@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from l3pool.cli import output_file
+from l3pool.cli import segment_size as segment_size_type
 from l3pool.cluster.running import STATE_DIR_HELP
 
 
@@ -30,7 +31,12 @@ def add_pool_args(p: argparse.ArgumentParser, segment_size: str, etcd: bool = Fa
     p.add_argument(
         "--host", default="127.0.0.1", help="this client's address (with --master; export MC_TCP_BIND_ADDRESS too)"
     )
-    p.add_argument("--segment-size", default=segment_size, help="per agent, when starting the local cluster")
+    p.add_argument(
+        "--segment-size",
+        type=segment_size_type,
+        default=segment_size,
+        help="per agent, when starting the local cluster",
+    )
     p.add_argument("--state-dir", help=STATE_DIR_HELP)
 
 

@@ -9,7 +9,7 @@
 # As root with iproute2, each agent runs in its own network namespace `{name}-a{K}` with IP
 # .10+K of the subnet, behind a bridge `{name}-br0` (.1) where etcd and the master listen;
 # otherwise everything runs on 127.0.0.1 (it says so). `up` leaves the processes running and
-# records them in DIR/state.json (default /tmp/l3pool-cluster, or /tmp/l3pool-cluster-NAME with
+# records them in DIR/state.json (default <tmp>/l3pool-<uid>/cluster, or .../cluster-NAME with
 # --name NAME: pass the same --name or --state-dir to status/down); logs are DIR/*.log.
 # A prefill client in the root namespace uses the printed `master`, `metadata` and
 # local_hostname=`client_host`, with MC_TCP_BIND_ADDRESS=`client_host` in its environment.

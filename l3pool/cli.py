@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from l3pool import __version__
 
@@ -26,11 +27,100 @@ class UserError(Exception):
         self.hint, self.code = hint, code
 
 
+# -- the prefill extra: commands that need torch say so before doing anything ----------------------
+PREFILL_HINT = "install the prefill extra: pip install 'l3pool[prefill]' (a decode node's 'l3pool[agent]' has no torch)"
+
+
+def prefill_missing() -> str | None:
+    """Why torch (the `prefill` extra) cannot be imported here, or None when it can."""
+    try:
+        import torch  # noqa: F401
+    except (ImportError, OSError) as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def require_prefill() -> None:
+    """UserError (one line + the install hint) when this installation lacks torch: a command that
+    needs it calls this first, before it starts a cluster or writes anything."""
+    why = prefill_missing()
+    if why is not None:
+        raise UserError(f"this command needs torch (the prefill extra), which this installation lacks: {why}",
+                        PREFILL_HINT)  # fmt: skip
+
+
+# -- argparse types: numbers with a lower bound (the one helper every command's flags use) ---------
+def _bounded(kind: type[int] | type[float], text: str, low: float, strict: bool) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+        ) from None
+    if value != value or value < low or (strict and value == low):  # NaN too
+        raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return int(_bounded(int, text, 1, False))
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return int(_bounded(int, text, 0, False))
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    return float(_bounded(float, text, 0, True))
+
+
+def nonneg_float(text: str) -> float:
+    """argparse type: a number >= 0."""
+    return float(_bounded(float, text, 0, False))
+
+
+def segment_size(text: str) -> str:
+    """argparse type of every --segment-size: a size Mooncake accepts for a segment (checked at
+    parse time, so also when a running cluster leaves the flag unused); returns the text as typed."""
+    from l2core.units import ConfigError, parse_size
+    from l3pool.agent import segment_too_small
+
+    try:
+        nbytes = parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("size: ")) from None
+    problem = segment_too_small(nbytes, text, what=None)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+# -- errors as JSON for --json commands -----------------------------------------------------------
+_json_errors = False  # set by guarded()/main() for a command run with --json: fail() also prints a JSON object
+
+
+def _print_json_error(message: str, hint: str | None) -> None:
+    print(json.dumps({"error": message, "hint": hint}), flush=True)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors also print the JSON error object under --json."""
+
+    def error(self, message: str) -> NoReturn:
+        if _json_errors:
+            _print_json_error(f"{self.prog}: {message}", f"{self.prog} --help")
+        super().error(message)
+
+
 _LOG_QUOTE = "; last lines of "  # how a local cluster's error quotes a process's log (cluster._os._Proc.tail)
 
 
 def fail(prog: str, message: str, hint: str | None = None, code: int = 2) -> int:
     """Print `prog: error: message` (and `prog: hint: ...`) on stderr; returns `code` for `return fail(...)`.
+    Under --json (see `guarded`) also `{"error": message, "hint": hint}` on stdout.
 
     A message quoting a log ("...; last lines of PATH:\n<lines>") prints the quoted lines first,
     so that the error stays the last line but one, and points at the whole log in the hint."""
@@ -40,9 +130,12 @@ def fail(prog: str, message: str, hint: str | None = None, code: int = 2) -> int
         path, _, lines = quote.partition(":\n")
         print(lines.rstrip(), file=sys.stderr)
         hint = hint or f"the whole log: {path}"
-    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+    message = " ".join(message.split())
+    print(f"{prog}: error: {message}", file=sys.stderr)
     if hint:
         print(f"{prog}: hint: {hint}", file=sys.stderr)
+    if _json_errors:  # a --json command: its reader gets the error as JSON on stdout too
+        _print_json_error(message, hint)
     return code
 
 
@@ -55,6 +148,7 @@ _OPERATIONAL = (
     ("l3pool.cluster._os", "ClusterError", None),
     ("l3pool.cluster.local", "ClusterConfigError", None),
     ("l2core.units", "ConfigError", None),
+    ("l3pool.paths", "UnsafeDirError", None),
 )
 
 
@@ -67,9 +161,13 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
 
 
-def guarded(prog: str, fn: Callable[[], int]) -> int:
+def guarded(prog: str, fn: Callable[[], int], json_errors: bool | None = None) -> int:
     """Run a command's body: UserError, the operational errors above and Ctrl-C become one line
-    (+ hint) and a non-zero exit code instead of a traceback. Every entry point runs under it."""
+    (+ hint) and a non-zero exit code instead of a traceback. Every entry point runs under it.
+    `json_errors` (default: `--json` among this process's arguments): every failure reported
+    through `fail` also prints a JSON error object on stdout, the exit code unchanged."""
+    global _json_errors
+    _json_errors = "--json" in sys.argv[1:] if json_errors is None else json_errors
     try:
         return int(fn())
     except UserError as e:
@@ -142,12 +240,12 @@ def _info(args: argparse.Namespace) -> int:
         thp = "unknown"
     info: dict[str, object] = {"version": __version__}
     problem = None
-    try:
-        import torch
-    except ImportError:
+    if prefill_missing() is not None:
         info.update({"torch": None, "cuda_available": False, "device": "cpu"})
         problem = "torch is not installed (an agent-only install); the prefill side needs 'l3pool[prefill]'"
     else:
+        import torch
+
         from l2core import _native
 
         info.update(
@@ -193,7 +291,9 @@ _COMMANDS = (
 def main(argv: list[str] | None = None) -> int:
     import importlib
 
-    p = argparse.ArgumentParser(prog="l3pool", description=__doc__)
+    global _json_errors
+    _json_errors = "--json" in (sys.argv[1:] if argv is None else argv)  # for usage errors (ArgumentParser)
+    p = ArgumentParser(prog="l3pool", description=__doc__)
     p.add_argument("--version", action="version", version=f"l3pool {__version__}")
     p.add_argument(
         "-v", "--verbose", action="store_true",
@@ -214,15 +314,23 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from l3pool import logs
 
-    native = logs.setup(args.verbose, args.cmd)  # Mooncake's native log lines: a file unless -v
+    prog = f"l3pool {args.cmd}"
+    native: list[logs.NativeLog | None] = [None]
+
+    def body() -> int:
+        if getattr(args, "needs_prefill", False):  # set by the commands that need torch
+            require_prefill()
+        native[0] = logs.setup(args.verbose, args.cmd)  # Mooncake's native log lines: a file unless -v
+        return int(args.fn(args))
+
     main_thread = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None  # a command may set its own
     try:
-        return guarded(f"l3pool {args.cmd}", lambda: args.fn(args))
+        return guarded(prog, body, json_errors=bool(getattr(args, "json", False)))
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, old)
-        logs.teardown(native)
+        logs.teardown(native[0])
 
 
 if __name__ == "__main__":

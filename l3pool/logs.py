@@ -10,8 +10,10 @@ line points descriptor 2 at a log file before any command runs and gives Python'
 private copy of the terminal's descriptor: our own lines, tracebacks and faulthandler dumps still
 reach the terminal, every native write lands in the file. With `-v` nothing is redirected.
 
-The file is `<log dir>/mooncake-<command>-<pid>.log` (log dir: `$L3POOL_LOG_DIR`, else
-`<tmp>/l3pool-<uid>`); it is deleted at exit when nothing was written to it (`l3pool --help`
+The file is `<log dir>/mooncake-<command>-<pid>.log` (log dir: `$L3POOL_LOG_DIR`, else the
+private per-user `<tmp>/l3pool-<euid>` of `l3pool.paths`, checked before use; the file is opened
+without following a symlink); `native_log()` names it while it is open (setup errors quote it).
+It is deleted at exit when nothing was written to it (`l3pool --help`
 names the place; an error stays one line, so the path is not repeated there). Child processes
 started without their own stderr inherit it. When `mooncake` is already loaded as the command
 starts (`main()` called inside a process that set up Mooncake itself, e.g. a test), descriptor 2
@@ -29,16 +31,26 @@ import contextlib
 import logging
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import TextIO
+
+from l3pool.paths import open_log, runtime_dir
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def log_dir() -> Path:
+    """`$L3POOL_LOG_DIR`, else the private runtime dir (`paths.UnsafeDirError` when it is not private)."""
     d = os.environ.get("L3POOL_LOG_DIR")
-    return Path(d) if d else Path(tempfile.gettempdir()) / f"l3pool-{os.getuid()}"
+    return Path(d) if d else runtime_dir()
+
+
+_current: NativeLog | None = None
+
+
+def native_log() -> Path | None:
+    """The file Mooncake's native log lines go to right now (None: they go to stderr)."""
+    return _current.path if _current is not None else None
 
 
 class TqdmHandler(logging.Handler):
@@ -59,16 +71,13 @@ class NativeLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        self._saved = os.dup(2)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.dup2(fd, 2)
-        finally:
-            os.close(fd)
+        with open_log(path) as f:  # before dup: a refused file leaves descriptor 2 alone
+            self._saved = os.dup(2)
+            os.dup2(f.fileno(), 2)
         self._old_stderr: TextIO | None = None
         try:
             real = sys.stderr.fileno() == 2
@@ -104,13 +113,15 @@ class NativeLog:
 def setup(verbose: bool, command: str) -> NativeLog | None:
     """Configure logging for one command: our records through tqdm on stderr (DEBUG with
     `verbose`, else INFO) and, unless `verbose`, native output into a log file (returned; the
-    caller closes it)."""
+    caller closes it). A default log dir that is not private raises `paths.UnsafeDirError`."""
+    global _current
     native = None
     if not verbose and "mooncake.store" not in sys.modules:
+        where = log_dir()
         try:
-            native = NativeLog(log_dir() / f"mooncake-{command}-{os.getpid()}.log")
+            native = _current = NativeLog(where / f"mooncake-{command}-{os.getpid()}.log")
         except OSError as e:  # an unwritable log dir: leave stderr as it is, say why once
-            sys.stderr.write(f"l3pool: native log lines stay on stderr ({log_dir()}: {e.strerror or e})\n")
+            sys.stderr.write(f"l3pool: native log lines stay on stderr ({where}: {e.strerror or e})\n")
     root = logging.getLogger()
     if all(isinstance(h, TqdmHandler) for h in root.handlers):  # as basicConfig: an embedder's handlers win
         for h in list(root.handlers):
@@ -124,5 +135,8 @@ def setup(verbose: bool, command: str) -> NativeLog | None:
 
 def teardown(native: NativeLog | None) -> None:
     """After the command: descriptor 2 and sys.stderr back as they were."""
+    global _current
     if native is not None:
         native.close()
+        if _current is native:
+            _current = None

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from l2core.units import format_size
-from l3pool.cli import fail
+from l3pool.cli import fail, positive_float, positive_int, segment_size
 from l3pool.cluster.local import (
     DEFAULT_NAME,
     DEFAULT_SUBNET,
@@ -131,20 +131,22 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("cluster", help="local etcd + mooncake_master + agents (one netns per agent)")
     sub = p.add_subparsers(dest="cluster_cmd", required=True)
     up = sub.add_parser("up", help="start a local cluster and leave it running")
-    up.add_argument("--agents", type=int, default=2)
-    up.add_argument("--segment-size", default="256MB", help="DRAM each agent donates (e.g. 256MB, 1GiB)")
-    dirs = "logs and state.json (default /tmp/l3pool-cluster, or /tmp/l3pool-cluster-NAME for --name NAME)"
+    up.add_argument("--agents", type=positive_int, default=2)
+    up.add_argument(
+        "--segment-size", type=segment_size, default="256MB", help="DRAM each agent donates (e.g. 256MB, 1GiB)"
+    )
+    dirs = "logs and state.json (default <tmp>/l3pool-<uid>/cluster, or .../cluster-NAME for --name NAME)"
     names = f"prefix of netns/link names (default {DEFAULT_NAME})"
     up.add_argument("--state-dir", help=dirs)
     up.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
                     help="one network namespace per agent (auto: when root with iproute2)")  # fmt: skip
     up.add_argument("--subnet", help=f"bridge .1, agent K .10+K (default {DEFAULT_SUBNET} or the next free /24)")
-    up.add_argument("--lease-ttl", type=int, default=5, help="agents' etcd lease TTL, seconds")
-    up.add_argument("--client-ttl", type=int, default=5, help="mooncake_master --client_ttl, seconds")
+    up.add_argument("--lease-ttl", type=positive_int, default=5, help="agents' etcd lease TTL, seconds")
+    up.add_argument("--client-ttl", type=positive_int, default=5, help="mooncake_master --client_ttl, seconds")
     up.add_argument("--name", default=DEFAULT_NAME, help=names)
     up.add_argument("--key-prefix", default="/l3pool", help="etcd key prefix (default %(default)s)")
     up.add_argument("--agent-cmd", default=None, help="agent command (default: python -m l3pool.cli agent)")
-    up.add_argument("--timeout", type=float, default=60.0, help="readiness timeout, seconds")
+    up.add_argument("--timeout", type=positive_float, default=60.0, help="readiness timeout, seconds")
     up.add_argument("--json", action="store_true", help="print the state as JSON")
     up.set_defaults(fn=_cmd_up)
     for name, fn, text in (("down", _cmd_down, "stop the cluster recorded in the state dir"),

@@ -13,9 +13,9 @@ advertises `client_host` (the bridge IP) and needs `client_env()` in its environ
 `mooncake_env`). Without root or `ip`, or with `netns="off"`, everything runs on 127.0.0.1 with
 distinct ports, and a warning says so.
 
-Several clusters can run at once when their names differ: the default state dir derives from the
-name (`default_state_dir`), and without an explicit `subnet` the first 10.77.N.0/24 that no
-interface uses is taken (10.77.0.0/24 when free).
+Several clusters can run at once when their names differ: the default state dir (private, per user)
+derives from the name (`default_state_dir`), and without an explicit `subnet` the first free
+10.77.N.0/24 is taken.
 
 Lifecycle (`LocalCluster`, a context manager):
     start()   network, etcd (data dir on /dev/shm), master, agents; returns once etcd answers, the
@@ -77,6 +77,7 @@ from l3pool.cluster._os import (  # noqa: F401 (re-exported: tests patch/use som
     _subnet_user,
     _wait_dead,
 )
+from l3pool.paths import open_log, runtime_dir
 from l3pool.pool.etcd import EtcdClient, EtcdError
 from l3pool.pool.store import metadata_url
 from l3pool.procenv import python_env
@@ -178,9 +179,9 @@ class _NetworkTaken(ClusterError):
 
 
 def default_state_dir(name: str = DEFAULT_NAME) -> Path:
-    """/tmp/l3pool-cluster for the default name, /tmp/l3pool-cluster-{name} for others, so that
-    clusters with different names never share a state file or logs."""
-    return Path("/tmp/l3pool-cluster" if name == DEFAULT_NAME else f"/tmp/l3pool-cluster-{name}")
+    """`cluster` for the default name, `cluster-{name}` for others (so that clusters with different
+    names never share a state file or logs), in the private per-user dir of `l3pool.paths`."""
+    return runtime_dir() / ("cluster" if name == DEFAULT_NAME else f"cluster-{name}")
 
 
 # -- state file ------------------------------------------------------------------------------
@@ -399,7 +400,7 @@ class LocalCluster:
         if self._started:
             raise ClusterError("this LocalCluster was already started")
         try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise ClusterError(f"cannot create the state dir {self.state_dir}: {e.strerror or e}") from None
         self._claim_state_dir()  # raises ClusterAlreadyUp before this object owns anything
@@ -443,7 +444,7 @@ class LocalCluster:
 
     # -- state -----------------------------------------------------------------------------
     def _claim_state_dir(self) -> None:
-        with open(self.state_dir / ".lock", "w") as lock:
+        with open_log(self.state_dir / ".lock") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # check-and-write is atomic between launchers
             old = read_state(self.state_dir)
             if old is not None:
@@ -586,7 +587,7 @@ class LocalCluster:
         env = _child_env(ip if role == "agent" else None)
         if role == "agent":  # the agent's Mooncake log file (l3pool/logs.py) beside its own log
             env.setdefault("L3POOL_LOG_DIR", str(self.state_dir))
-        with open(log_path, "ab") as f:
+        with open_log(log_path) as f:
             log_from = f.tell()
             f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(full)}\n".encode())
             f.flush()

@@ -54,6 +54,21 @@ STATE_DIR_HELP = (
 )
 
 
+def recorded_pool(state_dir: str | Path | None, need: str) -> dict[str, Any]:
+    """The endpoints of the local cluster `l3pool cluster up` left running (in `state_dir`, default
+    its dir), for a tool given no --etcd (`inspect`, `purge`); UserError naming the dir otherwise."""
+    from l3pool.cli import UserError
+
+    where = Path(state_dir) if state_dir else default_state_dir()
+    state = running_cluster(where)
+    if state is None:
+        raise UserError(
+            f"no pool to {need}: no --etcd (or L3POOL_ETCD) and no local cluster running in {where}",
+            "start one with `l3pool cluster up`, or give --etcd ENDPOINTS [--master-admin URL]",
+        )
+    return dict(state["endpoints"])
+
+
 def running_cluster(state_dir: str | Path | None = None) -> dict[str, Any] | None:
     """The state of the local cluster recorded in `state_dir` (default: the default name's, where
     `l3pool cluster up` writes) when its start completed and every process is alive; else None."""

@@ -172,6 +172,34 @@ def _check_reachable(master: str, timeout: float = 2.0) -> None:
         raise StoreUnavailable(f"mooncake master {master} unreachable: {e}") from None
 
 
+def _mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _setup_cause(rc: int, segment_bytes: int) -> str:
+    """The tail of a failed setup's message: the likely cause, and where Mooncake's own log went.
+    Measured on 0.3.13: a segment the host cannot allocate returns -600 after "Failed to allocate
+    segment memory" in Mooncake's log (4 TiB on a 23 GiB host)."""
+    from l2core.units import format_size
+    from l3pool import logs
+
+    cause = ""
+    avail = _mem_available()
+    if rc == -600 and avail is not None and segment_bytes > avail:
+        cause = (f"; the segment ({format_size(segment_bytes)}) is larger than this host can allocate "
+                 f"({format_size(avail)} available): lower --segment-size")  # fmt: skip
+    where = logs.native_log()
+    return cause + (f"; Mooncake's own log: {where}" if where else "; Mooncake's own log lines went to stderr")
+
+
 def _import_mooncake() -> Any:
     try:
         from mooncake.store import MooncakeDistributedStore
@@ -208,6 +236,7 @@ class MooncakeStore:
                 f"mooncake setup failed (code {rc}): master {cfg.master}, metadata {cfg.metadata}, "
                 f"host {cfg.local_hostname}, protocol {cfg.protocol}"
                 + (f", tenant {cfg.tenant} (is it in the master's tenant quota policy?)" if cfg.tenant else "")
+                + _setup_cause(rc, int(cfg.segment_bytes))
             )
         self._registered: dict[tuple[int, int], int] = {}  # (ptr, size) -> references
         self.transfers = TransferBudget(cfg.max_transfers or transfer_limit())

@@ -706,18 +706,17 @@ def render(rep: dict[str, Any]) -> str:
 
 
 def run_chaos(args: argparse.Namespace) -> int:
+    from l3pool.cli import UserError, fail
+
     names = [s.strip() for s in args.scenarios.split(",") if s.strip()] if args.scenarios else list(SCENARIOS)
     bad = [s for s in names if s not in _FUNCS]
     if bad or not names:
-        sys.stderr.write(f"l3pool chaos: error: unknown scenario(s) {', '.join(bad) or '(none)'}; "
-                         f"choose from {', '.join(SCENARIOS)}\n")  # fmt: skip
-        return 2
+        raise UserError(f"unknown scenario(s) {', '.join(bad) or '(none)'}", f"choose from {', '.join(SCENARIOS)}")
     try:
         rep = run(names, quick=args.quick, inject_wrong=args.inject_wrong)
     except Exception as e:  # the cluster did not come up (missing binaries, no free ports)
-        sys.stderr.write(f"l3pool chaos: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
-                         "hint: `l3pool cluster up` shows what the local cluster needs\n")  # fmt: skip
-        return 2
+        return fail("l3pool chaos", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                    "`l3pool cluster up` shows what the local cluster needs")  # fmt: skip
     print(json.dumps(rep, indent=2) if args.json else render(rep))
     return 0 if rep["passed"] else 1
 
@@ -732,7 +731,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--json", action="store_true", help="machine-readable report")
     p.add_argument("--scenarios", default="", help=f"comma-separated subset of: {', '.join(SCENARIOS)}")
     p.add_argument("--inject-wrong", action="store_true", help=argparse.SUPPRESS)  # self-test: must exit 1
-    p.set_defaults(fn=run_chaos)
+    p.set_defaults(fn=run_chaos, needs_prefill=True)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from l2core.units import format_size
+from l3pool.cli import nonneg_float
 from l3pool.tools.deploy_config import (
     ADAPTER,
     ADAPTER_KEYS,
@@ -460,9 +461,10 @@ def _cmd_render(args: argparse.Namespace) -> int:
     if not chosen:
         names = sorted({p.node for p in procs})
         hosts = sorted({p.host for p in procs})
-        sys.stderr.write(f"l3pool deploy render: no node or host {args.node!r}; nodes: {', '.join(names)}; "
-                         f"hosts: {', '.join(hosts)}\n")  # fmt: skip
-        return 2
+        from l3pool.cli import UserError
+
+        raise UserError(f"no node or host {args.node!r} in {args.config}",
+                        f"nodes: {', '.join(names)}; hosts: {', '.join(hosts)}")  # fmt: skip
     firewall = {h: rules for h in dict.fromkeys(p.host for p in chosen) if (rules := firewall_rules(cfg, h))}
     if args.out:
         from l3pool.cli import output_dir
@@ -502,7 +504,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"ok": False, "problems": [p.to_json() for p in problems]}, indent=2))
         return 2
-    deadline = time.monotonic() + max(0.0, args.wait)
+    deadline = time.monotonic() + args.wait
     while True:
         v = verify(cfg)
         if v["ok"] or time.monotonic() >= deadline:
@@ -523,7 +525,7 @@ def add_parser(subparsers: Any) -> None:
     r.add_argument("--out", metavar="DIR", help="write DIR/<node>.sh start|stop|status scripts")
     r.set_defaults(fn=_cmd_render)
     v = sub.add_parser("verify", help="every configured decode node a live member donating the configured bytes?")
-    v.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="retry until OK or this long")
+    v.add_argument("--wait", type=nonneg_float, default=0.0, metavar="SECONDS", help="retry until OK or this long")
     v.set_defaults(fn=_cmd_verify)
     for s in (c, r, v):
         s.add_argument("config", metavar="CONFIG", help="cluster config (TOML)")

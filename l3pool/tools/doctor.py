@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Literal
 
 from l2core.units import ConfigError, parse_size
+from l3pool.cli import UserError, nonneg_int, positive_float
 from l3pool.pool.etcd import (
     EtcdClient,
     EtcdError,
@@ -534,8 +535,6 @@ def _validate(args: argparse.Namespace) -> None:
     unknown = sorted(set(args.skip or []) - set(CHECKS))
     if unknown:
         raise ValueError(f"--skip {','.join(unknown)}: unknown check (known: {', '.join(CHECKS)})")
-    if args.max_skew <= 0:
-        raise ValueError(f"--max-skew must be > 0, got {args.max_skew}")
 
 
 def run_doctor(args: argparse.Namespace) -> int:
@@ -544,8 +543,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     try:
         _validate(args)
     except (ValueError, ConfigError) as e:
-        sys.stderr.write(f"l3pool doctor: error: {e}\n")
-        return 2
+        raise UserError(str(e)) from None
     checks = run_checks(args)
     failed = [c.name for c in checks if c.status == "FAIL"]
     if args.json:
@@ -574,8 +572,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="memory this node will pin/register (prefill: the L2 pool; decode: the donated segment), e.g. 64GB",
     )
     p.add_argument("--protocol", choices=("tcp", "rdma"), help="the Mooncake protocol this node will use")
-    p.add_argument("--gpu", type=int, metavar="N", help="the GPU (by PCI order) this node's engine uses")
-    p.add_argument("--max-skew", type=float, default=1.0, metavar="S", help="clock skew vs etcd that fails (s)")
+    p.add_argument("--gpu", type=nonneg_int, metavar="N", help="the GPU (by PCI order) this node's engine uses")
+    p.add_argument(
+        "--max-skew", type=positive_float, default=1.0, metavar="S", help="clock skew vs etcd that fails (s)"
+    )
     p.add_argument("--skip", type=_skip_list, metavar="A,B", help=f"checks to leave out ({', '.join(CHECKS)})")
     p.add_argument("--sys-root", default="/", metavar="DIR", help="read /sys under DIR (default /)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")

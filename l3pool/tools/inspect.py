@@ -30,6 +30,7 @@ import urllib.request
 from typing import Any
 
 from l2core.units import format_size
+from l3pool.cli import UserError
 from l3pool.pool.etcd import EtcdClient, EtcdError, EtcdSecurity, add_security_args, security_from_args
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata
 from l3pool.pool.trailer import object_bytes
@@ -332,28 +333,18 @@ def run_inspect(args: argparse.Namespace) -> int:
     endpoints = args.etcd or os.environ.get("L3POOL_ETCD", "")
     admin = args.master_admin or os.environ.get("L3POOL_MASTER_ADMIN") or None
     if not endpoints:  # the local cluster `l3pool cluster up` left running, if any
-        from l3pool.cli import UserError
-        from l3pool.cluster.local import default_state_dir
-        from l3pool.cluster.running import running_cluster
+        from l3pool.cluster.running import recorded_pool
 
-        state_dir = args.state_dir or default_state_dir()
-        state = running_cluster(state_dir)
-        if state is None:
-            raise UserError(
-                f"no pool to inspect: no --etcd (or L3POOL_ETCD) and no local cluster running in {state_dir}",
-                "start one with `l3pool cluster up`, or give --etcd ENDPOINTS [--master-admin URL]",
-            )
-        endpoints, admin = state["endpoints"]["etcd"], admin or state["endpoints"]["admin"]
+        ep = recorded_pool(args.state_dir, "inspect")
+        endpoints, admin = ep["etcd"], admin or ep["admin"]
         if args.key_prefix == DEFAULT_PREFIX:
-            args.key_prefix = state["endpoints"].get("key_prefix") or DEFAULT_PREFIX
+            args.key_prefix = ep.get("key_prefix") or DEFAULT_PREFIX
     try:
         report = collect(endpoints, admin, args.key_prefix, security_from_args(args))
     except ValueError as e:  # bad endpoint, prefix or security setting
-        sys.stderr.write(f"l3pool inspect: error: {e}\n")
-        return 2
+        raise UserError(str(e)) from None
     except InspectError as e:
-        sys.stderr.write(f"l3pool inspect: error: {e}\n")
-        return 1
+        raise UserError(str(e), code=1) from None
     sys.stdout.write((json.dumps(report, indent=2) if args.json else render(report)) + "\n")
     return 0
 
@@ -368,7 +359,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="mooncake_master admin address http://HOST:METRICS_PORT (or env L3POOL_MASTER_ADMIN)",
     )
     p.add_argument("--state-dir", help="without --etcd: the local cluster recorded here (default: `l3pool cluster "
-                   "up`'s, /tmp/l3pool-cluster)")  # fmt: skip
+                   "up`'s)")  # fmt: skip
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help=f"etcd key prefix (default {DEFAULT_PREFIX})")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     add_security_args(p)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from l2core.units import format_size
-from l3pool.cli import UserError, fail, guarded, output_file
+from l3pool.cli import UserError, fail, guarded, output_file, positive_int, segment_size
 from l3pool.cluster.running import STATE_DIR_HELP, Endpoints, pool_endpoints
 from l3pool.measure import percentile
 from l3pool.procenv import python_env
@@ -427,16 +427,11 @@ def _interrupt_arg(v: str) -> str:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    for name in ("pages", "batch", "requests", "inflight", "layers", "page_size"):
-        if getattr(args, name) < 1:
-            print(f"l3pool prefetch-check: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("l3pool prefetch-check: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-            return 2
+            raise UserError("--plot needs matplotlib", "pip install matplotlib") from None
         output_file(args.plot, "--plot")
     ps = PrefixSet(args.layers, args.page_size, args.pages, args.requests, args.seed, uuid.uuid4().hex)
     try:
@@ -461,22 +456,29 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--master", help="mooncake_master host:port of a running pool (default: start a local cluster)")
     p.add_argument("--metadata", help="metadata server URL (with --master)")
     p.add_argument("--host", help="this client's address (with --master; export MC_TCP_BIND_ADDRESS too)")
-    p.add_argument("--pages", type=int, default=512, help="pages per request (default %(default)s)")
-    p.add_argument("--batch", type=int, default=32, help="prefetch batch, pages (default %(default)s)")
-    p.add_argument("--requests", type=int, default=4, help="test prefixes (default %(default)s)")
-    p.add_argument("--inflight", type=int, default=2, help="concurrent prefetches (default %(default)s)")
+    p.add_argument("--pages", type=positive_int, default=512, help="pages per request (default %(default)s)")
+    p.add_argument("--batch", type=positive_int, default=32, help="prefetch batch, pages (default %(default)s)")
+    p.add_argument("--requests", type=positive_int, default=4, help="test prefixes (default %(default)s)")
+    p.add_argument("--inflight", type=positive_int, default=2, help="concurrent prefetches (default %(default)s)")
     p.add_argument("--interrupt-after", type=_interrupt_arg, default="random",
                    help="fraction of a full prefetch's time before interrupt(), or 'random' (default)")  # fmt: skip
-    p.add_argument("--layers", type=int, default=8, help="MLA layers of the test KV spec (default %(default)s)")
-    p.add_argument("--page-size", type=int, default=64, help="tokens per page (default %(default)s)")
+    p.add_argument(
+        "--layers", type=positive_int, default=8, help="MLA layers of the test KV spec (default %(default)s)"
+    )
+    p.add_argument("--page-size", type=positive_int, default=64, help="tokens per page (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--segment-size", default="1GB", help="DRAM per agent of the local cluster (default %(default)s)")
+    p.add_argument(
+        "--segment-size",
+        type=segment_size,
+        default="1GB",
+        help="DRAM per agent of the local cluster (default %(default)s)",
+    )
     p.add_argument("--name", help="name of a local cluster started here (default: random)")
     p.add_argument("--state-dir", help=STATE_DIR_HELP)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="latency plot (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(fn=_cmd)
+    p.set_defaults(fn=_cmd, needs_prefill=True)
 
 
 if __name__ == "__main__":

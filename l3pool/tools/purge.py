@@ -195,12 +195,18 @@ def run_purge(args: argparse.Namespace) -> int:
     args.etcd = args.etcd or os.environ.get("L3POOL_ETCD") or None
     args.master_admin = args.master_admin or os.environ.get("L3POOL_MASTER_ADMIN") or None
     try:
-        if not args.etcd:
-            raise PurgeError("--etcd is required (or set L3POOL_ETCD)", code=2)
         if args.tenant is not None and args.model is None:
             raise PurgeError("--tenant selects among the namespaces of a --model", code=2)
         if args.namespace is None and args.model is None:
             raise PurgeError("choose what to purge: --namespace ID or --model M [--tenant T]", code=2)
+        if not args.etcd:  # the local cluster `l3pool cluster up` left running, as `inspect` finds it
+            from l3pool.cluster.running import recorded_pool
+
+            ep = recorded_pool(args.state_dir, "purge")
+            args.etcd, args.master = ep["etcd"], args.master or ep["master"]
+            args.master_admin = args.master_admin or ep.get("admin")
+            if args.key_prefix == DEFAULT_PREFIX:
+                args.key_prefix = ep.get("key_prefix") or DEFAULT_PREFIX
         try:
             check_prefix(args.key_prefix)
             if args.namespace is not None:
@@ -211,8 +217,9 @@ def run_purge(args: argparse.Namespace) -> int:
             raise PurgeError(str(e), code=2) from None
         report = purge(args)
     except PurgeError as e:
-        sys.stderr.write(f"l3pool purge: error: {e}\n")
-        return e.code
+        from l3pool.cli import fail
+
+        return fail("l3pool purge", str(e), code=e.code)
     sys.stdout.write((json.dumps(report, indent=2) if args.json else render(report)) + "\n")
     return 1 if report.get("failed") else 0
 
@@ -223,7 +230,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     sel.add_argument("--namespace", metavar="ID", help="one namespace id (as `l3pool inspect` lists them)")
     sel.add_argument("--model", metavar="M", help="every namespace of this model fingerprint")
     p.add_argument("--tenant", metavar="T", help="with --model: only this tenant's namespaces ('' for none)")
-    p.add_argument("--etcd", metavar="ENDPOINTS", help="etcd endpoints (or env L3POOL_ETCD)")
+    p.add_argument(
+        "--etcd",
+        metavar="ENDPOINTS",
+        help="etcd endpoints (or env L3POOL_ETCD; default: the local cluster of `l3pool cluster up`)",
+    )
+    p.add_argument("--state-dir", help="without --etcd: the local cluster recorded here (default: `l3pool cluster "
+                   "up`'s)")  # fmt: skip
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help=f"etcd key prefix (default {DEFAULT_PREFIX})")
     p.add_argument("--master", metavar="HOST:PORT", help="mooncake_master RPC (default: the live members' master)")
     p.add_argument(

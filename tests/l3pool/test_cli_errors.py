@@ -3,7 +3,10 @@
 Each case runs `python -m l3pool ...` or `python -m bench.X ...` with one kind of mistake (a path
 that cannot be written, a missing or malformed config, an unreachable endpoint, a too-small or
 unparsable size, a writer subprocess that fails) and must exit non-zero with no "Traceback"
-anywhere, its error as the last stderr line (or the one before a `hint:` line). The cases run
+anywhere, its error as the last stderr line (or the one before a `hint:` line) with the
+`<prog>: error: ` prefix, and under `--json` the same error as a JSON object on stdout. The
+`notorch` cases run where `import torch` fails (a decode node's `l3pool[agent]` install): the
+commands that need torch must say so before they start a cluster or write anything. The cases run
 concurrently from one module fixture (about 1-4 s of interpreter start each) so the sweep stays
 well under a minute; the parametrised tests only judge the results.
 """
@@ -21,9 +24,11 @@ from pathlib import Path
 
 import pytest
 
+from l3pool.pool.etcd import EtcdClient
+from l3pool.pool.metadata import Metadata
 from l3pool.procenv import python_env
 
-from .conftest import free_ports
+from .conftest import EtcdServer, MasterServer, agent_args, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "cluster.example.toml"
@@ -36,6 +41,7 @@ class Case:
     expect: str  # in the error line
     hint: bool = False  # a `hint:` line must follow the error line
     error_last: bool = True  # False: a report (doctor's FAIL lines), not a one-line error
+    notorch: bool = False  # run where torch cannot be imported, with a $TMPDIR that must stay empty
 
 
 def _cases(tmp: Path) -> list[Case]:
@@ -48,7 +54,58 @@ def _cases(tmp: Path) -> list[Case]:
     cache_small = ("--pages", "8", "--hit", "4", "--requests", "2", "--rounds", "1", "--l1-pages", "16",
                    "--backup-pages", "2", "--backup-requests", "1")  # fmt: skip
     L = ("l3pool",)
+    NOTORCH = "this command needs torch (the prefill extra), which this installation lacks: No module named 'torch'"
     return [
+        # a torch-free install: the commands that need torch refuse first, one line + the install hint
+        Case("notorch-demo", (*L, "demo", "--quick", "--out", str(tmp / "nt-demo")), NOTORCH, True, notorch=True),
+        Case("notorch-prefetch-check", (*L, "prefetch-check", "--no-progress"), NOTORCH, True, notorch=True),
+        Case("notorch-chaos", (*L, "chaos", "--quick"), NOTORCH, True, notorch=True),
+        Case("notorch-chaos-json", (*L, "chaos", "--quick", "--json"), NOTORCH, True, notorch=True),
+        *(
+            Case(f"notorch-{m}", (m, "--json"), f"{NOTORCH}", True, notorch=True)
+            for m in ("bench.l3", "bench.prefetch", "bench.cache", "bench.transfer")
+        ),
+        # bounds: zero or negative values are refused by the flags' types, also when unused
+        Case("prefetch-zero-pages", (*L, "prefetch-check", "--pages", "0"), "argument --pages: must be >= 1, got '0'"),
+        Case(
+            "prefetch-zero-pages-json",
+            (*L, "prefetch-check", "--pages", "0", "--json"),
+            "argument --pages: must be >= 1, got '0'",
+        ),
+        Case(
+            "cluster-up-zero-agents",
+            (*L, "cluster", "up", "--agents", "0", "--state-dir", str(tmp / "c4"), "--json"),
+            "argument --agents: must be >= 1, got '0'",
+        ),
+        Case(
+            "deploy-verify-negative-wait",
+            (*L, "deploy", "verify", str(EXAMPLE), "--wait", "-1"),
+            "argument --wait: must be >= 0, got '-1'",
+        ),
+        Case("demo-zero-sessions", (*L, "demo", "--sessions", "0"), "argument --sessions: must be >= 1, got '0'"),
+        Case("doctor-negative-gpu", (*L, "doctor", "--gpu", "-1"), "argument --gpu: must be >= 0, got '-1'"),
+        Case(
+            "prefetch-segment-too-small-with-master",  # unused with --master: still checked
+            (*L, "prefetch-check", "--segment-size", "1KB", *dead),
+            "argument --segment-size: 1 KB is below Mooncake's minimum segment of 16.78 MB (16 MiB); raise it",
+        ),
+        # --json: the error as a JSON object on stdout too
+        Case(
+            "inspect-no-cluster-json", (*L, "inspect", "--state-dir", str(empty), "--json"), "no pool to inspect", True
+        ),
+        Case(
+            "deploy-render-unknown-node-json",
+            (*L, "deploy", "render", str(EXAMPLE), "--node", "nope", "--json"),
+            "no node or host 'nope'",
+            True,
+        ),
+        Case(
+            "bench-l3-master-unreachable-json",
+            ("bench.l3", "--pages", "1", "--rounds", "1", *dead, "--json"),
+            f"mooncake master 127.0.0.1:{port} unreachable",
+            True,
+        ),
+        Case("purge-no-cluster", (*L, "purge", "--model", "m", "--state-dir", str(empty)), "no pool to purge", True),
         # demo
         Case("demo-out-is-file", (*L, "demo", "--quick", "--out", str(afile)), "is a file, not a directory", True),
         Case("demo-out-under-file", (*L, "demo", "--quick", "--out", str(afile / "x")), "is a file, not a directory"),
@@ -72,7 +129,7 @@ def _cases(tmp: Path) -> list[Case]:
         Case(
             "prefetch-segment-too-small",  # no cluster running there: it would start one, refused first
             (*L, "prefetch-check", "--segment-size", "1KB", "--state-dir", str(empty)),
-            "--segment-size 1 KB is below Mooncake's minimum segment of 16.78 MB (16 MiB); raise --segment-size",
+            "argument --segment-size: 1 KB is below Mooncake's minimum segment of 16.78 MB (16 MiB); raise it",
         ),
         Case(
             "prefetch-set-exceeds-own-cluster",  # refused after its own 2 x 16 MiB cluster is up, before writing
@@ -118,13 +175,13 @@ def _cases(tmp: Path) -> list[Case]:
             "is a file, not a directory",
             True,
         ),
-        Case("deploy-render-unknown-node", (*L, "deploy", "render", str(EXAMPLE), "--node", "nope"), "no node"),
+        Case("deploy-render-unknown-node", (*L, "deploy", "render", str(EXAMPLE), "--node", "nope"), "no node", True),
         Case("deploy-verify-malformed", (*L, "deploy", "verify", str(bad_toml)), "is not valid TOML"),
         # cluster
         Case(
             "cluster-up-segment-too-small",
             (*L, "cluster", "up", "--segment-size", "1KB", "--state-dir", str(tmp / "c1")),
-            "--segment-size 1 KB is below Mooncake's minimum segment of 16.78 MB (16 MiB); raise --segment-size",
+            "argument --segment-size: 1 KB is below Mooncake's minimum segment of 16.78 MB (16 MiB); raise it",
         ),
         Case(
             "cluster-up-bad-size",
@@ -174,7 +231,7 @@ def _cases(tmp: Path) -> list[Case]:
             (*L, "agent", "--master", f"127.0.0.1:{port}", "--etcd", etcd, "--segment-size", "16MiB"),
             "etcd unreachable",
         ),
-        Case("chaos-unknown-scenario", (*L, "chaos", "--scenarios", "bogus"), "unknown scenario(s) bogus"),
+        Case("chaos-unknown-scenario", (*L, "chaos", "--scenarios", "bogus"), "unknown scenario(s) bogus", True),
         Case("purge-etcd-unreachable", (*L, "purge", "--etcd", etcd, "--model", "m", "--dry-run"), "etcd unreachable"),
         Case("doctor-bad-size", (*L, "doctor", "--l2-size", "lots"), "--l2-size: cannot parse 'lots'"),
         Case(
@@ -198,7 +255,7 @@ def _cases(tmp: Path) -> list[Case]:
         Case(
             "bench-l3-segment-too-small",
             ("bench.l3", "--segment-size", "8MiB", "--state-dir", str(empty)),
-            "--segment-size 8 MiB is below Mooncake's minimum segment of 16 MiB; raise --segment-size",
+            "argument --segment-size: 8 MiB is below Mooncake's minimum segment of 16 MiB; raise it",
         ),
         Case("bench-l3-unknown-model", ("bench.l3", "--models", "mla,gpt"), "--models: unknown gpt"),
         Case("bench-l3-out-under-file", ("bench.l3", "--out", str(afile / "r.json"), *dead), "is a file"),
@@ -225,7 +282,7 @@ def _cases(tmp: Path) -> list[Case]:
         Case(
             "bench-cache-segment-too-small",
             ("bench.cache", *cache_small, "--segment-size", "1MB", "--state-dir", str(empty)),
-            "--segment-size 1 MB is below Mooncake's minimum",
+            "argument --segment-size: 1 MB is below Mooncake's minimum",
         ),
         Case("bench-cache-out-under-file", ("bench.cache", "--no-l3", "--out", str(afile / "r.json")), "is a file"),
         Case(
@@ -237,22 +294,47 @@ def _cases(tmp: Path) -> list[Case]:
     ]
 
 
-def _run(argv: tuple[str, ...], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = python_env(base={k: v for k, v in os.environ.items() if not k.startswith(("L3POOL_", "MC_"))})
+def _run(argv: tuple[str, ...], cwd: Path, notorch: Path | None = None, tmpdir: Path | None = None
+         ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """`python -m argv` without our L3POOL_/MC_ variables; `notorch`: a directory whose `torch`
+    package fails to import, first on PYTHONPATH; `tmpdir`: the child's $TMPDIR."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("L3POOL_", "MC_"))}
+    if notorch is not None:
+        base["PYTHONPATH"] = os.pathsep.join(p for p in (str(notorch), base.get("PYTHONPATH")) if p)
+    if tmpdir is not None:
+        base["TMPDIR"] = str(tmpdir)
+    env = python_env(base=base)
     return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Case, subprocess.CompletedProcess[str]]]:
-    tmp = tmp_path_factory.mktemp("cli-errors")
+def cli_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cli-errors")
+
+
+@pytest.fixture(scope="module")
+def results(cli_tmp: Path) -> dict[str, tuple[Case, subprocess.CompletedProcess[str]]]:
+    tmp = cli_tmp
     (tmp / "afile").write_text("not a directory\n")
     (tmp / "bad.toml").write_text("[etcd\nhosts = \n")
     (tmp / "unknown.toml").write_text(EXAMPLE.read_text() + "\nbogus_key = 1\n")
     (tmp / "no-cluster").mkdir()
+    notorch = tmp / "notorch"
+    (notorch / "torch").mkdir(parents=True)
+    (notorch / "torch" / "__init__.py").write_text(
+        'raise ModuleNotFoundError("No module named \'torch\'", name="torch")\n'
+    )
     cases = _cases(tmp)
+    for c in cases:
+        if c.notorch:
+            (tmp / f"tmp-{c.id}").mkdir()
+
+    def one(c: Case) -> subprocess.CompletedProcess[str]:
+        return _run(c.argv, REPO, notorch if c.notorch else None, tmp / f"tmp-{c.id}" if c.notorch else None)
+
     with ThreadPoolExecutor(max_workers=2) as pool:  # a start costs ~0.3 s (3 s with torch) of one core
-        done = list(pool.map(lambda c: _run(c.argv, REPO), cases))
+        done = list(pool.map(one, cases))
     return {c.id: (c, r) for c, r in zip(cases, done, strict=True)}
 
 
@@ -260,8 +342,8 @@ CASE_IDS = [c.id for c in _cases(Path("/nonexistent"))]
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
-def test_one_clear_line_no_traceback(case_id: str, results: dict[str, tuple[Case, subprocess.CompletedProcess[str]]]
-                                     ) -> None:  # fmt: skip
+def test_one_clear_line_no_traceback(case_id: str, results: dict[str, tuple[Case, subprocess.CompletedProcess[str]]],
+                                     cli_tmp: Path) -> None:  # fmt: skip
     case, r = results[case_id]
     shown = f"rc={r.returncode}\nstdout:\n{r.stdout[-1500:]}\nstderr:\n{r.stderr[-3000:]}"
     assert r.returncode not in (0, None), shown
@@ -280,6 +362,16 @@ def test_one_clear_line_no_traceback(case_id: str, results: dict[str, tuple[Case
         error = "\n".join(lines[-2:])  # `deploy check`: one line per problem, then the count
     assert case.expect in error, shown
     assert "\n" not in error.strip() or case.id.startswith("deploy"), shown
+    assert re.match(r"\S.*?: error: ", error), shown  # one convention: `<prog>: error: `
+    if "--json" in case.argv:  # the same error as one JSON object, the last line on stdout
+        obj = json.loads(r.stdout.strip().splitlines()[-1])
+        assert case.expect in obj["error"] and set(obj) == {"error", "hint"}, shown
+        if case.hint:
+            assert lines[-1].endswith(f": hint: {obj['hint']}"), shown
+    if case.notorch:  # refused before anything: no cluster state, no log, no report was written
+        assert "pip install 'l3pool[prefill]'" in lines[-1], shown
+        assert list((cli_tmp / f"tmp-{case.id}").iterdir()) == [], shown
+        assert not (cli_tmp / "nt-demo").exists(), shown
 
 
 # -- with a running local cluster (one, shared) ---------------------------------------------------
@@ -344,12 +436,54 @@ def test_tools_reuse_the_running_local_cluster(tmp_path: Path) -> None:
         assert hint.endswith("the test set is 144 MiB: lower --pages/--requests, or use a pool with more donated "
                              "memory (l3pool cluster up --segment-size)"), hint  # fmt: skip
         r = _run(("l3pool", "inspect", "--state-dir", str(state), "--json"), REPO)
-        assert json.loads(r.stdout)["master"]["keys"] == 0  # the check and the benchmarks left nothing behind
+        rep = json.loads(r.stdout)
+        assert rep["master"]["keys"] == 0  # the check and the benchmarks left nothing behind
+
+        # flags are checked even where the running cluster leaves them unused
+        r = _run(("l3pool", "prefetch-check", "--state-dir", str(state), "--segment-size", "1KB"), REPO)
+        assert r.returncode == 2 and "error: argument --segment-size: 1 KB is below" in r.stderr, r.stderr[-2000:]
+        # purge finds the running cluster as inspect does (no --etcd, --master or --master-admin)
+        etcd = EtcdClient(ep["etcd"])
+        try:
+            Metadata(etcd, ep.get("key_prefix") or "/l3pool").register_namespace("ce-purge-ns", {"model": "ce-purge"})
+        finally:
+            etcd.close()
+        r = _run(("l3pool", "purge", "--state-dir", str(state), "--model", "ce-purge", "--yes", "--forget", "--json"),
+                 REPO)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        rep = json.loads(r.stdout)
+        assert rep["failed"] == [] and rep["removed"] == 0, rep
+        assert [(n["namespace"], n["objects"], n["left"], n["forgotten"]) for n in rep["namespaces"]] == [
+            ("ce-purge-ns", 0, 0, True)]  # fmt: skip
     finally:
         down = _run(("l3pool", "cluster", "down", "--state-dir", str(state)), REPO)
     assert down.returncode == 0, down.stderr
     assert "removed:" in down.stdout and "keep them with --keep-logs" in down.stdout
     assert not any(p.exists() for p in logs) and not state.exists()  # logs, state file and the dir it made
+
+
+def test_agent_setup_failure_names_its_cause_and_log(
+    etcd_server: EtcdServer, mooncake_master: MasterServer, tmp_path: Path
+) -> None:
+    """A segment larger than the host can allocate: Mooncake's setup answers -600 (its reason only
+    in its own log); the agent's one error line says what is wrong and names that log file."""
+    logs = tmp_path / "logs"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("L3POOL_", "MC_"))} | {"L3POOL_LOG_DIR": str(logs)}
+    argv = agent_args(etcd_server, mooncake_master, "/l3t-setup", "--segment-size", "4TiB")
+    r = subprocess.run([sys.executable, "-m", "l3pool", "agent", *argv], cwd=REPO, env=python_env(base=base),
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ": error: " in ln]
+    assert len(errors) == 1 and errors[0] == r.stderr.strip().splitlines()[-1], r.stderr[-3000:]
+    m = re.fullmatch(
+        r"l3pool agent: error: mooncake setup failed \(code -600\): master \S+, metadata \S+, host \S+, protocol tcp; "
+        r"the segment \(4 TiB\) is larger than this host can allocate \([0-9.]+ [KMGT]i?B available\): lower "
+        r"--segment-size; Mooncake's own log: (\S+)",
+        errors[0],
+    )
+    assert m, errors[0]
+    log = Path(m.group(1))
+    assert log.parent == logs and "Failed to allocate segment memory" in log.read_text()
 
 
 def _guarded_child(body: str, reader_closed: bool) -> subprocess.CompletedProcess[str]:

@@ -41,6 +41,8 @@ DEFAULTS_GPU = {
 
 
 def add_parser(subparsers: Any) -> None:
+    from l3pool.cli import nonneg_int, positive_int, segment_size
+
     p = subparsers.add_parser(
         "demo",
         help="local PD-disaggregated demo: reference engine + agentic trace over L1/L2/L3",
@@ -51,29 +53,38 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--out", type=Path, default=Path("demo-out"), help="directory for report.json and plots")
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
-    p.add_argument("--sessions", type=int, help="agent sessions")
-    p.add_argument("--turns", type=int, help="turns per session")
-    p.add_argument("--min-context", type=int, help="first-turn length in tokens")
-    p.add_argument("--max-context", type=int, help="longest request in tokens")
+    p.add_argument("--sessions", type=positive_int, help="agent sessions")
+    p.add_argument("--turns", type=positive_int, help="turns per session")
+    p.add_argument("--min-context", type=positive_int, help="first-turn length in tokens")
+    p.add_argument("--max-context", type=positive_int, help="longest request in tokens")
     p.add_argument("--reuse", type=float, default=0.8, help="target prefix reuse per turn (default 0.8)")
     p.add_argument("--attention", choices=["mla", "mha"], default="mla")
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=positive_int, default=8)
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="auto", help="L1 device (auto: cuda if present)"
     )
-    p.add_argument("--instances", type=int, default=2, help="prefill instances sharing the L3 pool")
-    p.add_argument("--l1-tokens", type=int, default=0, help="L1 capacity per instance (default max context + 2 pages)")
-    p.add_argument("--l2-tokens", type=int, default=0, help="L2 capacity per instance (default 3 x max context)")
-    p.add_argument("--queue-depth", type=int, default=2, help="requests in the system at once (default 2)")
-    p.add_argument("--repeats", type=int, help="runs per variant for the overlap/prefetch savings (quick 2, else 3)")
+    p.add_argument("--instances", type=positive_int, default=2, help="prefill instances sharing the L3 pool")
     p.add_argument(
-        "--side-sessions", type=int, default=0, help="sessions replayed for savings/policies/sweep (default: half)"
+        "--l1-tokens", type=nonneg_int, default=0, help="L1 capacity per instance (default max context + 2 pages)"
     )
-    p.add_argument("--side-turns", type=int, help="turns replayed for savings/policies/sweep (quick: all, else 3)")
+    p.add_argument("--l2-tokens", type=nonneg_int, default=0, help="L2 capacity per instance (default 3 x max context)")
+    p.add_argument("--queue-depth", type=positive_int, default=2, help="requests in the system at once (default 2)")
+    p.add_argument(
+        "--repeats", type=positive_int, help="runs per variant for the overlap/prefetch savings (quick 2, else 3)"
+    )
+    p.add_argument(
+        "--side-sessions",
+        type=nonneg_int,
+        default=0,
+        help="sessions replayed for savings/policies/sweep (default: half)",
+    )
+    p.add_argument(
+        "--side-turns", type=positive_int, help="turns replayed for savings/policies/sweep (quick: all, else 3)"
+    )
     p.add_argument("--sweep-l2", action="store_true", help="also sweep the L2 capacity and recommend a size")
     p.add_argument("--layout", choices=["layer_first", "page_first", "page_first_direct"], default="page_first_direct")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--segment-size", default="1GB", help="DRAM each local decode agent donates")
+    p.add_argument("--segment-size", type=segment_size, default="1GB", help="DRAM each local decode agent donates")
     p.add_argument("--master", help="host:port of a running pool's mooncake_master (default: start a local cluster)")
     p.add_argument("--metadata", help="the running pool's Mooncake metadata URL")
     p.add_argument("--host", help="this node's IP as Mooncake peers reach it (running pool)")
@@ -82,7 +93,7 @@ def add_parser(subparsers: Any) -> None:
     from l3pool.pool.etcd import add_security_args
 
     add_security_args(p)  # for --etcd of a running pool
-    p.set_defaults(fn=_cmd)
+    p.set_defaults(fn=_cmd, needs_prefill=True)
 
 
 class DemoError(RuntimeError):

@@ -29,6 +29,7 @@ import l3pool.cluster.local as cluster_mod
 from l3pool.cluster._os import freeze_group
 from l3pool.cluster.local import ClusterAlreadyUp, ClusterError, LocalCluster, down, read_state
 from l3pool.cluster.running import status
+from l3pool.paths import runtime_dir
 from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 from l3pool.procenv import python_env
@@ -183,7 +184,8 @@ def test_concurrent_clusters_get_own_subnets_and_dirs(tmp_path: Path) -> None:
     """No subnet given: two clusters up at once take different free 10.77.N.0/24."""
     a = LocalCluster(agents=1, segment_size="16MiB", netns="on", name=_name("6"))
     b = LocalCluster(agents=1, segment_size="16MiB", netns="on", name=_name("7"))
-    assert a.state_dir != b.state_dir and a.state_dir.name.startswith("l3pool-cluster-l3pt6")
+    assert a.state_dir != b.state_dir and a.state_dir.name.startswith("cluster-l3pt6")
+    assert a.state_dir.parent == runtime_dir().resolve() and oct(runtime_dir().stat().st_mode & 0o777) == "0o700"
     try:
         with a, b:
             assert a.subnet != b.subnet and a.client_host != b.client_host

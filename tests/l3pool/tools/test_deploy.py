@@ -312,7 +312,11 @@ def test_render_select_and_scripts(tmp_path: Path, capsys: pytest.CaptureFixture
         f"# l3pool firewall for 10.0.0.1: run as root (`l3pool deploy render {EXAMPLE} --node 10.0.0.1`)",
     ]
     rc, _, err = _cli(capsys, "render", str(EXAMPLE), "--node", "nope")
-    assert rc == 2 and "no node or host 'nope'; nodes: decode-0" in err
+    assert rc == 2 and err.splitlines() == [
+        f"l3pool deploy: error: no node or host 'nope' in {EXAMPLE}",
+        "l3pool deploy: hint: nodes: decode-0, decode-1, decode-2, decode-3, etcd, master, prefill-0, prefill-1, "
+        "router; hosts: 10.0.0.1, 10.0.0.11, 10.0.0.12, 10.0.1.21, 10.0.1.22, 10.0.1.23, 10.0.1.24",
+    ]
     rc, out, _ = _cli(capsys, "render", str(EXAMPLE), "--out", str(tmp_path / "s"))
     assert rc == 0 and "wrote" in out
     scripts = sorted(p.name for p in (tmp_path / "s").iterdir())
