@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from l3pool.pool.breaker import Breaker
-from l3pool.pool.transfers import TransferBudget, fragment_chunks, transfer_limit
+from l3pool.pool.transfers import TransferBudget, default_budget, fragment_chunks
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +137,8 @@ class StoreConfig:
     probe_timeout_s: float = 1.0  # a probe's batch_is_exist must answer within this (healthy: ~1 ms)
     probe_backoff_s: tuple[float, float] = (0.05, 0.5)  # first and longest wait between probes
     health_max_age_s: float = 1.0  # healthy() probes when no call succeeded for this long
-    # transfer fragments in flight at once, all calls together (l3pool.pool.transfers); 0: what
-    # Mooncake's TCP transport allows in this process (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER)
+    # transfer fragments in flight at once, all calls together (l3pool.pool.transfers); 0: half of
+    # what Mooncake's TCP transport queues in this process (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER)
     max_transfers: int = 0
 
     def __post_init__(self) -> None:
@@ -239,7 +239,7 @@ class MooncakeStore:
                 + _setup_cause(rc, int(cfg.segment_bytes))
             )
         self._registered: dict[tuple[int, int], int] = {}  # (ptr, size) -> references
-        self.transfers = TransferBudget(cfg.max_transfers or transfer_limit())
+        self.transfers = TransferBudget(cfg.max_transfers or default_budget())
         self._last_ok = time.monotonic()
         self._probe_thread: threading.Thread | None = None
         self.breaker = Breaker(

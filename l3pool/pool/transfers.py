@@ -12,6 +12,11 @@ not. So every call that moves bytes goes through a `TransferBudget`: a call is c
 at most `limit` fragments (`fragment_chunks`), and each part holds its fragments of the budget
 while inside Mooncake, so concurrent calls of one client together never exceed it.
 
+The budget is half of Mooncake's queue (`default_budget`): the transport frees a finished call's
+queue entries asynchronously, so a call admitted the moment another one returned could still
+find the queue full (seen in a fresh root: four threads of 2046-fragment calls under a budget of
+the full 2048 failed 34 of 62 fragments of some calls; half the queue never did).
+
 `transfer_limit()` reads the variable the way Mooncake does (digits only, 1..65535; anything else
 is Mooncake's default) — we read the environment, never write it.
 """
@@ -36,6 +41,11 @@ def transfer_limit(environ: Mapping[str, str] | None = None) -> int:
     if raw is None or not raw.isdigit() or not 1 <= int(raw) <= _MAX_TRANSFER_LIMIT:
         return DEFAULT_TRANSFER_LIMIT
     return int(raw)
+
+
+def default_budget(environ: Mapping[str, str] | None = None) -> int:
+    """Fragments one client keeps in flight at most: half of Mooncake's per-peer queue."""
+    return max(1, transfer_limit(environ) // 2)
 
 
 def fragment_chunks(counts: Sequence[int] | np.ndarray, limit: int) -> list[tuple[int, int]]:

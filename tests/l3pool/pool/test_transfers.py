@@ -23,7 +23,13 @@ from l3pool.pool.client import L3Client
 from l3pool.pool.etcd import EtcdUnavailable
 from l3pool.pool.keys import Namespace
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig, StoreError
-from l3pool.pool.transfers import DEFAULT_TRANSFER_LIMIT, TransferBudget, fragment_chunks, transfer_limit
+from l3pool.pool.transfers import (
+    DEFAULT_TRANSFER_LIMIT,
+    TransferBudget,
+    default_budget,
+    fragment_chunks,
+    transfer_limit,
+)
 
 from ..fake_store import FakePageStore
 from ..pool_helpers import random_keys, random_pool
@@ -37,6 +43,7 @@ def test_transfer_limit_reads_the_variable_as_mooncake_does() -> None:
     assert transfer_limit({env: "4096"}) == 4096
     for bad in ("", "-1", "0", "1e3", "65536", "12 "):  # Mooncake falls back to its default
         assert transfer_limit({env: bad}) == DEFAULT_TRANSFER_LIMIT, bad
+    assert default_budget({}) == 1024 and default_budget({env: "1"}) == 1  # half the queue, at least 1
 
 
 def test_fragment_chunks_fit_the_limit_in_order() -> None:
@@ -221,7 +228,7 @@ def test_large_calls_and_concurrent_calls_stay_under_the_limit(store: MooncakeSt
         pool, store, Namespace.for_pool(spec, "page_first", "big", tenant=uuid.uuid4().hex), batch_pages=2000
     )
     try:
-        assert client.batch_pages == 1024  # 2 fragments per page
+        assert client.batch_pages == 512  # 2 fragments per page, half of Mooncake's 2048 in flight
         t0 = time.monotonic()
         put, got, same = _round_trip(client, pool, 2000, 1)
         assert put == [Outcome.OK] * 2000 and got == [Outcome.OK] * 2000 and same
@@ -258,10 +265,11 @@ def test_large_calls_and_concurrent_calls_stay_under_the_limit(store: MooncakeSt
     results: dict[int, tuple[list[Outcome], list[Outcome]]] = {}
     try:
 
-        def work(t: int) -> None:
-            keys = random_keys(client.ns, 30, seed=100 + t)
+        def work(t: int) -> None:  # three rounds back to back: a call starts as another returns
             src, dst = range(30 * t, 30 * t + 30), range(120 + 30 * t, 150 + 30 * t)
-            results[t] = (client.put(keys, src), client.get(keys, dst))
+            for r in range(3):
+                keys = random_keys(client.ns, 30, seed=100 + 10 * r + t)
+                results[3 * t + r] = (client.put(keys, src), client.get(keys, dst))
 
         want = pool.read_pages(list(range(120))).clone()
         ts = [threading.Thread(target=work, args=(t,)) for t in range(4)]
@@ -270,7 +278,7 @@ def test_large_calls_and_concurrent_calls_stay_under_the_limit(store: MooncakeSt
         for t in ts:
             t.join(60)
         assert not any(t.is_alive() for t in ts)
-        assert all(r == ([Outcome.OK] * 30, [Outcome.OK] * 30) for r in results.values()) and len(results) == 4
+        assert all(r == ([Outcome.OK] * 30, [Outcome.OK] * 30) for r in results.values()) and len(results) == 12
         assert bool((pool.read_pages(list(range(120, 240))) == want).all())
         assert store.transfers.peak <= store.max_transfers and store.transfers.in_flight == 0
     finally:
