@@ -4,14 +4,20 @@ registered source memory into Python bytes objects, get copies them back (ctypes
 Objects are what L3Client stores (page bytes + its 32-byte key trailer), put through the same
 calls (present, put_multi, exists). Faults: `fail_get_after` (pages of a get beyond this many
 return TRANSFER_FAIL), `raise_on` ("get"/"put"/"exists": that call raises), `get_delay_s` (per
-get call, to let tests interrupt)."""
+get call, to let tests interrupt). Answers as Mooncake 0.3.13 gives them: `pending` keys are
+another client's unfinished put (a put of one answers success and writes nothing; exists misses;
+`unfinished` says True), `fail_put` keys answer TRANSFER_FAIL, `refuse(key, nth_put_call)` True
+answers POOL_FULL (a full pool), `evict_fresh(key)` True stores and drops at once (a pool of
+leased objects evicting what was just stored), `exists_answer` replaces every exists answer (an
+unreachable master). `calls` logs each call by name; `max_transfers` bounds the fragments of one
+call like Mooncake's per-peer transfer queue."""
 
 from __future__ import annotations
 
 import ctypes
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -36,6 +42,12 @@ class FakePageStore:
         self.get_delay_s = 0.0
         self.put_calls = 0
         self.get_calls = 0
+        self.calls: list[str] = []
+        self.pending: set[str] = set()
+        self.fail_put: set[str] = set()
+        self.exists_answer: Outcome | None = None
+        self.refuse: Callable[[str, int], bool] | None = None
+        self.evict_fresh: Callable[[str], bool] | None = None
 
     def register(self, ptr: int, nbytes: int) -> None:
         self.registered[int(ptr)] = int(nbytes)
@@ -55,11 +67,15 @@ class FakePageStore:
 
     def exists(self, keys: Sequence[str]) -> list[Outcome]:
         self._check("exists")
+        self.calls.append("exists")
+        if self.exists_answer is not None:
+            return [self.exists_answer] * len(keys)
         with self.lock:
             return [Outcome.OK if k in self.objects else Outcome.MISS for k in keys]
 
     def present(self, keys: list[str]) -> np.ndarray:
         self._check("exists")
+        self.calls.append("present")
         with self.lock:
             return np.fromiter((k in self.objects for k in keys), bool, len(keys))
 
@@ -75,17 +91,26 @@ class FakePageStore:
         self._check("put")
         self._fragments(ptrs)
         self.put_calls += 1
+        self.calls.append("put")
         out = []
         for k, ps, ss in zip(keys, ptrs, sizes, strict=True):
-            data = b"".join(ctypes.string_at(p, s) for p, s in zip(ps, ss, strict=True))
-            with self.lock:
-                self.objects.setdefault(k, data)  # like Mooncake: an existing key is not overwritten
-            out.append(Outcome.OK)
+            if self.refuse is not None and self.refuse(k, self.put_calls):
+                out.append(Outcome.POOL_FULL)
+            elif k in self.fail_put:
+                out.append(Outcome.TRANSFER_FAIL)
+            elif k in self.pending or (self.evict_fresh is not None and self.evict_fresh(k)):
+                out.append(Outcome.OK)  # OBJECT_ALREADY_EXISTS turned into success / stored and evicted
+            else:
+                data = b"".join(ctypes.string_at(p, s) for p, s in zip(ps, ss, strict=True))
+                with self.lock:
+                    self.objects.setdefault(k, data)  # like Mooncake: an existing key is not overwritten
+                out.append(Outcome.OK)
         return out
 
     def unfinished(self, keys: Sequence[str]) -> list[bool | None]:
-        with self.lock:  # no unfinished puts here: a key is complete or absent
-            return [None if k in self.objects else False for k in keys]
+        self.calls.append("unfinished")
+        with self.lock:  # get_size: -703 for an unfinished put, -704 for no object, else unknown here
+            return [True if k in self.pending else None if k in self.objects else False for k in keys]
 
     def object_sizes(self, keys: Sequence[str]) -> list[int | None]:
         with self.lock:
@@ -97,6 +122,7 @@ class FakePageStore:
         self._check("get")
         self._fragments(ptrs)
         self.get_calls += 1
+        self.calls.append("get")
         if self.get_delay_s:
             time.sleep(self.get_delay_s)
         out = []

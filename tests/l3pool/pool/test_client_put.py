@@ -1,13 +1,11 @@
-"""L3Client's put protocol and trailer logic against an in-memory fake of MooncakeStore (no
-cluster): which outcome each Mooncake answer becomes — in particular that a key another,
+"""L3Client's put protocol and trailer logic against the in-memory fake of MooncakeStore
+(tests/l3pool/fake_store.py, no cluster): which outcome each Mooncake answer becomes — in particular that a key another,
 unfinished put holds (Mooncake's put answers success without writing) is PENDING, never OK.
 The real-cluster behaviour is in test_client.py / test_integrity.py."""
 
 from __future__ import annotations
 
-import ctypes
 import time
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -19,91 +17,27 @@ from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import Outcome
 from l3pool.pool.trailer import TRAILER_BYTES
 
+from ..fake_store import FakePageStore
+
 SPEC = KVSpec.mha(2, 2, 32, page_size=4)
 
 
-class FakeStore:
-    """Objects as bytes, and keys whose put another client started and never finished, answered
-    as Mooncake 0.3.13 answers them (a put of such a key: success, nothing written)."""
+class _Pool:
+    """What the tests' keys mean to the fake store: keys ending "full" never fit; keys ending
+    "later" are refused for the first `full_for` put calls, then placed (and, with `evict_fresh`,
+    evicted as soon as stored)."""
 
-    tenant = ""  # Mooncake's default tenant
-    max_transfers = 2048
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-        self.pending: set[str] = set()  # another client's unfinished put
-        self.fail_put: set[str] = set()
-        self.exists_answer: Outcome | None = None  # None: the truth
-        self.calls: list[str] = []
-        self.full_for = 0  # keys ending "later": refused as full this many put calls, then placed
-        self.evict_fresh = False  # keys ending "later", once placed, are evicted at once (a pool of leased objects)
-
-    def register(self, ptr: int, n: int) -> None:
-        pass
-
-    def unregister(self, ptr: int) -> None:
-        pass
-
-    def present(self, keys: list[str]) -> np.ndarray:
-        self.calls.append("present")
-        return np.array([k in self.objects for k in keys], dtype=np.bool_)
-
-    def exists(self, keys: Sequence[str]) -> list[Outcome]:
-        self.calls.append("exists")
-        if self.exists_answer is not None:
-            return [self.exists_answer] * len(keys)
-        return [Outcome.OK if k in self.objects else Outcome.MISS for k in keys]
-
-    def put_multi(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
-    ) -> list[Outcome]:
-        self.calls.append("put")
-        out = []
-        for k, p, z in zip(keys, ptrs, sizes, strict=True):
-            if k.endswith("full") or (k.endswith("later") and self.calls.count("put") <= self.full_for):
-                out.append(Outcome.POOL_FULL)
-            elif k.endswith("later") and self.evict_fresh:
-                out.append(Outcome.OK)  # stored ... and evicted before anyone looks
-            elif k in self.fail_put:
-                out.append(Outcome.TRANSFER_FAIL)
-            elif k in self.pending or k in self.objects:
-                out.append(Outcome.OK)  # OBJECT_ALREADY_EXISTS turned into success
-            else:
-                self.objects[k] = b"".join(ctypes.string_at(a, n) for a, n in zip(p, z, strict=True))
-                out.append(Outcome.OK)
-        return out
-
-    def get_multi(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
-    ) -> list[Outcome]:
-        out = []
-        for k, p, z in zip(keys, ptrs, sizes, strict=True):
-            blob = self.objects.get(k)
-            if blob is None:
-                out.append(Outcome.MISS)
-                continue
-            if len(blob) != sum(z):
-                out.append(Outcome.TRANSFER_FAIL)
-                continue
-            off = 0
-            for a, n in zip(p, z, strict=True):
-                ctypes.memmove(a, blob[off : off + n], n)
-                off += n
-            out.append(Outcome.OK)
-        return out
-
-    def unfinished(self, keys: Sequence[str]) -> list[bool | None]:
-        self.calls.append("unfinished")
-        return [True if k in self.pending else None if k in self.objects else False for k in keys]
-
-    def object_sizes(self, keys: Sequence[str]) -> list[int | None]:
-        return [len(self.objects[k]) if k in self.objects else None for k in keys]
+    def __init__(self, st: FakePageStore) -> None:
+        self.full_for, self.evict = 0, False
+        st.refuse = lambda k, n: k.endswith("full") or (k.endswith("later") and n <= self.full_for)
+        st.evict_fresh = lambda k: self.evict and k.endswith("later")
 
 
-def _setup(checksum: bool = False, retry_s: float = 0.0) -> tuple[HostKVPool, FakeStore, Namespace, L3Client]:
+def _setup(checksum: bool = False, retry_s: float = 0.0) -> tuple[HostKVPool, FakePageStore, Namespace, L3Client]:
     pool = HostKVPool(L2Config(kv=SPEC, layout="page_first", tokens=16 * SPEC.page_size, pin="never"))
     pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), dtype=torch.uint8))
-    st = FakeStore()
+    st = FakePageStore()
+    st.pool = _Pool(st)  # type: ignore[attr-defined]
     ns = Namespace.for_pool(SPEC, "page_first", "m", checksum=checksum)
     return pool, st, ns, L3Client(pool, st, ns, batch_pages=8, pool_full_retry_s=retry_s)  # type: ignore[arg-type]
 
@@ -116,7 +50,7 @@ def test_full_pool_retries_until_placed_then_checks() -> None:
     """Pages a full pool refused are put again (20 ms apart) until placed; the others are not put
     again; the retried pages are then checked like any other and round-trip."""
     _, st, ns, c = _setup(retry_s=5.0)
-    st.full_for = 3  # the first put call and two retries are refused
+    st.pool.full_for = 3  # the first put call and two retries are refused
     keys = _keys(ns, 4)
     keys[1] += "later"
     keys[3] += "later"
@@ -134,7 +68,7 @@ def test_full_pool_retries_stop_when_fresh_pages_are_evicted_at_once() -> None:
     after is POOL_FULL (not OK, not PENDING) and the retries stop; a never-placeable page
     stays POOL_FULL once the time is spent; without retries the refusal comes back at once."""
     _, st, ns, c = _setup(retry_s=5.0)
-    st.full_for, st.evict_fresh = 1, True
+    st.pool.full_for, st.pool.evict = 1, True
     keys = _keys(ns, 3)
     keys[1] += "later"
     t0 = time.monotonic()
@@ -143,7 +77,7 @@ def test_full_pool_retries_stop_when_fresh_pages_are_evicted_at_once() -> None:
     assert c.stats.put_full_retries == 1 and c.stats.put_pending == 0 and c.stats.put_failed == 1
 
     _, st, ns, c = _setup(retry_s=5.0)  # futility seen in the first batch: the second is not retried
-    st.full_for, st.evict_fresh = 1, True
+    st.pool.full_for, st.pool.evict = 1, True
     keys = [k + "later" for k in _keys(ns, 12)]  # batches of 8 and 4
     # the second batch is placed at its first put and evicted at once: the master has no object
     # of those keys (not another writer's unfinished put), so POOL_FULL, not PENDING; not put again
