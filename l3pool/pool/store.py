@@ -42,8 +42,10 @@ restarted master by itself (measured: ~1 s). Without an http:// metadata URL on 
 host there is no such proof: no rebuild.
 
 Dead donors: a get that failed with TRANSFER_FAIL slowly (> `dead_slow_s`; a dead donor costs
-~0.9 s per call on 0.3.13 until the master drops its segment, 5-11 s later), or whose donor refuses
-a TCP connect, marks the replicas' transfer endpoints dead. While any endpoint is marked, a get
+~0.1-1 s per call on 0.3.13 until the master drops its segment, 5-11 s later), or whose donor
+refuses a TCP connect, marks the transfer endpoints of the failed objects' replicas dead (only
+replicas of the size asked for: a multi-buffer get of an object of another size also answers
+TRANSFER_FAIL, and that donor is fine). While any endpoint is marked, a get
 first asks the master where its objects are (one `batch_get_replica_desc`, ~1 ms) and answers
 MISS at once for objects whose every replica sits on a dead endpoint; the rest go to Mooncake.
 A mark is re-checked every `dead_retry_s` with a TCP connect (refused: still dead; accepted: the
