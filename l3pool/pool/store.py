@@ -41,11 +41,14 @@ member record in etcd names, and Mooncake's own heartbeat re-mounts a donor's se
 restarted master by itself (measured: ~1 s). Without an http:// metadata URL on the master's
 host there is no such proof: no rebuild.
 
-Dead donors: a get that failed with TRANSFER_FAIL slowly (> `dead_slow_s`; a dead donor costs
-~0.1-1 s per call on 0.3.13 until the master drops its segment, 5-11 s later), or whose donor
-refuses a TCP connect, marks the transfer endpoints of the failed objects' replicas dead (only
-replicas of the size asked for: a multi-buffer get of an object of another size also answers
-TRANSFER_FAIL, and that donor is fine). While any endpoint is marked, a get
+Dead donors: a get that failed with TRANSFER_FAIL (a dead donor costs ~0.1-1 s per call on 0.3.13
+until the master drops its segment, 5-11 s later) marks the transfer endpoints of the failed
+objects' replicas dead when the endpoint refuses a TCP connect (50 ms): the proof that nothing
+listens there. Only replicas of the size asked for count (a multi-buffer get of an object of
+another size also answers TRANSFER_FAIL, and that donor is fine); a live donor whose transfers
+fail for another reason (a queue limit) is never marked, and neither is a SIGSTOPped one (its
+kernel still accepts connections: each get pays Mooncake's transfer failure until the master
+drops the segment). While any endpoint is marked, a get
 first asks the master where its objects are (one `batch_get_replica_desc`, ~1 ms) and answers
 MISS at once for objects whose every replica sits on a dead endpoint; the rest go to Mooncake.
 A mark is re-checked every `dead_retry_s` with a TCP connect (refused: still dead; accepted: the
@@ -174,7 +177,6 @@ class StoreConfig:
     rebuild: bool = True  # ignored for donors (segment_bytes > 0): they never rebuild
     rebuild_after_s: float = 1.0
     # dead donors (module docstring)
-    dead_slow_s: float = 0.2  # a TRANSFER_FAIL get slower than this marks its endpoints dead
     dead_retry_s: float = 2.0  # a dead mark is re-checked (TCP connect) this often
     dead_forget_s: float = 60.0  # and dropped after this long (the master has dropped the segment)
 
@@ -183,7 +185,7 @@ class StoreConfig:
             raise StoreError(f"StoreConfig.tenant {self.tenant!r}: letters, digits, '.', '_' and '-' only (max 64)")
         for name in (
             "breaker_slow_s", "breaker_suspect_s", "probe_timeout_s", "health_max_age_s", "rebuild_after_s",
-            "dead_slow_s", "dead_retry_s", "dead_forget_s",
+            "dead_retry_s", "dead_forget_s",
         ):  # fmt: skip
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -567,14 +569,14 @@ class MooncakeStore:
     def _mark_dead(self, keys: Sequence[str], totals: Sequence[int], took: float) -> None:
         """Mark dead the endpoints of failed gets' replicas that have the size asked for (a
         multi-buffer get of an object of another size answers TRANSFER_FAIL too: that object is
-        foreign, its donor fine) when the call was slow or the endpoint refuses a TCP connect."""
+        foreign, its donor fine) when the endpoint refuses a TCP connect."""
         reps = self._replicas(keys)
         if not reps:
             return
         now = time.monotonic()
         eps = {ep for r, want in zip(reps, totals, strict=True) for ep, size in r if size == want}
         for ep in eps:
-            if ep in self._dead or not (took > self.cfg.dead_slow_s or not _connects(ep, 0.05)):
+            if ep in self._dead or _connects(ep, 0.05):
                 continue
             self._dead[ep] = (now, now)
             self._counts["dead_endpoints_marked"] += 1
