@@ -296,6 +296,7 @@ class MooncakeStore:
         self._last_call_fail = 0.0
         self._last_probe = (True, 0.0)  # (succeeded, when)
         self._rebuild_tried = 0.0
+        self._rebuild_lock = threading.Lock()
         self._counts = {"rebuilds": 0, "rebuild_failures": 0, "dead_endpoints_marked": 0, "dead_skipped_items": 0}
         self._dead: dict[str, tuple[float, float]] = {}  # endpoint -> (marked at, last checked)
         self._probe_thread: threading.Thread | None = None
@@ -381,7 +382,16 @@ class MooncakeStore:
             return False
 
     def _rebuild(self) -> bool:
-        """Replace the client (see the module docstring); True when the new one is in place."""
+        """Replace the client (see the module docstring); True when the new one is in place.
+        One at a time (a concurrent caller returns False at once)."""
+        if not self._rebuild_lock.acquire(blocking=False):
+            return False
+        try:
+            return self._rebuild_locked()
+        finally:
+            self._rebuild_lock.release()
+
+    def _rebuild_locked(self) -> bool:
         now = time.monotonic()
         self._rebuild_tried = now
         try:

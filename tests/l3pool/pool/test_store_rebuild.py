@@ -104,3 +104,32 @@ def test_a_donor_never_rebuilds(master: str) -> None:
         assert st.breaker.is_open and len(FakeBinding.instances) == 1 and st.stats()["rebuilds"] == 0
     finally:
         st.close()
+
+
+def test_dead_endpoint_marks_are_rechecked_and_forgotten(master: str) -> None:
+    """A marked endpoint stays dead while it refuses connections, is tried again once it accepts
+    them (re-checked every dead_retry_s), and is forgotten after dead_forget_s."""
+    st = MooncakeStore(_cfg(master, dead_retry_s=0.05, dead_forget_s=0.5))
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now: connections are refused
+    ep, other = f"127.0.0.1:{port}", "127.0.0.1:1"
+    try:
+        now = time.monotonic()
+        st._dead.update({ep: (now, now), other: (now, now)})
+        time.sleep(0.1)
+        assert st._dead_now() == {ep, other}  # re-checked: still refused
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", port))
+        srv.listen(4)
+        try:
+            time.sleep(0.1)
+            assert st._dead_now() == {other}  # accepts again: its objects are tried for real
+        finally:
+            srv.close()
+        assert st.stats()["dead_endpoints"] == 1
+        time.sleep(0.5)
+        assert st._dead_now() == frozenset() and st.stats()["dead_endpoints"] == 0
+    finally:
+        st.close()
