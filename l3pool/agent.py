@@ -7,7 +7,9 @@ Lifecycle:
     2. check that etcd answers and the master's RPC port accepts a TCP connection (and the HTTP
        metadata server's port, when the metadata is http://) — Mooncake's own setup retries an
        unreachable master for minutes, so this comes first (unreachable: one line, exit 2);
-    3. start a Mooncake client that mounts `--segment-size` bytes of DRAM (the donation);
+    3. start a Mooncake client that mounts `--segment-size` bytes of DRAM (the donation; a donor's
+       store never rebuilds its client — Mooncake re-mounts the segment on a restarted master
+       itself, and a new client would mount a segment the member record does not name);
     4. register `{prefix}/members/{id}` under a lease kept alive from a background thread;
     5. every lease_ttl/3 s: check the Mooncake client's health, re-register when the lease was
        lost (etcd restarted or a partition outlasted the TTL);

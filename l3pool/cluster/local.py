@@ -79,7 +79,7 @@ from l3pool.cluster._os import (  # noqa: F401 (re-exported: tests patch/use som
 )
 from l3pool.paths import open_log, runtime_dir
 from l3pool.pool.etcd import EtcdClient, EtcdError
-from l3pool.pool.store import metadata_url
+from l3pool.pool.store import RPC_TIMEOUT_MS, metadata_url
 from l3pool.procenv import python_env
 
 log = logging.getLogger(__name__)
@@ -126,9 +126,10 @@ def mooncake_env(ip: str) -> dict[str, str]:
     interface's address (not `local_hostname`) as its RPC address, and peers' TCP transfers
     connect to *that* address: in the root namespace this is the host's real NIC. MC_TCP_BIND_ADDRESS
     overrides it. Agents get this from the launcher; a root-namespace client must set it in its
-    own environment (e.g. `monkeypatch.setenv`) before creating its store.
+    own environment (e.g. `monkeypatch.setenv`) before creating its store. MC_RPC_TIMEOUT_MS
+    (`store.RPC_TIMEOUT_MS` unless this environment has one) bounds a call a frozen master holds.
     """
-    return {"MC_TCP_BIND_ADDRESS": ip}
+    return {"MC_TCP_BIND_ADDRESS": ip, "MC_RPC_TIMEOUT_MS": os.environ.get("MC_RPC_TIMEOUT_MS", str(RPC_TIMEOUT_MS))}
 
 
 def _scripts_dirs() -> list[str]:

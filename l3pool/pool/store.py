@@ -27,6 +27,38 @@ open, every call answers UNAVAILABLE per item at once (microseconds) and one bac
 retries with backoff; the first successful probe closes it. Calls already inside Mooncake when
 it opens cannot be interrupted: they return when Mooncake gives up. `healthy()` is the breaker's
 state, refreshed by a probe when no call succeeded recently.
+
+Rebuild: a client whose calls keep failing while its master is back is replaced. When the calls
+have failed (UNAVAILABLE, or a failed probe) for `rebuild_after_s` with no success in between,
+the master's port accepts TCP and its embedded HTTP metadata server answers (proof that the master
+process runs; a frozen master accepts TCP but answers nothing, and Mooncake's setup against it
+would hold the GIL for minutes, so nothing is set up without that proof), the probe creates a new
+MooncakeDistributedStore with the same config, registers every buffer registered here again, and
+swaps it in under a lock; the old client is closed on a thread of its own once no call uses it.
+Counted as `rebuilds` / `rebuild_failures` in `stats()`. Donors (segment_bytes > 0, the agent)
+never rebuild: a new client would mount a second segment under another name than the one the
+member record in etcd names, and Mooncake's own heartbeat re-mounts a donor's segment on a
+restarted master by itself (measured: ~1 s). Without an http:// metadata URL on the master's
+host there is no such proof: no rebuild.
+
+Dead donors: a get that failed with TRANSFER_FAIL (a dead donor costs ~0.1-1 s per call on 0.3.13
+until the master drops its segment, 5-11 s later) marks the transfer endpoints of the failed
+objects' replicas dead when the endpoint refuses a TCP connect (50 ms): the proof that nothing
+listens there. Only replicas of the size asked for count (a multi-buffer get of an object of
+another size also answers TRANSFER_FAIL, and that donor is fine); a live donor whose transfers
+fail for another reason (a queue limit) is never marked, and neither is a SIGSTOPped one (its
+kernel still accepts connections: each get pays Mooncake's transfer failure until the master
+drops the segment). While any endpoint is marked, a get
+first asks the master where its objects are (one `batch_get_replica_desc`, ~1 ms) and answers
+MISS at once for objects whose every replica sits on a dead endpoint; the rest go to Mooncake.
+A mark is re-checked every `dead_retry_s` with a TCP connect (refused: still dead; accepted: the
+next get tries it for real) and forgotten after `dead_forget_s`. A failure is a miss, never data.
+
+Frozen master: a call already inside Mooncake when the master stops answering returns only when
+Mooncake's RPC deadline ends it: 30 s by default; `MC_RPC_TIMEOUT_MS` in the process environment
+shortens it (`RPC_TIMEOUT_MS`, which the local cluster gives its processes; an engine sets it in its
+own environment: library code never writes os.environ). Calls started after detection
+(`breaker_suspect_s` + `probe_timeout_s`) answer at once.
 """
 
 from __future__ import annotations
@@ -37,6 +69,9 @@ import re
 import socket
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,18 +168,29 @@ class StoreConfig:
     # circuit breaker (see the module docstring); breaker=False: every call goes to Mooncake
     breaker: bool = True
     breaker_slow_s: float = 1.0  # a failed call slower than this opens the breaker
-    breaker_suspect_s: float = 1.0  # a call in flight this long makes the breaker probe the master
-    probe_timeout_s: float = 1.0  # a probe's batch_is_exist must answer within this (healthy: ~1 ms)
+    # a call in flight this long makes the breaker probe the master; detection of a frozen master
+    # takes ~suspect + probe timeout (0.3 + 0.3 s; a healthy probe answers in ~1 ms)
+    breaker_suspect_s: float = 0.3
+    probe_timeout_s: float = 0.3  # a probe's batch_is_exist must answer within this (healthy: ~1 ms)
     probe_backoff_s: tuple[float, float] = (0.05, 0.5)  # first and longest wait between probes
     health_max_age_s: float = 1.0  # healthy() probes when no call succeeded for this long
     # transfer fragments in flight at once, all calls together (l3pool.pool.transfers); 0: half of
     # what Mooncake's TCP transport queues in this process (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER)
     max_transfers: int = 0
+    # rebuild (module docstring): calls failing this long while the master answers -> a new client
+    rebuild: bool = True  # ignored for donors (segment_bytes > 0): they never rebuild
+    rebuild_after_s: float = 1.0
+    # dead donors (module docstring)
+    dead_retry_s: float = 2.0  # a dead mark is re-checked (TCP connect) this often
+    dead_forget_s: float = 60.0  # and dropped after this long (the master has dropped the segment)
 
     def __post_init__(self) -> None:
         if self.tenant and not _TENANT.fullmatch(self.tenant):
             raise StoreError(f"StoreConfig.tenant {self.tenant!r}: letters, digits, '.', '_' and '-' only (max 64)")
-        for name in ("breaker_slow_s", "breaker_suspect_s", "probe_timeout_s", "health_max_age_s"):
+        for name in (
+            "breaker_slow_s", "breaker_suspect_s", "probe_timeout_s", "health_max_age_s", "rebuild_after_s",
+            "dead_retry_s", "dead_forget_s",
+        ):  # fmt: skip
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise StoreError(f"StoreConfig.{name} must be a number > 0, got {v!r}")
@@ -157,6 +203,10 @@ class StoreConfig:
             raise StoreError(f"StoreConfig.probe_backoff_s must be (first, max) with 0 < first <= max, got {lo, hi}")
 
 
+# What MC_RPC_TIMEOUT_MS the local cluster gives its Mooncake processes (and engines should set):
+# a call caught inside Mooncake by a frozen master returns after this instead of 30 s. Master RPCs
+# are metadata only (~1 ms healthy, measured here), so 2 s leaves a wide margin.
+RPC_TIMEOUT_MS = 2000
 PROBE_KEY = "__l3pool_probe__"  # never stored: a probe's batch_is_exist answers 0 when the master is up
 _FAILED = (Outcome.UNAVAILABLE, Outcome.ERROR)
 
@@ -200,6 +250,16 @@ def _setup_cause(rc: int, segment_bytes: int) -> str:
     return cause + (f"; Mooncake's own log: {where}" if where else "; Mooncake's own log lines went to stderr")
 
 
+def _connects(endpoint: str, timeout: float) -> bool:
+    """A TCP connect to "host:port" succeeds within `timeout`."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def _import_mooncake() -> Any:
     try:
         from mooncake.store import MooncakeDistributedStore
@@ -211,37 +271,74 @@ def _import_mooncake() -> Any:
     return MooncakeDistributedStore
 
 
+class _Client:
+    """One MooncakeDistributedStore and the calls using it (a rebuilt store retires it; the last
+    call out closes it)."""
+
+    __slots__ = ("gen", "retired", "s", "users")
+
+    def __init__(self, s: Any, gen: int) -> None:
+        self.s, self.gen, self.users, self.retired = s, gen, 0, False
+
+
+def _setup(cfg: StoreConfig) -> Any:
+    """A new, set-up MooncakeDistributedStore of `cfg`; StoreUnavailable when setup fails."""
+    s = _import_mooncake()()
+    # Mooncake reads MC_* variables from the environment; we never write os.environ.
+    tenant = {"tenant_id": cfg.tenant} if cfg.tenant else {}  # older wheels lack the keyword
+    rc = s.setup(
+        cfg.local_hostname,
+        cfg.metadata,
+        int(cfg.segment_bytes),
+        int(cfg.local_buffer_bytes),
+        cfg.protocol,
+        cfg.rdma_devices,
+        cfg.master,
+        **tenant,
+    )
+    if rc != 0:
+        raise StoreUnavailable(
+            f"mooncake setup failed (code {rc}): master {cfg.master}, metadata {cfg.metadata}, "
+            f"host {cfg.local_hostname}, protocol {cfg.protocol}"
+            + (f", tenant {cfg.tenant} (is it in the master's tenant quota policy?)" if cfg.tenant else "")
+            + _setup_cause(rc, int(cfg.segment_bytes))
+        )
+    return s
+
+
+def _close_later(s: Any, what: str) -> None:
+    """Close a Mooncake client on a daemon thread (its teardown may retry an unreachable master)."""
+
+    def run() -> None:
+        try:
+            s.close()
+        except Exception as e:  # pragma: no cover - binding errors
+            log.debug("closing %s: %s", what, e)
+
+    threading.Thread(target=run, name="l3pool-store-close", daemon=True).start()
+
+
 class MooncakeStore:
-    """One Mooncake store client. Thread-safe as the underlying client is."""
+    """One Mooncake store client (rebuilt when it keeps failing; see the module docstring).
+    Thread-safe as the underlying client is."""
 
     def __init__(self, cfg: StoreConfig) -> None:
         self.cfg = cfg
         _check_reachable(cfg.master)
-        cls = _import_mooncake()
-        self._s = cls()
-        # Mooncake reads MC_* variables from the environment; we never write os.environ.
-        tenant = {"tenant_id": cfg.tenant} if cfg.tenant else {}  # older wheels lack the keyword
-        rc = self._s.setup(
-            cfg.local_hostname,
-            cfg.metadata,
-            int(cfg.segment_bytes),
-            int(cfg.local_buffer_bytes),
-            cfg.protocol,
-            cfg.rdma_devices,
-            cfg.master,
-            **tenant,
-        )
-        if rc != 0:
-            raise StoreUnavailable(
-                f"mooncake setup failed (code {rc}): master {cfg.master}, metadata {cfg.metadata}, "
-                f"host {cfg.local_hostname}, protocol {cfg.protocol}"
-                + (f", tenant {cfg.tenant} (is it in the master's tenant quota policy?)" if cfg.tenant else "")
-                + _setup_cause(rc, int(cfg.segment_bytes))
-            )
+        self._c = _Client(_setup(cfg), 0)
+        self._clock = threading.Lock()  # the current client, its users, the registrations
         self._registered: dict[tuple[int, int], int] = {}  # (ptr, size) -> references
         self.transfers = TransferBudget(cfg.max_transfers or default_budget())
         self._last_ok = time.monotonic()
+        self._failing_since: float | None = None  # first failure (call or probe) with no call success since
+        self._last_call_fail = 0.0
+        self._last_probe = (True, 0.0)  # (succeeded, when)
+        self._rebuild_tried = 0.0
+        self._rebuild_lock = threading.Lock()
+        self._counts = {"rebuilds": 0, "rebuild_failures": 0, "dead_endpoints_marked": 0, "dead_skipped_items": 0}
+        self._dead: dict[str, tuple[float, float]] = {}  # endpoint -> (marked at, last checked)
         self._probe_thread: threading.Thread | None = None
+        self._probe_gen = 0
         self.breaker = Breaker(
             f"mooncake master {cfg.master}",
             self._probe,
@@ -252,106 +349,341 @@ class MooncakeStore:
         log.info("mooncake client up: host=%s master=%s segment=%d", cfg.local_hostname, cfg.master, cfg.segment_bytes)
 
     @property
+    def _s(self) -> Any:
+        """The current MooncakeDistributedStore (tools that call the binding itself)."""
+        return self._c.s
+
+    @property
     def tenant(self) -> str:
         """Mooncake's tenant id of this client ("" = its default tenant)."""
         return self.cfg.tenant
 
     def register(self, ptr: int, nbytes: int) -> None:
         """Register memory for zero-copy put/get. Registering the same buffer again (several
-        clients over one pool) only counts a reference; `unregister` drops one."""
+        clients over one pool) only counts a reference; `unregister` drops one. A rebuilt client
+        registers every buffer registered here again."""
         key = (int(ptr), int(nbytes))
-        if key in self._registered:
-            self._registered[key] += 1
-            return
-        rc = self._s.register_buffer(key[0], key[1])
-        if rc != 0:
-            raise StoreError(f"mooncake register_buffer(0x{ptr:x}, {nbytes}) failed with code {rc}")
-        self._registered[key] = 1
+        with self._clock:
+            if key in self._registered:
+                self._registered[key] += 1
+                return
+            rc = self._c.s.register_buffer(key[0], key[1])
+            if rc != 0:
+                raise StoreError(f"mooncake register_buffer(0x{ptr:x}, {nbytes}) failed with code {rc}")
+            self._registered[key] = 1
 
     def unregister(self, ptr: int) -> None:
-        for key, refs in self._registered.items():
-            if key[0] == int(ptr):
-                if refs > 1:
-                    self._registered[key] = refs - 1
+        with self._clock:
+            for key, refs in self._registered.items():
+                if key[0] == int(ptr):
+                    if refs > 1:
+                        self._registered[key] = refs - 1
+                        return
+                    del self._registered[key]
+                    rc = self._c.s.unregister_buffer(key[0])
+                    if rc != 0:
+                        log.warning("mooncake unregister_buffer(0x%x) returned %d", ptr, rc)
                     return
-                del self._registered[key]
-                rc = self._s.unregister_buffer(key[0])
+
+    # -- the client and its rebuild ----------------------------------------------------------
+    def _acquire(self) -> _Client:
+        with self._clock:
+            c = self._c
+            c.users += 1
+            return c
+
+    def _release(self, c: _Client) -> None:
+        with self._clock:
+            c.users -= 1
+            done = c.retired and c.users == 0
+        if done:
+            _close_later(c.s, f"retired mooncake client {c.gen}")
+
+    @property
+    def _may_rebuild(self) -> bool:
+        return self.cfg.rebuild and self.cfg.segment_bytes == 0
+
+    def _master_answers(self) -> bool:
+        """The master process answers (not only its kernel): its embedded HTTP metadata server
+        replies to a request within probe_timeout_s. False without an http:// metadata URL on
+        the master's host (nothing else proves it without a Mooncake call)."""
+        host = self.cfg.master.rpartition(":")[0].strip("[]")
+        url = self.cfg.metadata
+        if not url.startswith("http://") or urllib.parse.urlsplit(url).hostname != host:
+            return False
+        try:
+            with urllib.request.urlopen(url + "?key=" + PROBE_KEY, timeout=self.cfg.probe_timeout_s):
+                return True
+        except urllib.error.HTTPError:
+            return True  # an answer (e.g. 404 for the unknown key) is what we asked for
+        except OSError:
+            return False
+
+    def _rebuild(self) -> bool:
+        """Replace the client (see the module docstring); True when the new one is in place.
+        One at a time (a concurrent caller returns False at once)."""
+        if not self._rebuild_lock.acquire(blocking=False):
+            return False
+        try:
+            return self._rebuild_locked()
+        finally:
+            self._rebuild_lock.release()
+
+    def _rebuild_locked(self) -> bool:
+        now = time.monotonic()
+        self._rebuild_tried = now
+        try:
+            new = _setup(self.cfg)
+        except StoreError as e:
+            self._counts["rebuild_failures"] += 1
+            log.warning("mooncake client rebuild failed: %s", e)
+            return False
+        with self._clock:
+            for ptr, size in self._registered:
+                rc = new.register_buffer(ptr, size)
                 if rc != 0:
-                    log.warning("mooncake unregister_buffer(0x%x) returned %d", ptr, rc)
-                return
+                    self._counts["rebuild_failures"] += 1
+                    log.warning("mooncake client rebuild: register_buffer(0x%x, %d) failed with %d", ptr, size, rc)
+                    _close_later(new, "a failed rebuild's client")
+                    return False
+            old, self._c = self._c, _Client(new, self._c.gen + 1)
+            old.retired = True
+            idle = old.users == 0
+            self._counts["rebuilds"] += 1
+        if idle:
+            _close_later(old.s, f"retired mooncake client {old.gen}")
+        log.warning(
+            "mooncake client rebuilt (master %s answers, the old client failed for %.1f s; %d buffer(s) "
+            "registered again)", self.cfg.master, now - (self._failing_since or now), len(self._registered),
+        )  # fmt: skip
+        return True
 
     # -- breaker plumbing ------------------------------------------------------------------
-    def _guarded(self, n: int, fn: Callable[..., Any], *args: Any) -> tuple[Any, float] | None:
-        """Run one Mooncake call unless the breaker is open (then None: answer UNAVAILABLE)."""
+    def _guarded(self, n: int, name: str, *args: Any) -> tuple[Any, float, int] | None:
+        """Run one Mooncake call (the client's method `name`) unless the breaker is open (then
+        None: answer UNAVAILABLE): (codes, seconds, the client's generation)."""
         if not self.breaker.allow(n):
             return None
+        c = self._acquire()
         t0 = time.monotonic()
         cid = self.breaker.enter()
         try:
-            codes = fn(*args)
+            codes = getattr(c.s, name)(*args)
         finally:
             self.breaker.exit(cid)
-        return codes, time.monotonic() - t0
+            self._release(c)
+        return codes, time.monotonic() - t0, c.gen
 
     def _batch(
         self,
         n: int,
         what: str,
-        fn: Callable[..., Any],
+        name: str,
         *args: Any,
         decode: Callable[[Sequence[int]], list[Outcome]] | None = None,
     ) -> list[Outcome]:
         """One batched Mooncake call through the breaker: per-key Outcomes (`decode` of the codes,
         default `outcome_of` each), all UNAVAILABLE when the breaker short-circuits it; the answer
         and its duration are judged (a slow or unavailable answer opens the breaker)."""
-        r = self._guarded(n, fn, *args)
+        r = self._guarded(n, name, *args)
         if r is None:
             return [Outcome.UNAVAILABLE] * n
         out = [outcome_of(c) for c in r[0]] if decode is None else decode(r[0])
-        self._judge(out, r[1], what)
+        self._judge(out, r[1], what, r[2])
         return out
 
-    def _judge(self, outs: Sequence[Outcome], took: float, what: str) -> None:
-        """Open the breaker on an UNAVAILABLE answer or a slow failure; note a healthy answer."""
+    def _judge(self, outs: Sequence[Outcome], took: float, what: str, gen: int) -> None:
+        """Open the breaker on an UNAVAILABLE answer or a slow failure; note a healthy answer.
+        A retired client's failures are not the current one's."""
+        if gen != self._c.gen:
+            return
         if any(o is Outcome.UNAVAILABLE for o in outs):
+            self._failed(call=True)
             self.breaker.trip(f"{what}: unavailable after {took * 1e3:.0f} ms")
         elif took > self.cfg.breaker_slow_s and any(o in _FAILED for o in outs):
+            self._failed(call=True)
             self.breaker.trip(f"{what}: failed after {took:.1f} s")
         elif outs:
             self._last_ok = time.monotonic()
+            self._failing_since = None
             self.breaker.ok()
+
+    def _failed(self, call: bool = False) -> None:
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        if call:
+            self._last_call_fail = now
 
     def _probe(self) -> bool:
         """The master answers: TCP connect, then a one-key batch_is_exist within probe_timeout_s,
-        on a thread of its own (a hung probe holds only that thread; no second one starts)."""
+        on a thread of its own (a hung probe holds only that thread; no second one starts). A
+        client failing for rebuild_after_s while its master answers is rebuilt (module docstring):
+        its probe fails too and the master's HTTP server answers, or its probes keep succeeding
+        while every call through it since the previous successful probe failed."""
         host, _, port = self.cfg.master.rpartition(":")
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=min(0.5, self.cfg.probe_timeout_s)).close()
         except OSError:
+            self._failed()
             return False
-        t = self._probe_thread
-        if t is not None and t.is_alive():
-            return False  # the previous probe is still inside Mooncake
-        out: list[int] = []
-        t = self._probe_thread = threading.Thread(
-            target=lambda: out.extend(self._s.batch_is_exist([PROBE_KEY])), name="l3pool-store-probe", daemon=True
+        ok = self._rpc_probe()
+        if ok is None:
+            return False  # the previous probe is still inside Mooncake (its RPC deadline ends it)
+        now = time.monotonic()
+        stuck = (
+            self._may_rebuild
+            and self._failing_since is not None
+            and now - self._failing_since >= self.cfg.rebuild_after_s
+            and now - self._rebuild_tried >= self.cfg.rebuild_after_s
         )
+        if stuck and (
+            (ok and self._last_probe[0] and self._last_call_fail > self._last_probe[1])
+            or (not ok and self._master_answers())
+        ):
+            if self._rebuild():
+                ok = bool(self._rpc_probe())
+        self._last_probe = (ok, time.monotonic())
+        return ok
+
+    def _rpc_probe(self) -> bool | None:
+        """One batch_is_exist of PROBE_KEY through the current client on its own thread, within
+        probe_timeout_s; None while the previous probe of this client is still inside Mooncake."""
+        t = self._probe_thread
+        if t is not None and t.is_alive() and self._probe_gen == self._c.gen:
+            return None
+        out: list[int] = []
+        c = self._acquire()
+
+        def run() -> None:
+            try:
+                out.extend(c.s.batch_is_exist([PROBE_KEY]))
+            finally:
+                self._release(c)
+
+        self._probe_gen = c.gen
+        t = self._probe_thread = threading.Thread(target=run, name="l3pool-store-probe", daemon=True)
         t.start()
         t.join(self.cfg.probe_timeout_s)
         ok = not t.is_alive() and len(out) == 1 and out[0] in (0, 1)
         if ok:
             self._last_ok = time.monotonic()
+        else:
+            self._failed()
         return ok
 
+    # -- dead donors -----------------------------------------------------------------------
+    def _replicas(self, keys: Sequence[str]) -> list[list[tuple[str, int]]] | None:
+        """Each key's memory replicas as (transfer endpoint, object size), from one master query
+        (it grants a read lease, like a get); None when the master cannot be asked."""
+        try:
+            r = self._guarded(len(keys), "batch_get_replica_desc", list(keys))
+        except Exception as e:  # pragma: no cover - binding errors
+            log.debug("batch_get_replica_desc failed: %s", e)
+            return None
+        if r is None:
+            return None
+        out = []
+        for k in keys:
+            reps = []
+            for d in r[0].get(k, []):
+                if d.is_memory_replica():
+                    b = d.get_memory_descriptor().buffer_descriptor
+                    reps.append((str(b.transport_endpoint), int(b.size)))
+            out.append(reps)
+        return out
+
+    def _endpoints(self, keys: Sequence[str]) -> list[frozenset[str]] | None:
+        """Each key's memory replicas' transfer endpoints (one master query); None when unknown."""
+        reps = self._replicas(keys)
+        return None if reps is None else [frozenset(ep for ep, _ in r) for r in reps]
+
+    def _dead_now(self) -> frozenset[str]:
+        """The endpoints marked dead, after re-checking those due (TCP connect, 50 ms)."""
+        if not self._dead:
+            return frozenset()
+        now = time.monotonic()
+        for ep, (marked, checked) in list(self._dead.items()):
+            if now - marked > self.cfg.dead_forget_s:
+                self._dead.pop(ep, None)
+            elif now - checked > self.cfg.dead_retry_s:
+                if _connects(ep, 0.05):
+                    self._dead.pop(ep, None)
+                    log.info("donor %s accepts connections again: its objects are tried again", ep)
+                else:
+                    self._dead[ep] = (marked, now)
+        return frozenset(self._dead)
+
+    def _mark_dead(self, keys: Sequence[str], totals: Sequence[int], took: float) -> None:
+        """Mark dead the endpoints of failed gets' replicas that have the size asked for (a
+        multi-buffer get of an object of another size answers TRANSFER_FAIL too: that object is
+        foreign, its donor fine) when the endpoint refuses a TCP connect."""
+        reps = self._replicas(keys)
+        if not reps:
+            return
+        now = time.monotonic()
+        eps = {ep for r, want in zip(reps, totals, strict=True) for ep, size in r if size == want}
+        for ep in eps:
+            if ep in self._dead or _connects(ep, 0.05):
+                continue
+            self._dead[ep] = (now, now)
+            self._counts["dead_endpoints_marked"] += 1
+            log.warning(
+                "donor %s: transfers fail (%.2f s): its objects answer MISS until it accepts connections "
+                "or the master drops it", ep, took,
+            )  # fmt: skip
+
+    def _get(
+        self, keys: Sequence[str], name: str, ptrs: list[Any], sizes: list[Any], totals: Sequence[int]
+    ) -> list[Outcome]:
+        """A get through the breaker, skipping (MISS) objects whose replicas all sit on dead
+        donors, and marking the donors of slow transfer failures dead."""
+        n = len(keys)
+        idx: list[int] | None = None
+        dead = self._dead_now()
+        if dead:
+            eps = self._endpoints(keys)
+            if eps is not None:
+                idx = [i for i, e in enumerate(eps) if not (e and e <= dead)]
+                if len(idx) == n:
+                    idx = None
+        if idx is None:
+            sel_keys, sel_ptrs, sel_sizes, sel_totals = list(keys), ptrs, sizes, totals
+        else:
+            sel_keys = [keys[i] for i in idx]
+            sel_ptrs, sel_sizes = [ptrs[i] for i in idx], [sizes[i] for i in idx]
+            sel_totals = [totals[i] for i in idx]
+            self._counts["dead_skipped_items"] += n - len(idx)
+        if sel_keys:
+            t0 = time.monotonic()
+            got = self._batch(
+                len(sel_keys), "get", name, sel_keys, sel_ptrs, sel_sizes,
+                decode=lambda codes: _sized_outcomes(codes, sel_totals),
+            )  # fmt: skip
+            took = time.monotonic() - t0
+            failed = [i for i, o in enumerate(got) if o is Outcome.TRANSFER_FAIL]
+            if failed:
+                self._mark_dead([sel_keys[i] for i in failed], [sel_totals[i] for i in failed], took)
+        else:
+            got = []
+        if idx is None:
+            return got
+        out = [Outcome.MISS] * n
+        for i, o in zip(idx, got, strict=True):
+            out[i] = o
+        return out
+
     def stats(self) -> dict[str, object]:
-        """Breaker counters: state, trips, short_circuits (calls / items), probes, recoveries, open_s."""
-        return self.breaker.stats().as_dict()
+        """Breaker counters (state, trips, short_circuits (calls / items), probes, recoveries,
+        open_s), rebuilds / rebuild_failures, dead_endpoints_marked / dead_skipped_items and
+        dead_endpoints (marked now)."""
+        return {**self.breaker.stats().as_dict(), **self._counts, "dead_endpoints": len(self._dead)}
 
     # -- data ------------------------------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[Outcome]:
         if not keys:
             return []
-        return self._batch(len(keys), "exists", self._s.batch_is_exist, list(keys), decode=_exists_outcomes)
+        return self._batch(len(keys), "exists", "batch_is_exist", list(keys), decode=_exists_outcomes)
 
     def present(self, keys: list[str]) -> np.ndarray:
         """`exists` as a bool array (True: present), without building per-key Outcomes; like
@@ -359,15 +691,11 @@ class MooncakeStore:
         Unreachable (or breaker open): all False."""
         if not keys:
             return np.zeros(0, dtype=np.bool_)
-        r = self._guarded(len(keys), self._s.batch_is_exist, keys)
+        r = self._guarded(len(keys), "batch_is_exist", keys)
         if r is None:
             return np.zeros(len(keys), dtype=np.bool_)
         codes = np.asarray(r[0])
-        if (codes < 0).any():
-            self._judge([Outcome.UNAVAILABLE], r[1], "exists")
-        else:
-            self._last_ok = time.monotonic()
-            self.breaker.ok()
+        self._judge([Outcome.UNAVAILABLE if (codes < 0).any() else Outcome.OK], r[1], "exists", r[2])
         return codes == 1
 
     @property
@@ -378,35 +706,37 @@ class MooncakeStore:
     def _moved(
         self,
         what: str,
-        fn: Callable[..., Any],
+        name: str,
         keys: list[str],
         ptrs: list[Any],
         sizes: list[Any],
         counts: Sequence[int],
         totals: Sequence[int] | None = None,
     ) -> list[Outcome]:
-        """A call that moves bytes, cut into parts of at most `max_transfers` fragments (each
-        object `counts[i]`), each part holding its fragments of the budget while in Mooncake.
-        `totals`: the object sizes a get expects (another size is BAD_REQUEST)."""
+        """A call that moves bytes (Mooncake method `name`), cut into parts of at most
+        `max_transfers` fragments (each object `counts[i]`), each part holding its fragments of
+        the budget while in Mooncake. `totals`: a get, with the object sizes it expects (another
+        size is BAD_REQUEST; objects on dead donors are skipped, see `_get`)."""
         out: list[Outcome] = []
         for lo, hi in fragment_chunks(counts, self.transfers.limit):
-            want = None if totals is None else totals[lo:hi]
-            decode = None if want is None else (lambda codes, want=want: _sized_outcomes(codes, want))
             with self.transfers.hold(int(sum(counts[lo:hi]))):
-                out += self._batch(hi - lo, what, fn, keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], decode=decode)
+                if totals is None:
+                    out += self._batch(hi - lo, what, name, keys[lo:hi], ptrs[lo:hi], sizes[lo:hi])
+                else:
+                    out += self._get(keys[lo:hi], name, ptrs[lo:hi], sizes[lo:hi], totals[lo:hi])
         return out
 
     def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
         if not keys:
             return []
-        return self._moved("put", self._s.batch_put_from, list(keys), list(ptrs), list(sizes), [1] * len(keys))
+        return self._moved("put", "batch_put_from", list(keys), list(ptrs), list(sizes), [1] * len(keys))
 
     def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
         """Copy each object into its buffer; a size mismatch is BAD_REQUEST (nothing trusted)."""
         if not keys:
             return []
         n = len(keys)
-        return self._moved("get", self._s.batch_get_into, list(keys), list(ptrs), list(sizes), [1] * n, list(sizes))
+        return self._moved("get", "batch_get_into", list(keys), list(ptrs), list(sizes), [1] * n, list(sizes))
 
     def put_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -416,7 +746,7 @@ class MooncakeStore:
             return []
         frags, lens = [list(p) for p in ptrs], [list(s) for s in sizes]
         counts = [len(f) for f in frags]
-        return self._moved("put", self._s.batch_put_from_multi_buffers, list(keys), frags, lens, counts)
+        return self._moved("put", "batch_put_from_multi_buffers", list(keys), frags, lens, counts)
 
     def get_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
@@ -425,7 +755,7 @@ class MooncakeStore:
             return []
         frags, lens = [list(p) for p in ptrs], [list(s) for s in sizes]
         counts, totals = [len(f) for f in frags], [sum(s) for s in lens]
-        return self._moved("get", self._s.batch_get_into_multi_buffers, list(keys), frags, lens, counts, totals)
+        return self._moved("get", "batch_get_into_multi_buffers", list(keys), frags, lens, counts, totals)
 
     def unfinished(self, keys: Sequence[str]) -> list[bool | None]:
         """Per key: True while another put of it has started and not finished (its writer may be
@@ -436,7 +766,7 @@ class MooncakeStore:
         only (a put that said OK for a key that is not complete right after)."""
         out: list[bool | None] = []
         for k in keys:
-            r = self._guarded(1, self._s.get_size, k)
+            r = self._guarded(1, "get_size", k)
             code = None if r is None else int(r[0])
             out.append(True if code == -703 else False if code == -704 else None)
         return out
@@ -448,7 +778,7 @@ class MooncakeStore:
         if not keys:
             return []
         try:
-            r = self._guarded(len(keys), self._s.batch_get_replica_desc, list(keys))
+            r = self._guarded(len(keys), "batch_get_replica_desc", list(keys))
         except Exception as e:  # pragma: no cover - binding errors
             log.debug("batch_get_replica_desc failed: %s", e)
             return [None] * len(keys)
@@ -469,11 +799,11 @@ class MooncakeStore:
         """Remove one object. Without `force` an object under a read lease (any exists/get in the
         last --default_kv_lease_ttl, including `L3Client.put`'s check of what it wrote) answers
         LEASE; `force` skips the lease and replication checks."""
-        r = self._guarded(1, self._s.remove, key, bool(force))
+        r = self._guarded(1, "remove", key, bool(force))
         if r is None:
             return Outcome.UNAVAILABLE
         out = outcome_of(r[0])
-        self._judge([out], r[1], "remove")
+        self._judge([out], r[1], "remove", r[2])
         return out
 
     def remove_prefix(self, prefix: str, force: bool = False) -> tuple[Outcome, int]:
@@ -515,10 +845,12 @@ class MooncakeStore:
 
     def close(self) -> None:
         self.breaker.close()
-        for ptr, _ in list(self._registered):
-            try:
-                self._s.unregister_buffer(ptr)
-            except Exception as e:
-                log.debug("unregister_buffer(0x%x): %s", ptr, e)
-        self._registered.clear()
-        self._s.close()
+        with self._clock:
+            s = self._c.s
+            for ptr, _ in list(self._registered):
+                try:
+                    s.unregister_buffer(ptr)
+                except Exception as e:
+                    log.debug("unregister_buffer(0x%x): %s", ptr, e)
+            self._registered.clear()
+        s.close()

@@ -10,7 +10,8 @@ another client's unfinished put (a put of one answers success and writes nothing
 answers POOL_FULL (a full pool), `evict_fresh(key)` True stores and drops at once (a pool of
 leased objects evicting what was just stored), `exists_answer` replaces every exists answer (an
 unreachable master). `calls` logs each call by name; `max_transfers` bounds the fragments of one
-call like Mooncake's per-peer transfer queue."""
+call like Mooncake's per-peer transfer queue. `FakeBinding` stands in one floor lower, for
+Mooncake's binding itself (MooncakeStore's client rebuild)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import ctypes
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import numpy as np
 
@@ -145,3 +147,44 @@ class FakePageStore:
     def remove(self, key: str) -> Outcome:
         with self.lock:
             return Outcome.OK if self.objects.pop(key, None) is not None else Outcome.MISS
+
+
+class FakeBinding:
+    """A stand-in for Mooncake's binding (`MooncakeDistributedStore`), for MooncakeStore's own logic
+    (the client rebuild) without a master: every instance is recorded in `instances`; `fail`
+    makes its calls answer RPC_FAIL (-900); `hold` (an Event) keeps a batch_get_into inside the
+    binding until it is set; `closed` records close()."""
+
+    instances: ClassVar[list[FakeBinding]] = []
+    fail_new = False  # instances created while True start failing
+
+    def __init__(self) -> None:
+        self.fail = FakeBinding.fail_new
+        self.registered: dict[int, int] = {}
+        self.hold: threading.Event | None = None
+        self.inside = threading.Event()
+        self.closed = False
+        FakeBinding.instances.append(self)
+
+    def setup(self, *args: object, **kw: object) -> int:
+        return 0
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        self.registered[ptr] = size
+        return 0
+
+    def unregister_buffer(self, ptr: int) -> int:
+        return 0 if self.registered.pop(ptr, None) is not None else -1
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [-900 if self.fail else 0] * len(keys)
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        if self.hold is not None:
+            self.inside.set()
+            self.hold.wait(10)
+        return [-900] * len(keys) if self.fail else list(sizes)
+
+    def close(self) -> int:
+        self.closed = True
+        return 0

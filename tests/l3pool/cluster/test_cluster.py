@@ -31,7 +31,7 @@ from l3pool.cluster.local import ClusterAlreadyUp, ClusterError, LocalCluster, d
 from l3pool.cluster.running import status
 from l3pool.paths import runtime_dir
 from l3pool.pool.etcd import EtcdClient
-from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.store import RPC_TIMEOUT_MS, MooncakeStore, Outcome, StoreConfig
 from l3pool.procenv import python_env
 
 REPO = Path(__file__).resolve().parents[3]
@@ -248,7 +248,9 @@ def test_cli_up_status_down(state_dir: Path) -> None:
     assert all(status["netns"].values()) and all(status["links"].values())
     plain = _cli("status", "--state-dir", str(state_dir))  # the table: shell assignments, not a Python dict
     env_line = next(ln for ln in plain.stdout.splitlines() if ln.startswith("client_env"))
-    assert env_line.split()[1:] == [f"MC_TCP_BIND_ADDRESS={up['endpoints']['client_host']}"], plain.stdout
+    rpc_timeout = os.environ.get("MC_RPC_TIMEOUT_MS", str(RPC_TIMEOUT_MS))  # bounds a call a frozen master holds
+    want_env = [f"MC_TCP_BIND_ADDRESS={up['endpoints']['client_host']}", f"MC_RPC_TIMEOUT_MS={rpc_timeout}"]
+    assert env_line.split()[1:] == want_env, plain.stdout
 
     dn = _cli("down", "--state-dir", str(state_dir), "--keep-logs")
     assert dn.returncode == 0, dn.stderr
