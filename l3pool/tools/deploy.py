@@ -36,6 +36,7 @@ from typing import Any
 
 from l2core.units import format_size
 from l3pool.cli import nonneg_float
+from l3pool.pool.store import RPC_TIMEOUT_MS
 from l3pool.tools.deploy_config import (
     ADAPTER,
     ADAPTER_KEYS,
@@ -69,9 +70,14 @@ def adapter_extra_config(cfg: DeployConfig, node: PrefillNode) -> dict[str, Any]
 
 def client_env(cfg: DeployConfig, host: str) -> dict[str, str]:
     """The environment of every Mooncake client process (agents, SGLang): the address it
-    advertises and the port range it listens on (on all interfaces: the firewall rules cover it)."""
+    advertises, the port range it listens on (on all interfaces: the firewall rules cover it),
+    and MC_RPC_TIMEOUT_MS (`store.RPC_TIMEOUT_MS`): a call a frozen master holds returns after it
+    instead of Mooncake's 30 s."""
     lo, hi = cfg.firewall.client_ports
-    return {"MC_TCP_BIND_ADDRESS": host, "MC_MIN_RPC_PORT": str(lo), "MC_MAX_RPC_PORT": str(hi)}
+    return {
+        "MC_TCP_BIND_ADDRESS": host, "MC_MIN_RPC_PORT": str(lo), "MC_MAX_RPC_PORT": str(hi),
+        "MC_RPC_TIMEOUT_MS": str(RPC_TIMEOUT_MS),
+    }  # fmt: skip
 
 
 # -- render ------------------------------------------------------------------------------------

@@ -270,7 +270,7 @@ def test_render_json_prefill_flags(capsys: pytest.CaptureFixture[str]) -> None:
             },
         }
         assert extra["module_path"] == "l3pool.adapters.sglang_hicache" and extra["class_name"] == "L3PoolStorage"
-        ports = ["MC_MIN_RPC_PORT=15000", "MC_MAX_RPC_PORT=15999"]
+        ports = ["MC_MIN_RPC_PORT=15000", "MC_MAX_RPC_PORT=15999", "MC_RPC_TIMEOUT_MS=2000"]
         assert shlex.split(p["shell"]) == ["env", f"MC_TCP_BIND_ADDRESS={host}", *ports, *argv]  # copy-paste safe
     a = procs["agent-decode-3"]["argv"]
     assert a[:3] == ["numactl", "--cpunodebind=1", "--membind=1"] and a[3:5] == ["l3pool", "agent"]
@@ -279,6 +279,7 @@ def test_render_json_prefill_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert _flag(a, "--metrics-port") == "9464" and _flag(a, "--metrics-host") == "10.0.1.24"  # the default
     assert procs["agent-decode-3"]["env"] == {
         "MC_TCP_BIND_ADDRESS": "10.0.1.24", "MC_MIN_RPC_PORT": "15000", "MC_MAX_RPC_PORT": "15999",
+        "MC_RPC_TIMEOUT_MS": "2000",  # a call a frozen master holds returns after 2 s, not 30 s
     }  # fmt: skip
     m = procs["master"]["argv"]
     for f in (
@@ -331,7 +332,7 @@ def test_render_select_and_scripts(tmp_path: Path, capsys: pytest.CaptureFixture
         r = subprocess.run(["bash", "-n", str(tmp_path / "s" / s)], capture_output=True, text=True, timeout=10)
         assert r.returncode == 0, f"{s}: {r.stderr}"
     text = (tmp_path / "s" / "decode-0.sh").read_text()
-    env = "MC_TCP_BIND_ADDRESS=10.0.1.21 MC_MIN_RPC_PORT=15000 MC_MAX_RPC_PORT=15999"
+    env = "MC_TCP_BIND_ADDRESS=10.0.1.21 MC_MIN_RPC_PORT=15000 MC_MAX_RPC_PORT=15999 MC_RPC_TIMEOUT_MS=2000"
     assert f"_start agent-decode-0 env {env} numactl" in text
     assert "_wait_port 10.0.1.21 30000" not in text  # nothing after the decode server to wait for
     cfg, _ = load_config(EXAMPLE)
