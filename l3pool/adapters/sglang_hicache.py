@@ -15,53 +15,8 @@ with its `dynamic` storage backend:
 Export `MC_TCP_BIND_ADDRESS=<this node's IP>` for the SGLang process: Mooncake advertises that
 address (else the first non-loopback NIC), not `local_hostname`.
 
-Extra-config keys (unknown keys are refused with a ConfigError naming them):
-
-| key | type | default | meaning |
-|---|---|---|---|
-| backend_name, module_path, class_name | str | required by SGLang | how SGLang finds this class |
-| interface_v1 | 1/true | required | makes SGLang call the zero-copy `batch_get_v1`/`batch_set_v1` |
-| master | "host:port" | required | mooncake_master RPC address |
-| metadata_server | str | "P2PHANDSHAKE" | Mooncake metadata: P2PHANDSHAKE, http://H:P/metadata, etcd://H:P |
-| local_hostname | str | "127.0.0.1" | this client's Mooncake local_hostname |
-| protocol / rdma_devices | str | "tcp" / "" | Mooncake transport |
-| segment_size | size | 0 | DRAM this process donates to the pool (0: a pure client, the prefill case) |
-| local_buffer_size | size | "16MB" | Mooncake's local transfer buffer |
-| etcd | str | none | etcd endpoints: namespace registry + published stats (none: no etcd); https:// for TLS |
-| etcd_security | object | {} | etcd TLS/auth: ca, cert, key, user, password_file (paths; or L3POOL_ETCD_PASSWORD) |
-| key_prefix | str | "/l3pool" | etcd key prefix |
-| model | str | SGLang's model name | model fingerprint in the namespace ('/' is not allowed) |
-| tenant | str | "" | namespace salt + Mooncake tenant_id (isolated by a --enable_multi_tenants master) |
-| checksum | bool | false | xxh3-64 of each page's bytes in its trailer; a mismatch on get is a miss |
-| layers | [begin, end] | host pool's start_layer + its layers | absolute layer range of this PP stage |
-| batch_pages | int | 128 | pages per Mooncake call |
-| layer_first_mode | "multi"/"staging" | "multi" | how layer_first pages move (see l3pool/README.md) |
-| stats_interval | number | 5.0 | seconds between stats publications to etcd |
-| client_id | str | generated | id under which stats are published (suffixes -r/-w) |
-| clear_force | bool | true | `clear()` also removes pages under a read lease (see `clear`) |
-
-SGLang's Mooncake backend names are accepted too, so a user switching backends keeps their
-config: `master_server_address` (= master), `global_segment_size` (= segment_size), `device_name`
-(= rdma_devices; also its JSON form mapping TP ranks to devices, '{"0": "mlx5_0", ...}') and
-`tenant_id` (= tenant; "default", SGLang's name for none, is no tenant). Giving one key under both
-names is refused. Keys still absent are read, like that backend does, from MOONCAKE_MASTER,
-MOONCAKE_TE_META_DATA_SERVER, MOONCAKE_GLOBAL_SEGMENT_SIZE, MOONCAKE_PROTOCOL, MOONCAKE_DEVICE,
-MOONCAKE_LOCAL_HOSTNAME (then LOCAL_HOSTNAME) and MOONCAKE_TENANT_ID; otherwise our defaults
-apply (protocol "tcp" and segment 0, where SGLang's would be "rdma" and "4gb"). Precedence:
-extra-config, then environment — also for local_hostname, which SGLang's Mooncake backend takes
-from the environment first. `master_metrics_port` and `check_server` are ignored;
-`client_server_address`, `standalone_storage`, SSD offload, `extra_backend_tag` and
-`enable_group_semantics` are refused by name.
-
-Size units: our own size keys use l2core's units — "4GB" is 4 * 10**9 bytes, "4GiB" 4 * 2**30,
-a bare number is bytes. SGLang's Mooncake backend (0.5.23, `_parse_global_segment_size`) reads
-"4gb"/"4GB" as 4 GiB (4 * 2**30) and any other text as a plain byte count, so a size given
-under its names (`global_segment_size`, MOONCAKE_GLOBAL_SEGMENT_SIZE) is read its way: the same
-string donates the same bytes under both backends.
-
-SGLang also reads `prefetch_threshold`, `prefetch_timeout_base`, `prefetch_timeout_per_ki_token`,
-`hicache_storage_pass_prefix_keys` and `tp_lcm_size` from the same JSON (it pops them before the
-backend sees them); they are accepted and ignored here.
+The extra-config keys, their SGLang Mooncake aliases, environment fallbacks and units are in
+`l3pool.adapters.sglang_config` (BackendConfig).
 
 Semantics SGLang relies on (sglang 0.5.23, `managers/cache_controller.py`):
 - `batch_exists(keys)` returns how many *leading* keys are present (a prefix count); SGLang then
@@ -81,10 +36,7 @@ with a ConfigError at construction or registration, never silently mis-keyed.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
-import re
 import threading
 import time
 import uuid
@@ -100,248 +52,13 @@ from l2core.layout import LAYOUTS, LayoutName
 from l2core.memory import HostMemory
 from l2core.pool import HostKVPool, L2Config
 from l2core.spec import ConfigError, KVSpec, dtype_name
-from l2core.units import parse_size
 from l3pool import metrics
+from l3pool.adapters.sglang_config import BackendConfig, _devices_for_rank, _sglang_model_fingerprint
 from l3pool.pool.client import L3Client
-from l3pool.pool.etcd import security_mapping
 from l3pool.pool.keys import Namespace
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
 log = logging.getLogger(__name__)
-
-SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
-# Read (and normally popped) by SGLang's controller before the backend is built: tolerated.
-SGLANG_CONTROLLER_KEYS = frozenset(
-    {
-        "prefetch_threshold",
-        "prefetch_timeout_base",
-        "prefetch_timeout_per_ki_token",
-        "hicache_storage_pass_prefix_keys",
-        "tp_lcm_size",
-    }
-)
-# SGLang's Mooncake backend (mooncake_store.py, 0.5.23) names -> ours, so a user switching backends
-# keeps their extra-config; giving both names of one key is refused.
-MOONCAKE_ALIASES = {
-    "master_server_address": "master",
-    "global_segment_size": "segment_size",
-    "device_name": "rdma_devices",
-    "tenant_id": "tenant",
-}
-# Environment fallbacks, read (as SGLang's Mooncake backend does) only when the key is absent.
-MOONCAKE_ENV = {
-    "master": ("MOONCAKE_MASTER",),
-    "metadata_server": ("MOONCAKE_TE_META_DATA_SERVER",),
-    "segment_size": ("MOONCAKE_GLOBAL_SEGMENT_SIZE",),
-    "protocol": ("MOONCAKE_PROTOCOL",),
-    "rdma_devices": ("MOONCAKE_DEVICE",),
-    "local_hostname": ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"),
-    "tenant": ("MOONCAKE_TENANT_ID",),
-}
-# Other keys of SGLang's Mooncake backend: harmless ones are accepted and ignored; the rest change
-# where or how pages are stored, which this backend does not do, so they are refused by name.
-MOONCAKE_IGNORED = frozenset({"master_metrics_port", "check_server"})
-MOONCAKE_REFUSED = {
-    "client_server_address": "a standalone Mooncake client process (MOONCAKE_CLIENT) is not supported",
-    "standalone_storage": "standalone storage is not supported",
-    "enable_ssd_offload": "SSD offload is not supported (the pool is decode-node DRAM)",
-    "ssd_offload_path": "SSD offload is not supported (the pool is decode-node DRAM)",
-    "extra_backend_tag": "use 'tenant' to separate key spaces",
-    "enable_group_semantics": "group semantics are not supported",
-}
-SGLANG_DEFAULT_TENANT = "default"  # SGLang's Mooncake backend's name for "no tenant"
-_HOSTPORT = re.compile(r"^\[?[A-Za-z0-9.:-]+\]?:\d{1,5}$")
-
-
-def _typed(d: Mapping[str, Any], key: str, types: tuple[type, ...], default: Any) -> Any:
-    if key not in d:
-        return default
-    v = d[key]
-    if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
-        names = "/".join(t.__name__ for t in types)
-        raise ConfigError(f"extra-config {key!r} must be {names}, got {type(v).__name__} {v!r}")
-    return v
-
-
-@dataclass(frozen=True)
-class BackendConfig:
-    """Our part of SGLang's `--hicache-storage-backend-extra-config` (see the module docstring)."""
-
-    master: str
-    metadata_server: str = "P2PHANDSHAKE"
-    local_hostname: str = "127.0.0.1"
-    protocol: str = "tcp"
-    rdma_devices: str = ""
-    segment_size: int = 0
-    local_buffer_size: int = 16 << 20
-    etcd: str | None = None
-    key_prefix: str = "/l3pool"
-    model: str | None = None
-    tenant: str = ""
-    checksum: bool = False
-    layers: tuple[int, int] | None = None
-    batch_pages: int = 128
-    layer_first_mode: str = "multi"
-    stats_interval: float = 5.0
-    client_id: str | None = None
-    clear_force: bool = True
-    etcd_security: dict[str, str] = field(default_factory=dict)  # files are read when connecting
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> BackendConfig:
-        """Parse the extra-config; SGLang Mooncake names and `MOONCAKE_*` variables of `env`
-        (default: the process environment) fill in what the extra-config leaves out."""
-        if extra is None:
-            raise ConfigError("l3pool backend needs --hicache-storage-backend-extra-config with at least 'master'")
-        if not isinstance(extra, Mapping):
-            raise ConfigError(f"extra-config must be a JSON object, got {type(extra).__name__}")
-        extra, sglang_sized = _normalize_mooncake(extra, os.environ if env is None else env)
-        ours = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        unknown = sorted(set(extra) - ours - SGLANG_KEYS - SGLANG_CONTROLLER_KEYS - MOONCAKE_IGNORED)
-        if unknown:
-            raise ConfigError(
-                f"unknown extra-config key(s) {unknown} for the l3pool backend; known: {sorted(ours | SGLANG_KEYS)}"
-            )
-        if not _typed(extra, "interface_v1", (bool, int), 0):
-            raise ConfigError(
-                'extra-config needs "interface_v1": 1 — without it SGLang uses the copying batch_get/batch_set '
-                "path, which the l3pool backend does not implement (it moves pages zero-copy)"
-            )
-        master = _typed(extra, "master", (str,), None)
-        if master is None:
-            raise ConfigError(
-                "extra-config is missing 'master' (the mooncake_master RPC address, host:port; "
-                "also read as 'master_server_address' or from MOONCAKE_MASTER)"
-            )
-        if not _HOSTPORT.match(master):
-            raise ConfigError(f"extra-config 'master' {master!r}: expected host:port")
-        s = {k: _typed(extra, k, (str,), None) for k in ("metadata_server", "local_hostname", "protocol")}
-        s |= {k: _typed(extra, k, (str,), None) for k in ("rdma_devices", "key_prefix", "tenant", "client_id")}
-        s |= {"etcd": _typed(extra, "etcd", (str,), None), "model": _typed(extra, "model", (str,), None)}
-        mode = _typed(extra, "layer_first_mode", (str,), "multi")
-        if mode not in ("multi", "staging"):
-            raise ConfigError(f"extra-config 'layer_first_mode' must be 'multi' or 'staging', got {mode!r}")
-        batch = _typed(extra, "batch_pages", (int,), 128)
-        if batch < 1:
-            raise ConfigError(f"extra-config 'batch_pages' must be >= 1, got {batch}")
-        interval = float(_typed(extra, "stats_interval", (int, float), 5.0))
-        if interval <= 0:
-            raise ConfigError(f"extra-config 'stats_interval' must be > 0, got {interval}")
-        sec = _typed(extra, "etcd_security", (dict,), {})
-        try:
-            etcd_security = security_mapping(sec, "extra-config 'etcd_security'")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        layers = _typed(extra, "layers", (list, tuple), None)
-        if layers is not None:
-            if len(layers) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
-                raise ConfigError(f"extra-config 'layers' must be [begin, end] (integers), got {layers!r}")
-            if not 0 <= layers[0] < layers[1]:
-                raise ConfigError(f"extra-config 'layers' {layers!r}: need 0 <= begin < end")
-            layers = (layers[0], layers[1])
-        return cls(
-            master=master,
-            segment_size=_sglang_size(extra["segment_size"]) if sglang_sized else _size(extra, "segment_size", 0),
-            local_buffer_size=_size(extra, "local_buffer_size", 16 << 20),
-            checksum=_typed(extra, "checksum", (bool,), False),
-            clear_force=_typed(extra, "clear_force", (bool,), True),
-            layers=layers,
-            batch_pages=batch,
-            layer_first_mode=mode,
-            stats_interval=interval,
-            etcd_security=etcd_security,
-            extra={k: extra[k] for k in SGLANG_KEYS if k in extra},
-            **{k: v for k, v in s.items() if v is not None},
-        )
-
-
-def _normalize_mooncake(extra: Mapping[str, Any], env: Mapping[str, str]) -> tuple[dict[str, Any], bool]:
-    """SGLang Mooncake names -> ours, then `MOONCAKE_*` fallbacks for keys still absent.
-
-    Returns the extra-config under our names and whether `segment_size` came from SGLang's
-    `global_segment_size` or MOONCAKE_GLOBAL_SEGMENT_SIZE (read with SGLang's units: "4gb" = 4 GiB)."""
-    out = dict(extra)
-    refused = sorted(k for k in out if k in MOONCAKE_REFUSED)
-    if refused:
-        key = refused[0]
-        raise ConfigError(f"extra-config key {key!r} of SGLang's Mooncake backend: {MOONCAKE_REFUSED[key]}")
-    sglang_sized = False
-    for alias, ours in MOONCAKE_ALIASES.items():
-        if alias not in out:
-            continue
-        if ours in out:
-            raise ConfigError(
-                f"extra-config gives {ours!r} twice: as {ours!r} and as SGLang's Mooncake name {alias!r}; keep one"
-            )
-        out[ours] = out.pop(alias)
-        sglang_sized |= ours == "segment_size"
-        if ours == "tenant":
-            out[ours] = _sglang_tenant(out[ours])
-    for ours, names in MOONCAKE_ENV.items():
-        if ours in out:
-            continue
-        for name in names:
-            value = env.get(name)
-            if value:  # set and non-empty
-                out[ours] = _sglang_tenant(value) if ours == "tenant" else value
-                sglang_sized |= ours == "segment_size"
-                log.info("l3pool backend: %s taken from $%s", ours, name)
-                break
-    return out, sglang_sized
-
-
-def _sglang_tenant(value: Any) -> Any:
-    """SGLang's Mooncake backend reads an empty tenant id as "default"; both mean no tenant here."""
-    if isinstance(value, str):
-        value = value.strip()
-        return "" if value == SGLANG_DEFAULT_TENANT else value
-    return value
-
-
-def _sglang_size(value: Any) -> int:
-    """A size under SGLang's Mooncake names: an int is bytes; text ending in "gb" (any case) is
-    GiB, as sglang 0.5.23's `_parse_global_segment_size` reads it ("4gb" = 4 * 2**30); anything
-    else is parsed as our own sizes (bytes, "512MiB", ...)."""
-    what = "extra-config 'global_segment_size' (or MOONCAKE_GLOBAL_SEGMENT_SIZE)"
-    if isinstance(value, str) and value.strip().lower().endswith("gb"):
-        num = value.strip()[:-2].strip()
-        if not num.isdigit():
-            raise ConfigError(f"{what}: cannot parse {value!r}; SGLang's Mooncake names take whole GiB such as '4gb'")
-        return int(num) << 30
-    if value == 0 or value == "0":
-        return 0
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"{what} must be int or str, got {type(value).__name__} {value!r}")
-    return parse_size(value, what)
-
-
-def _size(d: Mapping[str, Any], key: str, default: int) -> int:
-    v = _typed(d, key, (int, str), default)
-    if v == 0 or v == "0":
-        return 0
-    return parse_size(v, f"extra-config {key!r}")
-
-
-def _devices_for_rank(devices: str, tp_rank: int) -> str:
-    """`rdma_devices` as a string, or (like SGLang's Mooncake `device_name`) a JSON object
-    mapping TP ranks to device lists: '{"0": "mlx5_0", "1": "mlx5_1"}'."""
-    if not devices.strip().startswith("{"):
-        return devices
-    try:
-        table = json.loads(devices)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"extra-config 'rdma_devices'/'device_name' looks like JSON but is not: {e}") from None
-    if not isinstance(table, dict):
-        raise ConfigError("extra-config 'rdma_devices'/'device_name' JSON must map TP ranks to device names")
-    value = table.get(str(tp_rank), table.get(tp_rank))  # type: ignore[call-overload]
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"extra-config 'rdma_devices'/'device_name' has no device for TP rank {tp_rank}: {devices}")
-    return value
-
-
-def _sglang_model_fingerprint(name: str | None) -> str | None:
-    return name.replace("/", "-") if name else None
 
 
 @dataclass
@@ -401,7 +118,7 @@ class L3PoolStorage(HiCacheStorage):
                 local_hostname=c.local_hostname,
                 protocol=c.protocol,
                 rdma_devices=_devices_for_rank(c.rdma_devices, cfg.tp_rank),
-                segment_bytes=c.segment_size,
+                segment_bytes=c.rank_segment_bytes(cfg.tp_size, cfg.pp_size),
                 local_buffer_bytes=c.local_buffer_size,
                 tenant=c.tenant,
             )

@@ -420,7 +420,7 @@ def test_deploy_rendered_extra_config_is_accepted() -> None:
         assert (bc.etcd, bc.key_prefix, bc.protocol, bc.model) == (
             cfg.etcd.endpoints_str, cfg.key_prefix, cfg.protocol, node.l3.model,
         )  # fmt: skip
-        assert bc.etcd.startswith("https://") and bc.etcd_security == cfg.etcd.security_keys()
+        assert bc.etcd is not None and bc.etcd.startswith("https://") and bc.etcd_security == cfg.etcd.security_keys()
         assert bc.etcd_security["password_file"] == "/etc/l3pool/etcd-password"
 
 
@@ -513,9 +513,10 @@ def test_sglang_mooncake_names_and_env_fallbacks() -> None:
         "10.0.0.9:50051", "http://10.0.0.9:8080/metadata", 2 << 30, "rdma",
     )  # fmt: skip
     assert (c.rdma_devices, c.local_hostname, c.tenant) == ("mlx5_1", "10.0.0.3", "teamA")
-    # the extra-config wins over the environment, under either name
+    # the extra-config wins over the environment, under either name; local_hostname is the
+    # exception, as in SGLang: MOONCAKE_LOCAL_HOSTNAME wins (test_sglang_config.py)
     c = parse(_offline(master_server_address="h:2", protocol="tcp", local_hostname="10.0.0.4"), env=env)
-    assert (c.master, c.protocol, c.local_hostname) == ("h:2", "tcp", "10.0.0.4")
+    assert (c.master, c.protocol, c.local_hostname) == ("h:2", "tcp", "10.0.0.3")
     assert parse(_offline(master="h:1"), env={"LOCAL_HOSTNAME": "10.0.0.5"}).local_hostname == "10.0.0.5"
     assert parse(_offline(master="h:1"), env={"MOONCAKE_MASTER": ""}).master == "h:1"
     # SGLang keys that change nothing here are accepted
