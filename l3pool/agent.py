@@ -14,7 +14,7 @@ Lifecycle:
     5. every lease_ttl/3 s: check the Mooncake client's health, re-register when the lease was
        lost (etcd restarted or a partition outlasted the TTL);
     6. SIGTERM/SIGINT: delete the member key, revoke the lease, unmount (close the store), exit 0.
-With `--metrics-port` the agent serves Prometheus metrics (l3pool/metrics.py: donated bytes,
+With `--metrics-port` the agent serves its own Prometheus metrics (l3pool/metrics.py: donated bytes,
 registration state, lease renewals; used bytes with `--master-admin`) on `--metrics-host`
 (default: `--host`) from before the Mooncake setup on; a port that cannot be bound is a bad
 option (one line, exit 2). The endpoint's URL is part of the member record.
@@ -375,7 +375,7 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
             return _fail(2, str(e))
         if s.metrics_port:
             try:
-                server = metrics.serve(s.metrics_port, s.metrics_host)
+                server = metrics.serve(s.metrics_port, s.metrics_host, role="agent")
             except metrics.MetricsError as e:
                 return _fail(2, f"--metrics-port: {e}")
             log.info("agent %s: metrics at %s", s.id, server.url)

@@ -6,15 +6,25 @@ creates a metric. Names follow Prometheus conventions (`l3pool_` prefix, `_total
 from small fixed sets only (operation, outcome, tier, owner, engine): never keys, namespaces,
 request ids or member ids, so a scrape stays the same size however long the process runs.
 
-Metrics live in `prometheus_client`'s default registry, so they are per process: every
-L3Client (or cache) of a process adds to the same series. Counters only grow; a test or a
-report reads the difference between two scrapes.
+Two registries, one per role, so an endpoint exports only what its process can change:
+- `ENGINE_REGISTRY` (prometheus_client's default registry): the client, prefetch, PP-lock, cache
+  and adapter families, plus the engine side's lease counters (owner stats, other). Per process:
+  every L3Client (or cache) of a process adds to the same series, and an engine that already
+  serves the default registry (its own /metrics) carries ours too.
+- `AGENT_REGISTRY`: the node agent's families, its registration lease (owner member) and the
+  `process_*` collector; `l3pool agent --metrics-port` serves only this one.
+Both carry `l3pool_build_info{version, python, mooncake}` (always 1). `serve()` drops
+prometheus_client's `<name>_created` samples (a second, timestamp-valued series per counter and
+histogram that dashboards mistake for data), and every label value of the fixed sets is
+pre-initialised, so a series exists at 0 from the first scrape (rate() and absent() work).
+Counters only grow; a test or a report reads the difference between two scrapes.
 
 Cost (measured, see l3pool/README.md "Metrics"): a batch call updates a handful of counters
 and one histogram, whatever its page count, so a 512-page get pays a few microseconds.
 
     from l3pool.metrics import serve
-    server = serve(9464, "127.0.0.1")      # MetricsError (one line) when the port is unusable
+    server = serve(9464, "127.0.0.1")      # an engine's families; role="agent" for the agent's
+                                           # MetricsError (one line) when the port is unusable
     ...
     server.shutdown()
 
@@ -25,14 +35,16 @@ prometheus_client is missing (an interpreter outside the install, e.g. a bare py
 
 from __future__ import annotations
 
+import platform
 import socket
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 try:
-    from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+    from prometheus_client.process_collector import ProcessCollector
 
     AVAILABLE = True
 except ImportError:  # an interpreter without it (the H200 host has it: checked 2026-12-01)
@@ -57,7 +69,17 @@ except ImportError:  # an interpreter without it (the H200 host has it: checked 
             pass
 
     Counter = Gauge = Histogram = _Inert  # type: ignore[assignment,misc]
-    REGISTRY = None  # type: ignore[assignment]
+    REGISTRY = CollectorRegistry = ProcessCollector = None  # type: ignore[assignment,misc]
+
+ENGINE_REGISTRY: Any = REGISTRY
+AGENT_REGISTRY: Any = CollectorRegistry(auto_describe=True) if AVAILABLE else None
+if AVAILABLE:
+    ProcessCollector(registry=AGENT_REGISTRY)
+ROLES = ("engine", "agent")
+# the fixed label values, pre-initialised below (OUTCOMES = pool.store.Outcome's values; a test checks)
+OUTCOMES = ("ok", "miss", "pool_full", "lease", "transfer_fail", "unavailable", "bad_request", "error", "pending")
+TIERS = ("l1", "l2", "l3")
+ENGINES = ("sglang",)
 
 # batch calls (one Mooncake round trip for up to batch_pages pages) on loopback TCP take 0.2-50 ms;
 # a master outage makes them take seconds (the breaker then answers in microseconds)
@@ -82,13 +104,56 @@ class _Children:
             child = self._children[labels] = self._metric.labels(*labels)
         return child
 
+    def preinit(self, *label_sets: tuple[str, ...]) -> _Children:
+        """Create these children now: their series are exported at 0 before the first update."""
+        for labels in label_sets:
+            self(*labels)
+        return self
+
+
+class _ByOwner:
+    """The lease counters: one metric per role (same name in each registry), picked by owner."""
+
+    def __init__(self, agent: _Children, engine: _Children) -> None:
+        self._agent, self._engine = agent, engine
+
+    def __call__(self, owner: str) -> Any:
+        return (self._agent if owner == "member" else self._engine)(owner)
+
+
+def _build_labels() -> tuple[str, str, str]:
+    """(l3pool version, Python version, mooncake wheel version or "none"), without importing mooncake."""
+    from importlib import metadata
+
+    from l3pool import __version__
+
+    mooncake = "none"
+    for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
+        try:
+            mooncake = metadata.version(dist)
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    return __version__, platform.python_version(), mooncake
+
+
+def _build_info(registry: Any) -> None:
+    g = Gauge("l3pool_build_info", "Always 1: this process's l3pool, Python and mooncake versions",
+              ["version", "python", "mooncake"], registry=registry)  # fmt: skip
+    g.labels(*_build_labels()).set(1)
+
 
 # -- node agent ----------------------------------------------------------------------------------
-AGENT_DONATED_BYTES = Gauge("l3pool_agent_donated_bytes", "DRAM this agent donates to the pool (its Mooncake segment)")
-AGENT_REGISTERED = Gauge("l3pool_agent_registered", "1 while the agent's member key is registered in etcd, else 0")
-AGENT_MOONCAKE_HEALTHY = Gauge("l3pool_agent_mooncake_healthy", "1 while its Mooncake client reaches the master")
+_A = {"registry": AGENT_REGISTRY}
+AGENT_DONATED_BYTES = Gauge(
+    "l3pool_agent_donated_bytes", "DRAM this agent donates to the pool (its Mooncake segment)", **_A
+)
+AGENT_REGISTERED = Gauge(
+    "l3pool_agent_registered", "1 while the agent's member key is registered in etcd, else 0", **_A
+)
+AGENT_MOONCAKE_HEALTHY = Gauge("l3pool_agent_mooncake_healthy", "1 while its Mooncake client reaches the master", **_A)
 AGENT_REREGISTRATIONS = Counter(
-    "l3pool_agent_reregistrations_total", "Times the agent registered again (lease lost, key missing)"
+    "l3pool_agent_reregistrations_total", "Times the agent registered again (lease lost, key missing)", **_A
 )
 
 _agent_used: Gauge | None = None
@@ -102,19 +167,27 @@ def agent_used_bytes() -> Gauge:
         _agent_used = Gauge(
             "l3pool_agent_used_bytes",
             "Bytes of this agent's segment holding objects, as the master's /query_segment reports them",
+            registry=AGENT_REGISTRY,
         )
     return _agent_used
 
 
 # -- etcd leases (pool/etcd.py LeaseKeeper) --------------------------------------------------------
-_LEASE_RENEWALS = Counter(
-    "l3pool_lease_renewals_total", "Successful etcd lease keep-alives", ["owner"]
-)  # owner: member (an agent's registration), stats (an L3Client's published counters), other
-_LEASE_RENEWAL_FAILURES = Counter(
-    "l3pool_lease_renewal_failures_total", "etcd lease keep-alives that failed (etcd down or lease gone)", ["owner"]
+# owner: member (an agent's registration: the agent's registry), stats (an L3Client's published
+# counters) and other (the engine's)
+def _lease_counters(registry: Any, owners: tuple[str, ...]) -> tuple[_Children, _Children]:
+    ok = Counter("l3pool_lease_renewals_total", "Successful etcd lease keep-alives", ["owner"], registry=registry)
+    bad = Counter("l3pool_lease_renewal_failures_total", "etcd lease keep-alives that failed (etcd down or lease gone)",
+                  ["owner"], registry=registry)  # fmt: skip
+    return _Children(ok).preinit(*[(o,) for o in owners]), _Children(bad).preinit(*[(o,) for o in owners])
+
+
+_agent_lease, _engine_lease = (
+    _lease_counters(AGENT_REGISTRY, ("member",)),
+    _lease_counters(REGISTRY, ("stats", "other")),
 )
-LEASE_RENEWALS = _Children(_LEASE_RENEWALS)
-LEASE_RENEWAL_FAILURES = _Children(_LEASE_RENEWAL_FAILURES)
+LEASE_RENEWALS = _ByOwner(_agent_lease[0], _engine_lease[0])
+LEASE_RENEWAL_FAILURES = _ByOwner(_agent_lease[1], _engine_lease[1])
 
 # -- L3Client (pool/client.py) -------------------------------------------------------------------
 _CLIENT_PAGES = Counter(
@@ -140,9 +213,13 @@ CLIENT_TRAILER_REJECTIONS = Counter(
 CLIENT_CHECKSUM_FAILURES = Counter(
     "l3pool_client_checksum_failures_total", "Objects whose page bytes did not match their checksum (misses)"
 )
-CLIENT_PAGES = _Children(_CLIENT_PAGES)
-CLIENT_BYTES = _Children(_CLIENT_BYTES)
-CLIENT_BATCH_SECONDS = _Children(_CLIENT_BATCH_SECONDS)
+CLIENT_PAGES = _Children(_CLIENT_PAGES).preinit(
+    *[("exists", o) for o in ("ok", "miss", "unavailable")],
+    *[("get", o) for o in OUTCOMES if o != "pending"],
+    *[("put", o) for o in (*OUTCOMES, "skipped")],
+)
+CLIENT_BYTES = _Children(_CLIENT_BYTES).preinit(("get",), ("put",))
+CLIENT_BATCH_SECONDS = _Children(_CLIENT_BATCH_SECONDS).preinit(("exists",), ("get",), ("put",))
 
 # -- Prefetcher (pool/prefetch.py) -----------------------------------------------------------------
 PREFETCH_PAGES = Counter("l3pool_prefetch_pages_total", "Pages a prefetch brought into L2 (its intact prefix)")
@@ -167,6 +244,14 @@ CACHE_REQUESTS = Counter("l3pool_cache_requests_total", "Requests load() served"
 _CACHE_HIT_PAGES = Counter("l3pool_cache_hit_pages_total", "Pages a request found per tier (l1, l2, l3)", ["tier"])
 _CACHE_HIT_BYTES = Counter("l3pool_cache_hit_bytes_total", "Bytes of the pages found per tier", ["tier"])
 CACHE_MISS_PAGES = Counter("l3pool_cache_miss_pages_total", "Pages no tier had (computed by the engine)")
+# token-denominated twins (pages x page_size), as LMCache dashboards count (lmcache:num_hit_tokens,
+# lmcache:num_requested_tokens): only whole pages are cached, so a request's tail is never counted
+_CACHE_HIT_TOKENS = Counter("l3pool_cache_hit_tokens_total", "Tokens of the pages found per tier (pages x page_size)",
+                            ["tier"])  # fmt: skip
+CACHE_MISS_TOKENS = Counter("l3pool_cache_miss_tokens_total", "Tokens of the pages no tier had (pages x page_size)")
+CACHE_REQUESTED_TOKENS = Counter(
+    "l3pool_cache_requested_tokens_total", "Tokens of the whole pages requests asked for (hit + miss tokens)"
+)
 _CACHE_WAIT_SECONDS = Histogram(
     "l3pool_cache_wait_seconds",
     "Time a caller waited on a tier: l2 = an L2 -> L1 load, l3 = the L3 -> L2 prefetch at load()",
@@ -178,10 +263,11 @@ CACHE_GHOST_HITS = Counter(
     "l3pool_cache_ghost_hits_total", "Rebuilt pages found in the ghost list (evicted before: proven reuse)"
 )
 CACHE_ERRORS = Counter("l3pool_cache_errors_total", "Errors of the cache's background work")
-CACHE_HIT_PAGES = _Children(_CACHE_HIT_PAGES)
-CACHE_HIT_BYTES = _Children(_CACHE_HIT_BYTES)
-CACHE_WAIT_SECONDS = _Children(_CACHE_WAIT_SECONDS)
-CACHE_EVICTIONS = _Children(_CACHE_EVICTIONS)
+CACHE_HIT_PAGES = _Children(_CACHE_HIT_PAGES).preinit(*[(t,) for t in TIERS])
+CACHE_HIT_BYTES = _Children(_CACHE_HIT_BYTES).preinit(*[(t,) for t in TIERS])
+CACHE_HIT_TOKENS = _Children(_CACHE_HIT_TOKENS).preinit(*[(t,) for t in TIERS])
+CACHE_WAIT_SECONDS = _Children(_CACHE_WAIT_SECONDS).preinit(("l2",), ("l3",))
+CACHE_EVICTIONS = _Children(_CACHE_EVICTIONS).preinit(("l1",), ("l2",))
 
 # -- engine adapters (adapters/) -----------------------------------------------------------------
 _ADAPTER_CALLS = Counter(
@@ -192,8 +278,22 @@ _ADAPTER_ERRORS = Counter(
     "l3pool_adapter_errors_total", "Adapter calls that failed and answered the engine 'not stored' / 'miss'",
     ["engine"],
 )  # fmt: skip
-ADAPTER_CALLS = _Children(_ADAPTER_CALLS)
-ADAPTER_ERRORS = _Children(_ADAPTER_ERRORS)
+_ADAPTER_LOOKUP_TOKENS = Counter(
+    "l3pool_adapter_lookup_tokens_total", "Tokens of the pages an engine asked about (exists calls; pages x page_size)",
+    ["engine"],
+)  # fmt: skip
+_ADAPTER_HIT_TOKENS = Counter(
+    "l3pool_adapter_hit_tokens_total", "Tokens of the leading pages those exists calls found (pages x page_size)",
+    ["engine"],
+)  # fmt: skip
+ADAPTER_CALLS = _Children(_ADAPTER_CALLS).preinit(*[(e, op) for e in ENGINES for op in ("exists", "get", "set")])
+ADAPTER_ERRORS = _Children(_ADAPTER_ERRORS).preinit(*[(e,) for e in ENGINES])
+ADAPTER_LOOKUP_TOKENS = _Children(_ADAPTER_LOOKUP_TOKENS).preinit(*[(e,) for e in ENGINES])
+ADAPTER_HIT_TOKENS = _Children(_ADAPTER_HIT_TOKENS).preinit(*[(e,) for e in ENGINES])
+
+if AVAILABLE:
+    _build_info(ENGINE_REGISTRY)
+    _build_info(AGENT_REGISTRY)
 
 
 def add_tally(acc: dict[str, int], tallies: Iterable[tuple[str, int]]) -> None:
@@ -246,18 +346,44 @@ def check_port(port: int | str, what: str = "--metrics-port") -> int:
     return p
 
 
-def serve(port: int, host: str = "127.0.0.1") -> MetricsServer:
-    """Serve every l3pool metric at http://host:port/metrics from a daemon thread.
+class _WithoutCreated(CollectorRegistry if AVAILABLE else object):  # type: ignore[misc]
+    """A read-only view of a registry without prometheus_client's `<name>_created` samples."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def collect(self) -> Iterator[Any]:
+        for m in self._inner.collect():
+            if m.type in ("counter", "histogram", "summary", "gaugehistogram"):
+                created = f"{m.name}_created"
+                m.samples = [x for x in m.samples if x.name != created]
+            yield m
+
+    def restricted_registry(self, names: Iterable[str]) -> _WithoutCreated:
+        return _WithoutCreated(self._inner.restricted_registry(names))
+
+
+def registry(role: str) -> Any:
+    """The registry of a role: "engine" (the default registry) or "agent"."""
+    if role not in ROLES:
+        raise ValueError(f"metrics role {role!r}: expected one of {ROLES}")
+    return AGENT_REGISTRY if role == "agent" else ENGINE_REGISTRY
+
+
+def serve(port: int, host: str = "127.0.0.1", role: str = "engine") -> MetricsServer:
+    """Serve one role's l3pool metrics (module docstring) at http://host:port/metrics from a
+    daemon thread, without `_created` samples.
 
     Binds only the address given (default loopback; 0.0.0.0 only when a caller passes it).
     MetricsError naming the address when the port is taken, not ours to bind, or out of range."""
     p = check_port(port)
+    reg = registry(role)
     if p == 0:
         raise MetricsError("metrics port 0: nothing to serve")
     if not AVAILABLE:
         raise MetricsError("cannot serve metrics: the prometheus_client package is not installed (pip install it)")
     try:
-        server, thread = start_http_server(p, addr=host, registry=REGISTRY)
+        server, thread = start_http_server(p, addr=host, registry=_WithoutCreated(reg))
     except (OSError, OverflowError, socket.gaierror) as e:
         reason = getattr(e, "strerror", None) or str(e)
         raise MetricsError(f"cannot serve metrics on {host}:{p}: {reason}") from None

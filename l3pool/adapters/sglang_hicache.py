@@ -286,11 +286,15 @@ class L3PoolStorage(HiCacheStorage):
         with self._stats_lock:
             self.stats.exists_calls += 1
         metrics.ADAPTER_CALLS("sglang", "exists").inc()
+        page = self._reader.pool.spec.page_size
+        metrics.ADAPTER_LOOKUP_TOKENS("sglang").inc(len(keys) * page)
         try:
-            return self._reader.lookup(self._keys(list(keys)))
+            n = self._reader.lookup(self._keys(list(keys)))
         except Exception as e:
             self._failed("batch_exists", e)
             return 0
+        metrics.ADAPTER_HIT_TOKENS("sglang").inc(n * page)
+        return n
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

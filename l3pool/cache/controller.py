@@ -342,8 +342,11 @@ class TieredCache:
                 st.hit_bytes[t] += n * self.page_bytes
                 metrics.CACHE_HIT_PAGES(t).inc(n)
                 metrics.CACHE_HIT_BYTES(t).inc(n * self.page_bytes)
+                metrics.CACHE_HIT_TOKENS(t).inc(n * self.page_size)
             st.miss_pages += len(r.hashes) - r.n_hit
             metrics.CACHE_MISS_PAGES.inc(len(r.hashes) - r.n_hit)
+            metrics.CACHE_MISS_TOKENS.inc((len(r.hashes) - r.n_hit) * self.page_size)
+            metrics.CACHE_REQUESTED_TOKENS.inc(len(r.hashes) * self.page_size)
             h = LoadHandle(self, r.rid, np.concatenate([r.l1_hit, new]), r.n_hit, job)
             h.l1, h.l2, h.l3 = r.n1, r.n2 - r.n1, k
             h.l3_wait_s = r.l3_wait_s

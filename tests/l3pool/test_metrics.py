@@ -96,8 +96,8 @@ def test_serve_binds_only_the_given_address_and_refuses_a_taken_port() -> None:
     try:
         assert server.url == f"http://127.0.0.1:{port}/metrics"
         text = urllib.request.urlopen(server.url, timeout=3).read().decode()
-        assert "l3pool_agent_donated_bytes" in text
-        assert "l3pool_agent_used_bytes" not in text  # only an agent with --master-admin knows it
+        assert "l3pool_client_pages_total" in text
+        assert "l3pool_agent_" not in text  # the agent's families are served by the agent only
         with pytest.raises(metrics.MetricsError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             metrics.serve(port, "127.0.0.1")
     finally:
@@ -130,6 +130,55 @@ def test_log_records_go_through_tqdm_and_leave_the_bar_whole(capsys: pytest.Capt
     assert "bar: 100%" in err
 
 
+def test_outcome_labels_are_the_outcome_values() -> None:
+    assert metrics.OUTCOMES == tuple(o.value for o in Outcome)
+
+
+# families of each role's endpoint (sample names, `_total`/`_bucket`/... included)
+AGENT_SAMPLES = {
+    "l3pool_agent_donated_bytes", "l3pool_agent_registered", "l3pool_agent_mooncake_healthy",
+    "l3pool_agent_reregistrations_total", "l3pool_agent_used_bytes", "l3pool_lease_renewals_total",
+    "l3pool_lease_renewal_failures_total", "l3pool_build_info",
+}  # fmt: skip
+
+
+def _build_labels() -> dict[str, str]:
+    import platform
+    from importlib.metadata import version
+
+    import l3pool
+
+    return {"version": l3pool.__version__, "python": platform.python_version(),
+            "mooncake": version("mooncake-transfer-engine-non-cuda")}  # fmt: skip
+
+
+def test_engine_endpoint_has_its_families_preinitialised_and_no_created(endpoint: str) -> None:
+    """Every fixed label value exists (at 0 until counted) on the first scrape; no `_created`
+    twins; nothing of the agent's; a build_info series naming this process's versions."""
+    s = scrape(endpoint)
+    names = {n for n, _ in s}
+    assert not [n for n in names if n.endswith("_created")]
+    assert not [n for n in names if n.startswith("l3pool_agent_")]
+    assert val(s, "l3pool_build_info", **_build_labels()) == 1
+    want: list[tuple[str, dict[str, str]]] = [
+        *[("l3pool_client_pages_total", {"op": "put", "outcome": o}) for o in (*metrics.OUTCOMES, "skipped")],
+        *[("l3pool_client_pages_total", {"op": "exists", "outcome": o}) for o in ("ok", "miss", "unavailable")],
+        *[("l3pool_client_pages_total", {"op": "get", "outcome": o}) for o in ("ok", "miss", "transfer_fail")],
+        *[("l3pool_client_bytes_total", {"op": op}) for op in ("get", "put")],
+        *[("l3pool_client_batch_seconds_count", {"op": op}) for op in ("exists", "get", "put")],
+        *[(f"l3pool_cache_hit_{u}_total", {"tier": t}) for u in ("pages", "bytes", "tokens") for t in metrics.TIERS],
+        ("l3pool_cache_miss_tokens_total", {}), ("l3pool_cache_requested_tokens_total", {}),
+        *[("l3pool_cache_evictions_total", {"tier": t}) for t in ("l1", "l2")],
+        *[("l3pool_cache_wait_seconds_count", {"tier": t}) for t in ("l2", "l3")],
+        *[("l3pool_lease_renewals_total", {"owner": o}) for o in ("stats", "other")],
+        *[("l3pool_adapter_calls_total", {"engine": "sglang", "op": op}) for op in ("exists", "get", "set")],
+        *[(f"l3pool_adapter_{n}_total", {"engine": "sglang"}) for n in ("errors", "lookup_tokens", "hit_tokens")],
+    ]  # fmt: skip
+    missing = [(n, lb) for n, lb in want if (n, frozenset(lb.items())) not in s]
+    assert not missing, missing
+    assert ("l3pool_lease_renewals_total", frozenset({("owner", "member")})) not in s  # the agent's
+
+
 # -- the agent's endpoint ------------------------------------------------------------------------
 def test_agent_serves_its_metrics(etcd_server: EtcdServer, mooncake_master: MasterServer, prefix: str) -> None:
     (port,) = free_ports(1)
@@ -141,6 +190,19 @@ def test_agent_serves_its_metrics(etcd_server: EtcdServer, mooncake_master: Mast
     with agent_process(args) as agent:
         agent.wait_registered()
         first = scrape(url)
+        # only the agent's own families (plus process_*): none of the engine side's
+        ours = {n for n, _ in first if n.startswith("l3pool_")}
+        assert ours == AGENT_SAMPLES, ours ^ AGENT_SAMPLES
+        assert {n for n, _ in first if not n.startswith("l3pool_")} <= {
+            "process_virtual_memory_bytes", "process_resident_memory_bytes", "process_start_time_seconds",
+            "process_cpu_seconds_total", "process_open_fds", "process_max_fds",
+        }  # fmt: skip
+        assert val(first, "l3pool_build_info", **_build_labels()) == 1
+        # pre-initialised: the failure counter exists at 0 before any failure
+        assert ("l3pool_lease_renewal_failures_total", frozenset({("owner", "member")})) in first
+        assert [k for k in first if k[0] == "l3pool_lease_renewals_total"] == [
+            ("l3pool_lease_renewals_total", frozenset({("owner", "member")}))
+        ]
         assert val(first, "l3pool_agent_donated_bytes") == 24 * MiB
         assert val(first, "l3pool_agent_registered") == 1
         assert val(first, "l3pool_agent_mooncake_healthy") == 1
@@ -372,9 +434,16 @@ def test_cache_stats_are_mirrored(store: object, endpoint: str) -> None:
     for tier in ("l1", "l2", "l3"):
         assert delta(a, b, "l3pool_cache_hit_pages_total", tier=tier) == sum(s["hit_pages"][tier] for s in stats)
         assert delta(a, b, "l3pool_cache_hit_bytes_total", tier=tier) == sum(s["hit_bytes"][tier] for s in stats)
+        # LMCache-style token counters: pages x page_size
+        hit_tokens = sum(s["hit_pages"][tier] for s in stats) * SPEC.page_size
+        assert delta(a, b, "l3pool_cache_hit_tokens_total", tier=tier) == hit_tokens
     assert stats[1]["hit_pages"]["l3"] == 6 and stats[1]["hit_bytes"]["l3"] == 6 * SPEC.page_bytes
     assert delta(a, b, "l3pool_cache_requests_total") == sum(s["requests"] for s in stats) == 5
     assert delta(a, b, "l3pool_cache_miss_pages_total") == sum(s["miss_pages"] for s in stats)
+    misses = sum(s["miss_pages"] for s in stats)
+    hits = sum(sum(s["hit_pages"].values()) for s in stats)
+    assert delta(a, b, "l3pool_cache_miss_tokens_total") == misses * SPEC.page_size > 0
+    assert delta(a, b, "l3pool_cache_requested_tokens_total") == (hits + misses) * SPEC.page_size
     for tier in ("l1", "l2"):
         assert delta(a, b, "l3pool_cache_evictions_total", tier=tier) == sum(s["evictions"][tier] for s in stats)
     assert stats[0]["evictions"]["l1"] > 0

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 pytest.importorskip(
     "sglang.srt.mem_cache.hicache_storage",
@@ -246,8 +247,14 @@ def test_prefix_count_and_per_page_results(donor: MasterServer, adapters: Callab
     keys = hexkeys(6)
     stored = [0, 1, 3, 4, 5]  # page 2 never written
     assert a.batch_set_v1([keys[i] for i in stored], slots(stored)) == [True] * 5
+    tokens = {n: REGISTRY.get_sample_value(f"l3pool_adapter_{n}_tokens_total", {"engine": "sglang"}) or 0.0
+              for n in ("lookup", "hit")}  # fmt: skip
     assert a.batch_exists(keys) == 2  # SGLang's contract: leading pages present
     assert a.batch_exists(keys[3:]) == 3
+    # LMCache-style token counters (pages x page_size): 9 pages asked about, 5 leading ones found
+    for n, pages in (("lookup", 9), ("hit", 5)):
+        now = REGISTRY.get_sample_value(f"l3pool_adapter_{n}_tokens_total", {"engine": "sglang"})
+        assert now == tokens[n] + pages * PAGE, n
     before = host.page_bytes(10 + 2)
     res = a.batch_get_v1(keys, slots(range(10, 16)))
     assert res == [True, True, False, True, True, True]  # per page, the hole in the middle too
