@@ -14,6 +14,15 @@ per round (back to back): the median over rounds, and min/max as the spread. `lo
 the median time of `L3Client.lookup` over 512 distinct present keys (tiny objects), also checked
 to stop at an absent key. layer_first is measured in both modes (Mooncake multi-buffer vs
 staging) for the record. Exit status 1 when any row is not correct.
+
+SGLang's own Mooncake backend is the third column of the MLA page_first_direct row (SGLang's MLA
+zero-copy path; `bench/_sglang.py` runs sglang 0.5.23's `MooncakeStore` from the installed package):
+the same L2 pages go through its `batch_set_v1` / `batch_get_v1` (fresh keys, destination poisoned
+and byte-checked like ours) in the same rounds, the three systems' order rotating per round.
+Its store is a pure client like ours (`global_segment_size` 0): with SGLang's default "4gb" it would
+also donate a segment of its own and place some puts in local memory, which a prefill node of a
+pooled tier does not do. `set_vs_sglang` / `get_vs_sglang` are SGLang's time / ours paired per round
+(> 1: ours faster), medians with min/max. `--no-sglang`, or sglang not installed: no third column.
 """
 
 from __future__ import annotations
@@ -77,7 +86,47 @@ def _lookup_512(client: L3Client, store: MooncakeStore, ns: Namespace, rng: np.r
     return {"lookup_ms_512": round(statistics.median(times) * 1e3, 3), "lookup_correct": bool(ok)}
 
 
-def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Namespace, mode: str) -> dict[str, Any]:
+def _sglang_ok(call: Callable[..., list[bool]], keys: list[str], slots: torch.Tensor) -> list[Outcome]:
+    """SGLang's per-page bools as Outcomes (OK / ERROR), so every side is judged the same way."""
+    return [Outcome.OK if x else Outcome.ERROR for x in call(keys, slots)]
+
+
+def _sglang_backend(ep: Any, pool: HostKVPool) -> tuple[Any, Any, str]:
+    """SGLang's MooncakeStore over this pool's pages as a pure client of the same pool: (backend,
+    its host-pool view, its key prefix)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    from bench._sglang import MLAHostPool, mooncake_store_class
+
+    model = f"bench-l3-sglang-{uuid.uuid4().hex[:12]}"
+    extra = {"master_server_address": ep.master, "metadata_server": ep.metadata, "global_segment_size": 0,
+             "protocol": "tcp", "local_hostname": ep.host}  # fmt: skip
+    cfg = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
+        enable_storage_metrics=False, is_page_first_layout=False, model_name=model, extra_config=extra,
+    )  # fmt: skip
+    host = MLAHostPool(pool)
+    backend = mooncake_store_class()(cfg, None)
+    backend.register_mem_pool_host(host)
+    return backend, host, f"{model}_"
+
+
+def sglang_status(args: argparse.Namespace) -> str:
+    """ "on", or why there is no SGLang column ("off", or the import error)."""
+    if args.no_sglang:
+        return "off"
+    try:
+        from bench._sglang import mooncake_store_class
+
+        mooncake_store_class()
+    except Exception as e:  # not installed, or a version whose module does not load here
+        return f"unavailable: {type(e).__name__}: {e}"
+    return "on"
+
+
+def bench_model(
+    model: str, layout: str, store: MooncakeStore, args: argparse.Namespace, mode: str, ep: Any = None
+) -> dict[str, Any]:
     spec = MODELS[model]()
     n = args.pages
     pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=2 * n * spec.page_size, pin="never"))
@@ -92,6 +141,10 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
     contiguous = addrs.shape[1] == 1
     nbytes = n * spec.page_bytes
     t: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "put": [], "get": []}
+    sg = None  # SGLang's backend: the MLA zero-copy row only (its MLA page_first_direct path)
+    if ep is not None and model == "mla" and layout == "page_first_direct":
+        sg, sg_host, sg_prefix = _sglang_backend(ep, pool)
+        t |= {"sglang_put": [], "sglang_get": []}
     outcomes_ok = True  # every outcome OK (a full pool would show here too)
     wrong_pages = 0  # destination pages whose bytes differ from the source after a get
     raw_prefix = f"raw-{uuid.uuid4().hex[:12]}-"
@@ -111,10 +164,17 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
             }
         ops["put"] = partial(client.put, keys, src)
         ops["get"] = partial(client.get, keys, dst)
-        # puts before gets; who goes first alternates per round so neither side always follows
-        order = ["raw_put", "put", "raw_get", "get"] if rnd % 2 == 0 else ["put", "raw_put", "get", "raw_get"]
+        sides = ["raw", "", "sglang"] if sg is not None else ["raw", ""]
+        if sg is not None:
+            sg_keys = [uuid.uuid4().hex for _ in range(n)]
+            ops["sglang_put"] = partial(_sglang_ok, sg.batch_set_v1, sg_keys, sg_host.slots(src))
+            ops["sglang_get"] = partial(_sglang_ok, sg.batch_get_v1, sg_keys, sg_host.slots(dst))
+        # puts before gets; who goes first rotates per round so no side always follows another
+        k = rnd % len(sides)
+        sides = sides[k:] + sides[:k]
+        order = [f"{x}_put" if x else "put" for x in sides] + [f"{x}_get" if x else "get" for x in sides]
         for name in order:
-            is_get = name in ("raw_get", "get")
+            is_get = name.endswith("get")
             if is_get:  # every destination page holds the sentinel, not the source, before the get
                 pool.fill_pages(dst, POISON)
             t0 = time.perf_counter()
@@ -124,8 +184,11 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
             if is_get:  # every page of this get landed the source bytes (one vectorised compare)
                 wrong_pages += int((pool.read_pages(dst) != want).any(dim=1).sum())
         # every round allocates the same memory: this round's objects go (forced: a put's check leased them)
-        for prefix in (raw_prefix, ns.key_prefix):
+        for prefix in (raw_prefix, ns.key_prefix, *([sg_prefix] if sg is not None else [])):
             outcomes_ok &= store.remove_prefix(prefix, force=True) == (Outcome.OK, n)
+    if sg is not None:  # its warm-up object (4 KB, "sglang_mooncake_store_warmup_key<uuid>") too
+        store.remove_prefix("sglang_mooncake_store_warmup_key", force=True)
+        sg.store.close()
     lk = _lookup_512(client, store, ns, rng)
     staging_bytes = client.staging_bytes
     client.close()
@@ -136,6 +199,18 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
     # headline, min/max show the spread on a shared, noisy machine
     put_r = [r / x for r, x in zip(t["raw_put"], t["put"], strict=True)]
     get_r = [r / x for r, x in zip(t["raw_get"], t["get"], strict=True)]
+    vs: dict[str, Any] = {k: None for k in ("sglang_set_GBps", "sglang_get_GBps", "set_vs_sglang", "get_vs_sglang")}
+    if sg is not None:
+        set_s = [y / x for y, x in zip(t["sglang_put"], t["put"], strict=True)]
+        get_s = [y / x for y, x in zip(t["sglang_get"], t["get"], strict=True)]
+        vs = {
+            "sglang_set_GBps": round(gb / med["sglang_put"], 3),
+            "sglang_get_GBps": round(gb / med["sglang_get"], 3),
+            "set_vs_sglang": round(statistics.median(set_s), 4),
+            "get_vs_sglang": round(statistics.median(get_s), 4),
+            "set_vs_sglang_spread": spread(set_s, 4),
+            "get_vs_sglang_spread": spread(get_s, 4),
+        }
     return {
         "model": model,
         "layout": layout,
@@ -151,13 +226,22 @@ def bench_model(model: str, layout: str, store: MooncakeStore, args: argparse.Na
         "get_ratio": round(statistics.median(get_r), 4),
         "put_ratio_spread": spread(put_r, 4),
         "get_ratio_spread": spread(get_r, 4),
+        **vs,
         **lk,
         "staging_bytes": staging_bytes,
         "outcomes_ok": bool(outcomes_ok),
         "wrong_pages": wrong_pages,
-        "pages_checked": 2 * n * args.rounds,
+        "pages_checked": (3 if sg is not None else 2) * n * args.rounds,
         "correct": bool(outcomes_ok and wrong_pages == 0 and lk["lookup_correct"]),
     }
+
+
+def _vs_sglang(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The headline SGLang comparison: the row that has the third column (MLA page_first_direct)."""
+    keys = ("sglang_set_GBps", "sglang_get_GBps", "set_vs_sglang", "get_vs_sglang",
+            "set_vs_sglang_spread", "get_vs_sglang_spread")  # fmt: skip
+    row = next((r for r in rows if r.get("set_vs_sglang") is not None), {})
+    return {k: row.get(k) for k in keys}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64, help="L3Client batch size (pages)")
     p.add_argument("--models", default="mla,mha")
     p.add_argument("--layouts", default="page_first_direct,layer_first")
+    p.add_argument("--no-sglang", action="store_true", help="leave out SGLang's Mooncake backend (third column)")
     args = p.parse_args(argv)
     for what, given, known in (("--models", args.models, MODELS), ("--layouts", args.layouts, LAYOUTS)):
         bad = [x for x in given.split(",") if x not in known]
@@ -180,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     check_out(args)
+    sglang = sglang_status(args)
     load_start = _loadavg()
     rows = []
     for model in args.models.split(","):
@@ -194,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             state_dir=args.state_dir))  # fmt: skip
                     store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
                     stack.callback(store.close)
-                    row = bench_model(model, layout, store, args, mode)
+                    row = bench_model(model, layout, store, args, mode, ep if sglang == "on" else None)
                     rows.append({**row, "transport": store.cfg.protocol, "pool": ep.mode})
     # headline numbers: page-first rows (zero-copy), all models
     zc = [r for r in rows if r["layout"] != "layer_first"] or rows
@@ -213,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         "put_ratio": round(min(r["put_ratio"] for r in zc), 4),
         "get_ratio": round(min(r["get_ratio"] for r in zc), 4),
         "lookup_ms_512": max(r["lookup_ms_512"] for r in rows),
+        "sglang": sglang,
+        **_vs_sglang(rows),
         "correct": all(r["correct"] for r in rows),
         "rows": rows,
     }
@@ -221,11 +309,22 @@ def main(argv: list[str] | None = None) -> int:
         "get_ratio>=0.90": report["get_ratio"] >= 0.90,
         "lookup_ms_512<=2": report["lookup_ms_512"] <= 2.0,
     }
+    if report["set_vs_sglang"] is not None:
+        report["targets"] |= {
+            "set_vs_sglang>=1.0": report["set_vs_sglang"] >= 1.0,
+            "get_vs_sglang>=1.0": report["get_vs_sglang"] >= 1.0,
+        }
     summary = [
         f"{r['model']:4s} {r['layout']:18s} {r['layer_first_mode'] or '':8s} put {r['put_GBps']:6.2f} "
         f"(raw {r['raw_put_GBps']:6.2f}, x{r['put_ratio']:.2f})  get {r['get_GBps']:6.2f} "
         f"(raw {r['raw_get_GBps']:6.2f}, x{r['get_ratio']:.2f})  lookup512 {r['lookup_ms_512']:.2f} ms"
-        f"  correct={r['correct']}"
+        + (
+            f"  sglang set {r['sglang_set_GBps']:.2f} (x{r['set_vs_sglang']:.2f}) get {r['sglang_get_GBps']:.2f} "
+            f"(x{r['get_vs_sglang']:.2f})"
+            if r.get("set_vs_sglang") is not None
+            else ""
+        )
+        + f"  correct={r['correct']}"
         for r in rows
     ]
     emit_report(report, args, [*summary, f"targets: {report['targets']}"])

@@ -72,7 +72,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,6 +316,28 @@ def _close_later(s: Any, what: str) -> None:
             log.debug("closing %s: %s", what, e)
 
     threading.Thread(target=run, name="l3pool-store-close", daemon=True).start()
+
+
+# Placement of a put: fields of Mooncake's ReplicateConfig (replica_num, preferred_segment,
+# preferred_segments, prefer_alloc_in_same_node, with_hard_pin, ...), None = the binding's default.
+# Measured (bench/l3_placement.py, bench/results/2026-12-01-cpu-l3-placement.json): no field
+# makes a pure client's put faster than the default, so L3Client passes none.
+Placement = Mapping[str, Any] | None
+
+
+def replicate_config(fields: Mapping[str, Any]) -> Any:
+    """A Mooncake ReplicateConfig with `fields` set; StoreError naming an unknown field."""
+    try:
+        from mooncake.store import ReplicateConfig
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise StoreError(f"the mooncake package is not importable ({e})") from e
+    cfg = ReplicateConfig()
+    for name, value in fields.items():
+        if name.startswith("_") or not hasattr(cfg, name):
+            known = sorted(a for a in dir(cfg) if not a.startswith("_"))
+            raise StoreError(f"ReplicateConfig has no field {name!r}; known: {known}")
+        setattr(cfg, name, value)
+    return cfg
 
 
 class MooncakeStore:
@@ -712,24 +734,30 @@ class MooncakeStore:
         sizes: list[Any],
         counts: Sequence[int],
         totals: Sequence[int] | None = None,
+        extra: tuple[Any, ...] = (),
     ) -> list[Outcome]:
         """A call that moves bytes (Mooncake method `name`), cut into parts of at most
         `max_transfers` fragments (each object `counts[i]`), each part holding its fragments of
         the budget while in Mooncake. `totals`: a get, with the object sizes it expects (another
-        size is BAD_REQUEST; objects on dead donors are skipped, see `_get`)."""
+        size is BAD_REQUEST; objects on dead donors are skipped, see `_get`). `extra`: more
+        arguments of a put's every part (its ReplicateConfig)."""
         out: list[Outcome] = []
         for lo, hi in fragment_chunks(counts, self.transfers.limit):
             with self.transfers.hold(int(sum(counts[lo:hi]))):
                 if totals is None:
-                    out += self._batch(hi - lo, what, name, keys[lo:hi], ptrs[lo:hi], sizes[lo:hi])
+                    out += self._batch(hi - lo, what, name, keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], *extra)
                 else:
                     out += self._get(keys[lo:hi], name, ptrs[lo:hi], sizes[lo:hi], totals[lo:hi])
         return out
 
-    def put(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
+    def put(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], replicate: Placement = None
+    ) -> list[Outcome]:
+        """One object per key from one buffer; `replicate`: placement (`replicate_config`)."""
         if not keys:
             return []
-        return self._moved("put", "batch_put_from", list(keys), list(ptrs), list(sizes), [1] * len(keys))
+        extra = (replicate_config(replicate),) if replicate is not None else ()
+        return self._moved("put", "batch_put_from", list(keys), list(ptrs), list(sizes), [1] * len(keys), extra=extra)
 
     def get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[Outcome]:
         """Copy each object into its buffer; a size mismatch is BAD_REQUEST (nothing trusted)."""
@@ -739,14 +767,20 @@ class MooncakeStore:
         return self._moved("get", "batch_get_into", list(keys), list(ptrs), list(sizes), [1] * n, list(sizes))
 
     def put_multi(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        replicate: Placement = None,
     ) -> list[Outcome]:
-        """One object per key from several fragments (e.g. a layer_first page's per-layer runs)."""
+        """One object per key from several fragments (e.g. a layer_first page's per-layer runs, or
+        a page and its trailer); `replicate`: placement (`replicate_config`)."""
         if not keys:
             return []
         frags, lens = [list(p) for p in ptrs], [list(s) for s in sizes]
         counts = [len(f) for f in frags]
-        return self._moved("put", "batch_put_from_multi_buffers", list(keys), frags, lens, counts)
+        extra = (replicate_config(replicate),) if replicate is not None else ()
+        return self._moved("put", "batch_put_from_multi_buffers", list(keys), frags, lens, counts, extra=extra)
 
     def get_multi(
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,8 +27,18 @@ def test_l3_bench_json_contract(tmp_path: Path) -> None:
         assert isinstance(report[key], float) and report[key] > 0, key
     modes = {(r["layout"], r["layer_first_mode"]) for r in report["rows"]}
     assert modes == {("page_first_direct", None), ("layer_first", "multi"), ("layer_first", "staging")}
+    # SGLang's own Mooncake backend is the third column of the MLA page_first_direct row
+    assert report["sglang"] == "on"
+    for key in ("sglang_set_GBps", "sglang_get_GBps", "set_vs_sglang", "get_vs_sglang"):
+        assert isinstance(report[key], float) and report[key] > 0, key
     for r in report["rows"]:
-        assert r["wrong_pages"] == 0 and r["pages_checked"] == 2 * 4 * 2 and r["lookup_correct"] is True
+        has_sglang = r["layout"] == "page_first_direct"
+        assert (r["set_vs_sglang"] is not None) == has_sglang
+        if has_sglang:
+            assert report["set_vs_sglang"] == r["set_vs_sglang"] == r["set_vs_sglang_spread"]["median"]
+            assert r["get_vs_sglang_spread"]["min"] <= r["get_vs_sglang"] <= r["get_vs_sglang_spread"]["max"]
+        sides = 3 if has_sglang else 2  # every side's get is byte-checked
+        assert r["wrong_pages"] == 0 and r["pages_checked"] == sides * 4 * 2 and r["lookup_correct"] is True
         for op in ("put", "get"):  # the headline ratio is the median of the paired per-round ratios
             sp = r[f"{op}_ratio_spread"]
             assert sp["min"] <= r[f"{op}_ratio"] == sp["median"] <= sp["max"]
@@ -35,7 +46,38 @@ def test_l3_bench_json_contract(tmp_path: Path) -> None:
         want = 64 * r["page_bytes"] if r["layer_first_mode"] == "staging" else 0
         assert r["staging_bytes"] == want
     assert report["put_ratio"] == min(r["put_ratio"] for r in report["rows"] if r["layout"] != "layer_first")
-    assert set(report["targets"]) == {"put_ratio>=0.90", "get_ratio>=0.90", "lookup_ms_512<=2"}
+    assert set(report["targets"]) == {
+        "put_ratio>=0.90", "get_ratio>=0.90", "lookup_ms_512<=2", "set_vs_sglang>=1.0", "get_vs_sglang>=1.0",
+    }  # fmt: skip
+
+
+def test_l3_bench_without_sglang_has_no_third_column(tmp_path: Path) -> None:
+    out = tmp_path / "l3.json"
+    rc = l3.main([*TINY, "--rounds", "1", "--layouts", "page_first_direct", "--no-sglang", "--out", str(out),
+                  "--state-dir", str(tmp_path)])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["sglang"] == "off" and report["set_vs_sglang"] is None
+    assert report["rows"][0]["sglang_set_GBps"] is None and "set_vs_sglang>=1.0" not in report["targets"]
+
+
+def test_sglang_get_that_writes_the_wrong_bytes_fails_the_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import _sglang
+
+    cls: Any = _sglang.mooncake_store_class()
+    real = cls.batch_get_v1
+
+    def one_page_off(self: Any, keys: list[str], host_indices: Any, extra_info: object = None) -> list[bool]:
+        res = real(self, keys, host_indices)
+        host = self.mem_pool_host  # the first destination page of every get is wrong
+        host.kv_buffer[int(host_indices[0]) // host.page_size].zero_()
+        return res  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(cls, "batch_get_v1", one_page_off)
+    out = tmp_path / "l3.json"
+    rc = l3.main([*TINY, "--rounds", "1", "--layouts", "page_first_direct", "--out", str(out),
+                  "--state-dir", str(tmp_path)])  # fmt: skip
+    row = json.loads(out.read_text())["rows"][0]
+    assert rc == 1 and row["correct"] is False and row["wrong_pages"] == 1  # 1 round: one SGLang get
 
 
 def _writes_nothing(self: L3Client, keys: list[str], pages: np.ndarray) -> list[Outcome]:
@@ -74,3 +116,21 @@ def test_l3_bench_correct_can_become_false(
     else:
         assert row["lookup_correct"] is True
         assert row["wrong_pages"] == (4 if what == "get_writes_nothing" else 1)
+
+
+def test_l3_placement_bench_json_contract(tmp_path: Path) -> None:
+    from bench import l3_placement
+
+    out = tmp_path / "placement.json"
+    rc = l3_placement.main(["--pages", "2", "--rounds", "2", "--segment-size", "256MB", "--out", str(out),
+                            "--state-dir", str(tmp_path)])  # fmt: skip
+    report = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert rc == 0 and len(report["segments"]) == 2  # the local cluster's two agents
+    assert set(rows) == {"default", "explicit_default", "preferred_segment", "preferred_segments",
+                         "prefer_alloc_in_same_node", "replica_num_2", "with_hard_pin", "page_only"}  # fmt: skip
+    assert rows["default"]["vs_default"] == 1.0 and rows["default"]["replicate"] is None
+    assert rows["preferred_segment"]["replicate"] == {"preferred_segment": report["segments"][0]}
+    for r in rows.values():
+        assert r["put_GBps"] > 0 and r["vs_default_spread"]["min"] <= r["vs_default"] <= r["vs_default_spread"]["max"]
+        assert r["all_ok"] is True and r["outcomes"] == {"ok": 4}

@@ -35,6 +35,7 @@ pytest.importorskip(
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
+from bench._sglang import sglang_method
 from l2core.spec import ConfigError
 from l3pool.adapters.sglang_hicache import L3PoolStorage
 from l3pool.pool.etcd import EtcdClient
@@ -56,20 +57,7 @@ PAGE = 4
 
 
 # -- SGLang's own host-pool methods, bound to the fakes ------------------------------------------
-def _sglang_method(relpath: str, cls: str, name: str) -> Callable[..., Any]:
-    """A method's source from the installed sglang (without importing its heavy module)."""
-    spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.submodule_search_locations
-    src = Path(next(iter(spec.submodule_search_locations)), relpath).read_text()
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.ClassDef) and node.name == cls:
-            for fn in node.body:
-                if isinstance(fn, ast.FunctionDef) and fn.name == name:
-                    code = textwrap.dedent(ast.get_source_segment(src, fn) or "")
-                    ns: dict[str, Any] = {"torch": torch}
-                    exec(compile(code, f"<sglang {cls}.{name}>", "exec"), ns)
-                    return ns[name]  # type: ignore[no-any-return]
-    raise AssertionError(f"{cls}.{name} not found in sglang/{relpath}")
+_sglang_method = sglang_method  # a method's source from the installed sglang (bench/_sglang.py)
 
 
 MHA_SRC, MLA_SRC = "srt/mem_cache/pool_host/mha.py", "srt/mem_cache/pool_host/mla.py"
