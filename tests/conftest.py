@@ -12,8 +12,22 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-import pytest
-import torch
+
+def _xdist_threads() -> int | None:
+    """Under `pytest -n N` (pytest-xdist sets PYTEST_XDIST_WORKER_COUNT in each worker): the cores
+    per worker, so N workers' torch/OpenMP pools (each sized to every core by default) do not
+    oversubscribe the host; None when not under xdist or when OMP_NUM_THREADS was already set."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers or "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, (os.cpu_count() or 1) // max(1, int(workers)))
+
+
+if (_threads := _xdist_threads()) is not None:
+    os.environ["OMP_NUM_THREADS"] = str(_threads)  # before torch starts its pool; children inherit it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def cuda_available() -> bool:

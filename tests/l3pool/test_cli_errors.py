@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,7 +216,7 @@ def _cases(tmp: Path) -> list[Case]:
                 "--state-dir",
                 str(tmp / "c3"),
                 "--name",
-                f"ce{os.getpid() % 10000}x",
+                f"ce{uuid.uuid4().hex[:6]}x",
                 "--agent-cmd",
                 f"{sys.executable} -c 'import sys; print(\"agent-boom\", file=sys.stderr); sys.exit(3)'",
             ),
@@ -380,7 +381,7 @@ def test_tools_reuse_the_running_local_cluster(tmp_path: Path) -> None:
     bench.prefetch use that cluster (no ClusterAlreadyUp, no second cluster), `up` prints the
     exports a client shell needs and the size as typed, and `down` removes the logs it wrote."""
     state = tmp_path / "cluster"
-    name = f"ce{os.getpid() % 100000}"
+    name = f"ce{uuid.uuid4().hex[:6]}"
     up = _run(("l3pool", "cluster", "up", "--agents", "2", "--segment-size", "64MiB", "--state-dir", str(state),
                "--name", name), REPO)  # fmt: skip
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import uuid
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 def main() -> int:
     spec = KVSpec.mla(2, kv_lora_rank=32, rope_dim=0, page_size=16)
     out: dict[str, object] = {"l3pool": l3pool.__file__, "l2core": l2core.__file__}
-    with LocalCluster(agents=1, segment_size="64MB", netns="off", name=f"pkg{os.getpid() % 10000}") as c:
+    with LocalCluster(agents=1, segment_size="64MB", netns="off", name=f"pkg{uuid.uuid4().hex[:6]}") as c:
         os.environ.update(c.client_env())  # this script is the application
         store = MooncakeStore(StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host))
         pool = HostKVPool(L2Config(kv=spec, layout="page_first_direct", tokens=8 * 16, pin="never"))

@@ -3,7 +3,14 @@ non-editable into a fresh venv, `l3pool info` and a tiny L2 -> L3 -> L2 round tr
 
 The fresh venv gets the dev venv's third-party packages (torch, numpy, mooncake) through a .pth
 line, so nothing is downloaded; l2core/l3pool themselves come only from the wheel (checked: their
-`__file__` lies in the new venv, and the command runs outside the source tree)."""
+`__file__` lies in the new venv, and the command runs outside the source tree).
+
+No step needs a package index when this interpreter has the build backend (`[build-system]
+requires`): every pip call runs with `--no-index`. When it lacks the backend, `_backend` probes
+(bounded) for it: local wheels (pip's configured find-links, `--no-index`) first, then the index;
+with neither, the tests skip and say so. The installed wheel builds its kernels in a build dir of
+its own: its sources lie elsewhere than the tree's, so sharing `~/.cache/l2core` with the tree's
+tests (other xdist workers) would rebuild the extension there at every switch."""
 
 from __future__ import annotations
 
@@ -13,8 +20,11 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
+import tomllib
 import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
@@ -39,17 +49,82 @@ def _clean_env() -> dict[str, str]:
 
 def _run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
     kw.setdefault("env", _clean_env())
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)  # type: ignore[call-overload]
+    kw.setdefault("timeout", 600)
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)  # type: ignore[call-overload]
+
+
+PROBE_TIMEOUT_S = 60  # one bounded pip call per probe (pip's own network timeout: 5 s, no retries)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where the build backend comes from: `path` (put first on PYTHONPATH; None: this
+    interpreter's own), `how` (said in the test output); `skip`: why there is none."""
+
+    path: Path | None
+    how: str
+    skip: str | None = None
+
+
+def _missing(requires: list[str]) -> list[str]:
+    """The build requirements this interpreter does not satisfy, each with what it has instead."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pip vendors it
+        from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
+    out = []
+    for req in map(Requirement, requires):
+        try:
+            have = version(req.name)
+        except PackageNotFoundError:
+            out.append(f"{req} (not installed)")
+            continue
+        if not req.specifier.contains(have, prereleases=True):
+            out.append(f"{req} (installed: {have})")
+    return out
+
+
+def _backend(requires: list[str], target: Path, env: dict[str, str] | None = None) -> Backend:
+    """This interpreter's build backend when it satisfies `requires`; else the requirements
+    installed into `target` from local wheels (`--no-index`: pip's configured find-links), else
+    from the package index; else a Backend whose `skip` says why neither could be used."""
+    missing = _missing(requires)
+    if not missing:
+        return Backend(None, "this interpreter's build backend (no package index needed)")
+    tried = []
+    for sub, how, opts in (("local", "local wheels (--no-index)", ["--no-index"]),
+                           ("index", "the package index", ["--timeout", "5", "--retries", "0"])):  # fmt: skip
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:", "--target",
+               str(target / sub), *opts, *requires]  # fmt: skip
+        try:
+            r = _run(cmd, timeout=PROBE_TIMEOUT_S, **({"env": env} if env is not None else {}))
+            err = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+        except subprocess.TimeoutExpired:
+            r, err = None, f"no answer within {PROBE_TIMEOUT_S} s"
+        if r is not None and r.returncode == 0:
+            return Backend(target / sub, f"{', '.join(requires)} from {how}")
+        tried.append(f"{how}: {err}")
+    return Backend(None, "", f"the build needs {', '.join(missing)}; no local wheels and no package index "
+                             f"reachable ({'; '.join(tried)})")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
+    requires = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
+    backend = _backend(requires, tmp_path_factory.mktemp("backend"))
+    if backend.skip:
+        pytest.skip(backend.skip)
+    print(f"build backend: {backend.how}")
+    env = _clean_env()
+    if backend.path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(backend.path), env.get("PYTHONPATH")) if p)
     pip = [sys.executable, "-m", "pip"]
-    r = _run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(REPO)])
+    r = _run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(out), str(REPO)],
+             env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     code = f"from setuptools import build_meta as b; print(b.build_sdist({str(out)!r}))"
-    r = _run([sys.executable, "-c", code], cwd=REPO)
+    r = _run([sys.executable, "-c", code], cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     return out
 
@@ -63,9 +138,17 @@ def venv(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
     site = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
     Path(site, "dev-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     wheel = next(dist.glob("l3pool-*.whl"))
-    r = _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)])
+    r = _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index", str(wheel)])
     assert r.returncode == 0, r.stderr[-2000:]
     yield root
+
+
+def _venv_env(venv: Path, build: Path) -> dict[str, str]:
+    """The installed package's environment: its bin/ first on PATH, its kernels built in `build`."""
+    env = _clean_env()
+    env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
+    env["L2CORE_BUILD_DIR"] = str(build)
+    return env
 
 
 def test_wheel_and_sdist_carry_the_native_sources_and_license(dist: Path) -> None:
@@ -79,9 +162,50 @@ def test_wheel_and_sdist_carry_the_native_sources_and_license(dist: Path) -> Non
     assert not [n for n in (*NATIVE, "LICENSE", "pyproject.toml") if n not in snames]
 
 
-def test_installed_wheel_info_and_round_trip(venv: Path, tmp_path: Path) -> None:
+def _offline_pip_env(find_links: Path) -> dict[str, str]:
+    """pip without its config files, its index a closed port on 127.0.0.1, `find_links` its only
+    local wheels."""
     env = _clean_env()
-    env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_FIND_LINKS=str(find_links))
+    env.pop("PIP_EXTRA_INDEX_URL", None)
+    return env
+
+
+def _fake_wheel(where: Path, name: str = "l3pool_probe_fake", ver: str = "1.0") -> None:
+    info = f"{name}-{ver}.dist-info"
+    files = {
+        f"{name}/__init__.py": "",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {ver}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{n},,\n" for n in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(where / f"{name}-{ver}-py3-none-any.whl", "w") as z:
+        for n, text in files.items():
+            z.writestr(n, text)
+
+
+def test_backend_probe_skips_without_index_or_local_wheels(tmp_path: Path) -> None:
+    """A backend this interpreter lacks, no local wheel of it, an index that refuses connections:
+    the probe ends quickly and the skip names both sources."""
+    (tmp_path / "wheels").mkdir()
+    b = _backend(["setuptools>=9999"], tmp_path / "t", _offline_pip_env(tmp_path / "wheels"))
+    assert b.path is None and b.skip is not None, b
+    assert b.skip.startswith("the build needs setuptools>=9999 (installed: "), b.skip
+    assert "no local wheels and no package index reachable (local wheels (--no-index): " in b.skip, b.skip
+    assert "; the package index: " in b.skip, b.skip
+
+
+def test_backend_probe_takes_local_wheels_with_no_index(tmp_path: Path) -> None:
+    (tmp_path / "wheels").mkdir()
+    _fake_wheel(tmp_path / "wheels")
+    b = _backend(["l3pool-probe-fake==1.0"], tmp_path / "t", _offline_pip_env(tmp_path / "wheels"))
+    assert b.skip is None and b.how == "l3pool-probe-fake==1.0 from local wheels (--no-index)", b
+    assert b.path == tmp_path / "t" / "local" and (b.path / "l3pool_probe_fake" / "__init__.py").exists()
+    assert _backend(["pip"], tmp_path / "t2").path is None  # satisfied here: nothing installed, no probe
+
+
+def test_installed_wheel_info_and_round_trip(venv: Path, tmp_path: Path) -> None:
+    env = _venv_env(venv, tmp_path / "build")
     r = _run([str(venv / "bin" / "l3pool"), "info", "--json"], cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     info = json.loads(r.stdout)
@@ -95,8 +219,7 @@ def test_installed_wheel_info_and_round_trip(venv: Path, tmp_path: Path) -> None
 
 def test_info_fails_when_kernels_are_unusable(venv: Path, tmp_path: Path) -> None:
     """A broken native source in the installed package: `info` says so and exits 1."""
-    env = _clean_env()
-    env["L2CORE_BUILD_DIR"] = str(tmp_path / "build")
+    env = _venv_env(venv, tmp_path / "build")
     site = Path(_run([str(venv / "bin" / "python"), "-c", "import l2core, os; print(os.path.dirname(l2core.__file__))"],
                      cwd=tmp_path, env=env).stdout.strip())  # fmt: skip
     src = site / "native" / "csrc" / "cpu_kernels.cpp"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -353,7 +353,7 @@ def test_demo_against_a_running_pool(tmp_path: Path, capsys: pytest.CaptureFixtu
     from l3pool.cluster.local import LocalCluster
     from l3pool.pool.metadata import Metadata
 
-    with LocalCluster(agents=2, segment_size="256MB", name=f"dm{os.getpid() % 10000}") as c:
+    with LocalCluster(agents=2, segment_size="256MB", name=f"dm{uuid.uuid4().hex[:6]}") as c:
         args = ["--master", c.master, "--metadata", c.metadata_url, "--host", c.client_host, "--etcd", c.etcd_endpoints]
         rc = main(["demo", *TINY, "--json", "--no-progress", "--no-plots", "--out", str(tmp_path), *args])
         rep = json.loads(capsys.readouterr().out)
