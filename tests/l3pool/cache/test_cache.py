@@ -314,7 +314,6 @@ def test_pinned_pages_never_evicted_under_concurrent_requests(
     cfg = CacheConfig(l1_to_l2=l1_to_l2, l2_to_l3=l2_to_l3, prefetch_policy=prefetch, hit_threshold=2,  # type: ignore[arg-type]
                       prefetch_timeout_s=0.01)  # fmt: skip
     e = mk(engines, l1_pages=24, l2_pages=24, store=store, cfg=cfg)
-    e.poison_l2 = False  # free L1 pages are still poisoned before every load
     roots = [chain(s, 3) for s in range(6)]
     errors: list[BaseException] = []
     full = 0
