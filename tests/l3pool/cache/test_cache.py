@@ -18,6 +18,7 @@ from l2core import ops
 from l2core.spec import ConfigError
 from l2core.transfer import TransferError
 from l3pool.cache import L1, BackgroundError, CacheConfig, CacheError, CacheFull, GhostList, TieredCache, UnknownRequest
+from l3pool.pool.prefetch import Prefetcher, PrefetchHandle
 
 from ..cache_helpers import LAYERS, SPEC, Engine, P, chain, contents
 from ..fake_store import FakePageStore
@@ -431,6 +432,42 @@ def test_prefetch_cancelled_by_release_and_l3_errors_are_misses(engines: list[En
     r3.cache.release("z")
     store.raise_on = set()
     assert r2.used() == r3.used() == (0, 0)
+
+
+def test_prefetch_makes_its_l2_room_when_its_batch_allocates(
+    engines: list[Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefetch evicts L2 pages for a batch when the batch allocates, under the cache's lock.
+    Room made in prefetch() before the worker ran was not reserved: an allocation in between
+    took it and the prefetch came up short with evictable pages left (the stress test's PP
+    stages then raised PPShortLoad, "lost despite the lock")."""
+    store = FakePageStore()
+    hs = chain(8, 4)
+    _l3_writer(engines, store, hs)
+    r = mk(engines, l1_pages=32, l2_pages=8, store=store, cfg=CacheConfig(prefetch_policy="wait_complete"))
+    r.run("fill", chain(9, 8))
+    r.cache.flush()
+    st = r.cache.stats()["l2_pages"]
+    assert st["free"] == 0 and st["cached"] == 8 and st["pinned"] == 0  # L2 full of evictable pages
+    gate = threading.Event()
+    real_run = Prefetcher._run
+
+    def held_run(self: Prefetcher, h: PrefetchHandle) -> None:  # the worker starts late (busy host)
+        gate.wait(10)
+        real_run(self, h)
+
+    monkeypatch.setattr(Prefetcher, "_run", held_run)
+    m = r.cache.match("q", hs)
+    assert m.l3 == 4 and r.cache.prefetch(m)
+    taken = r.pool.alloc(r.pool.stats().free_pages)  # another allocation before the worker runs
+    gate.set()
+    h = r.cache.load(m, total_pages=4)
+    h.wait()
+    assert h.l3 == 4 and torch.equal(r.l1_of(h.l1_pages), contents(hs)), (h.l3, len(taken))
+    r.pool.free(taken)
+    r.cache.commit("q", hs, h.l1_pages)
+    r.cache.release("q")
+    assert r.cache.stats()["evictions"]["l2"] == 4 and r.used() == (0, 0)
 
 
 # -- injected errors: no leaks ------------------------------------------------------------------
