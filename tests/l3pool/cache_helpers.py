@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -83,18 +85,23 @@ class Engine:
         for i, b in enumerate(self.bufs):
             b[s] = c[i].reshape(-1, 1, D)
 
-    def start(self, rid: str, hs: list[bytes], prefetch: bool = True) -> tuple[Match, LoadHandle]:
+    def start(self, rid: str, hs: list[bytes], prefetch: bool = True, think_s: float = 0.0) -> tuple[Match, LoadHandle]:
         m = self.cache.match(rid, hs)
         if prefetch:
             self.cache.prefetch(m)
+        if think_s:
+            time.sleep(think_s)  # queued: the prefetch runs on (load() interrupts it by policy)
         self.poison_free_l1()
         self.poison_free_l2()
         h = self.cache.load(m, total_pages=len(hs))
         return m, h
 
-    def run(self, rid: str, hs: list[bytes], *, release: bool = True, prefetch: bool = True) -> Match:
-        """One request: match, load, check the hit bytes, compute the rest, commit, release."""
-        m, h = self.start(rid, hs, prefetch)
+    def run(
+        self, rid: str, hs: list[bytes], *, release: bool = True, prefetch: bool = True, think_s: float = 0.0
+    ) -> Match:
+        """One request: match, (prefetch, `think_s` queued), load, check the hit bytes, compute
+        the rest, commit, release."""
+        m, h = self.start(rid, hs, prefetch, think_s)
         for i in range(LAYERS):
             h.wait_layer(i)
         hit = h.hit_pages
