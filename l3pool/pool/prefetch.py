@@ -182,7 +182,10 @@ class PrefetchHandle:
             self._discard_locked("supersede")
         self._delivered = True
         self._owner._forget(self)
-        log.warning(
+        # pages left in flight (a Mooncake call that outlived interrupt_wait_s) are worth a warning;
+        # a prefetch still queued or between batches has none, and returning at once is the plan
+        log.log(
+            logging.WARNING if self._inflight_pages else logging.DEBUG,
             "prefetch %s gen %d: interrupt() returned %d pages without waiting for %d pages in flight (quarantined)",
             self.request_id, self.generation, self._loaded, self._inflight_pages,
         )  # fmt: skip

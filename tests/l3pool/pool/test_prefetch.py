@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import random
 import signal
 import subprocess
@@ -248,6 +249,39 @@ def test_growing_batches_interrupt_at_batch_boundaries(
             assert setup.used() == base
     assert 1 <= inflight[1] <= pipeline and max(k for _, k in calls) <= cap
     assert partial > 0
+
+
+def test_interrupt_warns_only_when_it_leaves_pages_in_flight(setup: Setup, caplog: pytest.LogCaptureFixture) -> None:
+    """interrupt() returning before the worker finished is worth a warning only when a batch is
+    still in flight (its pages quarantined); a prefetch still queued has none: debug level."""
+    base = setup.used()
+    started, go = threading.Event(), threading.Event()
+    real = setup.client.get
+
+    def held_get(keys: list[str], pages: np.ndarray) -> list[Outcome]:
+        started.set()
+        go.wait(10)  # the call hangs, as under a frozen master
+        return real(keys, pages)
+
+    setup.client.get = held_get  # type: ignore[method-assign]
+    caplog.set_level(logging.DEBUG, logger="l3pool.pool.prefetch")
+    try:
+        with Prefetcher(setup.client, batch_pages=8, max_inflight=1) as pf:
+            busy = pf.submit("busy", setup.keys)
+            assert started.wait(10)
+            queued = pf.submit("queued", setup.keys)  # waits for the one worker: nothing in flight
+            r = queued.interrupt(timeout=0)
+            assert r.interrupted and r.keys_loaded == 0 and r.left_in_flight == 0
+            r = busy.interrupt(timeout=0)
+            assert r.interrupted and r.keys_loaded == 0 and r.left_in_flight == 8
+            go.set()
+    finally:
+        go.set()
+    recs = [(x.levelno, x.getMessage()) for x in caplog.records if x.name == "l3pool.pool.prefetch"]
+    warned = [m for lv, m in recs if lv >= logging.WARNING]
+    assert len(warned) == 1 and "prefetch busy gen 1" in warned[0] and "8 pages in flight" in warned[0], recs
+    assert any(lv == logging.DEBUG and "prefetch queued gen 1" in m and "0 pages in flight" in m for lv, m in recs)
+    assert pf.quarantined_pages() == 0 and setup.used() == base
 
 
 def test_cancel_and_close_free_everything(setup: Setup) -> None:
