@@ -440,7 +440,8 @@ class TieredCache:
     ) -> tuple[list[bytes], np.ndarray, np.ndarray] | None:
         """Of L1 pages `l1p` (hashes `hs`), those neither in L2 nor on their way there, with L2
         pages allocated for them: (hashes, L1 pages, L2 pages); None when there are none or L2 is
-        full of pinned pages (counted in `l2_full_skips`)."""
+        full of pinned pages (counted in `backup_skips` by cause: `l3_slow` when the pages that
+        wait for the L3 writer, pinned until their put returns, hold the room they needed)."""
         keep = (self.t2.pages_of(hs) < 0) & ~_member(self._pending_l2, hs)
         if not keep.any():
             return None
@@ -449,8 +450,12 @@ class TieredCache:
         try:
             return hk, pk, self._alloc_l2(len(hk))
         except CacheFull as e:
-            log.warning("%s: %d pages skipped: %s", what, len(hk), e)
-            self._stats.l2_full_skips += len(hk)
+            queued = len(self._to_l3)
+            cause = "l3_slow" if self.l2.allocator.free_pages + queued >= len(hk) else "l2_pinned"
+            log.warning("%s: %d pages skipped (%s): %s; %d L2 pages wait for the L3 writer", what, len(hk), cause, e,
+                        queued)  # fmt: skip
+            self._stats.backup_skips[cause] += len(hk)
+            metrics.CACHE_BACKUP_SKIPS(cause).inc(len(hk))
             return None
 
     def _alloc_l2(self, n: int) -> np.ndarray:
@@ -670,15 +675,9 @@ class TieredCache:
             self._written_locked(hs, pages, res, err, s, None, unpin=True)
 
     def _written_locked(
-        self,
-        hs: list[bytes],
-        pages: np.ndarray,
-        res: list[Outcome] | None,
-        err: BaseException | None,
-        s: float,
-        reason: str | None,
-        unpin: bool,
-    ) -> None:
+        self, hs: list[bytes], pages: np.ndarray, res: list[Outcome] | None, err: BaseException | None, s: float,
+        reason: str | None, unpin: bool,
+    ) -> None:  # fmt: skip
         if unpin:
             self.t2.unpin(pages)
         q = self._to_l3

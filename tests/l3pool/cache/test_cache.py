@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from l2core import ops
 from l2core.spec import ConfigError
@@ -563,10 +564,46 @@ def test_l2_full_of_pinned_pages_skips_backups(engines: list[Engine]) -> None:
     e.run("b", chain(2, 4))  # its backup finds no L2 page to take: skipped, counted, no error
     e.cache.flush()
     st = e.cache.stats()
-    assert st["l2_full_skips"] == 4 and st["errors"] == 0 and st["l2_pages"]["cached"] == 4
+    assert st["backup_skips"] == {"l3_slow": 0, "l2_pinned": 4} and st["errors"] == 0
+    assert st["l2_pages"]["cached"] == 4
     with e.cache._mu:
         e.cache.t2.unpin(held)
     assert e.used() == (0, 0)
+
+
+def _skips(cause: str) -> float:
+    return REGISTRY.get_sample_value("l3pool_cache_backup_skipped_pages_total", {"cause": cause}) or 0.0
+
+
+def test_backups_skipped_while_l3_is_slow_are_counted(engines: list[Engine]) -> None:
+    """Pages queued for the L3 writer stay pinned in L2 until their put returns: while L3 is slower
+    than the backups they hold L2, and the next backups are skipped: counted as l3_slow, in stats
+    and in the metric (they were skipped with a log line only)."""
+    store = FakePageStore()
+    e = mk(engines, l1_pages=16, l2_pages=4, store=store)
+    assert e.l3 is not None
+    go = threading.Event()
+    real_put = e.l3.put
+
+    def slow_put(keys: list[str], pages: object) -> object:
+        go.wait(10)  # L3 does not answer yet
+        return real_put(keys, pages)  # type: ignore[arg-type]
+
+    e.l3.put = slow_put  # type: ignore[assignment,method-assign]
+    before = _skips("l3_slow"), _skips("l2_pinned")
+    try:
+        e.run("a", chain(1, 4))  # backed up into all 4 L2 pages, queued for L3: pinned
+        deadline = time.monotonic() + 10
+        while e.cache.stats()["l2_pages"]["pinned"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        e.run("b", chain(2, 4))  # its commit's backup finds every L2 page waiting for L3: skipped
+    finally:
+        go.set()
+    e.cache.flush()
+    st = e.cache.stats()
+    assert st["backup_skips"] == {"l3_slow": 4, "l2_pinned": 0} and st["errors"] == 0, st["backup_skips"]
+    assert (_skips("l3_slow") - before[0], _skips("l2_pinned") - before[1]) == (4, 0)
+    assert len(store.objects) == 4 and e.used() == (0, 0)  # a's pages reached L3 once it answered
 
 
 def test_close_returns_every_page(engines: list[Engine]) -> None:
