@@ -471,6 +471,42 @@ def test_prefetch_check_catches_interrupted_batches_that_write_nothing(
     assert rep["leaked_pages"] == 0
 
 
+def test_prefetch_check_byte_checks_every_prefix_however_it_ended(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefixes of prefetches that ended early are byte-checked too, not only complete ones: a
+    full-phase prefetch stopped by a failed batch after 8 intact pages reports 0 wrong pages of 8,
+    an interrupted-phase one whose first batch wrote nothing reports its 8 pages wrong, and every
+    page of every returned prefix is counted in checked_pages."""
+    from l3pool.tools import prefetch_check as pt
+
+    for k, v in cluster.client_env().items():
+        monkeypatch.setenv(k, v)
+    ps = pt.PrefixSet(2, 16, 48, 2, 0, uuid.uuid4().hex)
+    r0, r1 = ps.keys(0), ps.keys(1)
+    passes: dict[str, int] = {}
+    real = L3Client.get
+
+    def faulty(self: L3Client, keys: list[str], pages: np.ndarray) -> list[Outcome]:
+        seen = passes[keys[0]] = passes.get(keys[0], 0) + 1  # 1: the full phase, 2: the interrupted one
+        if (seen, keys[0]) in ((1, r0[8]), (2, r1[8])):  # the second batch of a request fails
+            return [Outcome.TRANSFER_FAIL] * len(keys)
+        if (seen, keys[0]) == (2, r1[0]):  # r1's first batch reports OK but writes nothing
+            return [Outcome.OK] * len(keys)
+        return real(self, keys, pages)
+
+    monkeypatch.setattr(L3Client, "get", faulty)
+    wa = cluster.agents[-1]
+    ep = pt.Endpoints(cluster.master, cluster.metadata_url, cluster.client_host, cluster.etcd_endpoints,
+                      wa.netns, wa.ip if wa.netns else None, cluster.mode)  # fmt: skip
+    args = argparse.Namespace(batch=8, inflight=2, interrupt_after="1.0")
+    rep = pt.run_test(ps, ep, args, progress=False)
+    fails = {(f["request"], f["phase"]): (f["loaded"], f["wrong_pages"], f["stopped_by"]) for f in rep["failures"]}
+    assert fails == {(0, "full"): (8, 0, "transfer_fail"), (1, "interrupt"): (8, 8, "transfer_fail")}, rep
+    assert rep["checked_pages"] == {"full": 8 + 48, "interrupt": sum(rep["interrupted_prefix_pages"])}
+    assert rep["interrupted_prefix_pages"][1] == 8 and rep["correct"] is False and rep["leaked_pages"] == 0
+
+
 def test_prefetch_check_leaves_nothing_in_the_pool(
     cluster: LocalCluster, store: MooncakeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
