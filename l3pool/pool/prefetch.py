@@ -21,14 +21,14 @@ overlaps the next batch with the current one where cores are plentiful. L2 pages
 per batch, on the worker when the batch is issued, through the `alloc` hook (default: the
 pool's free pages; the tiered cache evicts LRU pages for it); a batch shrinks to what it gets
 when L2 runs short, and the prefix ends there. So an interrupted prefetch never holds more than
-it returns plus the batches in flight. Each batch
-is one `L3Client.get` (zero-copy Mooncake `batch_get_into` into the L2 pages; give the client
-`batch_pages >= max_batch_pages`, or it cuts the batch into several calls); a miss or failure
-ends the prefix at the first non-OK page of that batch and every page after it (and every later
-batch) is freed. `interrupt()` stops issuing batches and waits for the ones in flight for at most
-`interrupt_wait_s` (default 50 ms: half the 100 ms target, the rest is slack for a loaded host);
-a batch still in flight then (a Mooncake call hanging while the master is down: 4.3-30 s,
-measured) is left behind and the prefix that landed before it is returned at once.
+it returns plus the batches in flight. Each batch is one `L3Client.get` (zero-copy Mooncake
+`batch_get_into` into the L2 pages; give the client `batch_pages >= max_batch_pages`, or it
+cuts the batch into several calls); a miss or failure ends the prefix at the first non-OK page
+of that batch and every page after it (and every later batch) is freed. `interrupt()` stops
+issuing batches and waits for the ones in flight for at most `interrupt_wait_s` (default 50 ms:
+half the 100 ms target, the rest is slack for a loaded host); a batch still in flight then (a
+Mooncake call hanging while the master is down: 4.3-30 s, measured) is left behind and the
+prefix that landed before it is returned at once.
 
 Quarantine: the L2 pages of a batch left behind stay allocated, owned by the worker, until its
 Mooncake call returns (a hung `batch_get_into` may still write into them), and only then are
