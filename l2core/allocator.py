@@ -8,7 +8,9 @@ frees and foreign pages. Bookkeeping is 5 bytes per page.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +77,15 @@ class PageAllocator:
             # push in reverse so the first page of the list is the next one handed out
             self._stack[self._top : self._top + p.size] = p[::-1]
             self._top += p.size
+
+    @contextlib.contextmanager
+    def holding_free(self) -> Iterator[np.ndarray]:
+        """The ids of the free pages (int64), with every alloc() and free() waiting until the
+        block ends: what the block writes into those pages (e.g. a poison before a byte check)
+        is there before any of them is handed out, so the next owner's writes land after it.
+        Keep the block short: every allocating thread waits for it."""
+        with self._lock:
+            yield np.flatnonzero(~self._used)
 
     def is_allocated(self, page: int) -> bool:
         return bool(self._used[page])

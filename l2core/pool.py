@@ -185,6 +185,16 @@ class HostKVPool:
         rows, idx = self._run_rows(pages)
         rows[idx] = value
 
+    def fill_free(self, value: int) -> int:
+        """Set every byte of every free page to `value` while no page can be allocated or freed
+        (`PageAllocator.holding_free`): a page handed out afterwards holds `value` until its new
+        owner writes it, and pages allocated before keep their bytes. For poisoning in byte
+        checks, also with other threads allocating. Returns the number of pages filled."""
+        with self.allocator.holding_free() as free:
+            if free.size:
+                self.fill_pages(free, value)
+            return int(free.size)
+
     def close(self) -> None:
         """Release the pool; host memory passed in by the caller stays open (the caller owns it)."""
         if hasattr(self, "buffer"):

@@ -263,11 +263,18 @@ CACHE_GHOST_HITS = Counter(
     "l3pool_cache_ghost_hits_total", "Rebuilt pages found in the ghost list (evicted before: proven reuse)"
 )
 CACHE_ERRORS = Counter("l3pool_cache_errors_total", "Errors of the cache's background work")
+_CACHE_BACKUP_SKIPS = Counter(
+    "l3pool_cache_backup_skipped_pages_total",
+    "Pages not backed up L1 -> L2 because every L2 page was pinned, by cause (l3_slow: pages waiting for the L3 "
+    "writer held the room; l2_pinned: requests' pins alone)",
+    ["cause"],
+)
 CACHE_HIT_PAGES = _Children(_CACHE_HIT_PAGES).preinit(*[(t,) for t in TIERS])
 CACHE_HIT_BYTES = _Children(_CACHE_HIT_BYTES).preinit(*[(t,) for t in TIERS])
 CACHE_HIT_TOKENS = _Children(_CACHE_HIT_TOKENS).preinit(*[(t,) for t in TIERS])
 CACHE_WAIT_SECONDS = _Children(_CACHE_WAIT_SECONDS).preinit(("l2",), ("l3",))
 CACHE_EVICTIONS = _Children(_CACHE_EVICTIONS).preinit(("l1",), ("l2",))
+CACHE_BACKUP_SKIPS = _Children(_CACHE_BACKUP_SKIPS).preinit(("l3_slow",), ("l2_pinned",))
 
 # -- engine adapters (adapters/) -----------------------------------------------------------------
 _ADAPTER_CALLS = Counter(

@@ -105,8 +105,9 @@ class TieredCache:
         self.writer: L3Writer | None = None
         if l3 is not None:
             self.prefetcher = Prefetcher(
-                l3, batch_pages=cfg.prefetch_batch_pages, max_batch_pages=cfg.prefetch_max_batch_pages
-            )
+                l3, batch_pages=cfg.prefetch_batch_pages, max_batch_pages=cfg.prefetch_max_batch_pages,
+                alloc=self._alloc_prefetch,
+            )  # fmt: skip
             self.writer = L3Writer(
                 l3,
                 self._written,
@@ -244,10 +245,20 @@ class TieredCache:
         r = self._req(m.request_id)
         if self.prefetcher is None or self.l3 is None or r.n3 <= r.n2 or r.prefetch is not None or r.n_hit >= 0:
             return False
-        with self._mu:
-            self._make_room_l2(r.n3 - r.n2)
         r.prefetch = self.prefetcher.submit(r.rid, self.l3.ns.keys(r.hashes[r.n2 : r.n3]))
         return True
+
+    def _alloc_prefetch(self, n: int) -> np.ndarray:
+        """The Prefetcher's L2 pages for a batch, LRU pages evicted for them under the lock (room made
+        before submit() was not reserved: others took it, and under PP that was a PPShortLoad with
+        evictable pages left); fewer than `n` only when the rest of L2 is pinned."""
+        with self._mu:
+            self._make_room_l2(n)
+            k = min(n, self.l2.allocator.free_pages)
+            try:
+                return self.l2.alloc(k) if k else _EMPTY
+            except OutOfPages:  # another user of the pool outside the cache
+                return _EMPTY
 
     def _finish_prefetch(self, r: _Req, started_now: bool) -> PrefetchResult | None:
         """The prefetch's result by `prefetch_policy`. A prefetch load() itself started, and every
@@ -282,14 +293,12 @@ class TieredCache:
             raise CacheError(f"request {r.rid!r} was already loaded")
         if total_pages is not None:
             check_int("total_pages", total_pages, 0, ValueError)
-        fetched = _EMPTY
+        fetched, why = _EMPTY, "lost despite the lock"
         if r.n3 > r.n2:
             res: PrefetchResult | None = None
             try:
                 started_now = r.prefetch is None
                 if started_now and self.prefetcher is not None and self.l3 is not None:
-                    with self._mu:
-                        self._make_room_l2(r.n3 - r.n2)
                     r.prefetch = self.prefetcher.submit(r.rid, self.l3.ns.keys(r.hashes[r.n2 : r.n3]))
                 res = self._finish_prefetch(r, started_now)
             except Exception as e:  # a failed L3 read is a miss
@@ -304,6 +313,7 @@ class TieredCache:
                 if res.error is not None or res.stopped_by not in (None, Outcome.MISS.value):
                     with self._mu:
                         self._stats.l3_read_failures += 1
+                why = res.error or (f"stopped by {res.stopped_by}" if res.stopped_by else why)
         with self._mu:
             k = len(fetched)
             if k:
@@ -323,7 +333,7 @@ class TieredCache:
         if short:  # the stages would disagree on the prefix length: the engine must not go on
             raise PPShortLoad(
                 f"PP stage {self.locks.stage if self.locks else 0}: request {r.rid!r} got {r.n_hit} of the "
-                f"{r.n3} locked pages from L3 (lost despite the lock); release it and retry"
+                f"{r.n3} locked pages from L3 ({why}); release it and retry"
             )
         with self._mu:
             nload = r.n_hit - r.n1
@@ -433,7 +443,8 @@ class TieredCache:
     ) -> tuple[list[bytes], np.ndarray, np.ndarray] | None:
         """Of L1 pages `l1p` (hashes `hs`), those neither in L2 nor on their way there, with L2
         pages allocated for them: (hashes, L1 pages, L2 pages); None when there are none or L2 is
-        full of pinned pages (counted in `l2_full_skips`)."""
+        full of pinned pages (counted in `backup_skips` by cause: `l3_slow` when the pages that
+        wait for the L3 writer, pinned until their put returns, hold the room they needed)."""
         keep = (self.t2.pages_of(hs) < 0) & ~_member(self._pending_l2, hs)
         if not keep.any():
             return None
@@ -442,8 +453,12 @@ class TieredCache:
         try:
             return hk, pk, self._alloc_l2(len(hk))
         except CacheFull as e:
-            log.warning("%s: %d pages skipped: %s", what, len(hk), e)
-            self._stats.l2_full_skips += len(hk)
+            queued = len(self._to_l3)
+            cause = "l3_slow" if self.l2.allocator.free_pages + queued >= len(hk) else "l2_pinned"
+            log.warning("%s: %d pages skipped (%s): %s; %d L2 pages wait for the L3 writer", what, len(hk), cause, e,
+                        queued)  # fmt: skip
+            self._stats.backup_skips[cause] += len(hk)
+            metrics.CACHE_BACKUP_SKIPS(cause).inc(len(hk))
             return None
 
     def _alloc_l2(self, n: int) -> np.ndarray:
@@ -663,15 +678,9 @@ class TieredCache:
             self._written_locked(hs, pages, res, err, s, None, unpin=True)
 
     def _written_locked(
-        self,
-        hs: list[bytes],
-        pages: np.ndarray,
-        res: list[Outcome] | None,
-        err: BaseException | None,
-        s: float,
-        reason: str | None,
-        unpin: bool,
-    ) -> None:
+        self, hs: list[bytes], pages: np.ndarray, res: list[Outcome] | None, err: BaseException | None, s: float,
+        reason: str | None, unpin: bool,
+    ) -> None:  # fmt: skip
         if unpin:
             self.t2.unpin(pages)
         q = self._to_l3

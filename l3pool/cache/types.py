@@ -86,7 +86,9 @@ class CacheStats:
     l3_read_failures: int = 0  # lookups/prefetches that raised or ended early on an error
     prefetch_interrupted: int = 0
     pp_short: int = 0  # PP stage loaded fewer pages than the lock length (L3 lost pages)
-    l2_full_skips: int = 0  # pages not backed up L1 -> L2: every L2 page pinned (in use)
+    # pages not backed up L1 -> L2, every L2 page pinned: "l3_slow" when pages waiting for the L3
+    # writer (pinned until their put returns) held the room, "l2_pinned" by requests' pins alone
+    backup_skips: dict[str, int] = field(default_factory=lambda: {"l3_slow": 0, "l2_pinned": 0})
     errors: int = 0
     api_s: dict[str, float] = field(default_factory=dict)  # wall time inside each public call
 

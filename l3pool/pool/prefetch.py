@@ -18,15 +18,17 @@ flight. Default 1: each Mooncake call keeps a thread busy waiting for its transf
 host with few cores (measured on 2, TCP) a second call in flight slows the transfers more than
 it hides of the per-call cost; with growing batches that cost is small anyway. `pipeline=2`
 overlaps the next batch with the current one where cores are plentiful. L2 pages are allocated
-per batch (a batch shrinks to the free pages when L2 runs short, and the prefix ends there), so
-an interrupted prefetch never holds more than it returns plus the batches in flight. Each batch
-is one `L3Client.get` (zero-copy Mooncake `batch_get_into` into the L2 pages; give the client
-`batch_pages >= max_batch_pages`, or it cuts the batch into several calls); a miss or failure
-ends the prefix at the first non-OK page of that batch and every page after it (and every later
-batch) is freed. `interrupt()` stops issuing batches and waits for the ones in flight for at most
-`interrupt_wait_s` (default 50 ms: half the 100 ms target, the rest is slack for a loaded host);
-a batch still in flight then (a Mooncake call hanging while the master is down: 4.3-30 s,
-measured) is left behind and the prefix that landed before it is returned at once.
+per batch, on the worker when the batch is issued, through the `alloc` hook (default: the
+pool's free pages; the tiered cache evicts LRU pages for it); a batch shrinks to what it gets
+when L2 runs short, and the prefix ends there. So an interrupted prefetch never holds more than
+it returns plus the batches in flight. Each batch is one `L3Client.get` (zero-copy Mooncake
+`batch_get_into` into the L2 pages; give the client `batch_pages >= max_batch_pages`, or it
+cuts the batch into several calls); a miss or failure ends the prefix at the first non-OK page
+of that batch and every page after it (and every later batch) is freed. `interrupt()` stops
+issuing batches and waits for the ones in flight for at most `interrupt_wait_s` (default 50 ms:
+half the 100 ms target, the rest is slack for a loaded host); a batch still in flight then (a
+Mooncake call hanging while the master is down: 4.3-30 s, measured) is left behind and the
+prefix that landed before it is returned at once.
 
 Quarantine: the L2 pages of a batch left behind stay allocated, owned by the worker, until its
 Mooncake call returns (a hung `batch_get_into` may still write into them), and only then are
@@ -56,7 +58,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -180,7 +182,10 @@ class PrefetchHandle:
             self._discard_locked("supersede")
         self._delivered = True
         self._owner._forget(self)
-        log.warning(
+        # pages left in flight (a Mooncake call that outlived interrupt_wait_s) are worth a warning;
+        # a prefetch still queued or between batches has none, and returning at once is the plan
+        log.log(
+            logging.WARNING if self._inflight_pages else logging.DEBUG,
             "prefetch %s gen %d: interrupt() returned %d pages without waiting for %d pages in flight (quarantined)",
             self.request_id, self.generation, self._loaded, self._inflight_pages,
         )  # fmt: skip
@@ -259,9 +264,15 @@ class Prefetcher:
         max_inflight: int = 2,
         pipeline: int = 1,
         interrupt_wait_s: float = 0.05,
+        alloc: Callable[[int], np.ndarray] | None = None,
     ) -> None:
         """`batch_pages`: the first batch; `max_batch_pages` (default: the larger of `batch_pages`
-        and the client's `batch_pages`): the cap later batches grow to by `growth` (>= 1)."""
+        and the client's `batch_pages`): the cap later batches grow to by `growth` (>= 1).
+        `alloc(n)`: where a batch's L2 pages come from, called on the worker thread when the batch
+        is issued: up to `n` pages of the client's pool, now owned by the prefetcher (fewer: L2
+        is full, the prefix ends there). Default: the pool's free pages. An owner that keeps
+        evictable pages in the pool (the tiered cache) makes room there under its own lock:
+        room made before submit() is not reserved, so concurrent allocations could take it."""
         cap = max(batch_pages, client.batch_pages) if max_batch_pages is None else max_batch_pages
         for name, v in (
             ("batch_pages", batch_pages), ("max_batch_pages", cap), ("max_inflight", max_inflight),
@@ -280,6 +291,7 @@ class Prefetcher:
         self.batch_pages, self.max_batch_pages, self.growth = batch_pages, cap, float(growth)
         self.max_inflight, self.pipeline = max_inflight, pipeline
         self.interrupt_wait_s = float(interrupt_wait_s)
+        self._alloc_fn = alloc or self._alloc_free
         self._quarantined = 0  # pages of left-behind batches whose Mooncake call has not returned
         self.quarantined_total = 0
         self._lock = threading.Lock()
@@ -367,16 +379,30 @@ class Prefetcher:
             self.pool.free(pages)
 
     def _alloc(self, n: int) -> tuple[np.ndarray, str | None]:
-        """`n` L2 pages, or as many as are free (then also why not all: L2 is full)."""
+        """Up to `n` L2 pages from the `alloc` hook, and why not all (None: all `n`)."""
         try:
-            return self.pool.alloc(n), None
-        except OutOfPages as e:
-            why = str(e)
+            pages = self._alloc_fn(n)
+        except Exception as e:  # the owner's hook: ends the prefix like a full L2, never the worker
+            log.warning("prefetch: allocating %d L2 pages failed: %s", n, e)
+            return np.empty(0, dtype=np.int64), f"L2 allocation failed: {type(e).__name__}: {e}"
+        if len(pages) > n:
+            self._free(pages)
+            return np.empty(0, dtype=np.int64), f"L2 allocation failed: {len(pages)} pages for {n}"
+        if len(pages) == n:
+            return pages, None
+        return pages, f"L2 is full: asked for {n} pages, got {len(pages)} ({self.pool.stats().free_pages} free)"
+
+    def _alloc_free(self, n: int) -> np.ndarray:
+        """The default hook: `n` free pages of the pool, or as many as are free."""
+        try:
+            return self.pool.alloc(n)
+        except OutOfPages:
+            pass
         k = self.pool.stats().free_pages
         if 0 < k < n:
             with contextlib.suppress(OutOfPages):  # another user may take them first
-                return self.pool.alloc(k), why
-        return np.empty(0, dtype=np.int64), why
+                return self.pool.alloc(k)
+        return np.empty(0, dtype=np.int64)
 
     def _get(self, keys: list[str], pages: np.ndarray) -> list[Outcome]:
         if self._serial is None:
@@ -406,7 +432,7 @@ class Prefetcher:
                     ks = h.keys[issued : issued + next(sizes)]
                     pages, full = self._alloc(len(ks))
                     if full:
-                        res.error, issuing = f"L2 is full: {full}", False
+                        res.error, issuing = full, False
                         if not len(pages):
                             break
                         ks = ks[: len(pages)]

@@ -15,6 +15,10 @@
 3. It prefetches each prefix again, alone, and interrupts it after `--interrupt-after` (a fraction
    of one request's time at the bandwidth of step 2, or `random`), verifies the returned prefix
    (a new generation of the request) and frees it.
+Every prefix a prefetch returned is byte-checked page by page, however it ended (complete,
+interrupted, stopped by a miss or an error): `checked_pages` counts them per phase, a failure
+names its `wrong_pages`, and `interrupted` says how many of step 3's prefetches interrupt()
+really stopped before their end (the rest had completed: their check is step 2's again).
 Reports bandwidth, p50/p99 per-batch latency, interrupt latency (interrupt() call to result),
 and the L2 pages left in use (must be 0). Exit code 0 only when every byte was right and
 nothing leaked. `python -m l3pool.tools.prefetch_check writer ...` is the writer's entry point.
@@ -270,8 +274,18 @@ def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(x, nd)
 
 
-def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
+def _wrong_pages(view: Any, res: Any, want: Any) -> int:
+    """Pages of a result's prefix whose bytes differ from the expected ones (a prefix whose page
+    count disagrees with `keys_loaded` counts every page it lacks as wrong)."""
     import torch
+
+    n = res.keys_loaded
+    k = min(n, len(res.pages))
+    got = view[torch.from_numpy(res.pages[:k])]
+    return int((got != want[:k]).any(dim=1).sum()) + (n - k) + (len(res.pages) - k)
+
+
+def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
     from tqdm import tqdm
 
     from l2core import HostKVPool, L2Config
@@ -297,6 +311,7 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
     pf = Prefetcher(client, batch_pages=args.batch, max_inflight=args.inflight)
     view = _pages_view(pool)
     correct, wrong = True, []
+    checked, interrupted = {"full": 0, "interrupt": 0}, 0  # prefix pages byte-checked per phase
     keys = [ps.keys(r) for r in range(ps.requests)]
     rng = random.Random(ps.seed)
     try:
@@ -314,11 +329,12 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
         batch_ms = [x for res in results for x in res.batch_ms]
         loaded = sum(res.keys_loaded for res in results)
         for r, res in enumerate(results):
-            ok = res.complete and res.error is None
-            ok = ok and torch.equal(view[torch.from_numpy(res.pages)], ps.expected(r)[: res.keys_loaded])
+            bad = _wrong_pages(view, res, ps.expected(r))  # the prefix that arrived, complete or not
+            checked["full"] += res.keys_loaded
+            ok = res.complete and res.error is None and bad == 0
             if not ok:
-                wrong.append({"request": r, "phase": "full", "loaded": res.keys_loaded, "error": res.error,
-                              "stopped_by": res.stopped_by})  # fmt: skip
+                wrong.append({"request": r, "phase": "full", "loaded": res.keys_loaded, "wrong_pages": bad,
+                              "error": res.error, "stopped_by": res.stopped_by})  # fmt: skip
             correct &= ok
             pool.free(res.pages)
             bar.update(1)
@@ -335,10 +351,13 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
             res = h.interrupt(60)
             interrupt_ms.append((time.perf_counter() - ti) * 1e3)
             n = res.keys_loaded
-            ok = res.error is None and len(res.pages) == n and res.generation == 2
-            ok = ok and torch.equal(view[torch.from_numpy(res.pages)], ps.expected(r)[:n])
+            bad = _wrong_pages(view, res, ps.expected(r))  # its intact prefix, however it ended
+            checked["interrupt"] += n
+            interrupted += res.interrupted
+            ok = res.error is None and res.generation == 2 and bad == 0
             if not ok:
-                wrong.append({"request": r, "phase": "interrupt", "loaded": n, "error": res.error})
+                wrong.append({"request": r, "phase": "interrupt", "loaded": n, "wrong_pages": bad,
+                              "error": res.error, "stopped_by": res.stopped_by})  # fmt: skip
             correct &= ok
             prefix_pages.append(n)
             batch_ms += res.batch_ms
@@ -373,6 +392,8 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
         "interrupt_p50_ms": _r(percentile(interrupt_ms, 50) if interrupt_ms else None),
         "interrupt_p99_ms": _r(percentile(interrupt_ms, 99) if interrupt_ms else None),
         "interrupted_prefix_pages": prefix_pages,
+        "interrupted": interrupted,  # of the second phase's prefetches, those stopped before their end
+        "checked_pages": checked,
         "leaked_pages": leaked,
         "test_pages_removed": removed,  # the test set leaves nothing in the pool
         "correct": bool(correct) and leaked == 0,
@@ -407,7 +428,11 @@ def _table(rep: dict[str, Any]) -> str:
         ("write GB/s", rep["write_GBps"]), ("prefetch GB/s", rep["prefetch_GBps"]),
         ("batch p50 / p99 ms", f"{rep['batch_p50_ms']} / {rep['batch_p99_ms']}"),
         ("interrupt p50 / p99 ms", f"{rep['interrupt_p50_ms']} / {rep['interrupt_p99_ms']}"),
-        ("interrupted prefixes", rep["interrupted_prefix_pages"]), ("leaked L2 pages", rep["leaked_pages"]),
+        ("interrupted prefixes", f"{rep['interrupted_prefix_pages']} ({rep['interrupted']} of {rep['requests']} "
+                                 "stopped early)"),
+        ("byte-checked pages", f"{rep['checked_pages']['full']} full + {rep['checked_pages']['interrupt']} "
+                               "interrupted-phase prefix pages"),
+        ("leaked L2 pages", rep["leaked_pages"]),
         ("correct", rep["correct"]),
     ]  # fmt: skip
     w = max(len(k) for k, _ in rows)

@@ -204,3 +204,23 @@ def test_thread_safety() -> None:
     assert a.free_pages == total and a.used_pages == 0
     assert not any(a.is_allocated(p) for p in range(total))
     assert sorted(a.alloc(total).tolist()) == list(range(total))
+
+
+def test_holding_free_blocks_alloc_and_free_until_the_block_ends() -> None:
+    """What a holding_free() block does to the free pages happens before any of them is handed
+    out: an alloc() from another thread waits for the block (the cache tests' L2 poison)."""
+    a = PageAllocator(8)
+    held = a.alloc(3)
+    got: list[np.ndarray] = []
+    t = threading.Thread(target=lambda: got.append(a.alloc(2)))
+    with a.holding_free() as free:
+        assert free.tolist() == [3, 4, 5, 6, 7] and free.dtype == np.int64
+        t.start()
+        t.join(0.2)
+        assert t.is_alive() and not got  # waiting for the block
+        assert a.free_pages == 5
+    t.join(5)
+    assert not t.is_alive() and got[0].tolist() == [3, 4]
+    a.free(held)
+    with a.holding_free() as free:
+        assert free.tolist() == [0, 1, 2, 5, 6, 7]

@@ -218,5 +218,13 @@ def test_pool_read_and_fill_pages(spec: KVSpec, layout_name: str) -> None:
             pool.fill_pages(pages, 256)
         with pytest.raises(IndexError):
             pool.read_pages([NUM_PAGES])
+        # fill_free: exactly the pages not allocated, under the allocator's lock
+        held = pool.alloc(2)
+        kept = pool.read_pages(held)
+        assert pool.fill_free(0x5A) == NUM_PAGES - 2
+        free = np.setdiff1d(np.arange(NUM_PAGES), held)
+        assert bool((pool.read_pages(free) == 0x5A).all())
+        assert torch.equal(pool.read_pages(held), kept)
+        pool.free(held)
     finally:
         pool.close()

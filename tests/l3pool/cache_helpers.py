@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -47,7 +49,6 @@ class Engine:
         layers: tuple[int, int] | None = None,
         locks: object | None = None,
     ) -> None:
-        self.poison_l2 = True
         self.bufs = [torch.zeros(l1_pages * P, 1, D, dtype=torch.bfloat16) for _ in range(LAYERS)]
         self.pool = HostKVPool(L2Config(kv=SPEC, layout=layout, tokens=l2_pages * P, pin="never"))  # type: ignore[arg-type]
         self.l3: L3Client | None = None
@@ -57,24 +58,22 @@ class Engine:
         self.cache = TieredCache(cfg or CacheConfig(), L1(self.bufs, P), self.pool, self.l3, locks)  # type: ignore[arg-type]
 
     def poison_free_l1(self) -> None:
-        """NaN into every unallocated L1 page (under the cache's lock: concurrent requests allocate
-        either before, and are skipped, or after, and overwrite it)."""
-        with self.cache._mu:
-            s = self.cache.slots(np.flatnonzero(~self.cache._l1_alloc._used))
+        """NaN into every unallocated L1 page (under the cache's lock, which every L1 allocation
+        holds: concurrent requests allocate either before, and are skipped, or after, and
+        overwrite it)."""
+        with self.cache._mu, self.cache._l1_alloc.holding_free() as free:
+            s = self.cache.slots(free)
             for b in self.bufs:
                 b[s] = float("nan")
 
     def poison_free_l2(self) -> None:
-        """0xEE into every unallocated L2 page, by its byte runs (any layout). Not with concurrent
-        requests: the Prefetcher takes L2 pages from the pool's allocator outside the cache's lock."""
-        with self.cache._mu:
-            free = np.flatnonzero(~self.pool.allocator._used)
-            if not free.size:
-                return
-            addrs, sizes = self.pool.layout.page_runs(free)
-            flat = self.pool.buffer
-            for a, n in zip(addrs.reshape(-1).tolist(), sizes.reshape(-1).tolist(), strict=True):
-                flat[a : a + n] = 0xEE
+        """0xEE into every unallocated L2 page, under the pool allocator's own lock. The cache's
+        lock is not enough: the Prefetcher allocates L2 pages outside it, and a poison written
+        between its reading of the free pages and its writing overwrote pages a prefetch had
+        just filled (test_pp_stages_load_equal_page_counts, 1 of 30 runs under load: all 0xEE).
+        With the allocator held, an allocation comes before (skipped) or after (its get
+        overwrites the poison), so concurrent requests may poison too."""
+        self.pool.fill_free(0xEE)
 
     def l1_of(self, pages: np.ndarray) -> torch.Tensor:
         s = self.cache.slots(pages)
@@ -86,19 +85,23 @@ class Engine:
         for i, b in enumerate(self.bufs):
             b[s] = c[i].reshape(-1, 1, D)
 
-    def start(self, rid: str, hs: list[bytes], prefetch: bool = True) -> tuple[Match, LoadHandle]:
+    def start(self, rid: str, hs: list[bytes], prefetch: bool = True, think_s: float = 0.0) -> tuple[Match, LoadHandle]:
         m = self.cache.match(rid, hs)
         if prefetch:
             self.cache.prefetch(m)
+        if think_s:
+            time.sleep(think_s)  # queued: the prefetch runs on (load() interrupts it by policy)
         self.poison_free_l1()
-        if self.poison_l2:
-            self.poison_free_l2()
+        self.poison_free_l2()
         h = self.cache.load(m, total_pages=len(hs))
         return m, h
 
-    def run(self, rid: str, hs: list[bytes], *, release: bool = True, prefetch: bool = True) -> Match:
-        """One request: match, load, check the hit bytes, compute the rest, commit, release."""
-        m, h = self.start(rid, hs, prefetch)
+    def run(
+        self, rid: str, hs: list[bytes], *, release: bool = True, prefetch: bool = True, think_s: float = 0.0
+    ) -> Match:
+        """One request: match, (prefetch, `think_s` queued), load, check the hit bytes, compute
+        the rest, commit, release."""
+        m, h = self.start(rid, hs, prefetch, think_s)
         for i in range(LAYERS):
             h.wait_layer(i)
         hit = h.hit_pages

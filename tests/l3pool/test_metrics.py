@@ -448,6 +448,9 @@ def test_cache_stats_are_mirrored(store: object, endpoint: str) -> None:
         assert delta(a, b, "l3pool_cache_evictions_total", tier=tier) == sum(s["evictions"][tier] for s in stats)
     assert stats[0]["evictions"]["l1"] > 0
     assert delta(a, b, "l3pool_cache_ghost_hits_total") == sum(s["ghost_hits"] for s in stats)
+    for cause in ("l3_slow", "l2_pinned"):
+        got = delta(a, b, "l3pool_cache_backup_skipped_pages_total", cause=cause)
+        assert got == sum(s["backup_skips"][cause] for s in stats)
     assert delta(a, b, "l3pool_cache_wait_seconds_count", tier="l3") >= 1  # r1's load waited for its prefetch
     assert delta(a, b, "l3pool_cache_wait_seconds_sum", tier="l3") == pytest.approx(stats[1]["wait_s"]["l3"])
     assert delta(a, b, "l3pool_prefetch_pages_total") == 6

@@ -59,7 +59,9 @@ def test_waits_for_the_lock_then_installs(tmp_path: Path) -> None:
     assert "SOURCED-OK" in r.stdout
     assert r.stderr.count("another apt/dpkg holds its lock") == 1  # one message, not one per retry
     assert calls[:3] == ["update -qq"] * 3 and calls[3] == "update -qq"
-    assert calls[4] == "install -y -qq etcd-server iproute2 openssl libibverbs1 librdmacm1" and len(calls) == 5
+    # a bare PATH: no etcd, ip, openssl, libibverbs, libcurl, python3 or C++ compiler
+    want = "etcd-server iproute2 openssl libibverbs1 librdmacm1 libcurl4 python3 python3-venv python3-dev g++"
+    assert calls[4] == f"install -y -qq {want}" and len(calls) == 5
 
 
 def test_gives_up_after_the_bound_with_a_hint(tmp_path: Path) -> None:

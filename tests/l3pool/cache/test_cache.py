@@ -13,11 +13,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from l2core import ops
 from l2core.spec import ConfigError
 from l2core.transfer import TransferError
 from l3pool.cache import L1, BackgroundError, CacheConfig, CacheError, CacheFull, GhostList, TieredCache, UnknownRequest
+from l3pool.pool.prefetch import Prefetcher, PrefetchHandle
 
 from ..cache_helpers import LAYERS, SPEC, Engine, P, chain, contents
 from ..fake_store import FakePageStore
@@ -314,7 +316,6 @@ def test_pinned_pages_never_evicted_under_concurrent_requests(
     cfg = CacheConfig(l1_to_l2=l1_to_l2, l2_to_l3=l2_to_l3, prefetch_policy=prefetch, hit_threshold=2,  # type: ignore[arg-type]
                       prefetch_timeout_s=0.01)  # fmt: skip
     e = mk(engines, l1_pages=24, l2_pages=24, store=store, cfg=cfg)
-    e.poison_l2 = False  # free L1 pages are still poisoned before every load
     roots = [chain(s, 3) for s in range(6)]
     errors: list[BaseException] = []
     full = 0
@@ -434,6 +435,42 @@ def test_prefetch_cancelled_by_release_and_l3_errors_are_misses(engines: list[En
     assert r2.used() == r3.used() == (0, 0)
 
 
+def test_prefetch_makes_its_l2_room_when_its_batch_allocates(
+    engines: list[Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefetch evicts L2 pages for a batch when the batch allocates, under the cache's lock.
+    Room made in prefetch() before the worker ran was not reserved: an allocation in between
+    took it and the prefetch came up short with evictable pages left (the stress test's PP
+    stages then raised PPShortLoad, "lost despite the lock")."""
+    store = FakePageStore()
+    hs = chain(8, 4)
+    _l3_writer(engines, store, hs)
+    r = mk(engines, l1_pages=32, l2_pages=8, store=store, cfg=CacheConfig(prefetch_policy="wait_complete"))
+    r.run("fill", chain(9, 8))
+    r.cache.flush()
+    st = r.cache.stats()["l2_pages"]
+    assert st["free"] == 0 and st["cached"] == 8 and st["pinned"] == 0  # L2 full of evictable pages
+    gate = threading.Event()
+    real_run = Prefetcher._run
+
+    def held_run(self: Prefetcher, h: PrefetchHandle) -> None:  # the worker starts late (busy host)
+        gate.wait(10)
+        real_run(self, h)
+
+    monkeypatch.setattr(Prefetcher, "_run", held_run)
+    m = r.cache.match("q", hs)
+    assert m.l3 == 4 and r.cache.prefetch(m)
+    taken = r.pool.alloc(r.pool.stats().free_pages)  # another allocation before the worker runs
+    gate.set()
+    h = r.cache.load(m, total_pages=4)
+    h.wait()
+    assert h.l3 == 4 and torch.equal(r.l1_of(h.l1_pages), contents(hs)), (h.l3, len(taken))
+    r.pool.free(taken)
+    r.cache.commit("q", hs, h.l1_pages)
+    r.cache.release("q")
+    assert r.cache.stats()["evictions"]["l2"] == 4 and r.used() == (0, 0)
+
+
 # -- injected errors: no leaks ------------------------------------------------------------------
 def _fail_transfer(monkeypatch: pytest.MonkeyPatch, to_host: bool) -> None:
     real = ops.transfer
@@ -527,10 +564,46 @@ def test_l2_full_of_pinned_pages_skips_backups(engines: list[Engine]) -> None:
     e.run("b", chain(2, 4))  # its backup finds no L2 page to take: skipped, counted, no error
     e.cache.flush()
     st = e.cache.stats()
-    assert st["l2_full_skips"] == 4 and st["errors"] == 0 and st["l2_pages"]["cached"] == 4
+    assert st["backup_skips"] == {"l3_slow": 0, "l2_pinned": 4} and st["errors"] == 0
+    assert st["l2_pages"]["cached"] == 4
     with e.cache._mu:
         e.cache.t2.unpin(held)
     assert e.used() == (0, 0)
+
+
+def _skips(cause: str) -> float:
+    return REGISTRY.get_sample_value("l3pool_cache_backup_skipped_pages_total", {"cause": cause}) or 0.0
+
+
+def test_backups_skipped_while_l3_is_slow_are_counted(engines: list[Engine]) -> None:
+    """Pages queued for the L3 writer stay pinned in L2 until their put returns: while L3 is slower
+    than the backups they hold L2, and the next backups are skipped: counted as l3_slow, in stats
+    and in the metric (they were skipped with a log line only)."""
+    store = FakePageStore()
+    e = mk(engines, l1_pages=16, l2_pages=4, store=store)
+    assert e.l3 is not None
+    go = threading.Event()
+    real_put = e.l3.put
+
+    def slow_put(keys: list[str], pages: object) -> object:
+        go.wait(10)  # L3 does not answer yet
+        return real_put(keys, pages)  # type: ignore[arg-type]
+
+    e.l3.put = slow_put  # type: ignore[assignment,method-assign]
+    before = _skips("l3_slow"), _skips("l2_pinned")
+    try:
+        e.run("a", chain(1, 4))  # backed up into all 4 L2 pages, queued for L3: pinned
+        deadline = time.monotonic() + 10
+        while e.cache.stats()["l2_pages"]["pinned"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        e.run("b", chain(2, 4))  # its commit's backup finds every L2 page waiting for L3: skipped
+    finally:
+        go.set()
+    e.cache.flush()
+    st = e.cache.stats()
+    assert st["backup_skips"] == {"l3_slow": 4, "l2_pinned": 0} and st["errors"] == 0, st["backup_skips"]
+    assert (_skips("l3_slow") - before[0], _skips("l2_pinned") - before[1]) == (4, 0)
+    assert len(store.objects) == 4 and e.used() == (0, 0)  # a's pages reached L3 once it answered
 
 
 def test_close_returns_every_page(engines: list[Engine]) -> None:

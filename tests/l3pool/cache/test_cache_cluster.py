@@ -5,7 +5,6 @@ that load equal page counts under StageLocks."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,19 +16,11 @@ from l3pool.pool.pplock import StageLocks
 from l3pool.pool.store import MooncakeStore, Outcome
 
 from ..cache_helpers import LAYERS, SPEC, Engine, chain
-from ..conftest import EtcdServer, MasterServer
-from ..pool_helpers import master_store
+from ..conftest import EtcdServer
 
 # the native extension is built (or loaded) before any test times a copy: a JIT build in the
 # shared cache dir (other checkouts rebuild it) took 25-30 s inside a flush() here
 pytestmark = pytest.mark.usefixtures("native")
-
-
-@pytest.fixture(scope="module")
-def store(mooncake_master: MasterServer) -> Iterator[MooncakeStore]:
-    s = master_store(mooncake_master, segment_bytes=64 << 20)
-    yield s
-    s.close()
 
 
 def test_l3_round_trip_real_bytes(store: MooncakeStore, engines: list[Engine]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import random
 import signal
 import subprocess
@@ -250,6 +251,39 @@ def test_growing_batches_interrupt_at_batch_boundaries(
     assert partial > 0
 
 
+def test_interrupt_warns_only_when_it_leaves_pages_in_flight(setup: Setup, caplog: pytest.LogCaptureFixture) -> None:
+    """interrupt() returning before the worker finished is worth a warning only when a batch is
+    still in flight (its pages quarantined); a prefetch still queued has none: debug level."""
+    base = setup.used()
+    started, go = threading.Event(), threading.Event()
+    real = setup.client.get
+
+    def held_get(keys: list[str], pages: np.ndarray) -> list[Outcome]:
+        started.set()
+        go.wait(10)  # the call hangs, as under a frozen master
+        return real(keys, pages)
+
+    setup.client.get = held_get  # type: ignore[method-assign]
+    caplog.set_level(logging.DEBUG, logger="l3pool.pool.prefetch")
+    try:
+        with Prefetcher(setup.client, batch_pages=8, max_inflight=1) as pf:
+            busy = pf.submit("busy", setup.keys)
+            assert started.wait(10)
+            queued = pf.submit("queued", setup.keys)  # waits for the one worker: nothing in flight
+            r = queued.interrupt(timeout=0)
+            assert r.interrupted and r.keys_loaded == 0 and r.left_in_flight == 0
+            r = busy.interrupt(timeout=0)
+            assert r.interrupted and r.keys_loaded == 0 and r.left_in_flight == 8
+            go.set()
+    finally:
+        go.set()
+    recs = [(x.levelno, x.getMessage()) for x in caplog.records if x.name == "l3pool.pool.prefetch"]
+    warned = [m for lv, m in recs if lv >= logging.WARNING]
+    assert len(warned) == 1 and "prefetch busy gen 1" in warned[0] and "8 pages in flight" in warned[0], recs
+    assert any(lv == logging.DEBUG and "prefetch queued gen 1" in m and "0 pages in flight" in m for lv, m in recs)
+    assert pf.quarantined_pages() == 0 and setup.used() == base
+
+
 def test_cancel_and_close_free_everything(setup: Setup) -> None:
     base = setup.used()
     pf = Prefetcher(setup.client, batch_pages=8, max_inflight=1)
@@ -435,6 +469,42 @@ def test_prefetch_check_catches_interrupted_batches_that_write_nothing(
     phases = {f["phase"] for f in rep["failures"]}
     assert rep["correct"] is False and phases == {"interrupt"}, rep["failures"]
     assert rep["leaked_pages"] == 0
+
+
+def test_prefetch_check_byte_checks_every_prefix_however_it_ended(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefixes of prefetches that ended early are byte-checked too, not only complete ones: a
+    full-phase prefetch stopped by a failed batch after 8 intact pages reports 0 wrong pages of 8,
+    an interrupted-phase one whose first batch wrote nothing reports its 8 pages wrong, and every
+    page of every returned prefix is counted in checked_pages."""
+    from l3pool.tools import prefetch_check as pt
+
+    for k, v in cluster.client_env().items():
+        monkeypatch.setenv(k, v)
+    ps = pt.PrefixSet(2, 16, 48, 2, 0, uuid.uuid4().hex)
+    r0, r1 = ps.keys(0), ps.keys(1)
+    passes: dict[str, int] = {}
+    real = L3Client.get
+
+    def faulty(self: L3Client, keys: list[str], pages: np.ndarray) -> list[Outcome]:
+        seen = passes[keys[0]] = passes.get(keys[0], 0) + 1  # 1: the full phase, 2: the interrupted one
+        if (seen, keys[0]) in ((1, r0[8]), (2, r1[8])):  # the second batch of a request fails
+            return [Outcome.TRANSFER_FAIL] * len(keys)
+        if (seen, keys[0]) == (2, r1[0]):  # r1's first batch reports OK but writes nothing
+            return [Outcome.OK] * len(keys)
+        return real(self, keys, pages)
+
+    monkeypatch.setattr(L3Client, "get", faulty)
+    wa = cluster.agents[-1]
+    ep = pt.Endpoints(cluster.master, cluster.metadata_url, cluster.client_host, cluster.etcd_endpoints,
+                      wa.netns, wa.ip if wa.netns else None, cluster.mode)  # fmt: skip
+    args = argparse.Namespace(batch=8, inflight=2, interrupt_after="1.0")
+    rep = pt.run_test(ps, ep, args, progress=False)
+    fails = {(f["request"], f["phase"]): (f["loaded"], f["wrong_pages"], f["stopped_by"]) for f in rep["failures"]}
+    assert fails == {(0, "full"): (8, 0, "transfer_fail"), (1, "interrupt"): (8, 8, "transfer_fail")}, rep
+    assert rep["checked_pages"] == {"full": 8 + 48, "interrupt": sum(rep["interrupted_prefix_pages"])}
+    assert rep["interrupted_prefix_pages"][1] == 8 and rep["correct"] is False and rep["leaked_pages"] == 0
 
 
 def test_prefetch_check_leaves_nothing_in_the_pool(
