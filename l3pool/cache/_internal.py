@@ -101,3 +101,25 @@ class _Backup:
     l2: np.ndarray
     reason: str
     hits: np.ndarray
+
+
+class _Loads:
+    """The cache's side of every LoadHandle (types.LoadTracker): its transfer engine's layer waits,
+    a collected load's outcome, wait accounting."""
+
+    def __init__(self, cache: TieredCache) -> None:
+        self._c = cache
+        self.page_bytes = cache.page_bytes
+        self.num_layers = cache.l2.spec.num_layers
+
+    def slots(self, l1_pages: np.ndarray) -> Any:
+        return self._c.slots(l1_pages)
+
+    def wait_layer(self, job: int, layer: int, timeout: float | None) -> None:
+        self._c._engine.wait_layer(job, layer, timeout)
+
+    def load_ok(self, rid: str, job: int) -> bool:
+        return self._c._load_ok(rid, job)
+
+    def waited(self, tier: str, seconds: float) -> None:
+        self._c._add_wait(tier, seconds)

@@ -8,19 +8,20 @@ from typing import Any, Literal
 
 from l2core.spec import ConfigError
 from l2core.units import check_int
+from l3pool.cache.policy import PREFETCH_POLICIES, WRITE_POLICIES
 
+# the built-in names (l3pool/cache/policy.py); a policy class added to its registry is accepted too
 WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
-WRITE_POLICIES: tuple[str, ...] = ("write_back", "write_through", "write_through_selective")
-PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
 
 
-def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if isinstance(value, str) and value in choices:
+def _choice(name: str, value: object, registry: dict[str, Any]) -> None:
+    choices = list(registry)
+    if isinstance(value, str) and value in registry:
         return
     close = difflib.get_close_matches(str(value), choices, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}{hint}")
+    raise ConfigError(f"{name} must be one of {choices}, got {value!r}{hint}")
 
 
 def _num(name: str, value: object, lo: float) -> None:

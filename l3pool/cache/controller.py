@@ -24,9 +24,10 @@ from l2core.spec import ConfigError
 from l2core.transfer import TransferEngine, TransferError
 from l2core.units import check_int
 from l3pool import metrics
-from l3pool.cache._internal import _Backup, _join, _member, _Req, _timed
+from l3pool.cache._internal import _Backup, _join, _Loads, _member, _Req, _timed
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.index import GhostList, TierIndex, split
+from l3pool.cache.policy import WaitComplete, prefetch_policy, write_policy
 from l3pool.cache.types import (
     L1,
     BackgroundError,
@@ -47,6 +48,7 @@ from l3pool.pool.store import Outcome
 
 log = logging.getLogger(__name__)
 _EMPTY = np.empty(0, dtype=np.int64)
+_WAIT_COMPLETE = WaitComplete()
 
 
 class TieredCache:
@@ -87,9 +89,12 @@ class TieredCache:
         self._in_l3 = np.zeros(l2.num_pages, dtype=np.bool_)  # L2 page known present in L3
         self._to_l3: dict[bytes, str] = {}  # hashes queued for the writer -> why
         self._pending_l2: set[bytes] = set()  # hashes being backed up L1 -> L2
-        # only write_through_selective reads the ghost list: other policies skip its upkeep
-        # (~35 us per 256 evictions at 64K entries)
-        self.ghost = GhostList(cfg.ghost_capacity if cfg.l1_to_l2 == "write_through_selective" else 0)
+        # the policies (l3pool/cache/policy.py): which pages move, and when; the cache moves them
+        self.down = write_policy(cfg.l1_to_l2, cfg.hit_threshold)  # L1 -> L2
+        self.out = write_policy(cfg.l2_to_l3, cfg.hit_threshold)  # L2 -> L3
+        self.fetch = prefetch_policy(cfg.prefetch_policy, cfg.prefetch_timeout_s)
+        # only a policy that reads the ghost list keeps it (~35 us per 256 evictions at 64K entries)
+        self.ghost = GhostList(cfg.ghost_capacity if self.down.ghost else 0)
         self._stats = CacheStats()
         self._errors: list[str] = []
         self._reqs: dict[str, _Req] = {}
@@ -116,6 +121,7 @@ class TieredCache:
                 lambda: self._bk_inflight > 0,
                 parallel=cfg.writer_parallel,
             )
+        self._loads = _Loads(self)
         self._reaper = threading.Thread(target=self._reap, name="l3pool-cache-backup", daemon=True)
         self._reaper.start()
 
@@ -223,16 +229,17 @@ class TieredCache:
         r.counted = upto
 
     def _policy_on_use(self, r: _Req) -> None:
-        """write_through_selective: pages whose distinct-request count reached the threshold move on."""
-        thr = self.cfg.hit_threshold
-        if self.cfg.l1_to_l2 == "write_through_selective" and len(r.l1_hit):
-            hot = r.l1_hit[self.t1.hits[r.l1_hit] >= thr]
+        """The request's hit pages the policies move on now (selective: those whose distinct-request
+        count reached the threshold)."""
+        if self.down.reads_use and len(r.l1_hit):
+            hot = r.l1_hit[self.down.on_use(self.t1.hits[r.l1_hit])]
             if hot.size:
                 self._backup(self.t1.keys_of(hot), hot, "selective")
-        if self.cfg.l2_to_l3 == "write_through_selective" and self.writer is not None:
+        if self.out.reads_use and self.writer is not None:
             p2 = self.t2.lookup(r.buf, 0, r.n2)
             p2 = p2[p2 >= 0]
-            hot = p2[(self.t2.hits[p2] >= thr) & ~self._in_l3[p2]]
+            p2 = p2[~self._in_l3[p2]]
+            hot = p2[self.out.on_use(self.t2.hits[p2])]
             if hot.size:
                 self._write_l3(self.t2.keys_of(hot), hot, "selective")
 
@@ -261,21 +268,13 @@ class TieredCache:
                 return _EMPTY
 
     def _finish_prefetch(self, r: _Req, started_now: bool) -> PrefetchResult | None:
-        """The prefetch's result by `prefetch_policy`. A prefetch load() itself started, and every
+        """The prefetch's result by the prefetch policy. A prefetch load() itself started, and every
         prefetch under PP (all stages must get the locked length), is waited for."""
         h = r.prefetch
         t0 = time.perf_counter()
         try:
-            pol = "wait_complete" if started_now or self.pp else self.cfg.prefetch_policy
-            if pol == "best_effort":
-                res = h.interrupt() if h is not None else None
-            elif pol == "wait_complete" or h is None:
-                res = h.wait() if h is not None else None
-            else:
-                try:
-                    res = h.wait(self.cfg.prefetch_timeout_s)
-                except TimeoutError:
-                    res = h.interrupt()
+            pol = _WAIT_COMPLETE if started_now or self.pp else self.fetch
+            res = pol.finish(h) if h is not None else None
         finally:
             r.l3_wait_s = time.perf_counter() - t0
             self._add_wait("l3", r.l3_wait_s)
@@ -344,20 +343,9 @@ class TieredCache:
                 src = np.concatenate([r.l2_hit, r.l2_fetched])
                 job = self._engine.submit_load(self.slots(new[:nload]), src)
                 r.load_job = job
-            st = self._stats
-            st.requests += 1
-            metrics.CACHE_REQUESTS.inc()
-            for t, n in (("l1", r.n1), ("l2", r.n2 - r.n1), ("l3", k)):
-                st.hit_pages[t] += n
-                st.hit_bytes[t] += n * self.page_bytes
-                metrics.CACHE_HIT_PAGES(t).inc(n)
-                metrics.CACHE_HIT_BYTES(t).inc(n * self.page_bytes)
-                metrics.CACHE_HIT_TOKENS(t).inc(n * self.page_size)
-            st.miss_pages += len(r.hashes) - r.n_hit
-            metrics.CACHE_MISS_PAGES.inc(len(r.hashes) - r.n_hit)
-            metrics.CACHE_MISS_TOKENS.inc((len(r.hashes) - r.n_hit) * self.page_size)
-            metrics.CACHE_REQUESTED_TOKENS.inc(len(r.hashes) * self.page_size)
-            h = LoadHandle(self, r.rid, np.concatenate([r.l1_hit, new]), r.n_hit, job)
+            hits = {"l1": r.n1, "l2": r.n2 - r.n1, "l3": k}
+            self._stats.count_request(hits, len(r.hashes), self.page_bytes, self.page_size)
+            h = LoadHandle(self._loads, r.rid, np.concatenate([r.l1_hit, new]), r.n_hit, job)
             h.l1, h.l2, h.l3 = r.n1, r.n2 - r.n1, k
             h.l3_wait_s = r.l3_wait_s
             return h
@@ -416,7 +404,7 @@ class TieredCache:
         victims, keys = self.t1.native.evict(n, self.ghost.native if self.ghost.capacity else None)
         self._stats.evictions["l1"] += len(victims)
         metrics.CACHE_EVICTIONS("l1").inc(len(victims))
-        if self.cfg.l1_to_l2 == "write_back":
+        if self.down.evict_copies:
             try:
                 self._write_back_l1(split(keys), victims)
             except BaseException:
@@ -478,7 +466,7 @@ class TieredCache:
         self._stats.evictions["l2"] += len(victims)
         metrics.CACHE_EVICTIONS("l2").inc(len(victims))
         try:
-            if self.cfg.l2_to_l3 == "write_back" and self.l3 is not None:
+            if self.out.evict_copies and self.l3 is not None:
                 keep = ~self._in_l3[victims]
                 if keep.any():
                     sel = np.flatnonzero(keep)
@@ -573,23 +561,28 @@ class TieredCache:
         return bool(r.load_ok)
 
     def _policy_on_commit(self, r: _Req, hs: list[bytes], buf: bytes, pages: np.ndarray) -> None:
-        pol, thr = self.cfg.l1_to_l2, self.cfg.hit_threshold
-        if pol == "write_through":
-            self._backup(hs, pages, "through")
-        elif pol == "write_through_selective":
-            hot = self.t1.hits[pages] >= thr
-            start = r.n_hit
-            g = self.ghost.native.leading_of(buf, start, HASH_BYTES) if self.ghost.capacity else 0
-            if g:  # rebuilt pages evicted from L1 before: proven reuse
-                self._stats.ghost_hits += g
-                metrics.CACHE_GHOST_HITS.inc(g)
-                gp = pages[start : start + g]
-                self.t1.hits[gp] = np.maximum(self.t1.hits[gp], thr)
-                hot[start : start + g] = False
-                self._backup(hs[start : start + g], gp, "ghost")
-            if hot.any():
+        """The committed pages (hits, then computed) the L1 -> L2 policy moves on now."""
+        pol = self.down
+        hot = pol.on_insert(self.t1.hits[pages])
+        if not pol.ghost:
+            if hot.all():
+                self._backup(hs, pages, pol.reason)
+            elif hot.any():
                 sel = np.flatnonzero(hot)
-                self._backup([hs[i] for i in sel.tolist()], pages[sel], "selective")
+                self._backup([hs[i] for i in sel.tolist()], pages[sel], pol.reason)
+            return
+        start, thr = r.n_hit, pol.hit_threshold
+        g = self.ghost.native.leading_of(buf, start, HASH_BYTES) if self.ghost.capacity else 0
+        if g:  # rebuilt pages evicted from L1 before: proven reuse
+            self._stats.ghost_hits += g
+            metrics.CACHE_GHOST_HITS.inc(g)
+            gp = pages[start : start + g]
+            self.t1.hits[gp] = np.maximum(self.t1.hits[gp], thr)
+            hot[start : start + g] = False
+            self._backup(hs[start : start + g], gp, "ghost")
+        if hot.any():
+            sel = np.flatnonzero(hot)
+            self._backup([hs[i] for i in sel.tolist()], pages[sel], "selective")
 
     def _backup(self, hs: list[bytes], l1p: np.ndarray, reason: str) -> None:
         """L1 -> L2 of indexed L1 pages not in (or on their way to) L2, on the backup thread."""
@@ -651,13 +644,13 @@ class TieredCache:
         st.d2h_bytes += len(hs) * self.page_bytes
         if self.writer is None:
             return
-        pol = self.cfg.l2_to_l3
-        if pol == "write_through":
-            self._write_l3(hs, used, "through")
-        elif pol == "write_through_selective":
-            hot = np.flatnonzero(self.t2.hits[used] >= self.cfg.hit_threshold)
-            if hot.size:
-                self._write_l3([hs[i] for i in hot.tolist()], used[hot], "selective")
+        hot = self.out.on_insert(self.t2.hits[used])
+        why = self.out.reason
+        if hot.all():
+            self._write_l3(hs, used, why)
+        elif hot.any():
+            sel = np.flatnonzero(hot)
+            self._write_l3([hs[i] for i in sel.tolist()], used[sel], why)
 
     def _write_l3(self, hs: list[bytes], pages: np.ndarray, reason: str) -> None:
         assert self.writer is not None

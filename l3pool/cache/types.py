@@ -5,15 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from l2core.transfer import TransferError
-
-if TYPE_CHECKING:
-    from l3pool.cache.controller import TieredCache
+from l3pool import metrics
 
 
 class CacheError(RuntimeError):
@@ -92,8 +90,46 @@ class CacheStats:
     errors: int = 0
     api_s: dict[str, float] = field(default_factory=dict)  # wall time inside each public call
 
+    def count_request(self, hits: dict[str, int], pages: int, page_bytes: int, page_size: int) -> None:
+        """One loaded request: its hit pages per tier (l1, l2, l3) of its `pages` whole pages, here
+        and in the Prometheus mirrors (pages, bytes and tokens)."""
+        self.requests += 1
+        metrics.CACHE_REQUESTS.inc()
+        for t, n in hits.items():
+            self.hit_pages[t] += n
+            self.hit_bytes[t] += n * page_bytes
+            metrics.CACHE_HIT_PAGES(t).inc(n)
+            metrics.CACHE_HIT_BYTES(t).inc(n * page_bytes)
+            metrics.CACHE_HIT_TOKENS(t).inc(n * page_size)
+        miss = pages - sum(hits.values())
+        self.miss_pages += miss
+        metrics.CACHE_MISS_PAGES.inc(miss)
+        metrics.CACHE_MISS_TOKENS.inc(miss * page_size)
+        metrics.CACHE_REQUESTED_TOKENS.inc(pages * page_size)
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class LoadTracker(Protocol):
+    """What a LoadHandle may ask of the cache that made it (and nothing else of it)."""
+
+    page_bytes: int
+    num_layers: int
+
+    def slots(self, l1_pages: np.ndarray) -> torch.Tensor: ...
+
+    def wait_layer(self, job: int, layer: int, timeout: float | None) -> None:
+        """Block until `layer` of load job `job` may be read; KeyError once the job was collected."""
+        ...
+
+    def load_ok(self, rid: str, job: int) -> bool:
+        """The collected load's outcome."""
+        ...
+
+    def waited(self, tier: str, seconds: float) -> None:
+        """Account time an engine spent waiting on a tier."""
+        ...
 
 
 class LoadHandle:
@@ -103,8 +139,8 @@ class LoadHandle:
     Per-request timings for the engine's records: `l3_wait_s` (load() waiting for the L3 -> L2
     prefetch), `wait_s` (the engine blocked in wait_layer/wait)."""
 
-    def __init__(self, cache: TieredCache, rid: str, l1_pages: np.ndarray, hit_pages: int, job: int | None) -> None:
-        self._cache, self.request_id, self.l1_pages, self.hit_pages, self._job = cache, rid, l1_pages, hit_pages, job
+    def __init__(self, loads: LoadTracker, rid: str, l1_pages: np.ndarray, hit_pages: int, job: int | None) -> None:
+        self._loads, self.request_id, self.l1_pages, self.hit_pages, self._job = loads, rid, l1_pages, hit_pages, job
         self.l1 = self.l2 = self.l3 = 0
         self.l3_wait_s = 0.0
         self.wait_s = 0.0
@@ -112,11 +148,11 @@ class LoadHandle:
     @property
     def loaded_bytes(self) -> int:
         """Bytes moved L2 -> L1 for this request (the L2 and the L3 hits)."""
-        return (self.l2 + self.l3) * self._cache.page_bytes
+        return (self.l2 + self.l3) * self._loads.page_bytes
 
     @property
     def slots(self) -> torch.Tensor:
-        return self._cache.slots(self.l1_pages)
+        return self._loads.slots(self.l1_pages)
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """Block until layer `layer` of the loaded pages is in L1 (raises TransferError on failure)."""
@@ -124,15 +160,14 @@ class LoadHandle:
             return
         t0 = time.perf_counter()
         try:
-            self._cache._engine.wait_layer(self._job, layer, timeout)
+            self._loads.wait_layer(self._job, layer, timeout)
         except KeyError:  # commit/release already collected the job: its result decides
-            if not self._cache._load_ok(self.request_id, self._job):
+            if not self._loads.load_ok(self.request_id, self._job):
                 raise TransferError(f"load of request {self.request_id!r} failed") from None
         finally:
             dt = time.perf_counter() - t0
             self.wait_s += dt
-            self._cache._add_wait("l2", dt)
+            self._loads.waited("l2", dt)
 
     def wait(self, timeout: float | None = None) -> None:
-        nl = self._cache.l2.spec.num_layers
-        self.wait_layer(nl - 1, timeout)
+        self.wait_layer(self._loads.num_layers - 1, timeout)

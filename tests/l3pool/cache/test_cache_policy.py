@@ -1,0 +1,108 @@
+"""Write and prefetch policies as objects (l3pool/cache/policy.py): their answers on constructed
+hit counts, the controller holding no policy names of its own, and a new policy added as one
+class that CacheConfig accepts and the cache runs (with byte-checked pages, on the fake store)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from l2core import ConfigError
+from l3pool.cache import CacheConfig
+from l3pool.cache import policy as P
+
+from ..cache_helpers import Engine, chain
+from ..fake_store import FakePageStore
+from .test_cache import mk
+
+CONTROLLER = Path(P.__file__).with_name("controller.py")
+
+
+def test_write_policy_answers() -> None:
+    hits = np.array([0, 1, 2, 3, 1])
+    back, through, sel = (P.write_policy(n, 2) for n in ("write_back", "write_through", "write_through_selective"))
+    assert back.evict_copies and not through.evict_copies and not sel.evict_copies
+    assert not back.on_insert(hits).any() and through.on_insert(hits).all()
+    assert sel.on_insert(hits).tolist() == [False, False, True, True, False]
+    assert sel.on_use(hits).tolist() == [False, False, True, True, False] and not through.on_use(hits).any()
+    assert sel.ghost and sel.reads_use and not through.ghost and not back.reads_use
+    assert (back.reason, through.reason, sel.reason) == ("back", "through", "selective")
+    assert P.write_policy("write_through_selective", 4).on_insert(hits).tolist() == [False] * 5
+
+
+class _Handle:
+    def __init__(self, done_after: float | None) -> None:
+        self.done_after, self.calls = done_after, []  # type: ignore[var-annotated]
+
+    def wait(self, timeout: float | None = None) -> Any:
+        self.calls.append(("wait", timeout))
+        if timeout is not None and (self.done_after is None or self.done_after > timeout):
+            raise TimeoutError
+        return "complete"
+
+    def interrupt(self) -> Any:
+        self.calls.append(("interrupt", None))
+        return "prefix"
+
+
+def test_prefetch_policy_answers() -> None:
+    h = _Handle(None)
+    assert P.prefetch_policy("best_effort", 0.1).finish(h) == "prefix" and h.calls == [("interrupt", None)]  # type: ignore[arg-type]
+    h = _Handle(None)
+    assert P.prefetch_policy("wait_complete", 0.1).finish(h) == "complete" and h.calls == [("wait", None)]  # type: ignore[arg-type]
+    h = _Handle(None)  # not done within the timeout: interrupted
+    assert P.prefetch_policy("timeout", 0.1).finish(h) == "prefix" and h.calls == [("wait", 0.1), ("interrupt", None)]  # type: ignore[arg-type]
+    h = _Handle(0.05)
+    assert P.prefetch_policy("timeout", 0.1).finish(h) == "complete" and h.calls == [("wait", 0.1)]  # type: ignore[arg-type]
+
+
+def test_the_controller_compares_no_policy_names() -> None:
+    src = CONTROLLER.read_text()
+    names = [*P.WRITE_POLICIES, *P.PREFETCH_POLICIES]
+    found = [n for n in names if re.search(rf"[\"']{n}[\"']", src)]
+    assert found == [], f"policy names in controller.py: {found}"
+    assert "cfg.l1_to_l2 ==" not in src and "cfg.l2_to_l3 ==" not in src and "cfg.prefetch_policy ==" not in src
+
+
+class EveryOther(P.WritePolicy):
+    """A policy written outside the package: every second inserted page moves down."""
+
+    name = "every_other"
+    reason = "every_other"
+
+    def on_insert(self, hits: np.ndarray) -> np.ndarray:
+        m = np.zeros(len(hits), dtype=np.bool_)
+        m[::2] = True
+        return m
+
+
+@pytest.fixture
+def every_other() -> Any:
+    P.WRITE_POLICIES[EveryOther.name] = EveryOther
+    yield EveryOther
+    del P.WRITE_POLICIES[EveryOther.name]
+
+
+def test_a_new_policy_is_one_class(engines: list[Engine], every_other: type[P.WritePolicy]) -> None:
+    cfg = CacheConfig(l1_to_l2="every_other", l2_to_l3="write_through")  # type: ignore[arg-type]
+    store = FakePageStore()
+    e = mk(engines, store=store, cfg=cfg)
+    hs = chain(3, 6)
+    e.run("a", hs)
+    e.cache.flush()
+    st = e.cache.stats()
+    assert st["l1_to_l2_writes"] == {"every_other": 3} and st["l2_to_l3_writes"] == {"through": 3}
+    assert len(store.objects) == 3
+    with pytest.raises(ConfigError, match="did you mean 'every_other'"):
+        CacheConfig(l1_to_l2="every_othr")  # type: ignore[arg-type]
+
+
+def test_unknown_policy_names_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"l1_to_l2 must be one of .*did you mean 'write_back'"):
+        CacheConfig(l1_to_l2="write_bak")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="prefetch_policy must be one of"):
+        CacheConfig(prefetch_policy="eventually")  # type: ignore[arg-type]
