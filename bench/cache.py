@@ -47,8 +47,8 @@ import numpy as np
 import torch
 
 from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
-from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.cache import L1, CacheConfig, TieredCache
+from l2core import HostKVPool, KVSpec
+from l3pool.cache import L1, CacheConfig, TieredCache, build
 from l3pool.cli import guarded
 from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import percentile, spread
@@ -64,19 +64,22 @@ def _hashes(rng: np.random.Generator, pages: int, page_size: int, parent: bytes 
     return page_hashes(rng.integers(0, 1 << 30, pages * page_size), page_size, parent=parent)
 
 
-def _setup(spec: KVSpec, l1_pages: int, l2_pages: int, dev: torch.device, cfg: CacheConfig, l3: Any = None) -> Any:
+def _setup(spec: KVSpec, l1_pages: int, l2_pages: int, dev: torch.device, cfg: CacheConfig, **l3: Any) -> Any:
+    """Device buffers of `l1_pages` and the cache stack over them (l3pool.cache.build; `l3`: its
+    store/namespace/batch_pages for an L3 tier)."""
     bufs = [torch.zeros(l1_pages * spec.page_size, spec.heads, spec.dim, dtype=spec.torch_dtype, device=dev)
             for _ in range(spec.num_layers * spec.num_kv)]  # fmt: skip
     pin = "auto" if dev.type == "cuda" else "never"
-    pool = HostKVPool(L2Config(kv=spec, layout="page_first_direct", tokens=l2_pages * spec.page_size, pin=pin))
-    return bufs, pool
+    stack = build(L1(bufs, spec.page_size), spec, l2_tokens=l2_pages * spec.page_size, pin=pin, cache=cfg, **l3)
+    return bufs, stack
 
 
 def bookkeeping(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     spec = KVSpec.mla(4, page_size=16, kv_lora_rank=28, rope_dim=4)  # bytes never move here
     n = args.pages
-    bufs, pool = _setup(spec, args.l1_pages, 64, dev, CacheConfig())
-    cache = TieredCache(CacheConfig(l1_to_l2="write_through_selective", hit_threshold=1 << 30), L1(bufs, 16), pool)
+    cfg = CacheConfig(l1_to_l2="write_through_selective", hit_threshold=1 << 30)
+    _, stack = _setup(spec, args.l1_pages, 64, dev, cfg)
+    cache = stack.cache
     rng = np.random.default_rng(args.seed)
     roots = [_hashes(rng, n // 2, 16) for _ in range(4)]
     warm = args.l1_pages // (n - n // 2) + 20  # fill L1 first: every timed request evicts
@@ -99,8 +102,7 @@ def bookkeeping(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
         ok = st["l1_pages"]["pinned"] == 0 and st["hit_pages"]["l1"] >= (len(reqs) - 4) * (n // 2)
         ok = ok and st["evictions"]["l1"] >= args.requests * (n - n // 2)
     finally:
-        cache.close()
-        pool.close()
+        stack.close()
     return {
         "p50_ms": round(percentile(ms, 50), 4),
         "p99_ms": round(percentile(ms, 99), 4),
@@ -164,8 +166,8 @@ def _overlap(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     spec = KVSpec.mla(args.layers, page_size=args.page_size)
     n, hit = args.pages, args.hit
     cfg = CacheConfig(l1_to_l2="write_through", l2_to_l3="write_back")
-    bufs, pool = _setup(spec, n, n + 8, dev, cfg)
-    cache = TieredCache(cfg, L1(bufs, spec.page_size), pool)
+    bufs, stack = _setup(spec, n, n + 8, dev, cfg)
+    cache, pool = stack.cache, stack.pool
     rng = np.random.default_rng(args.seed + 1)
     prefix = _hashes(rng, n, spec.page_size)
     correct = True
@@ -234,8 +236,7 @@ def _overlap(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
             rows["compute_s"].append(comp_s)
         frac = statistics.median(rows["overlap_exposed_s"]) / statistics.median(rows["no_overlap_load_s"])
     finally:
-        cache.close()
-        pool.close()
+        stack.close()
     return {
         "spec": f"KVSpec.mla({args.layers}, page_size={args.page_size}) bf16 page_first_direct",
         "pages": n,
@@ -267,7 +268,6 @@ def _check_loaded(cache: TieredCache, pool: HostKVPool, l1_pages: np.ndarray, m:
 
 def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str, Any]:
     from l3pool.cache.writer import L3Writer
-    from l3pool.pool.client import L3Client
     from l3pool.pool.keys import Namespace
     from l3pool.pool.store import Outcome
     from l3pool.pool.trailer import TRAILER_BYTES
@@ -276,12 +276,13 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
     per, reqs = args.backup_pages, args.backup_requests
     total = per * reqs
     cfg = CacheConfig(l1_to_l2="write_through", l2_to_l3="write_through", writer_batch_pages=512)
-    bufs, pool = _setup(spec, total, (args.backup_rounds + 1) * total + 128, dev, cfg)  # nothing is evicted
+    ns = Namespace.for_pool(spec, "page_first_direct", "bench-cache", tenant=uuid.uuid4().hex)
+    l2_pages = (args.backup_rounds + 1) * total + 128  # nothing is evicted
+    bufs, stack = _setup(spec, total, l2_pages, dev, cfg, store=store, namespace=ns, batch_pages=512)
     for i, b in enumerate(bufs):
         b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(i)).to(b.dtype))
-    ns = Namespace.for_pool(spec, "page_first_direct", "bench-cache", tenant=uuid.uuid4().hex)
-    client = L3Client(pool, store, ns, batch_pages=512)
-    cache = TieredCache(cfg, L1(bufs, spec.page_size), pool, client)
+    pool, client, cache = stack.pool, stack.l3, stack.cache
+    assert client is not None
     solo = L3Writer(
         client, lambda *a: None, batch_pages=512, linger_ms=cfg.writer_linger_ms, parallel=cfg.writer_parallel
     )
@@ -346,9 +347,7 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
         solo.close()
         store.unregister(trailers.ctypes.data)
         pool.free(raw_pages)
-        cache.close()
-        client.close()
-        pool.close()
+        stack.close()
     return {
         "spec": "KVSpec.mla(8, page_size=64) bf16 page_first_direct",
         "pages_per_request": per,

@@ -25,6 +25,7 @@ See README.md for the policies and their measured costs.
 from l3pool.cache.config import CacheConfig, PrefetchPolicy, WritePolicy
 from l3pool.cache.controller import LoadHandle, TieredCache
 from l3pool.cache.index import GhostList, TierIndex
+from l3pool.cache.stack import CacheStack, build
 from l3pool.cache.types import (
     L1,
     BackgroundError,
@@ -42,6 +43,7 @@ __all__ = [
     "CacheConfig",
     "CacheError",
     "CacheFull",
+    "CacheStack",
     "CacheStats",
     "GhostList",
     "LoadHandle",
@@ -52,4 +54,5 @@ __all__ = [
     "TieredCache",
     "UnknownRequest",
     "WritePolicy",
+    "build",
 ]

@@ -8,10 +8,9 @@ import time
 import numpy as np
 import torch
 
-from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.cache import L1, CacheConfig, LoadHandle, Match, TieredCache
+from l2core import KVSpec
+from l3pool.cache import L1, CacheConfig, LoadHandle, Match, build
 from l3pool.cache.index import hash64
-from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 
 P = 4  # tokens per page
@@ -50,12 +49,12 @@ class Engine:
         locks: object | None = None,
     ) -> None:
         self.bufs = [torch.zeros(l1_pages * P, 1, D, dtype=torch.bfloat16) for _ in range(LAYERS)]
-        self.pool = HostKVPool(L2Config(kv=SPEC, layout=layout, tokens=l2_pages * P, pin="never"))  # type: ignore[arg-type]
-        self.l3: L3Client | None = None
-        if store is not None:
-            ns = Namespace.for_pool(SPEC, layout, "cachetest", layers=layers, tenant=tenant)
-            self.l3 = L3Client(self.pool, store, ns, batch_pages=512)  # type: ignore[arg-type]
-        self.cache = TieredCache(cfg or CacheConfig(), L1(self.bufs, P), self.pool, self.l3, locks)  # type: ignore[arg-type]
+        ns = None if store is None else Namespace.for_pool(SPEC, layout, "cachetest", layers=layers, tenant=tenant)
+        self.stack = build(
+            L1(self.bufs, P), SPEC, l2_tokens=l2_pages * P, l2_layout=layout, pin="never", cache=cfg,
+            store=store, namespace=ns, batch_pages=512, locks=locks,  # type: ignore[arg-type]
+        )  # fmt: skip
+        self.pool, self.l3, self.cache = self.stack.pool, self.stack.l3, self.stack.cache
 
     def poison_free_l1(self) -> None:
         """NaN into every unallocated L1 page (under the cache's lock, which every L1 allocation
@@ -126,7 +125,4 @@ class Engine:
         )
 
     def close(self) -> None:
-        self.cache.close()
-        if self.l3 is not None:
-            self.l3.close()
-        self.pool.close()
+        self.stack.close()

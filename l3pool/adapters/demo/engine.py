@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from l2core.pool import HostKVPool, L2Config
+from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
 from l3pool.adapters.demo.model import RefModel
-from l3pool.cache import L1, CacheConfig, CacheFull, LoadHandle, Match, TieredCache
+from l3pool.cache import L1, CacheConfig, CacheFull, CacheStack, LoadHandle, Match, TieredCache, build
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.protocols import NamespaceRegistry
@@ -125,7 +125,7 @@ class PrefillInstance:
         overlap: bool = True,
         prefetch: bool = True,
     ) -> None:
-        spec = model.cfg.kv_spec()
+        spec = self.spec = model.cfg.kv_spec()
         self.P = spec.page_size
         self.name, self.model, self.use_cache = name, model, use_cache
         self.overlap, self.prefetch_on_queue = overlap, prefetch
@@ -135,25 +135,22 @@ class PrefillInstance:
             raise ConfigError(f"l1_tokens {l1_tokens} must hold at least one page of {self.P} tokens")
         self.bufs = model.new_l1(l1_pages * self.P)
         pin = "auto" if self.device.type == "cuda" else "never"
-        self.pool = HostKVPool(L2Config(kv=spec, layout=l2_layout, tokens=l2_tokens, pin=pin))  # type: ignore[arg-type]
-        self.l3: L3Client | None = None
-        self.cache: TieredCache | None = None
         self._ids = itertools.count()
-        try:
-            if use_cache:
-                if l3 is not None:
-                    self.l3 = L3Client(
-                        self.pool, l3.store, l3.namespace, metadata=l3.metadata, client_id=f"demo-{name}",
-                        batch_pages=max(64, cache.writer_batch_pages),
-                    )  # fmt: skip
-                self.cache = TieredCache(cache, L1(self.bufs, self.P), self.pool, self.l3)
-        except BaseException:
-            self.close()
-            raise
+        self.stack: CacheStack | None = None
+        self.pool: HostKVPool | None = None  # the no-cache instance has none (nothing is cached)
+        if use_cache:
+            self.stack = build(
+                L1(self.bufs, self.P), spec, l2_tokens=l2_tokens, l2_layout=l2_layout, pin=pin, cache=cache,  # type: ignore[arg-type]
+                store=l3.store if l3 else None, namespace=l3.namespace if l3 else None,
+                metadata=l3.metadata if l3 else None, client_id=f"demo-{name}",
+            )  # fmt: skip
+            self.pool = self.stack.pool
+        self.cache: TieredCache | None = self.stack.cache if self.stack else None
+        self.l3: L3Client | None = self.stack.l3 if self.stack else None
 
     @property
     def page_bytes(self) -> int:
-        return self.pool.layout.page_bytes
+        return self.spec.page_bytes
 
     def _slots(self, l1_pages: np.ndarray) -> torch.Tensor:
         p = torch.from_numpy(np.ascontiguousarray(l1_pages, dtype=np.int64))
@@ -263,10 +260,5 @@ class PrefillInstance:
         return self.cache.stats() if self.cache is not None else {}
 
     def close(self) -> None:
-        try:
-            if self.cache is not None:
-                self.cache.close()
-        finally:
-            if self.l3 is not None:
-                self.l3.close()
-            self.pool.close()
+        if self.stack is not None:
+            self.stack.close()

@@ -1,0 +1,110 @@
+"""`build()`: the one place that wires an engine's cache - L2 pool, L3 client, cache controller -
+checks the rules between their settings, and owns the close order.
+
+    stack = build(L1(bufs, page_size), spec, l2_tokens=..., cache=CacheConfig(...),
+                  store=store, namespace=ns, metadata=md, locks=locks)
+    m = stack.cache.match(...); ...            # the lifecycle (l3pool/cache/__init__.py)
+    stack.close()                              # cache, then L3 client, then the L2 pool
+
+The store (a `MooncakeStore`, shared by every stack of a process) and the stage locks are the
+caller's: a stack never closes them. Rules checked here, at construction, with one ConfigError:
+- the L3 client serves at least `writer_parallel` concurrent puts (`max_concurrency`), or the
+  writer's parallel parts would queue behind each other;
+- its batches hold at least 64 pages and at least the writer's batch (`writer_batch_pages`), so a
+  writer batch is one put (the client still cuts it to Mooncake's transfer limit);
+- a store needs a namespace, a namespace a store; PP stage locks need an L3 client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from l2core.pool import HostKVPool, L2Config, PinMode
+from l2core.spec import ConfigError, KVSpec
+from l3pool.cache.config import CacheConfig
+from l3pool.cache.controller import TieredCache
+from l3pool.cache.types import L1
+from l3pool.pool.client import L3Client
+from l3pool.pool.keys import Namespace
+from l3pool.pool.pplock import StageLocks
+from l3pool.pool.protocols import NamespaceRegistry, PageStore
+
+
+@dataclass
+class CacheStack:
+    """What `build()` made: close() closes it in order (the cache first, the pool last)."""
+
+    pool: HostKVPool
+    l3: L3Client | None
+    cache: TieredCache
+
+    def close(self) -> None:
+        try:
+            self.cache.close()
+        finally:
+            try:
+                if self.l3 is not None:
+                    self.l3.close()
+            finally:
+                self.pool.close()
+
+    def __enter__(self) -> CacheStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build(
+    l1: L1,
+    spec: KVSpec,
+    *,
+    l2_tokens: int,
+    l2_layout: str = "page_first_direct",
+    pin: PinMode = "auto",
+    cache: CacheConfig | None = None,
+    store: PageStore | None = None,
+    namespace: Namespace | None = None,
+    metadata: NamespaceRegistry | None = None,
+    client_id: str | None = None,
+    batch_pages: int | None = None,
+    max_concurrency: int | None = None,
+    locks: StageLocks | None = None,
+) -> CacheStack:
+    """An engine's cache over its L1 buffers: a new L2 pool of `l2_tokens`, an L3 client when a
+    store is given, and the controller. `batch_pages` / `max_concurrency` default to what the
+    cache's writer needs (module docstring); smaller values are refused."""
+    cfg = cache or CacheConfig()
+    if (store is None) != (namespace is None):
+        raise ConfigError("an L3 tier needs both a store and a namespace (or neither, for L1 + L2 only)")
+    if locks is not None and locks.stages > 1 and store is None:
+        raise ConfigError("pipeline-stage locks need an L3 tier (store and namespace)")
+    need_batch = max(64, cfg.writer_batch_pages)
+    batch = need_batch if batch_pages is None else batch_pages
+    conc = max(8, cfg.writer_parallel) if max_concurrency is None else max_concurrency
+    if store is not None:
+        if batch < cfg.writer_batch_pages:
+            raise ConfigError(
+                f"batch_pages {batch} < the cache's writer_batch_pages {cfg.writer_batch_pages}: "
+                "a writer batch would be split into several puts"
+            )
+        if conc < cfg.writer_parallel:
+            raise ConfigError(
+                f"max_concurrency {conc} < the cache's writer_parallel {cfg.writer_parallel}: "
+                "the writer's parallel puts would wait for each other's buffer slots"
+            )
+    pool = HostKVPool(L2Config(kv=spec, layout=l2_layout, tokens=l2_tokens, pin=pin))  # type: ignore[arg-type]
+    l3: L3Client | None = None
+    try:
+        if store is not None and namespace is not None:
+            l3 = L3Client(
+                pool, store, namespace, metadata=metadata, client_id=client_id, batch_pages=batch,
+                max_concurrency=conc,
+            )  # fmt: skip
+        tc = TieredCache(cfg, l1, pool, l3, locks)
+    except BaseException:
+        if l3 is not None:
+            l3.close()
+        pool.close()
+        raise
+    return CacheStack(pool, l3, tc)

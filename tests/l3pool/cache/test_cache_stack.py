@@ -1,0 +1,74 @@
+"""`l3pool.cache.build`: the cross-field rules it refuses, what it wires, and that nothing stays
+registered or open when it fails or closes (on the fake store)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from l2core import ConfigError
+from l3pool.cache import L1, CacheConfig, build
+from l3pool.pool.keys import Namespace
+
+from ..cache_helpers import LAYERS, SPEC, D, P, chain
+from ..fake_store import FakePageStore
+
+
+def _l1(pages: int = 8) -> L1:
+    return L1([torch.zeros(pages * P, 1, D, dtype=torch.bfloat16) for _ in range(LAYERS)], P)
+
+
+def _ns() -> Namespace:
+    return Namespace.for_pool(SPEC, "page_first_direct", "stack")
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"store": "s"}, "both a store and a namespace"),
+        ({"namespace": "n"}, "both a store and a namespace"),
+        ({"store": "s", "namespace": "n", "max_concurrency": 2}, "max_concurrency 2 < .*writer_parallel 4"),
+        ({"store": "s", "namespace": "n", "batch_pages": 100}, "batch_pages 100 < .*writer_batch_pages 512"),
+    ],
+)
+def test_cross_field_rules(kw: dict[str, Any], match: str) -> None:
+    store = FakePageStore()
+    kw = {k: store if v == "s" else _ns() if v == "n" else v for k, v in kw.items()}
+    with pytest.raises(ConfigError, match=match):
+        build(_l1(), SPEC, l2_tokens=16 * P, pin="never", **kw)
+    assert store.registered == {}
+
+
+def test_locks_need_an_l3_tier() -> None:
+    class TwoStages:
+        stages = 2
+
+    with pytest.raises(ConfigError, match="need an L3 tier"):
+        build(_l1(), SPEC, l2_tokens=16 * P, pin="never", locks=TwoStages())  # type: ignore[arg-type]
+
+
+def test_build_wires_and_closes_in_order() -> None:
+    store = FakePageStore()
+    cfg = CacheConfig(writer_batch_pages=128, writer_parallel=2)
+    stack = build(_l1(), SPEC, l2_tokens=16 * P, pin="never", cache=cfg, store=store, namespace=_ns())
+    assert stack.l3 is not None and stack.l3.pool is stack.pool and stack.cache.l3 is stack.l3
+    assert stack.l3.batch_pages == 128 and stack.l3.max_concurrency == 8  # the writer's needs, at least the defaults
+    assert len(store.registered) == 2  # the pool's buffer and the trailer rows
+    hs = chain(9, 4)
+    m = stack.cache.match("r", hs)
+    h = stack.cache.load(m, total_pages=4)
+    stack.cache.commit("r", hs, h.l1_pages)
+    stack.cache.release("r")
+    stack.close()  # flushes the writer first: the pages reached the store
+    assert len(store.objects) == 4 and store.registered == {}
+    assert stack.pool.memory._mm is None  # the pool's memory was released
+
+
+def test_a_failed_build_leaves_nothing_registered() -> None:
+    store = FakePageStore()
+    bad = L1([torch.zeros(8 * P, 2, D, dtype=torch.bfloat16) for _ in range(LAYERS)], P)  # wrong heads
+    with pytest.raises(ConfigError, match="L1 buffers do not match"):
+        build(bad, SPEC, l2_tokens=16 * P, pin="never", store=store, namespace=_ns())
+    assert store.registered == {}
