@@ -22,7 +22,7 @@ import numpy as np
 from l3pool.measure import percentile
 from l3pool.pool.etcd import EtcdClient, EtcdError
 from l3pool.pool.keys import Namespace
-from l3pool.pool.metadata import Metadata
+from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata
 from l3pool.pool.pplock import LockError, StageLocks
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
@@ -105,7 +105,7 @@ def measure_lock_latencies(
         raise ValueError("measure_lock_latencies: n_requests >= 1, pages >= 1 and stages >= 2")
     own_store = False
     if isinstance(cluster_or_endpoints, str):
-        endpoints, prefix = cluster_or_endpoints, key_prefix or "/l3pool"
+        endpoints, prefix = cluster_or_endpoints, key_prefix or DEFAULT_PREFIX
         if store is None:
             raise ValueError("with etcd endpoints, pass store=")
     else:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import ipaddress
 import logging
 import os
 import re
@@ -48,8 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from l2core.units import format_size, parse_size
+from l2core.units import parse_size
 from l3pool import metrics
+from l3pool.pool.addr import check_host, split_host_port
 from l3pool.pool.etcd import (
     EtcdClient,
     EtcdError,
@@ -60,32 +60,9 @@ from l3pool.pool.etcd import (
     security_from_args,
 )
 from l3pool.pool.metadata import DEFAULT_PREFIX, MemberInfo, Metadata, check_id, check_prefix
-from l3pool.pool.store import metadata_url
+from l3pool.pool.store import PROTOCOLS, metadata_url, segment_too_small
 
 log = logging.getLogger(__name__)
-
-PROTOCOLS = ("tcp", "rdma")
-# Mooncake 0.3.13 refuses smaller segments at setup ("Total size must be at least 16777216", -600).
-MIN_SEGMENT_BYTES = 16 << 20
-
-
-def parse_host_port(value: str, what: str) -> tuple[str, int]:
-    """'10.0.0.1:50051' or '[::1]:50051' -> (host, port); ValueError otherwise."""
-    host, sep, port = value.strip().rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{what} {value!r}: expected HOST:PORT")
-    _check_host(host, what)
-    return host, int(port)
-
-
-def _check_host(host: str, what: str) -> str:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", host):
-            raise ValueError(f"{what} {host!r}: not an IP address or host name") from None
-    return host
 
 
 def _check_metadata(url: str) -> str:
@@ -124,12 +101,12 @@ class AgentSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AgentSettings:
         """Validate the command line; ValueError with a one-line reason."""
-        master_addr = parse_host_port(args.master, "--master")
+        master_addr = split_host_port(args.master, "--master")
         mhost = f"[{master_addr[0]}]" if ":" in master_addr[0] else master_addr[0]
         metadata = _check_metadata(args.metadata or metadata_url(mhost))
         etcd_security = security_from_args(args)
         check_settings(args.etcd, etcd_security)
-        host = _check_host(args.host, "--host")
+        host = check_host(args.host, "--host")
         segment_bytes = parse_size(args.segment_size, "--segment-size")
         if (problem := segment_too_small(segment_bytes, args.segment_size)) is not None:
             raise ValueError(problem)
@@ -149,7 +126,7 @@ class AgentSettings:
         if not 0 < stop_timeout <= 3600:
             raise ValueError(f"--stop-timeout {getattr(args, 'stop_timeout', None)!r}: expected seconds in (0, 3600]")
         metrics_port = metrics.check_port(getattr(args, "metrics_port", 0) or 0)
-        metrics_host = _check_host(getattr(args, "metrics_host", None) or host, "--metrics-host")
+        metrics_host = check_host(getattr(args, "metrics_host", None) or host, "--metrics-host")
         master_admin = (getattr(args, "master_admin", None) or "").strip()
         if master_admin:
             u = urlsplit(master_admin if "://" in master_admin else f"http://{master_admin}")
@@ -320,17 +297,6 @@ class Agent:
             self.keeper = None
         if unmount:
             self.store.close()
-
-
-def segment_too_small(nbytes: int, typed: int | str, what: str | None = "--segment-size") -> str | None:
-    """The one-line refusal of a segment below Mooncake's minimum, in the units the user typed
-    (None when it is big enough). Shared by the agent, `l3pool cluster up` and `l3pool deploy`."""
-    if nbytes >= MIN_SEGMENT_BYTES:
-        return None
-    least = format_size(MIN_SEGMENT_BYTES, typed)
-    alt = "" if least == "16 MiB" else " (16 MiB)"
-    size = f"{what} {format_size(nbytes, typed)}" if what else format_size(nbytes, typed)
-    return f"{size} is below Mooncake's minimum segment of {least}{alt}; raise {what or 'it'}"
 
 
 def _fail(code: int, message: str) -> int:

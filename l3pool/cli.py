@@ -311,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             continue
         mod.add_parser(sub)
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:  # a usage error (already printed, exit 2), --help or --version: a return code
+        return e.code if isinstance(e.code, int) else 2 if e.code else 0
     from l3pool import logs
 
     prog = f"l3pool {args.cmd}"

@@ -74,6 +74,7 @@ from typing import Any
 from l2core.spec import ConfigError
 from l2core.units import parse_size
 from l3pool.pool.etcd import security_mapping
+from l3pool.pool.metadata import DEFAULT_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class BackendConfig:
     segment_size: int = 0
     local_buffer_size: int = 16 << 20
     etcd: str | None = None
-    key_prefix: str = "/l3pool"
+    key_prefix: str = DEFAULT_PREFIX
     model: str | None = None
     tenant: str = ""
     checksum: bool = False
@@ -232,7 +233,7 @@ class BackendConfig:
         """What one rank donates: `segment_size // (tp_size * pp_size)`, as SGLang's Mooncake
         backend splits `global_segment_size` (0 stays 0: a pure client). ConfigError when the
         share of a non-zero size is below Mooncake's 16 MiB minimum segment."""
-        from l3pool.agent import MIN_SEGMENT_BYTES
+        from l3pool.pool.store import MIN_SEGMENT_BYTES
 
         ranks = max(1, int(tp_size)) * max(1, int(pp_size))
         share = self.segment_size // ranks

@@ -22,6 +22,7 @@ from l3pool.cluster.local import (
     down,
 )
 from l3pool.cluster.running import status
+from l3pool.pool.metadata import DEFAULT_PREFIX
 
 
 def _print_endpoints(state: dict[str, Any]) -> None:
@@ -144,7 +145,7 @@ def add_parser(subparsers: Any) -> None:
     up.add_argument("--lease-ttl", type=positive_int, default=5, help="agents' etcd lease TTL, seconds")
     up.add_argument("--client-ttl", type=positive_int, default=5, help="mooncake_master --client_ttl, seconds")
     up.add_argument("--name", default=DEFAULT_NAME, help=names)
-    up.add_argument("--key-prefix", default="/l3pool", help="etcd key prefix (default %(default)s)")
+    up.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="etcd key prefix (default %(default)s)")
     up.add_argument("--agent-cmd", default=None, help="agent command (default: python -m l3pool.cli agent)")
     up.add_argument("--timeout", type=positive_float, default=60.0, help="readiness timeout, seconds")
     up.add_argument("--json", action="store_true", help="print the state as JSON")

@@ -79,6 +79,7 @@ from l3pool.cluster._os import (  # noqa: F401 (re-exported: tests patch/use som
 )
 from l3pool.paths import open_log, runtime_dir
 from l3pool.pool.etcd import EtcdClient, EtcdError
+from l3pool.pool.metadata import DEFAULT_PREFIX
 from l3pool.pool.store import RPC_TIMEOUT_MS, metadata_url
 from l3pool.procenv import python_env
 
@@ -314,7 +315,7 @@ class LocalCluster:
         put_start_discard_timeout_sec: int = 10,
         put_start_release_timeout_sec: int = 30,
         subnet: str | None = None,
-        key_prefix: str = "/l3pool",
+        key_prefix: str = DEFAULT_PREFIX,
         agent_cmd: Sequence[str] | None = None,
         ready_timeout: float = 60.0,
         etcd_bin: str | None = None,

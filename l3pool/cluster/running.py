@@ -24,6 +24,7 @@ from l3pool.cluster.local import (
     mooncake_env,
     read_state,
 )
+from l3pool.pool.metadata import DEFAULT_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class Endpoints:
     writer_host: str | None = None
     mode: str = "external"
     admin: str | None = None
-    key_prefix: str = "/l3pool"
+    key_prefix: str = DEFAULT_PREFIX
     cluster: LocalCluster | None = None
 
 
@@ -104,7 +105,7 @@ def _from_state(state: dict[str, Any]) -> Endpoints:
     netns = agent.get("netns")
     return Endpoints(ep["master"], ep["metadata"], ep["client_host"], ep["etcd"], netns,
                      agent.get("ip") if netns else None, f"running local cluster ({state['state_dir']})",
-                     ep.get("admin"), ep.get("key_prefix") or "/l3pool")  # fmt: skip
+                     ep.get("admin"), ep.get("key_prefix") or DEFAULT_PREFIX)  # fmt: skip
 
 
 @contextlib.contextmanager

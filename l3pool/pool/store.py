@@ -78,6 +78,8 @@ from typing import Any
 
 import numpy as np
 
+from l2core.units import format_size
+from l3pool.pool.addr import split_host_port
 from l3pool.pool.breaker import Breaker
 from l3pool.pool.transfers import TransferBudget, default_budget, fragment_chunks
 
@@ -129,6 +131,22 @@ def outcome_of(code: int) -> Outcome:
     if code >= 0:
         return Outcome.OK
     return _CODES.get(code, Outcome.ERROR)
+
+
+PROTOCOLS = ("tcp", "rdma")
+# Mooncake 0.3.13 refuses smaller segments at setup ("Total size must be at least 16777216", -600).
+MIN_SEGMENT_BYTES = 16 << 20
+
+
+def segment_too_small(nbytes: int, typed: int | str, what: str | None = "--segment-size") -> str | None:
+    """The one-line refusal of a segment below Mooncake's minimum, in the units the user typed
+    (None when it is big enough). Shared by the agent, `l3pool cluster up`, `l3pool deploy` and the SGLang backend."""
+    if nbytes >= MIN_SEGMENT_BYTES:
+        return None
+    least = format_size(MIN_SEGMENT_BYTES, typed)
+    alt = "" if least == "16 MiB" else " (16 MiB)"
+    size = f"{what} {format_size(nbytes, typed)}" if what else format_size(nbytes, typed)
+    return f"{size} is below Mooncake's minimum segment of {least}{alt}; raise {what or 'it'}"
 
 
 DEFAULT_METADATA_PORT = 8080  # mooncake_master --http_metadata_server_port's default
@@ -213,11 +231,12 @@ _FAILED = (Outcome.UNAVAILABLE, Outcome.ERROR)
 
 def _check_reachable(master: str, timeout: float = 2.0) -> None:
     """Fail in seconds, with the address named, instead of Mooncake's ~90 s of setup retries."""
-    host, sep, port = master.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise StoreError(f"bad mooncake master address {master!r}: expected host:port")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        host, port = split_host_port(master, "mooncake master address")
+    except ValueError as e:
+        raise StoreError(str(e)) from None
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:
         raise StoreUnavailable(f"mooncake master {master} unreachable: {e}") from None
 
@@ -238,7 +257,6 @@ def _setup_cause(rc: int, segment_bytes: int) -> str:
     """The tail of a failed setup's message: the likely cause, and where Mooncake's own log went.
     Measured on 0.3.13: a segment the host cannot allocate returns -600 after "Failed to allocate
     segment memory" in Mooncake's log (4 TiB on a 23 GiB host)."""
-    from l2core.units import format_size
     from l3pool import logs
 
     cause = ""

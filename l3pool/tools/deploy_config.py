@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from l2core.names import LAYOUTS
-from l3pool.agent import PROTOCOLS, segment_too_small
 from l3pool.pool.etcd import SECURITY_KEYS
 from l3pool.pool.metadata import DEFAULT_PREFIX
-from l3pool.pool.store import DEFAULT_METADATA_PORT, metadata_url
+from l3pool.pool.store import DEFAULT_METADATA_PORT, PROTOCOLS, metadata_url, segment_too_small
 from l3pool.tools.deploy_values import (
     Problem,
     Src,

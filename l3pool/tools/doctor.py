@@ -61,6 +61,7 @@ from typing import Literal
 
 from l2core.units import ConfigError, parse_size
 from l3pool.cli import UserError, nonneg_int, positive_float
+from l3pool.pool.addr import split_host_port
 from l3pool.pool.etcd import (
     EtcdClient,
     EtcdError,
@@ -240,14 +241,6 @@ def check_rdma(sys_root: str | Path = "/", protocol: str | None = None) -> Check
     )
 
 
-def _split_hostport(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
-    return host, int(port)
-
-
 def route_source(host: str, port: int) -> str:
     """The local address the kernel would use to reach host:port (UDP connect: no packet sent)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -280,7 +273,7 @@ def check_bind_address(env: Mapping[str, str], master: str | None) -> Check:
         )
     if master is None:
         return Check("bind_address", "SKIP" if bind is None else "PASS", f"MC_TCP_BIND_ADDRESS={bind} (no --master)")
-    host, port = _split_hostport(master)
+    host, port = split_host_port(master, "--master")
     try:
         src = route_source(socket.gethostbyname(host) if ":" not in host else host, port)
     except OSError as e:
@@ -368,7 +361,7 @@ def check_master(master: str | None, admin: str | None) -> Check:
         return Check("master", "SKIP", "no --master / --master-admin")
     parts = []
     if master:
-        host, port = _split_hostport(master)
+        host, port = split_host_port(master, "--master")
         try:
             socket.create_connection((host, port), timeout=TIMEOUT).close()
         except OSError as e:
@@ -526,7 +519,7 @@ def _validate(args: argparse.Namespace) -> None:
     if args.l2_size:
         parse_size(args.l2_size, "--l2-size")
     if args.master:
-        _split_hostport(args.master)
+        split_host_port(args.master, "--master")
     args.etcd_security = security_from_args(args)
     if args.etcd:
         check_settings(args.etcd, args.etcd_security)
