@@ -46,26 +46,43 @@ def sglang_method(relpath: str, cls: str, name: str) -> Callable[..., Any]:
     raise AssertionError(f"{cls}.{name} not found in sglang/{relpath}")
 
 
-def _placeholder(name: str, **attrs: Any) -> None:
+def _placeholder(name: str, **attrs: Any) -> bool:
+    """Put a placeholder module under `name` when the real one cannot be imported; True if so."""
     try:
         importlib.import_module(name)
     except ImportError:
         mod = types.ModuleType(name)
         mod.__dict__.update(attrs)
         sys.modules[name] = mod
+        return True
+    return False
 
 
 def mooncake_store_class() -> type:
     """SGLang's `MooncakeStore` class, imported from the installed package (module docstring)."""
-    if MOONCAKE_STORE not in sys.modules:
-        _placeholder(
+    if MOONCAKE_STORE in sys.modules:
+        return sys.modules[MOONCAKE_STORE].MooncakeStore  # type: ignore[no-any-return]
+    placed = {
+        "sglang.srt.mem_cache.pool_host": _placeholder(
             "sglang.srt.mem_cache.pool_host",
             HostKVCache=type("HostKVCache", (), {}),
             HostTensorAllocator=type("HostTensorAllocator", (), {"__init__": lambda self: None}),
-        )
-        _placeholder("sglang.srt.mem_cache.pool_host.mla", MLATokenToKVPoolHost=type("MLATokenToKVPoolHost", (), {}))
-        _placeholder("sglang.srt.observability.metrics_collector", StorageMetrics=type("StorageMetrics", (), {}))
-    return importlib.import_module(MOONCAKE_STORE).MooncakeStore  # type: ignore[no-any-return]
+        ),
+        "sglang.srt.mem_cache.pool_host.mla": _placeholder(
+            "sglang.srt.mem_cache.pool_host.mla", MLATokenToKVPoolHost=type("MLATokenToKVPoolHost", (), {})
+        ),
+        "sglang.srt.observability.metrics_collector": _placeholder(
+            "sglang.srt.observability.metrics_collector", StorageMetrics=type("StorageMetrics", (), {})
+        ),
+    }
+    try:
+        return importlib.import_module(MOONCAKE_STORE).MooncakeStore  # type: ignore[no-any-return]
+    finally:
+        # the backend module keeps the names it took from them; nothing else in this process
+        # may find a placeholder where it imports the real module (the adapter's metrics did)
+        for name, fake in placed.items():
+            if fake:
+                sys.modules.pop(name, None)
 
 
 class MLAHostPool:
