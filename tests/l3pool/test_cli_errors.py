@@ -390,8 +390,9 @@ def test_tools_reuse_the_running_local_cluster(tmp_path: Path) -> None:
         exports = [ln.strip() for ln in up.stdout.splitlines() if ln.strip().startswith("export ")]
         st = json.loads((state / "state.json").read_text())
         ep = st["endpoints"]
-        assert exports == [f"export MC_TCP_BIND_ADDRESS={ep['client_host']} L3POOL_ETCD={ep['etcd']} "
-                           f"L3POOL_MASTER_ADMIN={ep['admin']}"]  # fmt: skip
+        mc = " ".join(f"{k}={v}" for k, v in ep["client_env"].items())  # MC_TCP_BIND_ADDRESS, MC_RPC_TIMEOUT_MS
+        assert mc.startswith(f"MC_TCP_BIND_ADDRESS={ep['client_host']} ") and "MC_RPC_TIMEOUT_MS=" in mc
+        assert exports == [f"export {mc} L3POOL_ETCD={ep['etcd']} L3POOL_MASTER_ADMIN={ep['admin']}"]
         logs = sorted(state.glob("*.log"))  # ours, and each agent's Mooncake log beside its own
         assert [p.name for p in logs if not p.name.startswith("mooncake-")] == [
             "agent-0.log", "agent-1.log", "etcd.log", "master.log"]  # fmt: skip
@@ -417,7 +418,7 @@ def test_tools_reuse_the_running_local_cluster(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr[-3000:]
         rep = json.loads(r.stdout)
         assert rep["correct"] and rep["pool"] == f"running local cluster ({state.resolve()})"
-        assert rep["rows"][0]["pages_checked"] == 4
+        assert rep["rows"][0]["pages_checked"] == 6  # 2 pages read back by ours, raw Mooncake and SGLang's backend
 
         r = _run(("bench.prefetch", "--state-dir", str(state), "--pages", "16", "--requests", "1", "--rounds", "1",
                   "--batch", "8", "--max-batch", "8", "--lock-requests", "3", "--json"), REPO)  # fmt: skip
