@@ -86,7 +86,7 @@ def segment_size(text: str) -> str:
     """argparse type of every --segment-size: a size Mooncake accepts for a segment (checked at
     parse time, so also when a running cluster leaves the flag unused); returns the text as typed."""
     from l2core.units import ConfigError, parse_size
-    from l3pool.agent import segment_too_small
+    from l3pool.pool.store import segment_too_small
 
     try:
         nbytes = parse_size(text)
@@ -311,10 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             continue
         mod.add_parser(sub)
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:  # a usage error (already printed, exit 2), --help or --version: a return code
-        return e.code if isinstance(e.code, int) else 2 if e.code else 0
+    args = p.parse_args(argv)
     from l3pool import logs
 
     prog = f"l3pool {args.cmd}"
