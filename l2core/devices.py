@@ -105,48 +105,43 @@ class DeviceProvider:
         pass
 
 
-def _native_transfer(
-    bufs: Sequence[torch.Tensor],
-    slots: torch.Tensor,
-    host: torch.Tensor,
-    pages: torch.Tensor,
-    layout: HostLayout,
-    *,
-    to_host: bool,
-    layers: tuple[int, int],
-    method: str,
-    max_sms: int,
-    num_threads: int,
-    staging_bytes: int,
-    error_flag: torch.Tensor | None,
-) -> None:
-    from . import _native
+class _NativeProvider(DeviceProvider):
+    """The copy of l2core's native extension (l2core/native/): one call with the layout's strides."""
 
-    s = layout.spec
-    _native.load().transfer(
-        list(bufs), slots, host, pages, s.page_size, layers[0], layers[1] - layers[0], s.num_kv,
-        list(layout.strides), layout.num_pages, to_host, method, int(max_sms), int(num_threads),
-        int(staging_bytes), False,  # slots were range-checked by ops.transfer when asked
-        error_flag,
-    )  # fmt: skip
+    def transfer(
+        self,
+        bufs: Sequence[torch.Tensor],
+        slots: torch.Tensor,
+        host: torch.Tensor,
+        pages: torch.Tensor,
+        layout: HostLayout,
+        **kw: Any,
+    ) -> None:
+        from . import _native
+
+        s = layout.spec
+        (lb, le) = kw["layers"]
+        _native.load().transfer(
+            list(bufs), slots, host, pages, s.page_size, lb, le - lb, s.num_kv, list(layout.strides),
+            layout.num_pages, kw["to_host"], kw["method"], int(kw["max_sms"]), int(kw["num_threads"]),
+            int(kw["staging_bytes"]), False,  # slots were range-checked by ops.transfer when asked
+            kw["error_flag"],
+        )  # fmt: skip
 
 
-class CpuProvider(DeviceProvider):
+class CpuProvider(_NativeProvider):
     """Host tensors as the 'device' (CPU-only L1): the native multi-threaded copy, synchronous."""
 
     device_type = "cpu"
 
     def transfer(self, bufs: Sequence[torch.Tensor], slots: torch.Tensor, *a: Any, **kw: Any) -> None:
-        _native_transfer(bufs, slots if slots.device.type == "cpu" else slots.cpu(), *a, **kw)
+        super().transfer(bufs, slots if slots.device.type == "cpu" else slots.cpu(), *a, **kw)
 
 
-class CudaProvider(DeviceProvider):
+class CudaProvider(_NativeProvider):
     """CUDA: the native direct / staged / naive kernels, CUDA streams and events, cudaHostRegister."""
 
     device_type = "cuda"
-
-    def transfer(self, *a: Any, **kw: Any) -> None:
-        _native_transfer(*a, **kw)
 
     def resolve_method(
         self, method: str, layout: HostLayout, to_host: bool, layers: tuple[int, int], n_pages: int | None
