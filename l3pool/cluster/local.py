@@ -1,5 +1,8 @@
 """A whole L3 pool on one machine: etcd + mooncake_master + N decode agents, for tests and demos.
 
+Size: just over 800 lines; process and network helpers already live in `_os.py`, the running
+cluster in `running.py`; what remains is one class's lifecycle.
+
 When running as root with iproute2, every agent runs in its own network namespace `{name}-a{K}`
 with its own IP, so the pool sees N distinct "nodes":
 
@@ -56,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from l3pool.cluster._os import (  # noqa: F401 (re-exported: tests patch/use some of these by this module's name)
+from l3pool.cluster._os import (
     _GRACE_S,
     ClusterError,
     _alive,
@@ -66,7 +69,6 @@ from l3pool.cluster._os import (  # noqa: F401 (re-exported: tests patch/use som
     _free_ports,
     _ip,
     _listening,
-    _log_tail,
     _netns_unavailable,
     _Proc,
     _proc_stat,

@@ -1,5 +1,9 @@
 """The one module that imports `mooncake`: a typed adapter over MooncakeDistributedStore.
 
+Size: ~900 lines because it is the one module that imports `mooncake` (house rule): the client
+rebuild and the dead-donor tracking live here beside the calls they guard; they are the next split
+(a health module the store calls), not done yet.
+
 Mooncake returns bare integers (0 or a byte count on success, negative codes on failure) and
 prints its own logs. Here every code becomes an `Outcome`, every call takes and returns lists
 of the same length (per-item results, never one bool for a batch), and a store that cannot be
