@@ -279,7 +279,7 @@ _COMMANDS = (
     "l3pool.agent",
     "l3pool.tools.chaos",
     "l3pool.cluster.cli",
-    "l3pool.adapters.demo",
+    "l3pool.demo",
     "l3pool.tools.deploy",
     "l3pool.tools.doctor",
     "l3pool.tools.inspect",

@@ -36,7 +36,7 @@ NEVER: list[tuple[str, str, str]] = [
     ("l3pool.agent", "l3pool.cache", "the decode-node agent never imports the cache controller (no torch)"),
 ]
 # nothing outside the demo imports it (the CLI loads its subcommand by dotted name, not by import)
-PRIVATE = {"l3pool.adapters.demo": "the demo is an application: nothing imports it"}
+PRIVATE = {"l3pool.demo": "the demo is an application: nothing imports it"}
 # modules a decode node imports without torch: neither they nor anything they import names torch
 TORCH_FREE_ROOTS = ("l3pool.agent", "l3pool.cli", "l3pool.tools.inspect", "l3pool.pool.metadata")
 
@@ -142,7 +142,7 @@ def _plant(tmp: Path, files: dict[str, str]) -> Path:
         ({"l3pool/pool/client.py": "from l3pool import tools\n"}, "pool core never"),
         ({"l3pool/tools/inspect.py": "from l3pool.adapters import sglang_hicache\n"}, "operator tools never"),
         ({"l3pool/cache/controller.py": "import bench.cache\n"}, "never imports the benchmarks"),
-        ({"l3pool/tools/chaos.py": "from l3pool.adapters.demo.run import Demo\n"}, "the demo is an application"),
+        ({"l3pool/tools/chaos.py": "from l3pool.demo.run import Demo\n"}, "the demo is an application"),
         (
             {"l3pool/agent.py": "from l3pool.pool import keys\n", "l3pool/pool/keys.py": "import torch\n"},
             "imports torch",
@@ -159,8 +159,8 @@ def test_allowed_imports_are_not_flagged(tmp_path: Path) -> None:
         tmp_path,
         {
             "l3pool/cache/controller.py": "from l3pool.pool import client\nimport l2core.ops\n",
-            "l3pool/adapters/demo/run.py": "from . import study\nfrom l3pool.cache import controller\n",
-            "l3pool/adapters/demo/study.py": "",
+            "l3pool/demo/run.py": "from . import study\nfrom l3pool.cache import controller\n",
+            "l3pool/demo/study.py": "",
             "l3pool/agent.py": "def f():\n    import torch\n",  # lazy: allowed for a torch-free module
         },
     )

@@ -23,7 +23,7 @@ from l3pool.adapters.sglang_config import CONFIG_PATH_ENV, BackendConfig
 from l3pool.adapters.sglang_hicache import L3PoolStorage
 
 from ..conftest import MasterServer
-from .test_sglang_backend import FakeMLAHostPool, extra_config, extra_config_offline, storage_config
+from .test_sglang_hicache import FakeMLAHostPool, extra_config, extra_config_offline, storage_config
 
 GiB, MiB = 1 << 30, 1 << 20
 

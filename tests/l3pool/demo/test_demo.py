@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from l2core import ConfigError
-from l3pool.adapters.demo.engine import PrefillInstance
-from l3pool.adapters.demo.model import ModelConfig, RefModel
-from l3pool.adapters.demo.workload import WorkloadConfig, generate, prefix_reuse
+from l3pool.demo.engine import PrefillInstance
+from l3pool.demo.model import ModelConfig, RefModel
+from l3pool.demo.workload import WorkloadConfig, generate, prefix_reuse
 from l3pool.cli import main
 
 TINY = ["--quick", "--layers", "2", "--sessions", "3", "--turns", "3", "--min-context", "256", "--max-context", "640"]
@@ -182,7 +182,7 @@ def test_instance_waits_per_layer_only_with_overlap(overlap: bool, monkeypatch: 
 
 
 def test_spread_verdict() -> None:
-    from l3pool.adapters.demo.study import spread_verdict
+    from l3pool.demo.study import spread_verdict
 
     want = {"saved_s": 1.0, "spread_s": [0.8, 1.2], "verdict": "saved"}
     assert spread_verdict([2.0, 2.1, 2.2], [1.0, 1.1, 1.2]) == want
@@ -324,7 +324,7 @@ def test_demo_cuda_request_without_gpu_is_an_error(tmp_path: Path, capsys: pytes
 
 
 def test_cache_overhead_known_inputs() -> None:
-    from l3pool.adapters.demo.run import cache_overhead
+    from l3pool.demo.run import cache_overhead
 
     assert cache_overhead(1.0, 1.0) == 0.0
     assert cache_overhead(0.9, 1.0) == pytest.approx(0.1)  # the cache adds 10 % of its own time
@@ -336,7 +336,7 @@ def test_cache_overhead_known_inputs() -> None:
 
 
 def test_break_even_from_measured_points() -> None:
-    from l3pool.adapters.demo.run import break_even
+    from l3pool.demo.run import break_even
 
     def pts(*rows: tuple[int, float, float]) -> list[dict[str, float]]:
         return [{"tokens": n, "all_hit_ms": h, "no_cache_ms": c} for n, h, c in rows]

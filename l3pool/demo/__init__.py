@@ -103,9 +103,9 @@ class DemoError(RuntimeError):
 def _options(a: argparse.Namespace) -> Any:
     import torch
 
-    from l3pool.adapters.demo.model import ModelConfig
-    from l3pool.adapters.demo.run import DemoOptions
-    from l3pool.adapters.demo.workload import WorkloadConfig
+    from l3pool.demo.model import ModelConfig
+    from l3pool.demo.run import DemoOptions
+    from l3pool.demo.workload import WorkloadConfig
 
     device = a.device
     if device == "auto":
@@ -185,7 +185,7 @@ def _run(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
 def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from l3pool.adapters.demo.run import run
+    from l3pool.demo.run import run
     from l3pool.pool.etcd import EtcdClient, EtcdSecurity, security_from_args
     from l3pool.pool.metadata import Metadata
     from l3pool.pool.store import MooncakeStore, StoreConfig
@@ -220,7 +220,7 @@ def _verdict(rep: dict[str, Any]) -> list[str]:
 
 
 def _write(a: argparse.Namespace, rep: dict[str, Any]) -> bool:
-    from l3pool.adapters.demo.report import plot, table
+    from l3pool.demo.report import plot, table
 
     bad = _verdict(rep)
     rep["ok"] = not bad

@@ -14,12 +14,12 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from l3pool.adapters.demo.engine import DEMO_CACHE
-from l3pool.adapters.demo.workload import Request
+from l3pool.demo.engine import DEMO_CACHE
+from l3pool.demo.workload import Request
 from l3pool.cache import CacheConfig
 
 if TYPE_CHECKING:
-    from l3pool.adapters.demo.run import Demo, QueueRun
+    from l3pool.demo.run import Demo, QueueRun
 
 VARIANTS = ("on", "no_overlap", "no_prefetch")
 # (row name, write policy of both boundaries, ghost list on)
