@@ -31,7 +31,7 @@ import torch
 
 from . import ops
 from .devices import provider_for
-from .pool import HostKVPool
+from .pool import HostKV
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class EngineStats:
 class TransferEngine:
     def __init__(
         self,
-        pool: HostKVPool,
+        pool: HostKV,
         bufs: Sequence[torch.Tensor],
         *,
         method: ops.Method = "auto",

@@ -76,7 +76,7 @@ AGENT_REGISTRY: Any = CollectorRegistry(auto_describe=True) if AVAILABLE else No
 if AVAILABLE:
     ProcessCollector(registry=AGENT_REGISTRY)
 ROLES = ("engine", "agent")
-# the fixed label values, pre-initialised below (OUTCOMES = pool.store.Outcome's values; a test checks)
+# the fixed label values, pre-initialised below (OUTCOMES = pool.protocols.Outcome's values; a test checks)
 OUTCOMES = ("ok", "miss", "pool_full", "lease", "transfer_fail", "unavailable", "bad_request", "error", "pending")
 TIERS = ("l1", "l2", "l3")
 ENGINES = ("sglang",)

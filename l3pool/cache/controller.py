@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from l2core.allocator import OutOfPages, PageAllocator
-from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
 from l2core.transfer import TransferEngine, TransferError
 from l2core.units import check_int
@@ -40,11 +39,9 @@ from l3pool.cache.types import (
     UnknownRequest,
 )
 from l3pool.cache.writer import L3Writer
-from l3pool.pool.client import L3Client
 from l3pool.pool.keys import HASH_BYTES
-from l3pool.pool.pplock import StageLocks
 from l3pool.pool.prefetch import Prefetcher, PrefetchResult
-from l3pool.pool.store import Outcome
+from l3pool.pool.protocols import HostPages, L3Pages, Outcome, StageLockService, missing_members
 
 log = logging.getLogger(__name__)
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -56,14 +53,23 @@ class TieredCache:
         self,
         cfg: CacheConfig,
         l1: L1,
-        l2: HostKVPool,
-        l3: L3Client | None = None,
-        locks: StageLocks | None = None,
+        l2: HostPages,
+        l3: L3Pages | None = None,
+        locks: StageLockService | None = None,
     ) -> None:
         if not isinstance(cfg, CacheConfig):
             raise ConfigError(f"cfg must be a CacheConfig, got {type(cfg).__name__}")
-        if not isinstance(l2, HostKVPool):
-            raise ConfigError(f"l2 must be an l2core HostKVPool, got {type(l2).__name__}")
+        for what, obj, role, e_g in (
+            ("l2", l2, HostPages, "l2core's HostKVPool"),
+            ("l3", l3, L3Pages, "L3Client"),
+            ("locks", locks, StageLockService, "StageLocks"),
+        ):
+            lacks = missing_members(obj, role) if obj is not None or what == "l2" else []
+            if lacks:
+                raise ConfigError(
+                    f"{what} must play the {role.__name__} role (e.g. {e_g}): "
+                    f"{type(obj).__name__} lacks {', '.join(lacks)}"
+                )
         if not isinstance(l1, L1) or not l1.bufs or not isinstance(l1.bufs[0], torch.Tensor):
             raise ConfigError("l1 must be an L1(bufs=[per-layer device tensors], page_size)")
         if l1.page_size != l2.spec.page_size:

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from l3pool.pool.client import L3Client
-from l3pool.pool.store import Outcome
+from l3pool.pool.protocols import L3Pages, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ _FLUSH = _Item([], np.empty(0, dtype=np.int64))  # queued by flush(): stop linge
 class L3Writer:
     def __init__(
         self,
-        client: L3Client,
+        client: L3Pages,
         on_done: DoneFn,
         batch_pages: int = 512,
         linger_ms: float = 2.0,

@@ -34,8 +34,8 @@ import torch
 
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
-from l3pool.demo.model import RefModel
 from l3pool.cache import L1, CacheConfig, CacheFull, CacheStack, LoadHandle, Match, TieredCache, build
+from l3pool.demo.model import RefModel
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.protocols import NamespaceRegistry

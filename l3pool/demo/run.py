@@ -43,11 +43,11 @@ import numpy as np
 import torch
 
 from l2core.spec import ConfigError
+from l3pool.cache import CacheConfig
 from l3pool.demo import study
 from l3pool.demo.engine import DEMO_CACHE, L3Side, PrefillInstance, Queued, Record
 from l3pool.demo.model import ModelConfig, RefModel
 from l3pool.demo.workload import Request, WorkloadConfig, generate, prefix_reuse
-from l3pool.cache import CacheConfig
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.protocols import NamespaceRegistry
 from l3pool.pool.store import MooncakeStore

@@ -14,9 +14,9 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from l3pool.cache import CacheConfig
 from l3pool.demo.engine import DEMO_CACHE
 from l3pool.demo.workload import Request
-from l3pool.cache import CacheConfig
 
 if TYPE_CHECKING:
     from l3pool.demo.run import Demo, QueueRun

@@ -74,8 +74,7 @@ from l2core.spec import ConfigError
 from l2core.units import check_int
 from l3pool import metrics
 from l3pool.pool.keys import FORMAT_VERSION, GEOMETRY_FIELDS, Namespace, geometry_of
-from l3pool.pool.protocols import NamespaceRegistry, PageStore
-from l3pool.pool.store import Outcome
+from l3pool.pool.protocols import NamespaceRegistry, Outcome, PageStore
 from l3pool.pool.trailer import FLAG_CHECKSUM, TRAILER, TRAILER_BYTES, TRAILER_MAGIC, object_bytes
 from l3pool.pool.transfers import TRANSFER_LIMIT_ENV
 

@@ -38,7 +38,7 @@ from l3pool import metrics
 from l3pool.pool.etcd import EtcdError, do_count_prefix, do_put, if_absent, if_lease, txn_count, txn_succeeded
 from l3pool.pool.keys import Namespace
 from l3pool.pool.metadata import Metadata, check_id
-from l3pool.pool.store import MooncakeStore
+from l3pool.pool.protocols import PageStore
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class StageLocks:
     def __init__(
         self,
         metadata: Metadata,
-        store: MooncakeStore | None,
+        store: PageStore | None,
         namespaces: Sequence[Namespace],
         stage: int = 0,
         *,
@@ -166,7 +166,7 @@ class StageLocks:
 
         Raises LockError when `request_id` is already locked (ids must be unique per request)."""
         if self.store is None:
-            raise LockError("acquire needs a MooncakeStore")
+            raise LockError("acquire needs a page store")
         key = self.lock_key(request_id)
         n = len(page_hashes)
         hexes = [h.hex() for h in page_hashes]

@@ -68,8 +68,7 @@ from l2core.allocator import OutOfPages
 from l2core.spec import ConfigError
 from l2core.units import check_int
 from l3pool import metrics
-from l3pool.pool.client import L3Client
-from l3pool.pool.store import Outcome
+from l3pool.pool.protocols import L3Pages, Outcome
 
 log = logging.getLogger(__name__)
 _PRIORITY = {"interrupt": 0, "supersede": 1, "cancel": 2}
@@ -256,7 +255,7 @@ class Prefetcher:
 
     def __init__(
         self,
-        client: L3Client,
+        client: L3Pages,
         *,
         batch_pages: int = 32,
         max_batch_pages: int | None = None,
@@ -390,7 +389,7 @@ class Prefetcher:
             return np.empty(0, dtype=np.int64), f"L2 allocation failed: {len(pages)} pages for {n}"
         if len(pages) == n:
             return pages, None
-        return pages, f"L2 is full: asked for {n} pages, got {len(pages)} ({self.pool.stats().free_pages} free)"
+        return pages, f"L2 is full: asked for {n} pages, got {len(pages)} ({self.pool.allocator.free_pages} free)"
 
     def _alloc_free(self, n: int) -> np.ndarray:
         """The default hook: `n` free pages of the pool, or as many as are free."""
@@ -398,7 +397,7 @@ class Prefetcher:
             return self.pool.alloc(n)
         except OutOfPages:
             pass
-        k = self.pool.stats().free_pages
+        k = self.pool.allocator.free_pages
         if 0 < k < n:
             with contextlib.suppress(OutOfPages):  # another user may take them first
                 return self.pool.alloc(k)

@@ -1,20 +1,50 @@
-"""What `L3Client` needs from its page store and from its metadata registry, as `typing.Protocol`s.
+"""The pool core's roles, as `typing.Protocol`s, and the per-key `Outcome` every batched call answers.
 
-`MooncakeStore` (l3pool.pool.store) and `Metadata` (l3pool.pool.metadata) implement them; unit
-tests pass in-memory fakes of the same shape (tests/l3pool/fake_store.py). Every batched call
-answers one `Outcome` per key, never one bool for a batch.
+- `PageStore`: objects by key in registered memory (`MooncakeStore`, l3pool.pool.store);
+- `NamespaceRegistry`: namespace records and client stats (`Metadata`, l3pool.pool.metadata);
+- `HostPages`: the host memory L2 pages live in (l2core's `HostKVPool`);
+- `L3Pages`: reads and writes of L2 pages in L3 (`L3Client`, l3pool.pool.client);
+- `StageLockService`: the pipeline-stage locks (`StageLocks`, l3pool.pool.pplock).
+The layers above (`TieredCache`, `Prefetcher`, `L3Writer`, `StageLocks`) take these roles, not the
+classes; unit tests pass in-memory fakes of the same shape (tests/l3pool/fake_store.py). Every
+batched call answers one `Outcome` per key, never one bool for a batch. `missing_members` is how
+a constructor refuses an object that does not play a role, with the names it lacks.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
+    import torch
+
+    from l2core.allocator import PageAllocator
+    from l2core.layout import HostLayout
+    from l2core.spec import KVSpec
+    from l3pool.pool.client import ClientStats
     from l3pool.pool.etcd import EtcdClient
-    from l3pool.pool.store import Outcome
+    from l3pool.pool.keys import Namespace
+    from l3pool.pool.pplock import LockGrant
+
+
+class Outcome(enum.Enum):
+    OK = "ok"  # put stored / get copied / key present
+    MISS = "miss"  # not in the pool (never stored, evicted, or its donor died)
+    POOL_FULL = "pool_full"  # no space even after eviction
+    LEASE = "lease"  # object leased or lease expired: retry later
+    TRANSFER_FAIL = "transfer_fail"  # bytes did not move (peer gone mid-transfer)
+    UNAVAILABLE = "unavailable"  # master/RPC unreachable
+    BAD_REQUEST = "bad_request"  # invalid params (e.g. size mismatch)
+    ERROR = "error"  # anything else; the raw code is kept
+    PENDING = "pending"  # put: another put of this key started and has not finished (or was abandoned)
+
+    @property
+    def retryable(self) -> bool:
+        return self in (Outcome.LEASE, Outcome.TRANSFER_FAIL, Outcome.UNAVAILABLE, Outcome.PENDING)
 
 
 class PageStore(Protocol):
@@ -78,3 +108,81 @@ class NamespaceRegistry(Protocol):
         ...
 
     def publish_stats(self, client_id: str, counters: dict[str, Any], lease: int = 0) -> None: ...
+
+
+class HostPages(Protocol):
+    """Host memory holding L2 pages: l2core's `HostKV` role (spec, layout, the buffer a transfer
+    engine copies to and from; repeated here, not inherited, so that this module imports no torch)
+    plus one page allocator that everything allocating L2 pages goes through."""
+
+    @property
+    def spec(self) -> KVSpec: ...
+
+    @property
+    def layout(self) -> HostLayout: ...
+
+    @property
+    def buffer(self) -> torch.Tensor: ...
+
+    @property
+    def allocator(self) -> PageAllocator: ...
+
+    @property
+    def num_pages(self) -> int: ...
+
+    def alloc(self, n: int) -> np.ndarray: ...
+
+    def free(self, pages: np.ndarray | list[int]) -> None: ...
+
+
+class L3Pages(Protocol):
+    """Reads and writes of one namespace's L2 pages in L3, by key, with per-page outcomes."""
+
+    @property
+    def pool(self) -> HostPages:
+        """The host pool whose pages it reads and writes."""
+        ...
+
+    @property
+    def ns(self) -> Namespace: ...
+
+    @property
+    def stats(self) -> ClientStats: ...
+
+    ns_id: str
+    batch_pages: int  # pages per store call (sized so a call's fragments fit the store's budget)
+
+    @property
+    def staging_bytes(self) -> int: ...
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """Length of the longest prefix of `keys` present in L3."""
+        ...
+
+    def put(self, keys: Sequence[str], pages: Sequence[int] | np.ndarray) -> list[Outcome]: ...
+
+    def get(self, keys: Sequence[str], pages: Sequence[int] | np.ndarray) -> list[Outcome]: ...
+
+    def close(self) -> None: ...
+
+
+class StageLockService(Protocol):
+    """The locks that make every pipeline stage of one request load the same L3 prefix."""
+
+    stages: int
+    stage: int
+
+    def acquire(self, request_id: str, page_hashes: Sequence[bytes]) -> LockGrant: ...
+
+    def join(
+        self, request_id: str, timeout: float = 0.0, page_hashes: Sequence[bytes] | None = None, poll: float = 0.002
+    ) -> int: ...
+
+    def report_done(self, request_id: str, stage: int | None = None) -> bool: ...
+
+
+def missing_members(obj: object, role: type) -> list[str]:
+    """The members of Protocol `role` that `obj` lacks (empty: it plays the role, structurally)."""
+    names = [n for n in getattr(role, "__annotations__", {}) if not n.startswith("_")]
+    names += [n for n, v in vars(role).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))]
+    return sorted({n for n in names if not hasattr(obj, n)})

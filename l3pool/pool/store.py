@@ -67,7 +67,6 @@ own environment: library code never writes os.environ). Calls started after dete
 
 from __future__ import annotations
 
-import enum
 import logging
 import re
 import socket
@@ -85,25 +84,10 @@ import numpy as np
 from l2core.units import format_size
 from l3pool.pool.addr import split_host_port
 from l3pool.pool.breaker import Breaker
+from l3pool.pool.protocols import Outcome
 from l3pool.pool.transfers import TransferBudget, default_budget, fragment_chunks
 
 log = logging.getLogger(__name__)
-
-
-class Outcome(enum.Enum):
-    OK = "ok"  # put stored / get copied / key present
-    MISS = "miss"  # not in the pool (never stored, evicted, or its donor died)
-    POOL_FULL = "pool_full"  # no space even after eviction
-    LEASE = "lease"  # object leased or lease expired: retry later
-    TRANSFER_FAIL = "transfer_fail"  # bytes did not move (peer gone mid-transfer)
-    UNAVAILABLE = "unavailable"  # master/RPC unreachable
-    BAD_REQUEST = "bad_request"  # invalid params (e.g. size mismatch)
-    ERROR = "error"  # anything else; the raw code is kept
-    PENDING = "pending"  # put: another put of this key started and has not finished (or was abandoned)
-
-    @property
-    def retryable(self) -> bool:
-        return self in (Outcome.LEASE, Outcome.TRANSFER_FAIL, Outcome.UNAVAILABLE, Outcome.PENDING)
 
 
 # Mooncake ErrorCode values (mooncake-store/include/types.h)

@@ -174,7 +174,7 @@ class Data:
         self.rows = self.dst.buffer.view(self.dst.num_pages, -1)
 
     def put(self) -> int:
-        from l3pool.pool.store import Outcome
+        from l3pool.pool.protocols import Outcome
 
         return sum(r is Outcome.OK for r in self.writer.put(self.keys, range(self.n)))
 
@@ -187,7 +187,7 @@ class Data:
         """Compare every OK page with the bytes of its key; returns how many were OK."""
         import torch
 
-        from l3pool.pool.store import Outcome
+        from l3pool.pool.protocols import Outcome
 
         ok = np.flatnonzero(np.fromiter((o is Outcome.OK for o in outcomes), dtype=np.bool_, count=len(outcomes)))
         res.pages_checked += len(outcomes)
@@ -314,7 +314,7 @@ def sc_master_hung(ctx: Ctx, res: Result) -> None:
 
 
 def _ok() -> Any:
-    from l3pool.pool.store import Outcome
+    from l3pool.pool.protocols import Outcome
 
     return Outcome.OK
 
@@ -525,7 +525,7 @@ def sc_foreign_object(ctx: Ctx, res: Result) -> None:
         d.poison(pages)
         out = d.reader.get(fresh, pages)
         # fresh key i holds key i's object: an OK page is wrong however its bytes look
-        from l3pool.pool.store import Outcome
+        from l3pool.pool.protocols import Outcome
 
         res.pages_checked += len(out)
         res.wrong += sum(o is Outcome.OK for o in out)
@@ -554,7 +554,7 @@ def sc_writer_killed(ctx: Ctx, res: Result) -> None:
         p.wait(10)
         peak = admin.metrics().get("master_allocated_bytes", 0.0)
         out = d.writer.put(d.keys, range(n))
-        from l3pool.pool.store import Outcome
+        from l3pool.pool.protocols import Outcome
 
         ok = np.flatnonzero([o is Outcome.OK for o in out])
         pages = np.arange(n)

@@ -242,7 +242,7 @@ def endpoints(args: argparse.Namespace) -> contextlib.AbstractContextManager[End
 def _remove(store: Any, ps: PrefixSet) -> int | None:
     """Remove the test set's objects (its namespace is this run's alone: its tenant is unique, so
     `force` takes nothing of anyone else, and skips the read leases our own gets took)."""
-    from l3pool.pool.store import Outcome
+    from l3pool.pool.protocols import Outcome
 
     try:
         outcome, n = store.remove_prefix(ps.namespace().key_prefix, force=True)

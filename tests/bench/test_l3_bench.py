@@ -13,7 +13,7 @@ import pytest
 
 from bench import l3
 from l3pool.pool.client import L3Client
-from l3pool.pool.store import Outcome
+from l3pool.pool.protocols import Outcome
 
 TINY = ["--pages", "4", "--rounds", "2", "--models", "mla", "--segment-size", "256MB"]
 

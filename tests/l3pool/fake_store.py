@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from l3pool.pool.store import Outcome
+from l3pool.pool.protocols import Outcome
 
 
 class FakeStoreError(RuntimeError):

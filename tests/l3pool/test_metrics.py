@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from l3pool import metrics
 from l3pool.logs import TqdmHandler
-from l3pool.pool.store import Outcome
+from l3pool.pool.protocols import Outcome
 from l3pool.procenv import python_env
 
 from .conftest import (

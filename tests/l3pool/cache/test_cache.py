@@ -74,8 +74,19 @@ def test_bad_l1_buffers(engines: list[Engine]) -> None:
 
 def test_pp_needs_l3(engines: list[Engine]) -> None:
     e = mk(engines)
+    locks = SimpleNamespace(stages=2, stage=0, acquire=None, join=None, report_done=None)  # plays the role
     with pytest.raises(ConfigError, match="pipeline-stage locks need an L3Client"):
+        TieredCache(CacheConfig(), L1(e.bufs, P), e.pool, None, locks)  # type: ignore[arg-type]
+
+
+def test_objects_that_do_not_play_a_role_are_refused_by_name(engines: list[Engine]) -> None:
+    e = mk(engines)
+    with pytest.raises(ConfigError, match=r"l2 must play the HostPages role .*: dict lacks alloc, allocator, buffer"):
+        TieredCache(CacheConfig(), L1(e.bufs, P), {})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"locks must play the StageLockService role .*lacks acquire, join"):
         TieredCache(CacheConfig(), L1(e.bufs, P), e.pool, None, SimpleNamespace(stages=2, stage=0))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"l3 must play the L3Pages role .*lacks .*lookup"):
+        TieredCache(CacheConfig(), L1(e.bufs, P), e.pool, SimpleNamespace(pool=e.pool))  # type: ignore[arg-type]
 
 
 def test_load_handle(engines: list[Engine]) -> None:

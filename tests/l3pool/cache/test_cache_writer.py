@@ -16,7 +16,7 @@ from l2core import HostKVPool, L2Config
 from l3pool.cache.writer import L3Writer
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace
-from l3pool.pool.store import Outcome
+from l3pool.pool.protocols import Outcome
 from l3pool.pool.trailer import TRAILER_BYTES
 
 from ..cache_helpers import SPEC, chain

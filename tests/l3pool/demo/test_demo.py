@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from l2core import ConfigError
+from l3pool.cli import main
 from l3pool.demo.engine import PrefillInstance
 from l3pool.demo.model import ModelConfig, RefModel
 from l3pool.demo.workload import WorkloadConfig, generate, prefix_reuse
-from l3pool.cli import main
 
 TINY = ["--quick", "--layers", "2", "--sessions", "3", "--turns", "3", "--min-context", "256", "--max-context", "640"]
 
@@ -269,7 +269,7 @@ def test_demo_detects_corrupted_pages(
     """A byte flipped in every page that arrives from L3 must show up as wrong pages, different
     logits and exit code 1: the demo's checks can fail."""
     from l3pool.pool.client import L3Client
-    from l3pool.pool.store import Outcome
+    from l3pool.pool.protocols import Outcome
 
     real_get = L3Client.get
 

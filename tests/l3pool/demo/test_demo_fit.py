@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from l2core import HostKVPool, L2Config
-from l3pool.demo.model import ModelConfig, RefModel
 from l3pool.cache import L1, CacheConfig, TieredCache
+from l3pool.demo.model import ModelConfig, RefModel
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 

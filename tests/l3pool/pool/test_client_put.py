@@ -14,7 +14,7 @@ import torch
 from l2core import ConfigError, HostKVPool, KVSpec, L2Config
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
-from l3pool.pool.store import Outcome
+from l3pool.pool.protocols import Outcome
 from l3pool.pool.trailer import TRAILER_BYTES
 
 from ..fake_store import FakePageStore
