@@ -215,7 +215,7 @@ class Agent:
         self.reregistrations = 0
         self._admin: Any = None
         if s.master_admin:
-            from l3pool.tools.inspect import MasterAdmin
+            from l3pool.pool.admin import MasterAdmin
 
             self._admin = MasterAdmin(s.master_admin, timeout=1.0)
             self._update_used()
@@ -228,11 +228,11 @@ class Agent:
 
     def _update_used(self) -> None:
         """l3pool_agent_used_bytes from the master's /query_segment (only with --master-admin)."""
-        from l3pool.tools.inspect import InspectError
+        from l3pool.pool.admin import AdminError
 
         try:
             usage = self._admin.query_segment(self.info.segment)
-        except InspectError as e:
+        except AdminError as e:
             log.debug("agent %s: used bytes not refreshed: %s", self.settings.id, e)
             return
         if usage is not None:

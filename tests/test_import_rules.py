@@ -34,11 +34,12 @@ NEVER: list[tuple[str, str, str]] = [
     ("l3pool.cluster", "l3pool.adapters", "the local cluster never imports engine integrations"),
     ("l3pool.agent", "l3pool.adapters", "the decode-node agent never imports engine integrations"),
     ("l3pool.agent", "l3pool.cache", "the decode-node agent never imports the cache controller (no torch)"),
+    ("l3pool.agent", "l3pool.tools", "the decode-node agent never imports the operator tools"),
 ]
 # nothing outside the demo imports it (the CLI loads its subcommand by dotted name, not by import)
 PRIVATE = {"l3pool.demo": "the demo is an application: nothing imports it"}
 # modules a decode node imports without torch: neither they nor anything they import names torch
-TORCH_FREE_ROOTS = ("l3pool.agent", "l3pool.cli", "l3pool.tools.inspect", "l3pool.pool.metadata")
+TORCH_FREE_ROOTS = ("l3pool.agent", "l3pool.cli", "l3pool.tools.inspect", "l3pool.pool.metadata", "l3pool.pool.admin")
 
 
 def _module_name(path: Path, root: Path) -> str:

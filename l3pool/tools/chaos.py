@@ -535,7 +535,7 @@ def sc_foreign_object(ctx: Ctx, res: Result) -> None:
 
 
 def sc_writer_killed(ctx: Ctx, res: Result) -> None:
-    from l3pool.tools.inspect import MasterAdmin
+    from l3pool.pool.admin import MasterAdmin
 
     admin = MasterAdmin(ctx.c.admin_url)
     n = 128

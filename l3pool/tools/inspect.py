@@ -24,18 +24,15 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from typing import Any
 
 from l2core.units import format_size
 from l3pool.cli import UserError
+from l3pool.pool.admin import AdminError, MasterAdmin
 from l3pool.pool.etcd import EtcdClient, EtcdError, EtcdSecurity, add_security_args, security_from_args
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata
 from l3pool.pool.trailer import object_bytes
 
-ADMIN_TIMEOUT = 3.0
 # the master's /metrics samples `inspect` summarises (mooncake_master 0.3.13 names), label -> sample
 MASTER_SUMMARY = {
     "put_items": "master_batch_put_start_items_total",
@@ -54,64 +51,6 @@ _NS_FIELDS = ("model", "attention", "layout", "dtype", "page_size", "page_bytes"
 
 class InspectError(RuntimeError):
     """A source (etcd, the master admin) could not be read; the message is one line."""
-
-
-class MasterAdmin:
-    """Reader for mooncake_master's admin HTTP port (--metrics_port)."""
-
-    def __init__(self, url: str, timeout: float = ADMIN_TIMEOUT) -> None:
-        url = url.rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            url = f"http://{url}"
-        self.url, self.timeout = url, timeout
-
-    def _get(self, path: str, ok_missing: bool = False) -> str | None:
-        try:
-            with urllib.request.urlopen(f"{self.url}{path}", timeout=self.timeout) as r:
-                return str(r.read().decode(errors="replace"))
-        except urllib.error.HTTPError as e:
-            if ok_missing:  # /query_segment answers 500 for a segment it does not know
-                return None
-            raise InspectError(f"mooncake master admin {self.url}{path}: HTTP {e.code}") from None
-        except (OSError, urllib.error.URLError) as e:
-            reason = getattr(e, "reason", e)
-            raise InspectError(f"mooncake master admin unreachable at {self.url}: {reason}") from None
-
-    def keys(self) -> list[str]:
-        return [k for k in (self._get("/get_all_keys") or "").splitlines() if k]
-
-    def segments(self) -> list[str]:
-        return [s for s in (self._get("/get_all_segments") or "").splitlines() if s]
-
-    def query_segment(self, name: str) -> tuple[int, int] | None:
-        """(used, capacity) bytes of one segment, None if the master does not know it.
-
-        The answer is "NAME\\nUsed(bytes): N\\nCapacity(bytes) : N" (0.3.13). The master does not
-        percent-decode the query, so the ':' of "host:port" must go unescaped."""
-        text = self._get(f"/query_segment?segment={urllib.parse.quote(name, safe=':[]')}", ok_missing=True)
-        if text is None:
-            return None
-        vals: dict[str, int] = {}
-        for line in text.splitlines():
-            k, sep, v = line.partition(":")
-            if sep and k.strip().lower() in ("used(bytes)", "capacity(bytes)") and v.strip().isdigit():
-                vals[k.strip().lower()] = int(v.strip())
-        if len(vals) != 2:
-            return None
-        return vals["used(bytes)"], vals["capacity(bytes)"]
-
-    def metrics(self) -> dict[str, float]:
-        """The un-labelled samples of /metrics (Prometheus text)."""
-        out = {}
-        for line in (self._get("/metrics") or "").splitlines():
-            if not line or line.startswith("#") or "{" in line:
-                continue
-            name, _, value = line.partition(" ")
-            try:
-                out[name] = float(value)
-            except ValueError:
-                continue
-        return out
 
 
 def _sum_counters(stats: dict[str, dict[str, Any]]) -> dict[str, int | float]:
@@ -145,10 +84,13 @@ def collect(
     seg_usage: dict[str, tuple[int, int] | None] = {}
     master: dict[str, Any] = {"admin_url": admin.url if admin else None}
     if admin is not None:
-        keys = admin.keys()
-        segments = admin.segments()
-        seg_usage = {s: admin.query_segment(s) for s in segments}
-        m = admin.metrics()
+        try:
+            keys = admin.keys()
+            segments = admin.segments()
+            seg_usage = {s: admin.query_segment(s) for s in segments}
+            m = admin.metrics()
+        except AdminError as e:
+            raise InspectError(str(e)) from None
         owners = {mem.info.segment: mem.info.id for mem in members if mem.info.segment}
         master.update(
             keys=len(keys),

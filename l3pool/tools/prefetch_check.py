@@ -194,11 +194,11 @@ def _pool_capacity(ep: Endpoints) -> int | None:
         return len(c.agents) * c.segment_bytes if c.agents else None
     if not ep.admin:
         return None
-    from l3pool.tools.inspect import InspectError, MasterAdmin
+    from l3pool.pool.admin import AdminError, MasterAdmin
 
     try:
         cap = int(MasterAdmin(ep.admin).metrics().get("master_total_capacity_bytes", 0))
-    except (InspectError, ValueError):
+    except (AdminError, ValueError):
         return None  # the writer's own outcomes still say it if the set does not fit
     return cap or None
 

@@ -81,7 +81,7 @@ def _count(admin: Any, ns_ids: list[str]) -> dict[str, int]:
 
 def purge(args: argparse.Namespace) -> dict[str, Any]:
     """Resolve, count, remove; returns the report (the CLI prints it). Raises PurgeError."""
-    from l3pool.tools.inspect import InspectError, MasterAdmin
+    from l3pool.pool.admin import AdminError, MasterAdmin
 
     etcd = EtcdClient(args.etcd, security=getattr(args, "etcd_security", None))
     try:
@@ -98,7 +98,7 @@ def purge(args: argparse.Namespace) -> dict[str, Any]:
         ids = list(chosen)
         try:
             before = _count(admin, ids) if admin else None
-        except InspectError as e:
+        except AdminError as e:
             raise PurgeError(str(e)) from None
         rows = [
             {
@@ -123,7 +123,7 @@ def purge(args: argparse.Namespace) -> dict[str, Any]:
         if admin is not None:
             try:
                 after = _count(admin, ids)
-            except InspectError as e:
+            except AdminError as e:
                 raise PurgeError(str(e)) from None
             for r in rows:
                 r["left"] = after[r["namespace"]]
