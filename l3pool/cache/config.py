@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from l2core.spec import ConfigError
 from l2core.units import check_int
 from l3pool.cache.policy import PREFETCH_POLICIES, WRITE_POLICIES
+from l3pool.values import BadValue, choice, number_at_least, unknown_key_hint
 
 # the built-in names (l3pool/cache/policy.py); a policy class added to its registry is accepted too
 WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
@@ -16,17 +16,17 @@ PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 
 
 def _choice(name: str, value: object, registry: dict[str, Any]) -> None:
-    choices = list(registry)
-    if isinstance(value, str) and value in registry:
-        return
-    close = difflib.get_close_matches(str(value), choices, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"{name} must be one of {choices}, got {value!r}{hint}")
+    try:
+        choice(registry)(value)
+    except BadValue as e:
+        raise ConfigError(f"{name}: {e}") from None
 
 
 def _num(name: str, value: object, lo: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= lo:
-        raise ConfigError(f"{name} must be a number >= {lo}, got {value!r}")
+    try:
+        number_at_least(lo)(value)
+    except BadValue as e:
+        raise ConfigError(f"{name}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,5 @@ class CacheConfig:
         known = [f.name for f in fields(cls)]
         for k in d:
             if k not in known:
-                close = difflib.get_close_matches(str(k), known, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"unknown cache config key {k!r}{hint}; known keys: {known}")
+                raise ConfigError(f"unknown cache config key {k!r} ({unknown_key_hint(k, known)})")
         return cls(**d)

@@ -40,30 +40,23 @@ from l3pool.tools.deploy_values import (
     Problem,
     Src,
     _as_abspath,
-    _as_bool,
     _as_command,
     _as_duration,
     _as_env,
     _as_fingerprint,
     _as_id,
     _as_ip,
-    _as_nonempty,
     _as_prefix,
     _as_quotas,
     _as_size,
-    _as_str,
     _as_strlist,
-    _Bad,
-    _choice,
-    _int_in,
     _merge,
     _none_in,
     _port,
-    _ratio,
     _Reader,
     _sub,
-    _tname,
 )
+from l3pool.values import BadValue, as_bool, as_nonempty, as_str, choice, int_in, ratio, type_name
 
 # The io backend each layout needs. SGLang rewrites other combinations (page_first + direct becomes
 # layer_first or page_first_direct, page_first_direct + kernel switches to direct), so the layout
@@ -308,7 +301,7 @@ def _read_etcd(r: _Reader, raw: Any) -> EtcdSpec | None:
     if "endpoints" in src and launch_keys:
         r.error(f"etcd.{launch_keys[0]}", "give either etcd.endpoints (a running etcd) or etcd.host (launch one)")
         return None
-    sec = {k: r.get(src, k, _as_nonempty, "") for k in (*_ETCD_CLIENT_SEC, *_ETCD_SERVER_SEC)}
+    sec = {k: r.get(src, k, as_nonempty, "") for k in (*_ETCD_CLIENT_SEC, *_ETCD_SERVER_SEC)}
     if _none_in(*sec.values()) or not _etcd_security_ok(r, sec, launch="endpoints" not in src):
         return None
     if "endpoints" in src:
@@ -334,9 +327,9 @@ def _read_etcd(r: _Reader, raw: Any) -> EtcdSpec | None:
     host = r.get(src, "host", _as_ip)
     cport = r.get(src, "client_port", _port, 2379)
     pport = r.get(src, "peer_port", _port, 2380)
-    data_dir = r.get(src, "data_dir", _as_nonempty, EtcdSpec.data_dir)
+    data_dir = r.get(src, "data_dir", as_nonempty, EtcdSpec.data_dir)
     name = r.get(src, "name", _as_id, EtcdSpec.name)
-    binary = r.get(src, "binary", _as_nonempty, EtcdSpec.binary)
+    binary = r.get(src, "binary", as_nonempty, EtcdSpec.binary)
     if _none_in(host, cport, pport, data_dir, name, binary):
         return None
     scheme = "https" if sec["server_cert"] else "http"
@@ -379,19 +372,19 @@ def _as_cidrs(v: Any) -> tuple[str, ...]:
         try:
             out.append(str(ipaddress.ip_network(x.strip(), strict=False)))
         except ValueError:
-            raise _Bad(f"{x!r} is not a network (e.g. 10.0.0.0/16 or 10.0.0.7/32)") from None
+            raise BadValue(f"{x!r} is not a network (e.g. 10.0.0.0/16 or 10.0.0.7/32)") from None
     if not out:
-        raise _Bad("empty: nothing could reach the pool")
+        raise BadValue("empty: nothing could reach the pool")
     return tuple(out)
 
 
 def _as_port_range(v: Any) -> tuple[int, int]:
-    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", _as_str(v))
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", as_str(v))
     if not m or not 1024 <= int(m[1]) < int(m[2]) <= 32767:
         # Mooncake 0.3.13 logs "Invalid port range" and falls back to 15000-17000 above 32767
-        raise _Bad(f'{v!r}: expected "LOW-HIGH" with 1024 <= LOW < HIGH <= 32767 (Mooncake\'s limit)')
+        raise BadValue(f'{v!r}: expected "LOW-HIGH" with 1024 <= LOW < HIGH <= 32767 (Mooncake\'s limit)')
     if int(m[2]) - int(m[1]) < 63:
-        raise _Bad(f"{v!r}: keep at least 64 ports (two per Mooncake client, one client per engine rank)")
+        raise BadValue(f"{v!r}: keep at least 64 ports (two per Mooncake client, one client per engine rank)")
     return int(m[1]), int(m[2])
 
 
@@ -405,17 +398,17 @@ def _read_master(r: _Reader, raw: Any) -> MasterSpec | None:
         "rpc_port": r.get(src, "rpc_port", _port, d.rpc_port),
         "metadata_port": r.get(src, "metadata_port", _port, d.metadata_port),
         "admin_port": r.get(src, "admin_port", _port, d.admin_port),
-        "client_ttl": r.get(src, "client_ttl", _int_in(1, 3600), d.client_ttl),
-        "eviction_high_watermark_ratio": r.get(src, "eviction_high_watermark_ratio", _ratio,
+        "client_ttl": r.get(src, "client_ttl", int_in(1, 3600), d.client_ttl),
+        "eviction_high_watermark_ratio": r.get(src, "eviction_high_watermark_ratio", ratio,
                                                d.eviction_high_watermark_ratio),
-        "eviction_ratio": r.get(src, "eviction_ratio", _ratio, d.eviction_ratio),
-        "put_start_discard_timeout_sec": r.get(src, "put_start_discard_timeout_sec", _int_in(1, 86400),
+        "eviction_ratio": r.get(src, "eviction_ratio", ratio, d.eviction_ratio),
+        "put_start_discard_timeout_sec": r.get(src, "put_start_discard_timeout_sec", int_in(1, 86400),
                                                d.put_start_discard_timeout_sec),
-        "put_start_release_timeout_sec": r.get(src, "put_start_release_timeout_sec", _int_in(2, 86400),
+        "put_start_release_timeout_sec": r.get(src, "put_start_release_timeout_sec", int_in(2, 86400),
                                                d.put_start_release_timeout_sec),
-        "binary": r.get(src, "binary", _as_nonempty, d.binary),
+        "binary": r.get(src, "binary", as_nonempty, d.binary),
         "extra_args": r.get(src, "extra_args", _as_strlist, ()),
-        "metadata_server": r.get(src, "metadata_server", _choice(("standalone", "embedded")), d.metadata_server),
+        "metadata_server": r.get(src, "metadata_server", choice(("standalone", "embedded")), d.metadata_server),
         "metadata_binary": r.get(src, "metadata_binary", _as_command, d.metadata_binary),
         "tenants": r.get(src, "tenants", _as_quotas, ()),
         "tenant_policy": r.get(src, "tenant_policy", _as_abspath, d.tenant_policy),
@@ -444,8 +437,8 @@ def _read_l3(r: _Reader, src: Src, where: str) -> L3Spec | None:
         r.error(f"{where}.model", "missing: set the model fingerprint in [l3] (or in this node's [prefill.l3])")
         return None
     model = r.get(src, "model", _as_fingerprint)
-    checksum = r.get(src, "checksum", _as_bool, False)
-    tenant = r.get(src, "tenant", _as_str, "")
+    checksum = r.get(src, "checksum", as_bool, False)
+    tenant = r.get(src, "tenant", as_str, "")
     if _none_in(model, checksum, tenant):
         return None
     return L3Spec(model, checksum, tenant)
@@ -454,28 +447,28 @@ def _read_l3(r: _Reader, src: Src, where: str) -> L3Spec | None:
 def _read_sglang(r: _Reader, src: Src, where: str, prefill: bool) -> SGLangSpec | None:
     d = SGLangSpec("")
     v: dict[str, Any] = {
-        "model_path": r.get(src, "model_path", _as_nonempty, where=where),
-        "tp_size": r.get(src, "tp_size", _int_in(1, 1024), d.tp_size),
-        "page_size": r.get(src, "page_size", _int_in(1, 1 << 20), d.page_size),
+        "model_path": r.get(src, "model_path", as_nonempty, where=where),
+        "tp_size": r.get(src, "tp_size", int_in(1, 1024), d.tp_size),
+        "page_size": r.get(src, "page_size", int_in(1, 1 << 20), d.page_size),
         "port": r.get(src, "port", _port, d.port),
-        "python": r.get(src, "python", _as_nonempty, d.python),
-        "ib_device": r.get(src, "ib_device", _as_str, ""),
-        "transfer_backend": r.get(src, "transfer_backend", _as_nonempty, d.transfer_backend),
+        "python": r.get(src, "python", as_nonempty, d.python),
+        "ib_device": r.get(src, "ib_device", as_str, ""),
+        "transfer_backend": r.get(src, "transfer_backend", as_nonempty, d.transfer_backend),
         "extra_args": r.get(src, "extra_args", _as_strlist, ()),
         "env": r.get(src, "env", _as_env, {}),
     }
     if prefill:
-        layout = r.get(src, "hicache_layout", _choice(LAYOUTS), d.hicache_layout)
+        layout = r.get(src, "hicache_layout", choice(LAYOUTS), d.hicache_layout)
         io_default = LAYOUT_IO.get(layout or "", ("kernel",))[0]
         size = r.get(src, "hicache_size", _as_size, 0)
         ratio = r.get(src, "hicache_ratio", _float_over_1, 0.0)
         v.update(
             bootstrap_port=r.get(src, "bootstrap_port", _port, d.bootstrap_port),
             hicache_layout=layout,
-            hicache_io_backend=r.get(src, "hicache_io_backend", _choice(IO_BACKENDS), io_default),
-            hicache_write_policy=r.get(src, "hicache_write_policy", _choice(WRITE_POLICIES), d.hicache_write_policy),
+            hicache_io_backend=r.get(src, "hicache_io_backend", choice(IO_BACKENDS), io_default),
+            hicache_write_policy=r.get(src, "hicache_write_policy", choice(WRITE_POLICIES), d.hicache_write_policy),
             hicache_prefetch_policy=r.get(
-                src, "hicache_prefetch_policy", _choice(PREFETCH_POLICIES), d.hicache_prefetch_policy
+                src, "hicache_prefetch_policy", choice(PREFETCH_POLICIES), d.hicache_prefetch_policy
             ),
         )
         if _none_in(size, ratio, *v.values()):
@@ -512,9 +505,9 @@ def _read_sglang(r: _Reader, src: Src, where: str, prefill: bool) -> SGLangSpec 
 
 def _float_over_1(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _Bad(f"expected a number, got {_tname(v)} {v!r}")
+        raise BadValue(f"expected a number, got {type_name(v)} {v!r}")
     if v <= 1:
-        raise _Bad(f"{v}: SGLang needs the host pool larger than the GPU pool (ratio > 1)")
+        raise BadValue(f"{v}: SGLang needs the host pool larger than the GPU pool (ratio > 1)")
     return float(v)
 
 
@@ -523,7 +516,7 @@ def _nodes(r: _Reader, raw: Any, kind: str) -> list[tuple[int, Any]]:
         r.error(kind, f"missing section: at least one [[{kind}]] node")
         return []
     if not isinstance(raw, list) or not raw:
-        r.error(kind, f"expected [[{kind}]] tables (an array of tables), got {_tname(raw)}")
+        r.error(kind, f"expected [[{kind}]] tables (an array of tables), got {type_name(raw)}")
         return []
     return list(enumerate(raw))
 
@@ -537,11 +530,11 @@ def _read_decode(r: _Reader, i: int, raw: Any, sg: tuple[Src | None, Src | None]
     host = r.get(src, "host", _as_ip, where=where)
     nbytes = r.get(src, "donate", _as_size, where=where)
     donate = str(src["donate"][0]).strip() if "donate" in src else None
-    numa = r.get(src, "numa_node", _int_in(0, 1023), -1)
-    rdma = r.get(src, "rdma_devices", _as_str, "")
-    lease = r.get(src, "lease_ttl", _int_in(2, 3600), 10)
-    mport = r.get(src, "metrics_port", _int_in(0, 65535), AGENT_METRICS_PORT)
-    run_sg = r.get(src, "run_sglang", _as_bool, True)
+    numa = r.get(src, "numa_node", int_in(0, 1023), -1)
+    rdma = r.get(src, "rdma_devices", as_str, "")
+    lease = r.get(src, "lease_ttl", int_in(2, 3600), 10)
+    mport = r.get(src, "metrics_port", int_in(0, 65535), AGENT_METRICS_PORT)
+    run_sg = r.get(src, "run_sglang", as_bool, True)
     own = r.table(_sub(src, "sglang"), f"{where}.sglang", _SG_DECODE)
     if nbytes is not None and (problem := segment_too_small(nbytes, src["donate"][0], None)) is not None:
         r.error(src["donate"][1], problem)
@@ -577,7 +570,7 @@ def _read_router(r: _Reader, raw: Any) -> RouterSpec | None:
         return None
     host = r.get(src, "host", _as_ip, where="router")
     port = r.get(src, "port", _port, 8000)
-    python = r.get(src, "python", _as_nonempty, "python3")
+    python = r.get(src, "python", as_nonempty, "python3")
     extra = r.get(src, "extra_args", _as_strlist, ())
     return None if _none_in(host, port, python, extra) else RouterSpec(host, port, python, extra)
 
@@ -720,9 +713,9 @@ def parse_config(data: dict[str, Any], path: str = "<config>") -> tuple[DeployCo
     cl = r.table(_sub(top, "cluster"), "cluster", _CLUSTER) or {}
     name = r.get(cl, "name", _as_id, "l3pool")
     prefix = r.get(cl, "key_prefix", _as_prefix, DEFAULT_PREFIX)
-    protocol = r.get(cl, "protocol", _choice(PROTOCOLS), "tcp")
+    protocol = r.get(cl, "protocol", choice(PROTOCOLS), "tcp")
     l3pool = r.get(cl, "l3pool", _as_command, "l3pool")
-    log_dir = r.get(cl, "log_dir", _as_nonempty, "/var/log/l3pool")
+    log_dir = r.get(cl, "log_dir", as_nonempty, "/var/log/l3pool")
     etcd = _read_etcd(r, _sub(top, "etcd"))
     master = _read_master(r, _sub(top, "master"))
     l3 = r.table(_sub(top, "l3"), "l3", _L3)

@@ -1,4 +1,4 @@
-"""The deploy TOML's value layer: typed conversions of single values (`_as_*`, `_int_in`, ...)
+"""The deploy TOML's value layer: typed conversions of single values (`_as_*`, `int_in`, ...)
 and the reader that walks tables, refuses unknown keys with a did-you-mean and collects every
 `Problem` with its key path. `deploy_config` builds the cluster schema on top of it; nothing else
 imports these (hence the leading underscores). Torch-free.
@@ -6,7 +6,6 @@ imports these (hence the leading underscores). Torch-free.
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import re
 import shlex
@@ -14,8 +13,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from l2core.units import ConfigError, is_int, parse_size
+from l2core.units import ConfigError, parse_size
 from l3pool.pool.metadata import check_id, check_prefix
+from l3pool.values import BadValue, as_nonempty, as_str, int_in, type_name, unknown_key_hint
 
 
 @dataclass(frozen=True)
@@ -32,84 +32,38 @@ class Problem:
 
 
 # -- typed values ------------------------------------------------------------------------------
-class _Bad(ValueError):
-    """One value is wrong; the message says why (the caller adds the key path)."""
-
-
-def _tname(v: Any) -> str:
-    return {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
-            dict: "a table"}.get(type(v), type(v).__name__)  # fmt: skip
-
-
-def _as_str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise _Bad(f"expected a string, got {_tname(v)} {v!r}")
-    return v
-
-
-def _as_nonempty(v: Any) -> str:
-    if not _as_str(v).strip():
-        raise _Bad("must not be empty")
-    return str(v).strip()
-
-
-def _as_bool(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise _Bad(f"expected true or false, got {_tname(v)} {v!r}")
-    return v
-
-
-def _int_in(lo: int, hi: int | None = None) -> Callable[[Any], int]:
-    def conv(v: Any) -> int:
-        if not is_int(v):
-            raise _Bad(f"expected an integer, got {_tname(v)} {v!r}")
-        if v < lo or (hi is not None and v > hi):
-            raise _Bad(f"{v} is out of range [{lo}, {hi if hi is not None else 'inf'}]")
-        return v
-
-    return conv
-
-
-def _ratio(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _Bad(f"expected a number in (0, 1], got {_tname(v)} {v!r}")
-    if not 0 < v <= 1:
-        raise _Bad(f"{v} is outside (0, 1]")
-    return float(v)
-
-
 def _as_size(v: Any) -> int:
     try:
         return parse_size(v, "size")
     except ConfigError as e:
-        raise _Bad(str(e).removeprefix("size: ")) from None
+        raise BadValue(str(e).removeprefix("size: ")) from None
 
 
 def _as_ip(v: Any) -> str:
     try:
-        ip = ipaddress.ip_address(_as_str(v).strip())
+        ip = ipaddress.ip_address(as_str(v).strip())
     except ValueError:
-        raise _Bad(f"{v!r} is not an IP address (use the node's IP: Mooncake advertises it to peers)") from None
+        raise BadValue(f"{v!r} is not an IP address (use the node's IP: Mooncake advertises it to peers)") from None
     if ip.is_unspecified or ip.is_multicast:
-        raise _Bad(f"{v!r} is not a unicast address a peer can connect to")
+        raise BadValue(f"{v!r} is not a unicast address a peer can connect to")
     return str(ip)
 
 
-_port = _int_in(1, 65535)
+_port = int_in(1, 65535)
 
 
 def _as_strlist(v: Any) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise _Bad(f"expected an array of strings, got {v!r}")
+        raise BadValue(f"expected an array of strings, got {v!r}")
     return tuple(v)
 
 
 def _as_env(v: Any) -> dict[str, str]:
     if not isinstance(v, dict):
-        raise _Bad(f'expected a table of NAME = "value", got {_tname(v)}')
+        raise BadValue(f'expected a table of NAME = "value", got {type_name(v)}')
     for k, x in v.items():
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) or not isinstance(x, str):
-            raise _Bad(f'{k!r}: expected NAME = "string value"')
+            raise BadValue(f'{k!r}: expected NAME = "string value"')
     return dict(v)
 
 
@@ -119,22 +73,22 @@ _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 def _as_quotas(v: Any) -> tuple[tuple[str, int], ...]:
     """A table of tenant = byte quota ("200GB" or bytes), as Mooncake's tenant policy takes it."""
     if not isinstance(v, dict):
-        raise _Bad(f'expected a table of tenant = "size", got {_tname(v)}')
+        raise BadValue(f'expected a table of tenant = "size", got {type_name(v)}')
     out = []
     for k, x in v.items():
         if not _TENANT.fullmatch(k):
-            raise _Bad(f"{k!r}: a tenant is 1-64 of A-Z a-z 0-9 . _ - (not starting with . _ -)")
+            raise BadValue(f"{k!r}: a tenant is 1-64 of A-Z a-z 0-9 . _ - (not starting with . _ -)")
         try:
             out.append((k, _as_size(x)))  # > 0 (parse_size refuses 0)
-        except _Bad as e:
-            raise _Bad(f"{k!r}: {e}") from None
+        except BadValue as e:
+            raise BadValue(f"{k!r}: {e}") from None
     return tuple(out)
 
 
 def _as_abspath(v: Any) -> str:
-    p = _as_nonempty(v).strip()
+    p = as_nonempty(v).strip()
     if not p.startswith("/"):
-        raise _Bad(f"{p!r}: expected an absolute path (it is used on another host)")
+        raise BadValue(f"{p!r}: expected an absolute path (it is used on another host)")
     return p
 
 
@@ -143,48 +97,37 @@ def _as_duration(v: Any) -> str:
         return str(v)  # milliseconds, as mooncake_master takes them
     if isinstance(v, str) and re.fullmatch(r"\d+(ms|s|m|h)?", v.strip()) and int(re.sub(r"\D", "", v)) > 0:
         return v.strip()
-    raise _Bad(f"expected milliseconds or a duration such as '10s', '500ms', '2m', got {v!r}")
+    raise BadValue(f"expected milliseconds or a duration such as '10s', '500ms', '2m', got {v!r}")
 
 
 def _as_command(v: Any) -> str:
     try:
-        if shlex.split(_as_nonempty(v)):
+        if shlex.split(as_nonempty(v)):
             return str(v).strip()
     except ValueError as e:
-        raise _Bad(f"{v!r} is not a shell command: {e}") from None
-    raise _Bad("must not be empty")
+        raise BadValue(f"{v!r} is not a shell command: {e}") from None
+    raise BadValue("must not be empty")
 
 
 def _as_id(v: Any) -> str:
     try:
-        return check_id("name", _as_str(v))
+        return check_id("name", as_str(v))
     except ValueError as e:
-        raise _Bad(str(e)) from None
+        raise BadValue(str(e)) from None
 
 
 def _as_fingerprint(v: Any) -> str:
-    s = _as_nonempty(v)
+    s = as_nonempty(v)
     if "/" in s:
-        raise _Bad(f"{s!r}: a model fingerprint must not contain '/' (it is part of every page key)")
+        raise BadValue(f"{s!r}: a model fingerprint must not contain '/' (it is part of every page key)")
     return s
 
 
 def _as_prefix(v: Any) -> str:
     try:
-        return check_prefix(_as_str(v))
+        return check_prefix(as_str(v))
     except ValueError as e:
-        raise _Bad(str(e)) from None
-
-
-def _choice(options: Iterable[str]) -> Callable[[Any], str]:
-    opts = tuple(options)
-
-    def conv(v: Any) -> str:
-        if _as_str(v) not in opts:
-            raise _Bad(f"{v!r} is not one of {', '.join(opts)}")
-        return str(v)
-
-    return conv
+        raise BadValue(str(e)) from None
 
 
 # -- the reader --------------------------------------------------------------------------------
@@ -217,14 +160,12 @@ class _Reader:
                 self.error(path, f"missing section [{path}]")
             return None
         if not isinstance(raw, dict):
-            self.error(path, f"expected a table, got {_tname(raw)}")
+            self.error(path, f"expected a table, got {type_name(raw)}")
             return None
         known = tuple(allowed)
         for k in raw:
             if k not in known:
-                close = difflib.get_close_matches(k, known, n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
-                self.error(f"{path}.{k}" if path else k, f"unknown key ({hint})")
+                self.error(f"{path}.{k}" if path else k, f"unknown key ({unknown_key_hint(k, known)})")
         return {k: (v, f"{path}.{k}" if path else k) for k, v in raw.items() if k in known}
 
     def get(self, src: Src, key: str, conv: Callable[[Any], Any], default: Any = _REQUIRED, where: str = "") -> Any:
@@ -237,7 +178,7 @@ class _Reader:
         value, path = src[key]
         try:
             return conv(value)
-        except _Bad as e:
+        except BadValue as e:
             self.error(path, str(e))
             return None
 

@@ -52,7 +52,7 @@ def test_config_validation() -> None:
         CacheConfig(prefetch_timeout_s=-0.1)
     with pytest.raises(ConfigError, match="prefetch_max_batch_pages"):
         CacheConfig(prefetch_batch_pages=64, prefetch_max_batch_pages=32)
-    with pytest.raises(ConfigError, match="unknown cache config key 'hit_treshold'; did you mean 'hit_threshold'"):
+    with pytest.raises(ConfigError, match=r"unknown cache config key 'hit_treshold' \(did you mean 'hit_threshold'"):
         CacheConfig.from_dict({"hit_treshold": 3})
     c = CacheConfig.from_dict({"l2_to_l3": "write_back", "ghost_capacity": 0})
     assert c.l2_to_l3 == "write_back" and c.ghost_capacity == 0
