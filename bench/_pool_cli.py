@@ -11,8 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from l3pool.cli import output_file
-from l3pool.cli import segment_size as segment_size_type
-from l3pool.cluster.running import STATE_DIR_HELP
+from l3pool.cluster.running import add_pool_flags
 
 
 def add_report_args(p: argparse.ArgumentParser) -> None:
@@ -22,22 +21,13 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_pool_args(p: argparse.ArgumentParser, segment_size: str, etcd: bool = False) -> None:
-    p.add_argument(
-        "--master", help="mooncake_master host:port (default: the running local cluster, else one started here)"
+    add_pool_flags(
+        p,
+        etcd_help="the pool's etcd endpoints (with --master; for the PP-lock latencies)" if etcd else None,
+        host_default="127.0.0.1",
+        segment_size=segment_size,
+        segment_help="per agent, when starting the local cluster (default %(default)s)",
     )
-    p.add_argument("--metadata", help="metadata server URL (with --master)")
-    if etcd:
-        p.add_argument("--etcd", help="the pool's etcd endpoints (with --master; for the PP-lock latencies)")
-    p.add_argument(
-        "--host", default="127.0.0.1", help="this client's address (with --master; export MC_TCP_BIND_ADDRESS too)"
-    )
-    p.add_argument(
-        "--segment-size",
-        type=segment_size_type,
-        default=segment_size,
-        help="per agent, when starting the local cluster",
-    )
-    p.add_argument("--state-dir", help=STATE_DIR_HELP)
 
 
 def check_out(args: argparse.Namespace) -> None:

@@ -269,7 +269,7 @@ def _check_loaded(cache: TieredCache, pool: HostKVPool, l1_pages: np.ndarray, m:
 def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str, Any]:
     from l3pool.cache.writer import L3Writer
     from l3pool.pool.keys import Namespace
-    from l3pool.pool.store import Outcome
+    from l3pool.pool.protocols import Outcome
     from l3pool.pool.trailer import TRAILER_BYTES
 
     spec = KVSpec.mla(8, page_size=64)  # 589,824-byte pages, as bench.prefetch
@@ -371,7 +371,7 @@ def backup(args: argparse.Namespace, dev: torch.device, store: Any) -> dict[str,
 
 def _read_back(client: Any, pool: HostKVPool, keys: list[str], cache: TieredCache) -> bool:
     """Get every written key into scratch L2 pages and compare with the pages the cache holds."""
-    from l3pool.pool.store import Outcome
+    from l3pool.pool.protocols import Outcome
 
     idx = cache.t2.pages_of([bytes.fromhex(k.split("/", 1)[1]) for k in keys])
     if (idx < 0).any():

@@ -6,6 +6,7 @@ LocalCluster of its own). Starting and stopping clusters stays in `local`.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -53,6 +54,35 @@ STATE_DIR_HELP = (
     "the running local cluster to use when no --master is given (default: `l3pool cluster up`'s state dir; "
     "none running there: a cluster is started here and stopped at the end)"
 )
+
+
+def add_pool_flags(
+    p: argparse.ArgumentParser,
+    *,
+    etcd_help: str | None = None,
+    host_default: str | None = None,
+    segment_size: str | None = None,
+    segment_help: str = "DRAM per agent of a local cluster started here (default %(default)s)",
+) -> None:
+    """The flags that choose the pool a tool, benchmark or the demo runs against, as
+    `pool_endpoints` takes them: --master/--metadata/--host of a running pool (--etcd where the
+    caller reads etcd, with its own help), else the running local cluster (--state-dir), else one
+    started here (--segment-size per agent, when the caller gives a default)."""
+    from l3pool.cli import segment_size as segment_size_type
+
+    p.add_argument("--master", help="mooncake_master host:port of a running pool (default: the running local "
+                   "cluster, else one started here)")  # fmt: skip
+    p.add_argument("--metadata", help="the running pool's Mooncake metadata URL (with --master)")
+    if etcd_help is not None:
+        p.add_argument("--etcd", help=etcd_help)
+    p.add_argument(
+        "--host",
+        default=host_default,
+        help="this client's address as Mooncake peers reach it (with --master; export MC_TCP_BIND_ADDRESS too)",
+    )
+    if segment_size is not None:
+        p.add_argument("--segment-size", type=segment_size_type, default=segment_size, help=segment_help)
+    p.add_argument("--state-dir", help=STATE_DIR_HELP)
 
 
 def recorded_pool(state_dir: str | Path | None, need: str) -> dict[str, Any]:

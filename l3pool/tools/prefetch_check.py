@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from l2core.units import format_size
-from l3pool.cli import UserError, fail, guarded, output_file, positive_int, segment_size
-from l3pool.cluster.running import STATE_DIR_HELP, Endpoints, pool_endpoints
+from l3pool.cli import UserError, fail, guarded, output_file, positive_int
+from l3pool.cluster.running import Endpoints, add_pool_flags, pool_endpoints
 from l3pool.measure import percentile
 from l3pool.procenv import python_env
 
@@ -477,10 +477,7 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "prefetch-check", help="cross-node prefetch test: write from one node, prefetch + verify on another"
     )
-    p.add_argument("--etcd", help="etcd endpoints of a running pool (informational)")
-    p.add_argument("--master", help="mooncake_master host:port of a running pool (default: start a local cluster)")
-    p.add_argument("--metadata", help="metadata server URL (with --master)")
-    p.add_argument("--host", help="this client's address (with --master; export MC_TCP_BIND_ADDRESS too)")
+    add_pool_flags(p, etcd_help="etcd endpoints of a running pool (informational)", segment_size="1GB")
     p.add_argument("--pages", type=positive_int, default=512, help="pages per request (default %(default)s)")
     p.add_argument("--batch", type=positive_int, default=32, help="prefetch batch, pages (default %(default)s)")
     p.add_argument("--requests", type=positive_int, default=4, help="test prefixes (default %(default)s)")
@@ -492,14 +489,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--page-size", type=positive_int, default=64, help="tokens per page (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--segment-size",
-        type=segment_size,
-        default="1GB",
-        help="DRAM per agent of the local cluster (default %(default)s)",
-    )
     p.add_argument("--name", help="name of a local cluster started here (default: random)")
-    p.add_argument("--state-dir", help=STATE_DIR_HELP)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="latency plot (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
