@@ -6,16 +6,13 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from l2core import _native
 from l3pool.pool.keys import HASH_BYTES
 from l3pool.pool.prefetch import PrefetchHandle
-
-if TYPE_CHECKING:
-    from l3pool.cache.controller import TieredCache
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -29,7 +26,7 @@ def _timed(name: str) -> Callable[[_F], _F]:
 
     def deco(fn: _F) -> _F:
         @functools.wraps(fn)
-        def wrapper(self: TieredCache, *a: Any, **kw: Any) -> Any:
+        def wrapper(self: Any, *a: Any, **kw: Any) -> Any:  # self: the TieredCache
             t0 = time.perf_counter()
             try:
                 return fn(self, *a, **kw)
@@ -104,22 +101,17 @@ class _Backup:
 
 
 class _Loads:
-    """The cache's side of every LoadHandle (types.LoadTracker): its transfer engine's layer waits,
-    a collected load's outcome, wait accounting."""
+    """The cache's side of every LoadHandle (types.LoadTracker), built from the controller's own
+    callables: its transfer engine's layer waits, a collected load's outcome, wait accounting."""
 
-    def __init__(self, cache: TieredCache) -> None:
-        self._c = cache
-        self.page_bytes = cache.page_bytes
-        self.num_layers = cache.l2.spec.num_layers
-
-    def slots(self, l1_pages: np.ndarray) -> Any:
-        return self._c.slots(l1_pages)
-
-    def wait_layer(self, job: int, layer: int, timeout: float | None) -> None:
-        self._c._engine.wait_layer(job, layer, timeout)
-
-    def load_ok(self, rid: str, job: int) -> bool:
-        return self._c._load_ok(rid, job)
-
-    def waited(self, tier: str, seconds: float) -> None:
-        self._c._add_wait(tier, seconds)
+    def __init__(
+        self,
+        page_bytes: int,
+        num_layers: int,
+        slots: Callable[[np.ndarray], Any],
+        wait_layer: Callable[[int, int, float | None], None],
+        load_ok: Callable[[str, int], bool],
+        waited: Callable[[str, float], None],
+    ) -> None:
+        self.page_bytes, self.num_layers = page_bytes, num_layers
+        self.slots, self.wait_layer, self.load_ok, self.waited = slots, wait_layer, load_ok, waited

@@ -41,7 +41,7 @@ from l3pool.cache.types import (
 from l3pool.cache.writer import L3Writer
 from l3pool.pool.keys import HASH_BYTES
 from l3pool.pool.prefetch import Prefetcher, PrefetchResult
-from l3pool.pool.protocols import HostPages, L3Pages, Outcome, StageLockService, missing_members
+from l3pool.pool.protocols import HostPages, L3Pages, Outcome, StageLockService, check_roles
 
 log = logging.getLogger(__name__)
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -59,17 +59,8 @@ class TieredCache:
     ) -> None:
         if not isinstance(cfg, CacheConfig):
             raise ConfigError(f"cfg must be a CacheConfig, got {type(cfg).__name__}")
-        for what, obj, role, e_g in (
-            ("l2", l2, HostPages, "l2core's HostKVPool"),
-            ("l3", l3, L3Pages, "L3Client"),
-            ("locks", locks, StageLockService, "StageLocks"),
-        ):
-            lacks = missing_members(obj, role) if obj is not None or what == "l2" else []
-            if lacks:
-                raise ConfigError(
-                    f"{what} must play the {role.__name__} role (e.g. {e_g}): "
-                    f"{type(obj).__name__} lacks {', '.join(lacks)}"
-                )
+        check_roles(("l2", l2, HostPages, "l2core's HostKVPool"), ("l3", l3, L3Pages, "L3Client"),
+                    ("locks", locks, StageLockService, "StageLocks"))  # fmt: skip
         if not isinstance(l1, L1) or not l1.bufs or not isinstance(l1.bufs[0], torch.Tensor):
             raise ConfigError("l1 must be an L1(bufs=[per-layer device tensors], page_size)")
         if l1.page_size != l2.spec.page_size:
@@ -127,7 +118,9 @@ class TieredCache:
                 lambda: self._bk_inflight > 0,
                 parallel=cfg.writer_parallel,
             )
-        self._loads = _Loads(self)
+        self._loads = _Loads(
+            self.page_bytes, l2.spec.num_layers, self.slots, self._engine.wait_layer, self._load_ok, self._add_wait
+        )
         self._reaper = threading.Thread(target=self._reap, name="l3pool-cache-backup", daemon=True)
         self._reaper.start()
 

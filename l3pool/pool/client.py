@@ -62,7 +62,6 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -74,7 +73,7 @@ from l2core.spec import ConfigError
 from l2core.units import check_int
 from l3pool import metrics
 from l3pool.pool.keys import FORMAT_VERSION, GEOMETRY_FIELDS, Namespace, geometry_of
-from l3pool.pool.protocols import NamespaceRegistry, Outcome, PageStore
+from l3pool.pool.protocols import ClientStats, NamespaceRegistry, Outcome, PageStore
 from l3pool.pool.trailer import FLAG_CHECKSUM, TRAILER, TRAILER_BYTES, TRAILER_MAGIC, object_bytes
 from l3pool.pool.transfers import TRANSFER_LIMIT_ENV
 
@@ -160,27 +159,6 @@ def page_checksums(flat: np.ndarray, base: int, addrs: np.ndarray, sizes: np.nda
     else:
         run(0, n)
     return out
-
-
-@dataclass
-class ClientStats:
-    lookups: int = 0
-    hits: int = 0  # pages found by lookup
-    misses: int = 0  # lookups that ended before the end of the key list
-    puts: int = 0  # pages stored (readable afterwards)
-    put_skipped: int = 0  # already present
-    put_pending: int = 0  # another put of the key started and did not finish: not stored
-    put_failed: int = 0
-    gets: int = 0  # pages copied into L2
-    get_failed: int = 0
-    trailer_rejections: int = 0  # objects whose trailer/size did not match the key: misses
-    checksum_failures: int = 0
-    bytes_put: int = 0
-    bytes_got: int = 0
-    put_full_retries: int = 0  # pages put again after the pool answered full (its eviction then ran)
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 class _Slot:

@@ -38,7 +38,7 @@ from l3pool import metrics
 from l3pool.pool.etcd import EtcdError, do_count_prefix, do_put, if_absent, if_lease, txn_count, txn_succeeded
 from l3pool.pool.keys import Namespace
 from l3pool.pool.metadata import Metadata, check_id
-from l3pool.pool.protocols import PageStore
+from l3pool.pool.protocols import LockGrant, PageStore
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +52,6 @@ class UnknownRequest(LockError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown request"
-
-
-@dataclass(frozen=True)
-class LockGrant:
-    request_id: str
-    length: int  # pages present in every stage's namespace (the prefix all stages load)
-    stages: int
-    pages: int  # page hashes asked for
-    lease: int  # the etcd lease the lock lives under
-    per_stage: tuple[int, ...]  # hit prefix of each stage's namespace at acquire time
-    lookup_s: float = 0.0  # time in the one batch_is_exist over all stages' keys
-    lock_s: float = 0.0  # time taking the etcd lock
 
 
 @dataclass

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+from l2core.units import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -25,10 +28,8 @@ if TYPE_CHECKING:
     from l2core.allocator import PageAllocator
     from l2core.layout import HostLayout
     from l2core.spec import KVSpec
-    from l3pool.pool.client import ClientStats
     from l3pool.pool.etcd import EtcdClient
     from l3pool.pool.keys import Namespace
-    from l3pool.pool.pplock import LockGrant
 
 
 class Outcome(enum.Enum):
@@ -45,6 +46,40 @@ class Outcome(enum.Enum):
     @property
     def retryable(self) -> bool:
         return self in (Outcome.LEASE, Outcome.TRANSFER_FAIL, Outcome.UNAVAILABLE, Outcome.PENDING)
+
+
+# -- what the roles answer (the L3 client's counters, a stage lock's grant) ---------------------
+@dataclass
+class ClientStats:
+    lookups: int = 0
+    hits: int = 0  # pages found by lookup
+    misses: int = 0  # lookups that ended before the end of the key list
+    puts: int = 0  # pages stored (readable afterwards)
+    put_skipped: int = 0  # already present
+    put_pending: int = 0  # another put of the key started and did not finish: not stored
+    put_failed: int = 0
+    gets: int = 0  # pages copied into L2
+    get_failed: int = 0
+    trailer_rejections: int = 0  # objects whose trailer/size did not match the key: misses
+    checksum_failures: int = 0
+    bytes_put: int = 0
+    bytes_got: int = 0
+    put_full_retries: int = 0  # pages put again after the pool answered full (its eviction then ran)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LockGrant:
+    request_id: str
+    length: int  # pages present in every stage's namespace (the prefix all stages load)
+    stages: int
+    pages: int  # page hashes asked for
+    lease: int  # the etcd lease the lock lives under
+    per_stage: tuple[int, ...]  # hit prefix of each stage's namespace at acquire time
+    lookup_s: float = 0.0  # time in the one batch_is_exist over all stages' keys
+    lock_s: float = 0.0  # time taking the etcd lock
 
 
 class PageStore(Protocol):
@@ -186,3 +221,15 @@ def missing_members(obj: object, role: type) -> list[str]:
     names = [n for n in getattr(role, "__annotations__", {}) if not n.startswith("_")]
     names += [n for n, v in vars(role).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))]
     return sorted({n for n in names if not hasattr(obj, n)})
+
+
+def check_roles(*entries: tuple[str, object, type, str]) -> None:
+    """ConfigError naming the first (name, object, role, example) whose object lacks members of its
+    role; None objects pass (optional parts), except the first entry's."""
+    for i, (what, obj, role, example) in enumerate(entries):
+        lacks = missing_members(obj, role) if obj is not None or i == 0 else []
+        if lacks:
+            raise ConfigError(
+                f"{what} must play the {role.__name__} role (e.g. {example}): "
+                f"{type(obj).__name__} lacks {', '.join(lacks)}"
+            )
