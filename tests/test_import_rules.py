@@ -30,6 +30,15 @@ NEVER: list[tuple[str, str, str]] = [
         ("l3pool.cache", up, "the cache controller never imports what stands beside or above it")
         for up in ("l3pool.cluster", "l3pool.tools", "l3pool.adapters", "l3pool.agent", "l3pool.cli")
     ),
+    *(
+        ("l3pool.cache", up, "the cache never imports the global index (its events' wire format is in the pool core)")
+        for up in ("l3pool.index",)
+    ),
+    *(
+        ("l3pool.index", up, "the global index stands beside the cache: it imports only the pool core and l2core")
+        for up in ("l3pool.cache", "l3pool.cluster", "l3pool.tools", "l3pool.adapters", "l3pool.agent", "l3pool.demo")
+    ),
+    ("l3pool.pool", "l3pool.index", "the pool core never imports the floors above it"),
     ("l3pool.tools", "l3pool.adapters", "operator tools never import engine integrations"),
     ("l3pool.cluster", "l3pool.adapters", "the local cluster never imports engine integrations"),
     ("l3pool.agent", "l3pool.adapters", "the decode-node agent never imports engine integrations"),
@@ -46,6 +55,9 @@ TORCH_FREE_ROOTS = (
     "l3pool.pool.metadata",
     "l3pool.pool.admin",
     "l3pool.values",
+    "l3pool.pool.kv_events",
+    "l3pool.index.client",
+    "l3pool.index.cli",
 )
 
 
@@ -151,6 +163,8 @@ def _plant(tmp: Path, files: dict[str, str]) -> Path:
         ({"l3pool/tools/inspect.py": "from l3pool.adapters import sglang_hicache\n"}, "operator tools never"),
         ({"l3pool/cache/controller.py": "import bench.cache\n"}, "never imports the benchmarks"),
         ({"l3pool/tools/chaos.py": "from l3pool.demo.run import Demo\n"}, "the demo is an application"),
+        ({"l3pool/cache/events.py": "from l3pool.index import table\n"}, "never imports the global index"),
+        ({"l3pool/index/service.py": "from l3pool.cache.events import x\n"}, "stands beside the cache"),
         (
             {"l3pool/agent.py": "from l3pool.pool import keys\n", "l3pool/pool/keys.py": "import torch\n"},
             "imports torch",

@@ -1,6 +1,6 @@
 """KV events of one engine instance: `KvEventPublisher`, the TieredCache's TierEvents sink.
 
-    pub = KvEventPublisher("prefill-0", namespace=ns.id)      # binds tcp://127.0.0.1:* twice
+    pub = KvEventPublisher("prefill-0", namespace=ns.ns_id)      # binds tcp://127.0.0.1:* twice
     pub.attach(stack.cache)                                   # the cache reports pages per tier
     pub.register(metadata, ttl=10)                            # {prefix}/kv_events/prefill-0, leased
     ...
