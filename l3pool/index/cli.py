@@ -68,15 +68,11 @@ def run_index(args: argparse.Namespace) -> int:
         raise UserError("no etcd given", "pass --etcd HOST:PORT (or set L3POOL_ETCD)")
     try:
         check_prefix(args.key_prefix)
+        index = GlobalIndex(args.capacity_pages, args.max_instances, args.l3_ttl)
         etcd = EtcdClient(endpoints, security=security_from_args(args))
     except ValueError as e:
         raise UserError(str(e)) from None
     etcd.status()  # unreachable etcd: one line (cli.guarded's operational errors)
-    try:
-        index = GlobalIndex(args.capacity_pages, args.max_instances, args.l3_ttl)
-    except ValueError as e:
-        etcd.close()
-        raise UserError(str(e)) from None
     try:
         svc = IndexService(index, metadata=Metadata(etcd, args.key_prefix), listen=args.listen, poll_s=args.poll)
     except ValueError as e:
