@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     n_keys = n_inst * per
     # hot prefixes: every instance, L1 or L2, and the pool for half of them
     for h in range(args.hot):
-        for i, n in enumerate(names):
+        for n in names:
             gi.apply(n, "", np.array([[int(rng.integers(0, 2)), 1, R]], dtype=np.int64), hot_keys[h])
         if h % 2 == 0:
             gi.apply(names[0], "", np.array([[2, 1, R]], dtype=np.int64), hot_keys[h])
