@@ -35,7 +35,7 @@ class IndexClient:
         import zmq
 
         self._zmq, self.endpoint, self.timeout_ms = zmq, endpoint, max(1, int(timeout_s * 1e3))
-        self._ctx = zmq.Context.instance()
+        self._ctx: Any = zmq.Context.instance()
         self._sock: Any = None
 
     def _socket(self) -> Any:
