@@ -59,7 +59,7 @@ def run_index(args: argparse.Namespace) -> int:
         return _status(args)
     require_prefill()  # the table is l2core's native extension
     from l3pool.index.service import IndexService
-    from l3pool.index.table import GlobalIndex
+    from l3pool.index.table import GlobalIndex, check_config
     from l3pool.pool.etcd import EtcdClient
     from l3pool.pool.metadata import Metadata, check_prefix
 
@@ -68,11 +68,12 @@ def run_index(args: argparse.Namespace) -> int:
         raise UserError("no etcd given", "pass --etcd HOST:PORT (or set L3POOL_ETCD)")
     try:
         check_prefix(args.key_prefix)
-        index = GlobalIndex(args.capacity_pages, args.max_instances, args.l3_ttl)
+        check_config(args.capacity_pages, args.max_instances, args.l3_ttl)
         etcd = EtcdClient(endpoints, security=security_from_args(args))
     except ValueError as e:
         raise UserError(str(e)) from None
     etcd.status()  # unreachable etcd: one line (cli.guarded's operational errors)
+    index = GlobalIndex(args.capacity_pages, args.max_instances, args.l3_ttl)  # builds the native table
     try:
         svc = IndexService(index, metadata=Metadata(etcd, args.key_prefix), listen=args.listen, poll_s=args.poll)
     except ValueError as e:

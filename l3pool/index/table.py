@@ -48,6 +48,16 @@ def salt(namespace: str) -> int:
     return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
 
 
+def check_config(capacity_pages: int, max_instances: int, l3_ttl_s: float) -> None:
+    """ValueError naming the first bad setting (before anything is allocated or built)."""
+    if not isinstance(capacity_pages, int) or capacity_pages < 1:
+        raise ValueError(f"capacity_pages must be a positive integer, got {capacity_pages!r}")
+    if not isinstance(max_instances, int) or not 1 <= max_instances <= 4096:
+        raise ValueError(f"max_instances must be an integer in [1, 4096], got {max_instances!r}")
+    if not l3_ttl_s > 0:
+        raise ValueError(f"l3_ttl_s must be > 0, got {l3_ttl_s!r}")
+
+
 class GlobalIndex:
     def __init__(
         self,
@@ -56,12 +66,7 @@ class GlobalIndex:
         l3_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(capacity_pages, int) or capacity_pages < 1:
-            raise ValueError(f"capacity_pages must be a positive integer, got {capacity_pages!r}")
-        if not isinstance(max_instances, int) or not 1 <= max_instances <= 4096:
-            raise ValueError(f"max_instances must be an integer in [1, 4096], got {max_instances!r}")
-        if not l3_ttl_s > 0:
-            raise ValueError(f"l3_ttl_s must be > 0, got {l3_ttl_s!r}")
+        check_config(capacity_pages, max_instances, l3_ttl_s)
         self.native: Any = _native.load().KvIndex(capacity_pages, max_instances)
         self.max_instances = max_instances  # slots handed out; the native masks round up to 64 bits
         self.l3_ttl_s, self._clock, self._t0 = float(l3_ttl_s), clock, clock()
