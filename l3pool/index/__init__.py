@@ -1,2 +1,34 @@
 """The global KV index: which instance holds which prefix, in which tier, built from the cache's
-own events (l3pool/cache events), outside the engine. See types.py for what a query answers."""
+own events (l3pool/cache/events.py), outside the engine. See types.py for what a query answers,
+DESIGN.md "KV events and the global index" for the design.
+
+    from l3pool.index import GlobalIndex, IndexService, IndexClient, PrefixHits, TierPrefix
+
+The names load lazily: `IndexClient` and the types stay torch-free; `GlobalIndex` and
+`IndexService` load l2core's native table (torch) when first named.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from l3pool.index.types import PrefixHits, TierPrefix
+
+_LAZY = {
+    "GlobalIndex": "l3pool.index.table",
+    "IndexFull": "l3pool.index.table",
+    "IndexService": "l3pool.index.service",
+    "IndexClient": "l3pool.index.client",
+    "IndexUnavailable": "l3pool.index.client",
+    "IndexRequestError": "l3pool.index.client",
+}
+
+__all__ = ["PrefixHits", "TierPrefix", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'l3pool.index' has no attribute {name!r}")
+    return getattr(importlib.import_module(mod), name)

@@ -103,3 +103,12 @@ def test_serve_status_and_final_json(etcd_server: EtcdServer, prefix: str) -> No
             proc.wait(10)
         c.delete_prefix(prefix + "/")
         c.close()
+
+
+def test_the_client_and_the_cli_import_without_torch() -> None:
+    code = (
+        "import sys; from l3pool.index import IndexClient, PrefixHits; import l3pool.index.cli, l3pool.pool.kv_events; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
