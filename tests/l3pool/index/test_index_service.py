@@ -260,3 +260,40 @@ def test_client_queries_status_and_errors(svc: IndexService, inst: Instance) -> 
     assert time.monotonic() - t0 < 2
     with pytest.raises(ValueError, match="endpoint"):
         IndexClient("localhost:1")
+
+
+def test_publisher_drops_are_healed_by_resync(svc: IndexService) -> None:
+    """A real KvEventPublisher whose queue overflows (drops counted, the caller never blocked):
+    the index sees the skipped seq, resynchronises from the publisher's snapshot and ends with the
+    true state."""
+    from l3pool.cache.events import KvEventPublisher
+
+    mu = threading.RLock()  # the "cache lock": state changes and their events happen under it
+    held: set[int] = set()
+
+    def contents(under_lock: Callable[[], None] | None) -> dict[str, np.ndarray]:
+        with mu:
+            out = {"l1": np.array(sorted(held), dtype=np.uint64)}
+            if under_lock is not None:
+                under_lock()
+            return out
+
+    pub = KvEventPublisher("pub", "ns", queue_pages=64, linger_ms=50.0, heartbeat_s=0.2)
+    try:
+        pub.bind(contents)
+        svc.set_sources({"pub": pub.info()})
+        assert svc.wait_live(["pub"], 10)
+        time.sleep(0.3)
+        keys = np.arange(1, 4001, dtype=np.uint64)
+        t0 = time.perf_counter()
+        for a in range(0, 4000, 40):  # 100 stores of 40 pages into a 64-page queue drained every 50 ms
+            with mu:
+                held.update(keys[a : a + 40].tolist())
+                pub.stored("l1", keys[a : a + 40])
+        assert time.perf_counter() - t0 < 0.5
+        assert pub.stats()["dropped_ops"] > 50
+        eventually(lambda: svc.index.query(keys, "ns").of("pub").l1 == 4000, 10)
+        st = svc.status()["instances"]["pub"]
+        assert st["gaps"] >= 1 and st["resyncs"] >= 2 and st["live"]
+    finally:
+        pub.close()
