@@ -122,6 +122,7 @@ class KvEventPublisher:
         self._mu = threading.Lock()  # the queue (engine threads append, the sender swaps it)
         self._ops: list[tuple[int, int, np.ndarray]] = []
         self._queued = 0
+        self._first_at = 0.0
         self._gap = False  # ops were dropped since the last message: the next one skips a seq
         self._seq = 0  # last seq assigned (sender thread only, or under the cache's lock at a snapshot)
         self._ring = np.zeros(l3_hints, dtype=np.uint64)  # recent L3 writes (hints)
@@ -174,6 +175,8 @@ class KvEventPublisher:
                 metrics.KV_EVENTS_DROPPED.inc()
                 return
             wake = not self._ops
+            if wake:
+                self._first_at = time.time()  # the batch's oldest operation (the event lag's start)
             self._ops.append((code, op, k))
             self._queued += n
         if wake:
@@ -192,25 +195,26 @@ class KvEventPublisher:
         self._ring_n += len(k)
 
     # -- the sender thread ----------------------------------------------------------------------
-    def _take(self) -> tuple[list[int], bytes, int]:
+    def _take(self) -> tuple[list[int], bytes, int, float | None]:
         with self._mu:
             ops, self._ops, n, self._queued = self._ops, [], self._queued, 0
             gap, self._gap = self._gap, False
+            first = self._first_at
         if gap:
             self._seq += 1  # consumed by the dropped ops: subscribers see the gap
         if not ops:
-            return [], b"", 0
+            return [], b"", 0, None
         flat = [x for code, op, k in ops for x in (code, op, len(k))]
-        return flat, np.concatenate([k for _, _, k in ops]).astype("<u8", copy=False).tobytes(), n
+        return flat, np.concatenate([k for _, _, k in ops]).astype("<u8", copy=False).tobytes(), n, first
 
     def _send(self, heartbeat: bool = False) -> None:
         zmq = _zmq()
-        flat, keys, n = self._take()
+        flat, keys, n, first = self._take()
         if not flat and not heartbeat:
             return
         if flat:
             self._seq += 1
-        msg = encode_events(self.instance, self.epoch, self._seq, self.namespace, flat, keys)
+        msg = encode_events(self.instance, self.epoch, self._seq, self.namespace, flat, keys, first)
         try:
             self._pub.send(msg, zmq.NOBLOCK)
         except zmq.Again:  # a subscriber's queue is full: it sees the gap

@@ -10,7 +10,8 @@ Event message (ZeroMQ PUB, one frame, msgpack array):
       ops:  flat list of (tier, op, count) triples, tier 0 = L1, 1 = L2, 2 = L3 (written to the
             pool by this instance); op 1 = store, 0 = remove; applied in order
       keys: bytes, sum(count) * 8 (the ops' keys, concatenated)
-      sent_at: the publisher's wall clock (unix s, float) when it sent the message (event lag)
+      sent_at: the publisher's wall clock (unix s, float) when the message's oldest operation was
+            queued (a heartbeat: when it was sent), so the index's event lag counts the batching too
     `seq` grows by one per message of the instance's `epoch` (a random 63-bit id per publisher
     process). A heartbeat is an event message with no ops and the last seq sent: it lets a
     subscriber see a gap at the tail. A publisher that dropped operations skips a seq number.
@@ -100,8 +101,11 @@ class Snapshot:
     tiers: dict[str, np.ndarray]  # l1, l2, l3 -> uint64 keys
 
 
-def encode_events(instance: str, epoch: int, seq: int, namespace: str, ops: list[int], keys: bytes) -> bytes:
-    msg = [WIRE_VERSION, "ev", instance, epoch, seq, namespace, ops, keys, time.time()]
+def encode_events(
+    instance: str, epoch: int, seq: int, namespace: str, ops: list[int], keys: bytes, sent_at: float | None = None
+) -> bytes:
+    """`sent_at`: when the message's oldest operation happened (default: now)."""
+    msg = [WIRE_VERSION, "ev", instance, epoch, seq, namespace, ops, keys, time.time() if sent_at is None else sent_at]
     out: bytes = _msgpack().packb(msg)
     return out
 
