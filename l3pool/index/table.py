@@ -76,6 +76,7 @@ class GlobalIndex:
         self._free = list(range(max_instances - 1, -1, -1))
         self._live = np.zeros(int(self.native.max_instances) // 64, dtype=np.uint64)
         self._salts: dict[str, int] = {}
+        self._answered: list[tuple[str, int]] = []  # (name, slot) of the live instances, for queries
         self.queries = self.applied_keys = self.pool_clears = 0
 
     # -- instances ------------------------------------------------------------------------------
@@ -111,6 +112,7 @@ class GlobalIndex:
         w, b = divmod(s, 64)
         bit = np.uint64(1 << b)
         self._live[w] = (self._live[w] | bit) if live else (self._live[w] & ~bit)
+        self._answered = [(n, x) for n, x in self._slot.items() if self._is_live(x)]
 
     def _need(self, instance: str) -> int:
         s = self._slot.get(instance)
@@ -178,7 +180,7 @@ class GlobalIndex:
         with self._mu:
             pool, l1, l2, l3 = self.native.query(keys, self._salt(namespace), max(1, self._stamp() - 4), self._live)
             self.queries += 1
-            names = [(n, s) for n, s in self._slot.items() if self._is_live(s)]
+            names = self._answered
         a1, a2, a3 = l1.tolist(), l2.tolist(), l3.tolist()
         per = {n: TierPrefix(a1[s], a2[s], a3[s]) for n, s in names}
         return PrefixHits(len(keys), int(pool), per)

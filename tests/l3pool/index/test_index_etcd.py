@@ -206,3 +206,22 @@ def test_two_caches_publish_and_the_index_answers_their_prefixes(md: Metadata, s
             p.close()
         for e in engines:
             e.close()
+
+
+def test_malformed_registrations_are_skipped(md: Metadata) -> None:
+    md.etcd.put(md.kv_source_key("junk"), "not json")
+    md.etcd.put(md.kv_source_key("half"), '{"id": "half", "events": ""}')
+    pub = KvEventPublisher("good", "ns", heartbeat_s=0.2)
+    try:
+        pub.register(md, ttl=5)
+        assert set(md.kv_sources()) == {"good"}
+        svc = _service(md)
+        try:
+            assert svc.wait_live(["good"], 15)
+            assert set(svc.status()["instances"]) == {"good"}
+        finally:
+            svc.close()
+    finally:
+        pub.close()
+    with pytest.raises(ValueError, match="instance id"):
+        md.kv_source_key("bad/id")
