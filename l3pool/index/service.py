@@ -119,7 +119,7 @@ class IndexService:
         self._stop = threading.Event()
         self._lag: collections.deque[float] = collections.deque(maxlen=10_000)
         self.bad_messages = self.unknown_messages = self.refused_keys = 0
-        self.etcd_errors = 0
+        self.etcd_errors = self.loop_errors = 0
         self.etcd_ok = metadata is None
         self._members: set[str] | None = None
         self._status_cache: dict[str, Any] = {}
@@ -211,28 +211,40 @@ class IndexService:
             except zmq.ZMQError as e:
                 log.warning("index: poll failed: %s", e)
                 return
-            if self._rfd in ready:
-                os.read(self._rfd, 4096)
-            self._commands(poller)
-            if self._sub in ready:
-                self._events()
-            for iid, s in list(self._src.items()):
-                if s.dealer is not None and s.dealer in ready:
-                    self._snapshot_reply(iid, s, poller)
-            if self._rtr in ready:
-                self._queries()
+            try:
+                self._turn(poller, ready)
+            except Exception as e:  # a bug must not leave the index silently stale: say it, resync all
+                self.loop_errors += 1
+                log.exception("index: loop turn failed")
+                for iid, s in self._src.items():
+                    s.last_error = f"loop error: {type(e).__name__}: {e}"
+                    self._resync(iid, s)
             now = time.monotonic()
-            for iid, s in list(self._src.items()):
-                if s.dealer is not None and now > s.deadline:
-                    self._drop_dealer(s, poller)
-                    s.last_error = f"no snapshot within {self.snapshot_timeout_s} s"
-                    s.backoff = min(5.0, max(self.retry_s, 2 * s.backoff))
-                    s.retry_at = now + s.backoff
-                elif not s.live and s.dealer is None and now >= s.retry_at:
-                    self._ask_snapshot(iid, s)
             if now >= next_age:
                 self.index.age()
                 next_age = now + self.age_s
+
+    def _turn(self, poller: Any, ready: dict[Any, int]) -> None:
+        """One pass of the loop over what the poll found ready."""
+        if self._rfd in ready:
+            os.read(self._rfd, 4096)
+        self._commands(poller)
+        if self._sub in ready:
+            self._events()
+        for iid, s in list(self._src.items()):
+            if s.dealer is not None and s.dealer in ready:
+                self._snapshot_reply(iid, s, poller)
+        if self._rtr in ready:
+            self._queries()
+        now = time.monotonic()
+        for iid, s in list(self._src.items()):
+            if s.dealer is not None and now > s.deadline:
+                self._drop_dealer(s, poller)
+                s.last_error = f"no snapshot within {self.snapshot_timeout_s} s"
+                s.backoff = min(5.0, max(self.retry_s, 2 * s.backoff))
+                s.retry_at = now + s.backoff
+            elif not s.live and s.dealer is None and now >= s.retry_at:
+                self._ask_snapshot(iid, s)
 
     def _commands(self, poller: Any) -> None:
         while True:
@@ -439,6 +451,7 @@ class IndexService:
             "etcd_ok": self.etcd_ok,
             "etcd_errors": self.etcd_errors,
             "bad_messages": self.bad_messages,
+            "loop_errors": self.loop_errors,
             "unknown_messages": self.unknown_messages,
             "refused_keys": self.refused_keys,
             "event_lag_ms": {

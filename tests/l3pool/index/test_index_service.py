@@ -297,3 +297,20 @@ def test_publisher_drops_are_healed_by_resync(svc: IndexService) -> None:
         assert st["gaps"] >= 1 and st["resyncs"] >= 2 and st["live"]
     finally:
         pub.close()
+
+
+def test_a_failing_apply_is_reported_and_resynced(svc: IndexService, inst: Instance) -> None:
+    _join(svc, inst)
+    real = svc.index.apply
+    calls = [0]
+
+    def flaky(*a: Any) -> int:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected")
+        return real(*a)
+
+    svc.index.apply = flaky  # type: ignore[method-assign]
+    inst.send(inst.event((0, 1, KEYS[:6])))
+    eventually(lambda: svc.status()["loop_errors"] == 1 and _matches(svc, inst) and _st(svc, inst.iid)["live"])
+    assert svc.index.query(np.array(KEYS, np.uint64), "ns").of("inst-a").l1 == 6  # from the resync's snapshot
