@@ -188,6 +188,7 @@ def test_two_caches_publish_and_the_index_answers_their_prefixes(md: Metadata, s
                 return all((h.of(n).l1, h.of(n).l2) == w for n, w in want.items())
 
             eventually(agrees, 10)
+        eventually(lambda: svc.index.query(a, ns).pool_l3 == 10, 10)  # the writer's puts are reported after flush
         h = svc.index.query(a, ns)
         assert (h.of("e0").l1, h.of("e0").l2) == (10, 10)
         assert h.of("e1").l2 == 3
