@@ -233,7 +233,7 @@ def test_concurrent_requests_leave_the_index_equal_to_the_cache() -> None:
     cache's lock, keep their order: afterwards the index holds exactly the cache's tiers."""
     import threading
 
-    e = Engine(CacheConfig(), l1_pages=24, l2_pages=40)
+    e = Engine(CacheConfig(), l1_pages=40, l2_pages=64)  # 4 requests of 7 pages pinned at once fit
     pub = KvEventPublisher("conc", "ns", heartbeat_s=0.2)
     svc = IndexService(GlobalIndex(10_000), snapshot_timeout_s=1.0, retry_s=0.2).start()
     try:
@@ -260,8 +260,15 @@ def test_concurrent_requests_leave_the_index_equal_to_the_cache() -> None:
         held = {}
         for tier, t in (("l1", e.cache.t1), ("l2", e.cache.t2)):
             held[tier] = t.key64_of(np.flatnonzero(t.cached).astype(np.int64))
-        counts = lambda: svc.index.stats()["instances"]["conc"]  # noqa: E731
-        eventually(lambda: (counts()["l1_pages"], counts()["l2_pages"]) == (len(held["l1"]), len(held["l2"])), 10)
+
+        # every event sent and applied (equal counts alone could be a last [remove x, store y] not yet
+        # applied), and still so a heartbeat later (a batch taken from the queue but not yet numbered)
+        def drained() -> bool:
+            return pub.stats()["queued_pages"] == 0 and svc.status()["instances"]["conc"]["seq"] == pub.stats()["seq"]
+
+        eventually(lambda: drained() and (time.sleep(0.3) or drained()), 10)
+        counts = svc.index.stats()["instances"]["conc"]
+        assert (counts["l1_pages"], counts["l2_pages"]) == (len(held["l1"]), len(held["l2"]))
         for tier, keys in held.items():
             if len(keys):
                 h = svc.index.query(keys, "ns").of("conc")  # every page the cache holds is indexed in its tier
