@@ -24,9 +24,12 @@ on the pool's metadata path:
 The calls are counted per request on this (the request) thread, by kind (`CallCounter`): every
 request must cost the same number of calls whatever its page count and the pool's size
 (`calls_per_request`: S + 1 master calls, 3S etcd calls on the request thread, plus the one lease
-each lock consumes, granted ahead on the lock's background thread when a spare is ready, else on
-the request thread). A membership reader (what a router or the index does) lists the members
-every `members_every_s` on a thread of its own: one etcd range over `members/` (`members_read`
+each lock consumes, granted ahead on stage 0's background thread when a spare is ready, else on
+the request thread; the joining stages never take a lock, so they keep no spare leases). One warm-up
+request before `ready` opens the connections and is left out of the samples.
+
+A membership reader (what a router or the index does) lists the members every `members_every_s`
+on a thread of its own: one etcd range over `members/` (`members_read`
 "range": ids, records and lease ids, what a router needs), or `Metadata.members()` ("members":
 the range plus one lease-TTL call per member, what `l3pool inspect` shows), counted as `members`.
 """
@@ -195,8 +198,12 @@ class Client:
         self.etcds = [EtcdClient(cfg["etcd"]) for _ in range(self.stages)]
         for e in self.etcds:
             self.calls.wrap_etcd(e)
-        self.locks = [StageLocks(Metadata(e, cfg["key_prefix"]), self.store, self.nss, s, ttl=int(cfg["lock_ttl"]),
-                                 parallel_lookup=False) for s, e in enumerate(self.etcds)]  # fmt: skip
+        # stage 0 takes the locks (spare leases ready, as by default); the joining stages never grant one
+        self.locks = [
+            StageLocks(Metadata(e, cfg["key_prefix"]), self.store, self.nss, s, ttl=int(cfg["lock_ttl"]),
+                       parallel_lookup=False, **({} if s == 0 else {"spare_leases": 0}))
+            for s, e in enumerate(self.etcds)
+        ]  # fmt: skip
         self.members_etcd = EtcdClient(cfg["etcd"])
         self.calls.wrap_etcd(self.members_etcd, "members")
         self.samples: dict[str, list[float]] = {
@@ -253,6 +260,15 @@ class Client:
                 continue
             self.samples["members"].append(time.perf_counter() - t0)
             self.members_seen.append(n)
+
+    def warm_up(self) -> None:
+        """One request outside the window (connections open, stage 0's spare leases granted), forgotten."""
+        self.request(1 << 40)
+        time.sleep(0.2)  # the lock's background thread tops its spares up again
+        for xs in self.samples.values():
+            xs.clear()
+        self.per_request.clear()
+        self.hits = self.expected = self.put_pages = self.put_failed = 0
 
     def run(self, start: float) -> None:
         seconds, rate = float(self.cfg["seconds"]), float(self.cfg["rate"])
@@ -322,6 +338,7 @@ def main(argv: list[str]) -> int:
         cfg = json.load(f)
     client = Client(cfg)
     try:
+        client.warm_up()
         print("ready", flush=True)
         line = sys.stdin.readline()
         if not line.strip():

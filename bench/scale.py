@@ -58,7 +58,16 @@ from typing import Any
 from bench._pool_cli import add_report_args, check_out, emit_report
 from bench._scale_client import TraceSpec, calls_per_request
 from bench._scale_obs import plot, ran_on, rss_bytes, snapshot, window
-from l3pool.cli import UserError, guarded, nonneg_float, output_dir, positive_float, positive_int, segment_size
+from l3pool.cli import (
+    ArgumentParser,
+    UserError,
+    guarded,
+    nonneg_float,
+    output_dir,
+    positive_float,
+    positive_int,
+    segment_size,
+)
 from l3pool.cluster.local import LocalCluster
 from l3pool.measure import percentile
 from l3pool.procenv import python_env
@@ -171,6 +180,10 @@ def _per_s(cpu_s: float, wall: float) -> float:
     return round(cpu_s / wall, 4) if wall > 0 else math.nan
 
 
+def _cost_ms(loaded_s: float, idle_s: float, requests: int) -> float | None:
+    return round(max(0.0, loaded_s - idle_s) / requests * 1e3, 3) if requests else None
+
+
 def merge_clients(results: list[dict[str, Any]], stages: int) -> dict[str, Any]:
     """The clients' samples and counts as one row part: percentiles over every sample, the call counts
     checked against `calls_per_request(stages)`."""
@@ -190,6 +203,7 @@ def merge_clients(results: list[dict[str, Any]], stages: int) -> dict[str, Any]:
     requests = sum(r["requests"] for r in results)
     leases = fg_leases + bg["lease"]
     late = [x for r in results for x in r["late_s"]]
+    hits, expected = sum(r["hits"] for r in results), sum(r["expected_hits"] for r in results)
     wall = max((r["wall_s"] for r in results), default=0.0)
     out |= {
         "requests": requests,
@@ -205,9 +219,7 @@ def merge_clients(results: list[dict[str, Any]], stages: int) -> dict[str, Any]:
         and abs(leases - requests) <= SPARE_LEASES * len(results),
         "leases_per_request": round(leases / requests, 3) if requests else None,
         "background_calls_per_s": {k: round(v / wall, 1) for k, v in sorted(bg.items())} if wall else {},
-        "lookup_hit_ratio": round(
-            sum(r["hits"] for r in results) / max(1, sum(r["expected_hits"] for r in results)), 4
-        ),
+        "lookup_hit_ratio": round(hits / expected, 4) if expected else None,  # of the earlier turns' pages
         "put_pages": sum(r["put_pages"] for r in results),
         "put_failed": sum(r["put_failed"] for r in results),
         "members_seen": sorted({m for r in results for m in r["members_seen"]}),
@@ -305,6 +317,13 @@ def run_row(agents: int, args: argparse.Namespace, base: Path) -> dict[str, Any]
         "etcd_rpc_per_request": round((loaded["etcd_rps"] - idle["etcd_rps"]) / part["achieved_rps"], 2)
         if part["achieved_rps"]
         else None,
+        # what one request costs the servers' CPU (loaded minus the idle pool's rate, per request)
+        "master_cpu_ms_per_request": _cost_ms(
+            loaded["master_cpu_s"], idle["master_cpu_s"] / idle["wall_s"] * wall, part["requests"]
+        ),
+        "etcd_cpu_ms_per_request": _cost_ms(
+            loaded["etcd_cpu_s"], idle["etcd_cpu_s"] / idle["wall_s"] * wall, part["requests"]
+        ),
         "master_rss_mib": round(sum(rss["master"]) * mib, 1),
         "etcd_rss_mib": round(sum(rss["etcd"]) * mib, 1),
         "agent_rss_mib": round(sum(rss["agents"]) * mib / max(1, len(rss["agents"])), 1),
@@ -403,7 +422,7 @@ def merge_reports(paths: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     add_report_args(p)
     p.add_argument("--agents", type=_agent_list, default=[8, 16, 32, 64], help="agent counts, one row each")
     p.add_argument("--seconds", type=positive_float, default=20.0, help="loaded window per row")
