@@ -18,9 +18,11 @@ Then:
           per request one lookup + PP lock (stage 0), joins, one put of small pages per stage,
           reports; plus each client lists the members every `--members-every` s
 and per row reports: master and etcd CPU seconds (from /proc/<pid>/stat) and request rates (their
-own Prometheus counters), lookup / lock / join / put / release / member-list p50 and p99, agents'
-and servers' resident memory, the machine's busy share, whether the row was CPU-saturated
-(machine >= 90 % busy, or the clients fell behind their schedule), and `ran_on` (hostname, cores).
+own Prometheus counters), what one request costs them (RPCs and CPU ms: loaded minus idle rate),
+lookup / lock / join / put / release / member-list p50 and p99, agents' and servers' resident
+memory, the machine's busy share split into this run's processes (`own_cpu_share`) and everything
+else on the host (`other_cpu_share`), whether the row was CPU-saturated (machine >= 90 % busy, or
+the clients fell behind their schedule: `clients_behind`), and `ran_on` (hostname, cores).
 
 Per-request metadata cost is a constant number of batched calls, counted on every request (each
 client wraps its store's and etcd clients' call paths) and asserted: S + 1 Mooncake calls (one
@@ -336,8 +338,12 @@ def run_row(agents: int, args: argparse.Namespace, base: Path) -> dict[str, Any]
         "row_s": round(time.monotonic() - t_row, 1),
         "ran_on": ran_on(),
     }
-    behind = part["achieved_rps"] < 0.95 * offered or (part["late_p99_ms"] or 0) > 100
-    row["cpu_saturated"] = bool((loaded["machine_busy"] or 0) >= 0.9 or behind)
+    own = sum(loaded[f"{r}_cpu_s"] for r in ("master", "etcd", "agents", "clients")) / (wall * cores)
+    # our processes' share of all cores; the rest of machine_busy is other work on the host
+    row["own_cpu_share"] = round(own, 3)
+    row["other_cpu_share"] = round(max(0.0, (loaded["machine_busy"] or 0) - own), 3)
+    row["clients_behind"] = bool(part["achieved_rps"] < 0.95 * offered or (part["late_p99_ms"] or 0) > 100)
+    row["cpu_saturated"] = bool((loaded["machine_busy"] or 0) >= 0.9 or row["clients_behind"])
     row["correct"] = bool(
         row["calls_constant"] and row["client_errors"] == 0 and row["put_failed"] == 0 and row["requests"] > 0
     )
