@@ -73,11 +73,13 @@ class TraceSpec:
             raise ValueError("trace max_pages must hold at least the prefix and one turn")
 
 
-def calls_per_request(stages: int) -> dict[str, int]:
+def calls_per_request(stages: int, index: bool = False) -> dict[str, int]:
     """What one request costs on the metadata path, whatever its pages and the pool's size:
     master = one lookup + one put per stage; etcd_request_thread = lock txn + S-1 joins + S reports
-    + S-1 keep-alives + 1 revoke (= 3S); lease = the one lease its lock lives under."""
-    return {"master": 1 + stages, "etcd_request_thread": 3 * stages, "lease": 1}
+    + S-1 keep-alives + 1 revoke (= 3S); lease = the one lease its lock lives under; index = one
+    query (with a global index)."""
+    out = {"master": 1 + stages, "etcd_request_thread": 3 * stages, "lease": 1}
+    return out | ({"index": 1} if index else {})
 
 
 def hex_keys(prefix: str, raw: bytes) -> list[str]:
@@ -100,17 +102,19 @@ class Trace:
         self.turn = dict.fromkeys(self.mine, 0)
         self.keys: dict[int, list[list[str]]] = {}
         self.hashes: dict[int, list[bytes]] = {}
+        self.k64: dict[int, np.ndarray] = {}
         self.k = 0
 
     def _fresh(self, s: int) -> None:
         raw = self.shared + self.rng.bytes(16 * (self.spec.max_pages - self.spec.prefix_pages))
         self.hashes[s] = np.frombuffer(raw, dtype="V16").tolist()  # 16-byte page hashes (bytes)
+        self.k64[s] = np.frombuffer(raw, dtype="<u8")[::2].copy()  # the KV events' page keys (kv_events.keys64)
         self.keys[s] = [hex_keys(f"{ns.ns_id}/", raw) for ns in self.nss]
         self.turn[s] = 0
 
-    def next(self) -> tuple[list[bytes], list[list[str]], int]:
-        """(page hashes, keys per stage of the next request, the pages expected to hit: the earlier
-        turns)."""
+    def next(self) -> tuple[list[bytes], np.ndarray, list[list[str]], int]:
+        """(page hashes, their 64-bit keys, keys per stage of the next request, the pages expected to
+        hit: the earlier turns)."""
         sp = self.spec
         s = self.mine[self.k % len(self.mine)]
         self.k += 1
@@ -120,7 +124,7 @@ class Trace:
             n = sp.prefix_pages + sp.new_pages
         expect = n - sp.new_pages if self.turn[s] else 0  # turn 0: the prompt may not be stored yet
         self.turn[s] += 1
-        return self.hashes[s][:n], [ks[:n] for ks in self.keys[s]], expect
+        return self.hashes[s][:n], self.k64[s][:n], [ks[:n] for ks in self.keys[s]], expect
 
 
 class CallCounter:
@@ -156,6 +160,46 @@ class CallCounter:
             return real(path, body, bypass=bypass)
 
         etcd.call = counted  # type: ignore[method-assign]
+
+    def wrap_index(self, client: Any) -> None:
+        real = client._call  # every request of an IndexClient goes through it (l3pool/index/client.py)
+
+        def counted(kind: str, *args: Any) -> Any:
+            self.hit("index")
+            return real(kind, *args)
+
+        client._call = counted
+
+
+class L2Ring:
+    """The simulated instance's host tier as the global index sees it: the last `capacity` distinct
+    page keys its requests used (FIFO), its KV events published under the same lock the snapshot
+    reads under."""
+
+    def __init__(self, capacity: int) -> None:
+        self.keys = np.zeros(capacity, dtype=np.uint64)
+        self.n = 0
+        self.mu = threading.Lock()
+
+    def add(self, new: np.ndarray) -> np.ndarray:
+        """Store `new` (fewer than capacity); returns the keys pushed out (vectorised ring copy)."""
+        cap, k = len(self.keys), len(new)
+        at = self.n % cap
+        idx = (at + np.arange(k)) % cap
+        out = self.keys[idx[self.n + np.arange(k) >= cap]].copy()
+        self.keys[idx] = new
+        self.n += k
+        return out
+
+    def held(self) -> np.ndarray:
+        return self.keys[: min(self.n, len(self.keys))]
+
+    def contents(self, under_lock: Any) -> dict[str, np.ndarray]:
+        with self.mu:
+            out = {"l1": np.zeros(0, dtype=np.uint64), "l2": self.held().copy()}
+            if under_lock is not None:
+                under_lock()
+            return out
 
 
 def _namespaces(stages: int, tag: str, page_bytes: int) -> list[Namespace]:
@@ -206,19 +250,40 @@ class Client:
         ]  # fmt: skip
         self.members_etcd = EtcdClient(cfg["etcd"])
         self.calls.wrap_etcd(self.members_etcd, "members")
+        self.instance = f"{cfg['tag']}-c{cfg['client']}"
+        self.index: Any = None
+        self.pub: Any = None
+        if cfg.get("index"):  # a global index runs: publish this instance's KV events, query it per request
+            from l3pool.cache.events import KvEventPublisher
+            from l3pool.index.client import IndexClient
+
+            self.ring = L2Ring(int(cfg["index_l2_pages"]))
+            self.pub_etcd = EtcdClient(cfg["etcd"])
+            self.calls.wrap_etcd(self.pub_etcd, "events_lease")
+            self.pub = KvEventPublisher(self.instance, namespace=self.nss[0].ns_id)
+            self.pub.bind(self.ring.contents)
+            self.pub.register(Metadata(self.pub_etcd, cfg["key_prefix"]), ttl=10)
+            self.index = IndexClient(cfg["index"], timeout_s=5.0)
+            self.calls.wrap_index(self.index)
         self.samples: dict[str, list[float]] = {
-            k: [] for k in ("lookup", "lock", "acquire", "join", "put", "release", "request", "members")
+            k: [] for k in ("index_query", "lookup", "lock", "acquire", "join", "put", "release", "request", "members")
         }
         self.per_request: Counter[str] = Counter()  # "master,etcd,lease" -> requests with that count
         self.hits = self.expected = self.put_pages = self.put_failed = self.errors = 0
+        self.index_hits = 0
         self.members_seen: list[int] = []
         self.late: list[float] = []
         self.first_error = ""
 
     def request(self, i: int) -> None:
-        hashes, keys, expect = self.trace.next()
-        rid = f"{self.cfg['tag']}-c{self.cfg['client']}-{i}"
+        hashes, k64, keys, expect = self.trace.next()
+        rid = f"{self.instance}-{i}"
         before = self.calls.request.copy()
+        t0 = time.perf_counter()
+        if self.index is not None:  # what a router asks before it picks the instance
+            hits = self.index.query(k64, namespace=self.nss[0].ns_id)
+            self.samples["index_query"].append(time.perf_counter() - t0)
+            self.index_hits += min(hits.of(self.instance).l2, expect)
         t0 = time.perf_counter()
         g = self.locks[0].acquire(rid, hashes)
         t1 = time.perf_counter()
@@ -232,6 +297,16 @@ class Client:
             outs = self.store.put(miss, ptrs, [self.page_bytes] * len(miss))
             self.put_pages += len(miss)
             self.put_failed += len(outs) - outs.count(Outcome.OK)
+        if self.pub is not None:
+            # every page of the request is in its L2 now (fetched from L3 or computed; the oldest leave),
+            # and the computed ones were written to L3
+            computed = k64[g.per_stage[0] :]
+            with self.ring.mu:
+                fresh = k64[~np.isin(k64, self.ring.held())]
+                gone = self.ring.add(fresh)
+                self.pub.stored("l2", fresh)
+                self.pub.removed("l2", gone)
+                self.pub.stored("l3", computed)
         t3 = time.perf_counter()
         for s in range(self.stages - 1, -1, -1):  # stage 0 last: its report revokes the lease
             released = self.locks[s].report_done(rid)
@@ -239,7 +314,7 @@ class Client:
                 raise RuntimeError(f"{rid}: stage {s}'s report {'released' if released else 'kept'} the lock")
         t4 = time.perf_counter()
         d = self.calls.request - before
-        self.per_request[f"{d['master']},{d['etcd']},{d['lease']}"] += 1
+        self.per_request[f"{d['master']},{d['etcd']},{d['lease']},{d['index']}"] += 1
         for name, v in (("lookup", g.lookup_s), ("lock", g.lock_s), ("acquire", t1 - t0), ("join", t2 - t1),
                         ("put", t3 - t2), ("release", t4 - t3), ("request", t4 - t0)):  # fmt: skip
             self.samples[name].append(v)
@@ -263,12 +338,19 @@ class Client:
 
     def warm_up(self) -> None:
         """One request outside the window (connections open, stage 0's spare leases granted), forgotten."""
+        if self.index is not None:  # the index has synchronised this instance (snapshot applied)
+            deadline = time.monotonic() + 30.0
+            while not self.index.status()["instances"].get(self.instance, {}).get("live"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the index at {self.cfg['index']} never went live for {self.instance}")
+                time.sleep(0.05)
         self.request(1 << 40)
         time.sleep(0.2)  # the lock's background thread tops its spares up again
         for xs in self.samples.values():
             xs.clear()
         self.per_request.clear()
-        self.hits = self.expected = self.put_pages = self.put_failed = 0
+        self.hits = self.expected = self.put_pages = self.put_failed = self.index_hits = 0
+        self.events0 = self.pub.stats() if self.pub is not None else {}
 
     def run(self, start: float) -> None:
         seconds, rate = float(self.cfg["seconds"]), float(self.cfg["rate"])
@@ -313,6 +395,12 @@ class Client:
             "background_calls": self.other,
             "late_s": self.late,
             "hits": self.hits,
+            "index_hits": self.index_hits,
+            "events": (
+                {k: v - self.events0.get(k, 0) for k, v in self.pub.stats().items() if isinstance(v, int)}
+                if self.pub is not None
+                else None
+            ),
             "expected_hits": self.expected,
             "put_pages": self.put_pages,
             "put_failed": self.put_failed,
@@ -325,6 +413,11 @@ class Client:
         }
 
     def close(self) -> None:
+        if self.pub is not None:
+            self.pub.close()
+            self.pub_etcd.close()
+        if self.index is not None:
+            self.index.close()
         for lk in self.locks:
             lk.close()
         for e in [*self.etcds, self.members_etcd]:

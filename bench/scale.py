@@ -59,6 +59,7 @@ from typing import Any
 
 from bench._pool_cli import add_report_args, check_out, emit_report
 from bench._scale_client import TraceSpec, calls_per_request
+from bench._scale_index import IndexProcess, available, prepare, row_fields
 from bench._scale_obs import plot, ran_on, rss_bytes, snapshot, window
 from l3pool.cli import (
     ArgumentParser,
@@ -83,7 +84,7 @@ _LOADER = (
 )
 AGENT_PROCESS_BYTES = 120 << 20  # one agent's resident memory besides its segment (measured ~108 MB)
 SPARE_LEASES = 2  # StageLocks' default spares: the lease count of a window may lag the requests by this much
-SAMPLES = ("lookup", "lock", "acquire", "join", "put", "release", "request", "members")
+SAMPLES = ("index_query", "lookup", "lock", "acquire", "join", "put", "release", "request", "members")
 
 
 def progress(msg: str) -> None:
@@ -120,7 +121,9 @@ def check_memory(agents: int, segment_bytes: int) -> None:
 
 
 # -- clients ---------------------------------------------------------------------------------
-def _spawn_clients(c: LocalCluster, args: argparse.Namespace, work: Path, tag: str) -> list[subprocess.Popen[str]]:
+def _spawn_clients(
+    c: LocalCluster, args: argparse.Namespace, work: Path, tag: str, index: str | None
+) -> list[subprocess.Popen[str]]:
     env = python_env(extra=c.client_env())
     procs = []
     for k in range(args.clients):
@@ -130,7 +133,7 @@ def _spawn_clients(c: LocalCluster, args: argparse.Namespace, work: Path, tag: s
             "key_prefix": c.key_prefix, "stages": args.stages, "page_bytes": args.page_bytes,
             "trace": args.trace.__dict__, "lock_ttl": args.lock_ttl, "seconds": args.seconds, "rate": args.rate,
             "members_every_s": args.members_every, "members_read": args.members_read,
-            "out": str(work / f"client-{k}.json"),
+            "index": index, "index_l2_pages": args.index_l2_pages, "out": str(work / f"client-{k}.json"),
         }  # fmt: skip
         (work / f"client-{k}.cfg.json").write_text(json.dumps(cfg))
         with open(work / f"client-{k}.log", "ab") as log:
@@ -186,18 +189,18 @@ def _cost_ms(loaded_s: float, idle_s: float, requests: int) -> float | None:
     return round(max(0.0, loaded_s - idle_s) / requests * 1e3, 3) if requests else None
 
 
-def merge_clients(results: list[dict[str, Any]], stages: int) -> dict[str, Any]:
+def merge_clients(results: list[dict[str, Any]], stages: int, index: bool = False) -> dict[str, Any]:
     """The clients' samples and counts as one row part: percentiles over every sample, the call counts
     checked against `calls_per_request(stages)`."""
     out: dict[str, Any] = {}
     for name in SAMPLES:
-        xs = [x for r in results for x in r["samples"][name]]
+        xs = [x for r in results for x in r["samples"].get(name, [])]
         out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = _ms(xs, 50), _ms(xs, 99)
-    want = calls_per_request(stages)
+    want = calls_per_request(stages, index)
     seen: Counter[str] = Counter()
     for r in results:
         seen.update(r["per_request_calls"])
-    shapes = {tuple(int(x) for x in k.split(",")) for k in seen}
+    shapes = {(*(int(x) for x in k.split(",")), 0)[:4] for k in seen}  # master, etcd, lease, index
     fg_leases = sum(int(k.split(",")[2]) * n for k, n in seen.items())
     bg = Counter()
     for r in results:
@@ -216,7 +219,7 @@ def merge_clients(results: list[dict[str, Any]], stages: int) -> dict[str, Any]:
         # master and request-thread etcd calls: the same for every request; leases: one per request over
         # the window (a spare granted in the background, or on the request thread when none was ready)
         "calls_constant": bool(requests)
-        and shapes == {(want["master"], want["etcd_request_thread"], s[2]) for s in shapes}
+        and shapes == {(want["master"], want["etcd_request_thread"], s[2], want.get("index", 0)) for s in shapes}
         and all(s[2] in (0, 1) for s in shapes)
         and abs(leases - requests) <= SPARE_LEASES * len(results),
         "leases_per_request": round(leases / requests, 3) if requests else None,
@@ -226,6 +229,15 @@ def merge_clients(results: list[dict[str, Any]], stages: int) -> dict[str, Any]:
         "put_failed": sum(r["put_failed"] for r in results),
         "members_seen": sorted({m for r in results for m in r["members_seen"]}),
         "etcd_calls_per_member_list": round(bg["members"] / max(1, sum(r["member_lists"] for r in results)), 2),
+        "index_hit_ratio": round(sum(r.get("index_hits", 0) for r in results) / expected, 4)
+        if index and expected
+        else None,
+        "event_messages_per_request": round(sum((r.get("events") or {}).get("sent", 0) for r in results) / requests, 3)
+        if index and requests
+        else None,
+        "events_dropped_pages": sum((r.get("events") or {}).get("dropped_pages", 0) for r in results)
+        if index
+        else None,
         "client_errors": sum(r["errors"] for r in results),
         "first_error": next((r["first_error"] for r in results if r["first_error"]), ""),
     }
@@ -238,6 +250,8 @@ def run_row(agents: int, args: argparse.Namespace, base: Path) -> dict[str, Any]
     work.mkdir(parents=True, exist_ok=True)
     cores = ran_on()["cores"]
     clients: list[subprocess.Popen[str]] = []
+    index: IndexProcess | None = None
+    ist: dict[str, Any] = {}
     t_row = time.monotonic()
     progress(f"{agents} agents: starting the cluster ({args.segment_size} segments)")
     with LocalCluster(agents=agents, segment_size=args.segment_size, state_dir=work / "cluster", netns=args.netns,
@@ -250,12 +264,16 @@ def run_row(agents: int, args: argparse.Namespace, base: Path) -> dict[str, Any]
                 "etcd": [p["pid"] for p in procs if p["role"] == "etcd"],
                 "agents": [p["pid"] for p in procs if p["role"] == "agent"],
             }
+            if args.index_on:  # part of the deployment: its membership polls count in the idle window too
+                index = IndexProcess(c.etcd_endpoints, c.key_prefix, args.index_capacity, max(64, args.clients),
+                                     work / "index.log")  # fmt: skip
+                pids["index"] = [index.pid]
             progress(f"{agents} agents: up in {c.up_seconds:.1f} s ({c.mode}); idle window {args.idle_seconds:g} s")
             time.sleep(1.0)  # the last agents' first pings and keep-alives settle
             a = snapshot(time.monotonic(), pids, c.admin_url, c.etcd_endpoints)
             time.sleep(args.idle_seconds)
             idle = window(a, snapshot(time.monotonic(), pids, c.admin_url, c.etcd_endpoints), cores)
-            clients = _spawn_clients(c, args, work, tag)
+            clients = _spawn_clients(c, args, work, tag, index.endpoint if index else None)
             deadline = time.monotonic() + 60.0
             for k, p in enumerate(clients):
                 _expect_line(p, "ready", deadline, work / f"client-{k}.log")
@@ -271,6 +289,7 @@ def run_row(agents: int, args: argparse.Namespace, base: Path) -> dict[str, Any]
             time.sleep(args.seconds)
             b = snapshot(time.monotonic(), pids, c.admin_url, c.etcd_endpoints)
             loaded = window(a, b, cores)
+            ist = index.status() if index is not None else {}
             deadline = time.monotonic() + 60.0
             for k, p in enumerate(clients):
                 _expect_line(p, "done", deadline, work / f"client-{k}.log")
@@ -279,7 +298,9 @@ def run_row(agents: int, args: argparse.Namespace, base: Path) -> dict[str, Any]
             mode, reason = c.mode, c.fallback_reason
         finally:
             _stop_clients(clients)
-    part = merge_clients(results, args.stages)
+            if index is not None:
+                index.stop()
+    part = merge_clients(results, args.stages, index is not None)
     wall = loaded["wall_s"]
     mib = 1 / 2**20
     offered = args.clients * args.rate
@@ -291,11 +312,11 @@ def run_row(agents: int, args: argparse.Namespace, base: Path) -> dict[str, Any]
         "clients": args.clients,
         "offered_rps": offered,
         **{k: part[k] for k in ("requests", "achieved_rps")},
-        "index_query_p50_ms": None,
-        "index_query_p99_ms": None,
+        **{f"{n}_p{q}_ms": part[f"{n}_p{q}_ms"] for n in SAMPLES for q in (50, 99)},
+        "event_lag_p50_ms": None,
         "event_lag_p99_ms": None,
         "index_memory_mib": None,
-        **{f"{n}_p{q}_ms": part[f"{n}_p{q}_ms"] for n in SAMPLES for q in (50, 99)},
+        **(row_fields(ist, [f"{tag}-c{k}" for k in range(args.clients)]) if ist else {}),
         "master_cpu_s": loaded["master_cpu_s"],
         "etcd_cpu_s": loaded["etcd_cpu_s"],
         "agents_cpu_s": loaded["agents_cpu_s"],
@@ -326,6 +347,8 @@ def run_row(agents: int, args: argparse.Namespace, base: Path) -> dict[str, Any]
         "etcd_cpu_ms_per_request": _cost_ms(
             loaded["etcd_cpu_s"], idle["etcd_cpu_s"] / idle["wall_s"] * wall, part["requests"]
         ),
+        "index_cpu_s": loaded.get("index_cpu_s"),
+        "index_rss_mib": round(sum(rss["index"]) * mib, 1) if "index" in rss else None,
         "master_rss_mib": round(sum(rss["master"]) * mib, 1),
         "etcd_rss_mib": round(sum(rss["etcd"]) * mib, 1),
         "agent_rss_mib": round(sum(rss["agents"]) * mib / max(1, len(rss["agents"])), 1),
@@ -338,14 +361,18 @@ def run_row(agents: int, args: argparse.Namespace, base: Path) -> dict[str, Any]
         "row_s": round(time.monotonic() - t_row, 1),
         "ran_on": ran_on(),
     }
-    own = sum(loaded[f"{r}_cpu_s"] for r in ("master", "etcd", "agents", "clients")) / (wall * cores)
+    own = sum(loaded.get(f"{r}_cpu_s", 0.0) for r in ("master", "etcd", "agents", "clients", "index")) / (wall * cores)
     # our processes' share of all cores; the rest of machine_busy is other work on the host
     row["own_cpu_share"] = round(own, 3)
     row["other_cpu_share"] = round(max(0.0, (loaded["machine_busy"] or 0) - own), 3)
     row["clients_behind"] = bool(part["achieved_rps"] < 0.95 * offered or (part["late_p99_ms"] or 0) > 100)
     row["cpu_saturated"] = bool((loaded["machine_busy"] or 0) >= 0.9 or row["clients_behind"])
     row["correct"] = bool(
-        row["calls_constant"] and row["client_errors"] == 0 and row["put_failed"] == 0 and row["requests"] > 0
+        row["calls_constant"]
+        and row["client_errors"] == 0
+        and row["put_failed"] == 0
+        and row["requests"] > 0
+        and (index is None or (row["index_live_instances"] == args.clients and row["index_bad_messages"] == 0))
     )
     return row
 
@@ -383,7 +410,7 @@ def build_report(rows: list[dict[str, Any]], config: dict[str, Any], note: str |
         "note": note,
         "config": config,
         "calls_per_request": config.get("calls_per_request"),
-        "index": "unavailable: l3pool.index has no GlobalIndex in this tree yet (index columns are null)",
+        "index": config.get("index", "off"),
         "ran_on": sorted({r["ran_on"]["hostname"] for r in rows}),
         "rows": rows,
         "targets": targets(rows),
@@ -452,6 +479,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "lease-TTL call per member)")  # fmt: skip
     p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
                    help="agents in network namespaces (auto: when root with iproute2, else loopback)")  # fmt: skip
+    p.add_argument("--index", choices=("auto", "on", "off"), default="auto",
+                   help="run the global index (`l3pool index`) per row, clients publishing KV events and querying "
+                        "it (auto: when this tree has it)")  # fmt: skip
+    p.add_argument("--index-capacity", type=positive_int, default=1 << 20, help="pages the index holds at most")
+    p.add_argument("--index-l2-pages", type=positive_int, default=8192,
+                   help="pages of each simulated instance's L2 (what its KV events describe)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--state-dir", help="where rows keep cluster state and client logs (default: a temp dir)")
     p.add_argument("--plot-dir", help="write one PNG per figure here (needs matplotlib)")
@@ -487,6 +520,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from l2core.units import parse_size
 
+        why = available()
+        if args.index == "on" and why:
+            raise UserError(f"--index on: {why}", "pip install 'l3pool[index]', or --index off")
+        args.index_on = args.index != "off" and why is None
+        if args.index_on:
+            progress("loading the native extension (the index table)")
+            prepare()
+
         for n in args.agents:
             check_memory(n, parse_size(args.segment_size, "--segment-size"))
         est = estimate_s(args)
@@ -500,8 +541,10 @@ def main(argv: list[str] | None = None) -> int:
             "segment_size": args.segment_size, "trace": args.trace.__dict__, "lease_ttl": args.lease_ttl,
             "lock_ttl": args.lock_ttl, "members_every_s": args.members_every, "members_read": args.members_read,
             "netns": args.netns,
-            "calls_per_request": {**calls_per_request(args.stages),
+            "calls_per_request": {**calls_per_request(args.stages, args.index_on),
                                   "etcd": calls_per_request(args.stages)["etcd_request_thread"] + 1},
+            "index": "on" if args.index_on else f"off: {why or '--index off'}",
+            "index_capacity_pages": args.index_capacity if args.index_on else None,
         }  # fmt: skip
         with contextlib.ExitStack() as stack:
             base = Path(args.state_dir) if args.state_dir else Path(stack.enter_context(

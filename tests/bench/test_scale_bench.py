@@ -14,10 +14,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bench import scale
-from bench._scale_client import Client, Trace, TraceSpec, calls_per_request, hex_keys
+from bench._scale_client import Client, L2Ring, Trace, TraceSpec, calls_per_request, hex_keys
 from bench._scale_client import _namespaces as scale_namespaces
 from l3pool.cli import guarded
 from l3pool.cluster.local import LocalCluster
@@ -51,15 +52,23 @@ def test_tiny_run_json_contract(tiny: tuple[int, dict[str, Any], Path]) -> None:
     for k in ("lookup_p50_ms", "lookup_p99_ms", "lock_p50_ms", "lock_p99_ms", "members_p99_ms", "etcd_cpu_s"):
         assert isinstance(row[k], float) and row[k] > 0, k
     assert row["lookup_p50_ms"] <= row["lookup_p99_ms"] and row["master_cpu_s"] >= 0
-    # no global index in this tree yet: its columns are null, and the report says why
-    assert row["index_query_p99_ms"] is None and row["event_lag_p99_ms"] is None and "index" in rep
+    # the global index ran (`l3pool index`): each client an instance publishing KV events, queried per request
+    assert rep["index"] == "on" and row["index_live_instances"] == 2 and row["index_bad_messages"] == 0
+    for k in ("index_query_p50_ms", "index_query_p99_ms", "event_lag_p99_ms", "index_memory_mib", "index_cpu_s"):
+        assert isinstance(row[k], float) and row[k] > 0, k
+    assert row["index_memory_mib"] == pytest.approx(40.0 * 2**20 / 2**20, rel=0.01)  # 40 B/page x 1 Mi pages
+    assert row["index_entries"] > 0 and row["index_hit_ratio"] > 0.9 and row["events_dropped_pages"] == 0
+    assert 0 < row["event_messages_per_request"] <= 1.0  # batched: at most one message per request
     # open loop: 2 clients x 10 req/s x 2 s, each request's calls counted; every one the same
     assert 36 <= row["requests"] <= 40 and row["put_failed"] == 0 and row["client_errors"] == 0
-    want = calls_per_request(2)
-    assert (want["master"], want["etcd_request_thread"]) == (3, 6)
+    want = calls_per_request(2, index=True)
+    assert (want["master"], want["etcd_request_thread"], want["index"]) == (3, 6, 1)
     assert rep["calls_per_request"] == {**want, "etcd": 7}
     assert sum(row["per_request_calls_seen"].values()) == row["requests"]
-    assert {k.rsplit(",", 1)[0] for k in row["per_request_calls_seen"]} == {"3,6"}
+    # master, etcd on the request thread, lease granted on it (0/1), index queries
+    assert {(k.split(",")[0], k.split(",")[1], k.split(",")[3]) for k in row["per_request_calls_seen"]} == {
+        ("3", "6", "1")
+    }
     assert row["calls_constant"] is True and rep["targets"]["calls_constant"] is True
     assert row["leases_per_request"] == pytest.approx(1.0, abs=0.11)
     # the servers' own counters agree: each request costs the master its exists + a put start/end per stage
@@ -77,16 +86,18 @@ def test_a_request_with_one_call_more_breaks_the_constant(tiny: tuple[int, dict[
     _, _, tmp = tiny
     results = [json.loads(p.read_text()) for p in sorted((tmp / "state" / "row-2").glob("client-*.json"))]
     results = [r for r in results if "per_request_calls" in r]
-    assert len(results) == 2 and scale.merge_clients(results, 2)["calls_constant"] is True
-    bad = json.loads(json.dumps(results))
-    key = next(iter(bad[0]["per_request_calls"]))
-    bad[0]["per_request_calls"][key] -= 1
-    bad[0]["per_request_calls"]["4," + key.split(",", 1)[1]] = 1
-    assert scale.merge_clients(bad, 2)["calls_constant"] is False
+    assert len(results) == 2 and scale.merge_clients(results, 2, index=True)["calls_constant"] is True
+    assert scale.merge_clients(results, 2, index=False)["calls_constant"] is False  # it made index queries
+    key = next(iter(results[0]["per_request_calls"]))
+    for extra in ("4," + key.split(",", 1)[1], key.rsplit(",", 1)[0] + ",2"):  # one master call more; two queries
+        bad = json.loads(json.dumps(results))
+        bad[0]["per_request_calls"][key] -= 1
+        bad[0]["per_request_calls"][extra] = 1
+        assert scale.merge_clients(bad, 2, index=True)["calls_constant"] is False, extra
     few = json.loads(json.dumps(results))
     few[0]["background_calls"]["lease"] = 0  # the leases stop matching the requests
     few[1]["background_calls"]["lease"] = 0
-    assert scale.merge_clients(few, 2)["calls_constant"] is False
+    assert scale.merge_clients(few, 2, index=True)["calls_constant"] is False
 
 
 def test_the_counter_sees_an_extra_call_of_a_real_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,13 +135,14 @@ def test_the_counter_sees_an_extra_call_of_a_real_client(tmp_path: Path, monkeyp
     want = calls_per_request(3)
     m, e = want["master"], want["etcd_request_thread"]
     assert (m, e) == (4, 9)
-    assert {k.rsplit(",", 1)[0] for k in honest["per_request_calls"]} == {f"{m},{e}"}
+    shape = {tuple(k.split(",")[:2]) + tuple(k.split(",")[3:]) for k in honest["per_request_calls"]}
+    assert shape == {(str(m), str(e), "0")}  # master, etcd, no index queries (no index in this client)
     assert 9 <= honest["requests"] <= 10 and honest["errors"] == 0 and honest["members_seen"] == [1]
     merged = scale.merge_clients([honest], 3)
     assert merged["calls_constant"] is True and merged["lookup_hit_ratio"] == 1.0
     # Metadata.members(): the range plus one lease-TTL call per member (1 member here)
     assert merged["etcd_calls_per_member_list"] == 2.0
-    assert {k.rsplit(",", 1)[0] for k in dishonest["per_request_calls"]} == {f"{m},{e}", f"{m},{e + 1}"}
+    assert {tuple(k.split(",")[:2]) for k in dishonest["per_request_calls"]} == {(str(m), str(e)), (str(m), str(e + 1))}
     assert scale.merge_clients([dishonest], 3)["calls_constant"] is False
 
 
@@ -139,20 +151,31 @@ def test_trace_shares_the_prompt_grows_turns_and_restarts() -> None:
     nss = scale_namespaces(2, "t", 1024)
     a, b = Trace(spec, nss, 0, 2, seed=7), Trace(spec, nss, 1, 2, seed=7)
     assert a.mine == [0, 2] and b.mine == [1, 3]
-    h0, k0, e0 = a.next()  # session 0, turn 0: prompt + 3 new pages, nothing expected yet
-    _, kb, _ = b.next()
+    h0, q0, k0, e0 = a.next()  # session 0, turn 0: prompt + 3 new pages, nothing expected yet
+    _, _, kb, _ = b.next()
+    assert q0.dtype == np.uint64 and q0.tolist() == [int.from_bytes(h[:8], "little") for h in h0]  # keys64
     assert len(h0) == len(k0[0]) == len(k0[1]) == 5 and e0 == 0
     assert k0[0][:2] == kb[0][:2] and k0[0][2:] != kb[0][2:]  # the prompt is shared across clients
     assert k0[1][0].startswith(nss[1].ns_id + "/") and k0[0][0] == f"{nss[0].ns_id}/{h0[0].hex()}"
     a.next()  # session 2
-    _, k1, e1 = a.next()  # session 0, turn 1: its earlier pages again + 3 more
+    _, _, k1, e1 = a.next()  # session 0, turn 1: its earlier pages again + 3 more
     assert len(k1[0]) == 8 and k1[0][:5] == k0[0] and e1 == 5
     a.next()
-    h2, k2, e2 = a.next()  # session 0 would pass max_pages: a new session, same prompt
+    h2, _, k2, e2 = a.next()  # session 0 would pass max_pages: a new session, same prompt
     assert len(k2[0]) == 5 and e2 == 0 and k2[0][:2] == k0[0][:2] and k2[0][2:] != k0[0][2:]
     assert all(len(h) == 16 for h in h2)
     raw = bytes(range(16)) + bytes(16)
     assert hex_keys("ns/", raw) == ["ns/" + raw[:16].hex(), "ns/" + raw[16:].hex()]  # trailing zeros kept
+
+
+def test_l2_ring_pushes_out_the_oldest_keys() -> None:
+    r = L2Ring(4)
+    assert r.add(np.array([1, 2, 3], np.uint64)).tolist() == [] and r.held().tolist() == [1, 2, 3]
+    assert r.add(np.array([4, 5], np.uint64)).tolist() == [1]
+    assert sorted(r.held().tolist()) == [2, 3, 4, 5]
+    assert r.add(np.array([6, 7, 8], np.uint64)).tolist() == [2, 3, 4]
+    seen = []
+    assert sorted(r.contents(lambda: seen.append(1))["l2"].tolist()) == [5, 6, 7, 8] and seen == [1]
 
 
 @pytest.mark.parametrize(
