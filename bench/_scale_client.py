@@ -16,9 +16,13 @@ and writes its samples to the config's `out` file.
 One request of the trace (session s, turn t; `n` pages: the shared system prompt, the session's
 earlier turns, this turn's new pages), as a pipeline-parallel prefill with `stages` stages does it
 on the pool's metadata path:
+    index     (with a global index) one query: every instance's cached prefix per tier
     acquire   stage 0: one `batch_is_exist` over every stage's keys + the lock (one etcd txn)
     join      stages 1..S-1: one etcd get each (the locked length)
     put       every stage: one `batch_put_from` of its missing tail (small pages)
+    events    (with a global index) the request's pages enter this instance's simulated L2 (`L2Ring`;
+              the oldest leave) and its computed pages were written to L3: KV events through
+              `KvEventPublisher`, which batches them (one message per linger), never a call here
     report    stages S-1..1, then 0: one txn each; the non-last ones keep the lease alive (one
               keep-alive each), the last one revokes the lease
 The calls are counted per request on this (the request) thread, by kind (`CallCounter`): every

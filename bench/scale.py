@@ -11,31 +11,38 @@ row says `pool: loopback`), each agent donating `--segment-size` (default 32MB, 
 16 MiB minimum: 64 agents hold 2 GiB of segments and ~110 MB of process each, bounded for a
 24 GiB host; the run is refused up front when the agents would not fit in the available memory).
 Then:
-  idle    `--idle-seconds` with no client: what the agents alone cost the master and etcd (pings,
-          lease keep-alives): CPU s and request rates, the per-agent background
+  index   with the global index in this tree (`--index auto`), `l3pool index` runs per row as its own
+          process, subscribed to the clients' KV events and polling etcd for them and the members
+  idle    `--idle-seconds` with no client: what the agents alone (and the index's polls) cost the
+          master and etcd (pings, lease keep-alives): CPU s and request rates, the per-agent background
   loaded  `--clients` simulated prefill clients (processes, `bench/_scale_client.py`) replay an
           agentic trace's metadata traffic open-loop at `--rate` requests/s each for `--seconds`:
-          per request one lookup + PP lock (stage 0), joins, one put of small pages per stage,
-          reports; plus each client lists the members every `--members-every` s
+          per request one index query, one lookup + PP lock (stage 0), joins, one put of small pages
+          per stage, the request's KV events (its simulated L2 and its L3 writes), reports; plus each
+          client lists the members every `--members-every` s
 and per row reports: master and etcd CPU seconds (from /proc/<pid>/stat) and request rates (their
 own Prometheus counters), what one request costs them (RPCs and CPU ms: loaded minus idle rate),
-lookup / lock / join / put / release / member-list p50 and p99, agents' and servers' resident
-memory, the machine's busy share split into this run's processes (`own_cpu_share`) and everything
-else on the host (`other_cpu_share`), whether the row was CPU-saturated (machine >= 90 % busy, or
-the clients fell behind their schedule: `clients_behind`), and `ran_on` (hostname, cores).
+index query / lookup / lock / join / put / release / member-list p50 and p99, event lag p50/p99
+(the index's own: publisher send to applied), index memory (its table's bytes) and CPU, agents'
+and servers' resident memory, the machine's busy share split into this run's processes
+(`own_cpu_share`) and everything else on the host (`other_cpu_share`), whether the row was
+CPU-saturated (machine >= 90 % busy, or the clients fell behind their schedule: `clients_behind`),
+and `ran_on` (hostname, cores).
 
 Per-request metadata cost is a constant number of batched calls, counted on every request (each
-client wraps its store's and etcd clients' call paths) and asserted: S + 1 Mooncake calls (one
-`batch_is_exist` over all stages' keys, one `batch_put_from` per stage) and 3S + 1 etcd calls (lock
-txn, S-1 joins, S reports, S-1 keep-alives, one revoke, and the one lease each lock lives under),
-whatever the request's page count or the pool's size; `calls_constant` is false (exit status 1)
-when any request differed. `index_query_*`, `event_lag_*` and `index_memory_*` stay null until the
-global index (l3pool.index) and KV events exist in this tree (`index` says why).
+client wraps its store's, etcd clients' and index client's call paths) and asserted: S + 1
+Mooncake calls (one `batch_is_exist` over all stages' keys, one `batch_put_from` per stage), 3S + 1
+etcd calls (lock txn, S-1 joins, S reports, S-1 keep-alives, one revoke, and the one lease each
+lock lives under) and one index query, whatever the request's page count or the pool's size;
+`calls_constant` is false (exit status 1) when any request differed. The KV events are not calls:
+they leave batched (`event_messages_per_request` <= 1). Without the index the index columns are
+null and `index` says why.
 
-Everything started is torn down on the way out (Ctrl-C and errors too): client processes by pid,
-the cluster through LocalCluster.close (processes, namespaces, links, etcd data). Time is bounded:
-each row takes about cluster start + idle + client setup + seconds + teardown, every wait has a
-deadline, and the estimate is printed before the first row.
+Everything started is torn down on the way out (Ctrl-C and errors too): the client processes and
+the index by their process groups (pids this run started), the cluster through LocalCluster.close
+(processes, namespaces, links, etcd data). Time is bounded: each row takes about cluster start +
+idle + index and client setup + seconds + teardown, every wait has a deadline, the estimate is
+printed before the first row and `--max-minutes` refuses a run whose estimate is longer.
 """
 
 from __future__ import annotations
@@ -502,7 +509,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def estimate_s(args: argparse.Namespace) -> float:
     """Rough wall time of the run: per row cluster start (~0.3 s per agent on 2 cores) + idle + client
     setup + loaded window + teardown."""
-    return sum(5 + 0.3 * n + 1 + args.idle_seconds + 5 + args.seconds + 8 for n in args.agents)
+    return sum(5 + 0.3 * n + 1 + args.idle_seconds + 5 + 5 * args.index_on + args.seconds + 8 for n in args.agents)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -524,16 +531,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.index == "on" and why:
             raise UserError(f"--index on: {why}", "pip install 'l3pool[index]', or --index off")
         args.index_on = args.index != "off" and why is None
-        if args.index_on:
-            progress("loading the native extension (the index table)")
-            prepare()
-
         for n in args.agents:
             check_memory(n, parse_size(args.segment_size, "--segment-size"))
         est = estimate_s(args)
         if args.max_minutes and est > 60 * args.max_minutes:
             raise UserError(f"the run would take ~{est / 60:.1f} min, over --max-minutes {args.max_minutes:g}",
                             "fewer --agents or a shorter --seconds")  # fmt: skip
+        if args.index_on:
+            progress("loading the native extension (the index table; a first build takes minutes)")
+            prepare()
         progress(f"rows {args.agents}; ~{est / 60:.1f} min in all")
         config = {
             "clients": args.clients, "rate_per_client": args.rate, "seconds": args.seconds,
