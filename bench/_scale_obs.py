@@ -160,6 +160,7 @@ FIGURES: dict[str, tuple[str, str, list[tuple[str, str]], bool]] = {
             ("lock_p50_ms", "lock p50"),
             ("lock_p99_ms", "lock p99"),
             ("members_p99_ms", "member list p99"),
+            ("index_query_p50_ms", "index query p50"),
             ("index_query_p99_ms", "index query p99"),
             ("event_lag_p99_ms", "event lag p99"),
         ],

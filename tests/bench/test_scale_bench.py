@@ -59,7 +59,7 @@ def test_tiny_run_json_contract(tiny: tuple[int, dict[str, Any], Path]) -> None:
         assert isinstance(row[k], float) and row[k] > 0, k
     assert row["index_memory_mib"] == pytest.approx(40.0 * 2**20 / 2**20, rel=0.01)  # 40 B/page x 1 Mi pages
     assert row["index_entries"] > 0 and row["index_hit_ratio"] > 0.9 and row["events_dropped_pages"] == 0
-    assert 0 < row["event_messages_per_request"] <= 1.0  # batched: at most one message per request
+    assert 0 < row["event_messages_per_request"] <= 1.2  # batched: one message per request (+ idle heartbeats)
     # open loop: 2 clients x 10 req/s x 2 s, each request's calls counted; every one the same
     assert 36 <= row["requests"] <= 40 and row["put_failed"] == 0 and row["client_errors"] == 0
     want = calls_per_request(2, index=True)
