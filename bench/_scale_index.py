@@ -53,7 +53,7 @@ class IndexProcess:
         self.log = log
         with open(log, "ab") as f:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=f, text=True,
-                                         env=python_env(), start_new_session=True)  # fmt: skip
+                                         env=python_env(), cwd=log.parent, start_new_session=True)  # fmt: skip
         self.pid = self.proc.pid
         self.endpoint = ""
         try:
