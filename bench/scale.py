@@ -23,7 +23,7 @@ Then:
 and per row reports: master and etcd CPU seconds (from /proc/<pid>/stat) and request rates (their
 own Prometheus counters), what one request costs them (RPCs and CPU ms: loaded minus idle rate),
 index query / lookup / lock / join / put / release / member-list p50 and p99, event lag p50/p99
-(the index's own: publisher send to applied), index memory (its table's bytes) and CPU, agents'
+(the index's own: oldest queued event of a message to applied), index memory (its table's bytes) and CPU, agents'
 and servers' resident memory, the machine's busy share split into this run's processes
 (`own_cpu_share`) and everything else on the host (`other_cpu_share`), whether the row was
 CPU-saturated (machine >= 90 % busy, or the clients fell behind their schedule: `clients_behind`),
