@@ -16,7 +16,7 @@ import os
 import platform
 import socket
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,7 +102,7 @@ class Snapshot:
     jiffies: tuple[int, int]
 
 
-def snapshot(t: float, pids: dict[str, Sequence[int]], admin_url: str, etcd: str) -> Snapshot:
+def snapshot(t: float, pids: Mapping[str, Sequence[int]], admin_url: str, etcd: str) -> Snapshot:
     cpu = {role: sum(c for p in ps if (c := cpu_seconds(p)) is not None) for role, ps in pids.items()}
     return Snapshot(t, cpu, master_requests(admin_url), master_exist_items(admin_url), etcd_requests(etcd),
                     machine_jiffies())  # fmt: skip
@@ -219,7 +219,7 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str | Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         drawn = 0
         for key, label in series:
-            pts = [(x, r.get(key)) for x, r in zip(xs, rows, strict=True) if isinstance(r.get(key), (int, float))]
+            pts = [(x, float(r[key])) for x, r in zip(xs, rows, strict=True) if isinstance(r.get(key), (int, float))]
             pts = [(x, y) for x, y in pts if not logy or y > 0]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)

@@ -209,7 +209,7 @@ def merge_clients(results: list[dict[str, Any]], stages: int, index: bool = Fals
         seen.update(r["per_request_calls"])
     shapes = {(*(int(x) for x in k.split(",")), 0)[:4] for k in seen}  # master, etcd, lease, index
     fg_leases = sum(int(k.split(",")[2]) * n for k, n in seen.items())
-    bg = Counter()
+    bg: Counter[str] = Counter()
     for r in results:
         bg.update(r["background_calls"])
     requests = sum(r["requests"] for r in results)
