@@ -173,6 +173,7 @@ FIGURES: dict[str, tuple[str, str, list[tuple[str, str]], bool]] = {
             ("master_cpu_per_s", "mooncake_master"),
             ("etcd_cpu_per_s", "etcd"),
             ("agents_cpu_per_s", "all agents"),
+            ("index_cpu_per_s", "l3pool index"),
             ("idle_master_cpu_per_s", "master, idle pool"),
             ("idle_etcd_cpu_per_s", "etcd, idle pool"),
         ],

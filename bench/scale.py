@@ -355,6 +355,7 @@ def run_row(agents: int, args: argparse.Namespace, base: Path) -> dict[str, Any]
             loaded["etcd_cpu_s"], idle["etcd_cpu_s"] / idle["wall_s"] * wall, part["requests"]
         ),
         "index_cpu_s": loaded.get("index_cpu_s"),
+        "index_cpu_per_s": _per_s(loaded["index_cpu_s"], wall) if "index_cpu_s" in loaded else None,
         "index_rss_mib": round(sum(rss["index"]) * mib, 1) if "index" in rss else None,
         "master_rss_mib": round(sum(rss["master"]) * mib, 1),
         "etcd_rss_mib": round(sum(rss["etcd"]) * mib, 1),
