@@ -215,6 +215,7 @@ class KvEventPublisher:
         if flat:
             self._seq += 1
         msg = encode_events(self.instance, self.epoch, self._seq, self.namespace, flat, keys, first)
+        self._last_send = time.monotonic()  # also on failure: the loop's heartbeat timer must not spin
         try:
             self._pub.send(msg, zmq.NOBLOCK)
         except zmq.Again:  # a subscriber's queue is full: it sees the gap
@@ -228,7 +229,6 @@ class KvEventPublisher:
             self.pages += n
             metrics.KV_EVENTS_SENT.inc()
             metrics.KV_EVENT_PAGES.inc(n)
-        self._last_send = time.monotonic()
 
     def _run(self) -> None:
         zmq = _zmq()

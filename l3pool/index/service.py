@@ -14,7 +14,8 @@ repeated or older seq: duplication or reordering; another epoch: the instance re
 not live (queries stop answering for it: no stale state) and resynchronises. A snapshot that does
 not come in `snapshot_timeout_s` (dead or wedged instance) is asked for again after `retry_s`
 (doubling to 5 s) while the instance stays registered; its entries vanish when its kv_events key
-does (lease ended, deregistered). A restarted index starts from nothing and resynchronises every
+does (lease ended, deregistered); an instance silent for `silent_s` (no heartbeat) stops being
+answered for until a snapshot comes again. A restarted index starts from nothing and resynchronises every
 registered instance before answering for it. While etcd is unreachable the last known sources
 are kept. A pool member leaving drops every L3 hint (GlobalIndex.clear_pool).
 """
@@ -78,6 +79,7 @@ class _Source:
     epochs: int = 0
     events: int = 0
     last_error: str = ""
+    last_seen: float = 0.0  # monotonic time of its last message (events, heartbeat, snapshot)
 
 
 class IndexService:
@@ -91,12 +93,17 @@ class IndexService:
         snapshot_timeout_s: float = 2.0,
         retry_s: float = 0.5,
         age_s: float | None = None,
+        silent_s: float = 3.0,
     ) -> None:
-        if not poll_s > 0 or not snapshot_timeout_s > 0 or not retry_s > 0:
-            raise ValueError("poll_s, snapshot_timeout_s and retry_s must be > 0")
+        """`silent_s`: a live instance from which nothing (not even a heartbeat, every 1 s by
+        default) came for this long stops being answered for and is resynchronised (its entries
+        stay until its registration ends: it may only be partitioned)."""
+        if not poll_s > 0 or not snapshot_timeout_s > 0 or not retry_s > 0 or not silent_s > 0:
+            raise ValueError("poll_s, snapshot_timeout_s, retry_s and silent_s must be > 0")
         zmq = _zmq()
         self.index, self.metadata = index, metadata
         self.poll_s, self.snapshot_timeout_s, self.retry_s = poll_s, snapshot_timeout_s, retry_s
+        self.silent_s = silent_s
         self.age_s = age_s if age_s is not None else index.l3_ttl_s / 4
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -245,6 +252,9 @@ class IndexService:
                 s.retry_at = now + s.backoff
             elif not s.live and s.dealer is None and now >= s.retry_at:
                 self._ask_snapshot(iid, s)
+            elif s.live and now - s.last_seen > self.silent_s:
+                s.last_error = f"silent for {now - s.last_seen:.1f} s"
+                self._resync(iid, s)
 
     def _commands(self, poller: Any) -> None:
         while True:
@@ -344,6 +354,7 @@ class IndexService:
             return
         self.refused_keys += self.index.replace(iid, snap.namespace, snap.tiers)
         s.epoch, s.seq, s.backoff, s.last_error = snap.epoch, snap.seq, 0.0, ""
+        s.last_seen = time.monotonic()
         pending, s.buffer = sorted(s.buffer, key=lambda b: b.seq), []
         for b in pending:
             if b.epoch != s.epoch or b.seq <= s.seq:  # another process's, or covered by the snapshot
@@ -382,6 +393,7 @@ class IndexService:
             if s is None:
                 self.unknown_messages += 1
                 continue
+            s.last_seen = time.monotonic()
             if not s.live:
                 if s.dealer is not None:
                     s.buffer.append(b)

@@ -32,6 +32,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 NATIVE = ("l2core/native/csrc/bindings.cpp", "l2core/native/csrc/cpu_kernels.cpp", "l2core/native/csrc/cuda_kernels.cu",
           "l2core/native/csrc/page_index.cpp", "l2core/native/include/page_index.h",
+          "l2core/native/csrc/kv_index.cpp", "l2core/native/include/kv_index.h",
           "l2core/native/include/l2core_kernels.h", "l2core/py.typed", "l3pool/py.typed")  # fmt: skip
 
 

@@ -225,3 +225,48 @@ def test_malformed_registrations_are_skipped(md: Metadata) -> None:
         pub.close()
     with pytest.raises(ValueError, match="instance id"):
         md.kv_source_key("bad/id")
+
+
+def test_concurrent_requests_leave_the_index_equal_to_the_cache() -> None:
+    """4 threads run requests on one cache (evicting all the time); its events, queued under the
+    cache's lock, keep their order: afterwards the index holds exactly the cache's tiers."""
+    import threading
+
+    e = Engine(CacheConfig(), l1_pages=24, l2_pages=40)
+    pub = KvEventPublisher("conc", "ns", heartbeat_s=0.2)
+    svc = IndexService(GlobalIndex(10_000), snapshot_timeout_s=1.0, retry_s=0.2).start()
+    try:
+        pub.attach(e.cache)
+        svc.set_sources({"conc": pub.info()})
+        assert svc.wait_live(["conc"], 10)
+        base = chain(40, 4)
+        errors: list[BaseException] = []
+
+        def worker(w: int) -> None:
+            try:
+                for j in range(12):
+                    e.run(f"w{w}-{j}", chain(100 * w + j, 3, base if j % 2 else None))
+            except BaseException as ex:  # reported below
+                errors.append(ex)
+
+        ts = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert not errors, errors
+        e.cache.flush()
+        held = {}
+        for tier, t in (("l1", e.cache.t1), ("l2", e.cache.t2)):
+            held[tier] = t.key64_of(np.flatnonzero(t.cached).astype(np.int64))
+        counts = lambda: svc.index.stats()["instances"]["conc"]  # noqa: E731
+        eventually(lambda: (counts()["l1_pages"], counts()["l2_pages"]) == (len(held["l1"]), len(held["l2"])), 10)
+        for tier, keys in held.items():
+            if len(keys):
+                h = svc.index.query(keys, "ns").of("conc")  # every page the cache holds is indexed in its tier
+                assert (h.l1 if tier == "l1" else h.l2) == len(keys), tier
+        assert svc.status()["instances"]["conc"]["gaps"] == 0 and pub.stats()["dropped_ops"] == 0
+    finally:
+        svc.close()
+        pub.close()
+        e.close()

@@ -119,7 +119,7 @@ def inst() -> Iterator[Instance]:
 
 @pytest.fixture
 def svc() -> Iterator[IndexService]:
-    s = IndexService(GlobalIndex(10_000), snapshot_timeout_s=0.5, retry_s=0.1).start()
+    s = IndexService(GlobalIndex(10_000), snapshot_timeout_s=0.5, retry_s=0.1, silent_s=60).start()
     yield s
     s.close()
 
@@ -314,3 +314,14 @@ def test_a_failing_apply_is_reported_and_resynced(svc: IndexService, inst: Insta
     inst.send(inst.event((0, 1, KEYS[:6])))
     eventually(lambda: svc.status()["loop_errors"] == 1 and _matches(svc, inst) and _st(svc, inst.iid)["live"])
     assert svc.index.query(np.array(KEYS, np.uint64), "ns").of("inst-a").l1 == 6  # from the resync's snapshot
+
+
+def test_a_silent_instance_stops_being_answered_for(inst: Instance) -> None:
+    with IndexService(GlobalIndex(1000), snapshot_timeout_s=0.3, retry_s=0.1, silent_s=0.5) as svc:
+        inst.event((0, 1, KEYS[:5]))
+        _join(svc, inst)
+        inst.serving = False  # it hangs: no events, no heartbeats, no snapshots
+        eventually(lambda: "inst-a" not in svc.index.query(np.array(KEYS, np.uint64), "ns").per_instance, 5)
+        assert svc.index.stats()["entries"] == 5  # kept until its registration ends
+        inst.serving = True  # it answers again: the snapshot makes it live
+        eventually(lambda: _matches(svc, inst), 5)

@@ -1,0 +1,44 @@
+"""bench.index smoke run: tiny sizes, the JSON contract, `correct` false (exit 1) when the index
+answers wrong, and one-line refusals of bad sizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import index as bench_index
+from l3pool.index.table import GlobalIndex
+
+pytestmark = pytest.mark.usefixtures("native")
+TINY = ["--instances", "4", "--pages", "2000", "--queries", "60", "--hot", "4", "--client-queries", "10"]
+
+
+def test_index_bench_json_contract(tmp_path: Path) -> None:
+    out = tmp_path / "index.json"
+    assert bench_index.main([*TINY, "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["correct"] is True and r["device"] == "cpu" and r["entries"] == 4 * 2000 + 4 * 512
+    for key in ("ingest_pages_per_s", "ingest_thread_cpu_pages_per_s", "query_p50_ms", "query_p99_ms",
+                "native_query_p99_ms", "client_query_p99_ms", "bytes_per_page"):  # fmt: skip
+        assert r[key] > 0, key
+    assert 40.0 <= r["bytes_per_page"] < 41 and set(r["targets"]) >= {"ingest_pages_per_s>=5e6", "query_p99_ms<=1"}
+
+
+def test_wrong_answers_make_it_fail(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real = GlobalIndex.query
+
+    def off_by_one(self: GlobalIndex, hashes: object, namespace: str = "") -> object:
+        h = real(self, hashes, namespace)
+        return type(h)(h.pages, h.pool_l3, {n: type(t)(0, 0, t.l3) for n, t in h.per_instance.items()})
+
+    monkeypatch.setattr(GlobalIndex, "query", off_by_one)
+    assert bench_index.main([*TINY, "--client-queries", "0", "--json"]) == 1
+
+
+@pytest.mark.parametrize("args", [["--pages", "10"], ["--batch", "0"], ["--client-queries", "-1"]])
+def test_bad_sizes_are_refused(args: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench_index.main(args)
+    assert e.value.code == 2
