@@ -70,6 +70,7 @@ from bench._scale_index import IndexProcess, available, prepare, row_fields
 from bench._scale_obs import plot, ran_on, rss_bytes, snapshot, window
 from l3pool.cli import (
     ArgumentParser,
+    Terminated,
     UserError,
     guarded,
     nonneg_float,
@@ -92,6 +93,10 @@ _LOADER = (
 AGENT_PROCESS_BYTES = 120 << 20  # one agent's resident memory besides its segment (measured ~108 MB)
 SPARE_LEASES = 2  # StageLocks' default spares: the lease count of a window may lag the requests by this much
 SAMPLES = ("index_query", "lookup", "lock", "acquire", "join", "put", "release", "request", "members")
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()  # cli.guarded reports it as "terminated (SIGTERM)", exit 143, after the unwinding
 
 
 def progress(msg: str) -> None:
@@ -572,4 +577,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C: clients, index and cluster are torn down
+    signal.signal(signal.SIGTERM, _terminate)
     sys.exit(guarded(PROG, main))

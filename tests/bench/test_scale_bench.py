@@ -234,7 +234,10 @@ def _ours(marker: str) -> list[int]:
     return pids
 
 
-def test_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sig", "code", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
+def test_ctrl_c_or_sigterm_tears_everything_down(tmp_path: Path, sig: int, code: int, word: str) -> None:
     state = tmp_path / "state"
     netns = os.geteuid() == 0 and shutil.which("ip") is not None  # else the cluster runs on loopback
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout if netns else ""
@@ -251,12 +254,12 @@ def test_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
             if "loaded window" in line or time.monotonic() > deadline:
                 break
         assert _ours(str(state)), "the run should have processes up by now"
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig)
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode == 130 and "interrupted" in err, err[-2000:]
+    assert p.returncode == code and word in err, err[-2000:]
     deadline = time.monotonic() + 10
     while _ours(str(state)) and time.monotonic() < deadline:
         time.sleep(0.2)
