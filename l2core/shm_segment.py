@@ -376,7 +376,6 @@ class Segment:
                 return "rank 0 is still faulting its pages in"
             got = (_u64(hdr, _F["group_size"]), _u64(hdr, _F["data_bytes"]), _u64(hdr, _F["num_pages"]))
             if got != (size, data_bytes, num_pages):
-                os.close(fd)
                 raise SegmentError(
                     f"segment {path}: rank 0 made it for tp_size={got[0]}, {got[1]} bytes, {got[2]} pages; rank {rank} "
                     f"expects tp_size={size}, {data_bytes} bytes, {num_pages} pages (the ranks' configs differ)"
@@ -384,8 +383,7 @@ class Segment:
             total = _u64(hdr, _F["total_bytes"])
             mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            os.close(fd)
             raise
         seg = cls(path, fd, mm, rank, False)
         seg._claim()
