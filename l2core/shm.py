@@ -84,7 +84,9 @@ class SharedHostMemory(HostMemory):
         nbytes = parse_size(size, "host memory size")
         self.group = group
         self.placement_nodes: list[int] = []
-        node = group.numa_node if group.numa_node is not None else (_cpu_node() if group.placement == "socket" else None)
+        node = (
+            group.numa_node if group.numa_node is not None else (_cpu_node() if group.placement == "socket" else None)
+        )
         if group.rank == 0:
             self.segment = Segment.create(
                 group.name, group.size, nbytes, num_pages, directory=group.directory, placement=group.placement,

@@ -290,7 +290,8 @@ class Segment:
                     st = _stale(path)
                     if st is False:
                         raise SegmentError(
-                            f"TP group {group!r}: segment {path} is in use by a live rank 0 (another group of that name?)"
+                            f"TP group {group!r}: segment {path} is in use by a live rank 0 "
+                            "(another group of that name?)"
                         ) from None
                     with contextlib.suppress(FileNotFoundError):
                         path.unlink()  # a dead group's: re-create cleanly
@@ -302,7 +303,8 @@ class Segment:
                 if free < total:
                     raise ShmTooSmall(
                         f"{d} has {_fmt(free)} free but the TP-shared L2 pool of group {group!r} needs "
-                        f"{_fmt(total)} ({total} bytes): enlarge it (docker run --shm-size={-(-total // (1 << 30)) + 1}g, "
+                        f"{_fmt(total)} ({total} bytes): enlarge it "
+                        f"(docker run --shm-size={-(-total // (1 << 30)) + 1}g, "
                         f"or mount -o remount,size=... {d}) or shrink the pool"
                     )
                 os.ftruncate(fd, total)
@@ -508,5 +510,12 @@ if __name__ == "__main__":
 
 
 __all__ = [
-    "TPGroup", "Divergence", "SegmentError", "Segment", "ShmTooSmall", "check_group", "cleanup_stale", "segment_path",
+    "Divergence",
+    "Segment",
+    "SegmentError",
+    "ShmTooSmall",
+    "TPGroup",
+    "check_group",
+    "cleanup_stale",
+    "segment_path",
 ]  # fmt: skip
