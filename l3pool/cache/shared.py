@@ -74,7 +74,11 @@ class SharedTieredCache(TieredCache):
             return
         hk, pk, dst = todo
         hits = self.t1.hits[pk].copy()
-        job = self._engine.submit_backup(self.slots(pk), dst)  # rank 0 copies; the rest complete at once
+        try:
+            job = self._engine.submit_backup(self.slots(pk), dst)  # rank 0 copies; the rest complete at once
+        except BaseException:
+            self.l2.free(dst)
+            raise
         self._backed_up(hk, dst, hits, reason)  # indexed now, on every rank alike
         if self.rank:
             self._stats.d2h_bytes -= len(hk) * self.page_bytes  # no bytes moved on this rank
