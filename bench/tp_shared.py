@@ -5,7 +5,8 @@
 For each TP size, TP rank processes (spawned; with --device cuda they share the one GPU) run the
 same request trace through their own cache controller, one variant after another:
   shared     one `SharedTieredCache` per rank over ONE shared L2 pool of `--l2-pages` pages
-             (l2core.shm; rank 0 copies D2H, every rank loads), digests compared every request;
+             (l2core.shm; rank 0 copies D2H, every rank loads), digests compared across the
+             ranks every `--check-every` requests (any difference fails the run);
   per_rank   one `TieredCache` per rank over its own pool, the same total host memory split over
              the ranks: `--l2-pages / TP` pages each (what a TP group of private pools gets);
   per_rank_x one `TieredCache` per rank over `--l2-pages` pages each: TP times the memory, the
@@ -17,6 +18,9 @@ Row fields: `effective_capacity_pages` (distinct pages the group can hold in L2)
 `d2h_submissions` (device -> host bytes and copy jobs, all ranks together, per request),
 `hit_rate` (L1 + L2 hit pages / pages requested, rank 0; every rank has the same by the SPMD
 invariant, checked), `host_bytes_total` (host memory of the group's pools), `memory_factor`.
+The per-rank variants wait for their backups after each request (`flush()`): the base
+controller indexes a backup when its copy completes, so without the wait the ranks' hit rates
+differ by timing (not SPMD; SGLang evens them out with an all-reduce MIN over the ranks).
 `targets`: capacity x TP and D2H bytes / TP (against per_rank_x: the same effective capacity,
 hence the same misses) within 2 %, and TP=8 shared's hit rate >= per_rank_x's (8x the memory).
 """
@@ -27,6 +31,7 @@ import argparse
 import datetime as dt
 import multiprocessing as mp
 import os
+import queue
 import sys
 import time
 import uuid
@@ -35,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from bench._pool_cli import add_report_args, check_out, emit_report
+from l3pool.cli import UserError
 
 VARIANTS = ("shared", "per_rank", "per_rank_x")
 
@@ -67,6 +73,7 @@ def _variant(args: argparse.Namespace, tp: int, rank: int, group: str, variant: 
     from l3pool.pool.keys import page_hashes
 
     dev = torch.device(args.device)
+    torch.set_num_threads(1)  # TP processes share the host's cores: one copy thread each
     spec = KVSpec.mla(args.layers, page_size=args.page_size)
     P = spec.page_size
     shared = variant == "shared"
@@ -108,9 +115,15 @@ def _variant(args: argparse.Namespace, tp: int, rank: int, group: str, variant: 
                 b[s] = float(step % 7)  # "compute" the rest
             cache.commit(rid, hs, h.l1_pages)
             cache.release(rid)
+            if not shared:
+                # the base controller indexes a backup when its copy completes: without this wait
+                # the ranks' hit rates differ by timing (measured: 0.054 vs 0.060 at TP=8 on 2
+                # busy cores); with it every backup is in L2 before the next request, which is
+                # when the shared controller indexes it too (at submit), so the variants compare
+                cache.flush()
             hit += h.hit_pages
             total += len(hs)
-            if shared and args.check:
+            if shared and args.check_every and (step + 1) % args.check_every == 0:
                 cache.tp_check(step, timeout=60.0)  # type: ignore[attr-defined]
         cache.flush()
         if dev.type == "cuda":
@@ -142,9 +155,12 @@ def run_tp(args: argparse.Namespace, tp: int) -> dict[str, dict[int, dict[str, A
     deadline = time.monotonic() + args.timeout
     try:
         for _ in range(want):
-            r, v, res = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            try:
+                r, v, res = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise UserError(f"TP={tp}: the ranks did not finish within --timeout {args.timeout} s") from None
             if v == "error":
-                raise RuntimeError(f"TP={tp} rank {r}: {res}")
+                raise UserError(f"TP={tp} rank {r}: {res}")
             got.setdefault(v, {})[r] = res
     finally:
         for p in procs:
@@ -160,7 +176,7 @@ def rows_of(tp: int, got: dict[str, dict[int, dict[str, Any]]], args: argparse.N
         r0 = ranks[0]
         rates = {round(x["hit_pages"] / x["pages"], 9) for x in ranks.values()}
         if len(rates) != 1:
-            raise RuntimeError(f"TP={tp} {v}: ranks saw different hit rates {sorted(rates)} (not SPMD)")
+            raise UserError(f"TP={tp} {v}: ranks saw different hit rates {sorted(rates)} (not SPMD)")
         n = args.requests
         pools = 1 if v == "shared" else tp
         out.append({
@@ -202,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     add_report_args(p)
     p.add_argument("--tp", default="1,2,4,8", help="TP sizes, comma-separated")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the ranks' L1 lives")
-    p.add_argument("--requests", type=int, default=160)
+    p.add_argument("--requests", type=int, default=128)
     p.add_argument("--docs", type=int, default=48)
     p.add_argument("--doc-pages", type=int, default=12)
     p.add_argument("--suffix-pages", type=int, default=2)
@@ -211,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--l2-pages", type=int, default=256, help="host pages of the group in all (shared / per_rank)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--no-check", dest="check", action="store_false", help="skip the per-request digest check")
-    p.add_argument("--timeout", type=float, default=170.0, help="seconds per TP size")
+    p.add_argument("--check-every", type=int, default=16, help="requests between cross-rank digest checks (0: none)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per TP size")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
@@ -224,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("requests", "docs", "doc_pages", "suffix_pages", "l1_pages", "layers", "page_size"):
         if getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
+    if args.check_every < 0 or args.timeout <= 0:
+        p.error("--check-every must be >= 0 and --timeout > 0")
     if args.l1_pages < args.doc_pages + args.suffix_pages:
         p.error("--l1-pages must hold one request (--doc-pages + --suffix-pages)")
     if any(args.l2_pages // t < args.doc_pages + args.suffix_pages for t in tps):
