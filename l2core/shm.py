@@ -211,11 +211,34 @@ class SharedTransferEngine:
         deadline = time.monotonic() + (self.ready_timeout_s if timeout is None else timeout)
         pause = 1e-5
         while not self.seg.ready(pages, gens).all():
+            if self.writer and self._publish_done():
+                continue
             if time.monotonic() >= deadline:
                 return False
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         return True
+
+    def _publish_done(self) -> bool:
+        """Rank 0: publish the generations of every finished backup not yet collected, without
+        collecting it (its waiter, e.g. the cache's backup thread, may itself wait for a lock the
+        caller of wait_ready holds). True if anything new was published."""
+        with self._lock:
+            jobs = [(j, p, g) for j, (k, p, g) in self._mine.items() if k == "backup"]
+        new = False
+        for j, pages, gens in jobs:
+            try:
+                res = self.inner.poll(j)
+            except KeyError:
+                continue  # collected meanwhile: _settle published it
+            if res is None or not res.ok:
+                continue
+            cur = self.want[pages] == gens
+            fresh = cur & ~self.seg.ready(pages, gens)
+            if fresh.any():
+                self.seg.publish(pages[fresh], gens[fresh])
+                new = True
+        return new
 
     def submit_load(self, slots: Any, pages: np.ndarray | Sequence[int]) -> int:
         p = np.asarray(pages, dtype=np.int64).reshape(-1)

@@ -241,3 +241,20 @@ def test_engine_refuses_a_private_pool() -> None:
     with pytest.raises(ConfigError, match="SharedHostMemory"):
         SharedTransferEngine(pool, shm_ranks.bufs(0))
     pool.close()
+
+
+def test_rank0_load_does_not_wait_for_its_backup_to_be_collected(group: str) -> None:
+    """Rank 0 loads pages whose backup finished but was not collected (the cache's backup thread
+    may be waiting for the lock the loading thread holds): the load publishes and goes on."""
+    pool = HostKVPool(L2Config(kv=SPEC, tokens=PAGES * 16, shared=TPGroup(group, 0, 1), pin="never"))
+    src = shm_ranks.bufs(3)
+    a, b = shm_ranks.slots_of([0, 1, 2]), shm_ranks.slots_of([10, 11, 12])
+    with SharedTransferEngine(pool, src, ready_timeout_s=5.0) as eng:
+        pages = pool.alloc(3)
+        jb = eng.submit_backup(a, pages)  # nobody waits for it before the load
+        t0 = time.monotonic()
+        (r,) = eng.wait([eng.submit_load(b, pages)], timeout=10)
+        assert r.ok and time.monotonic() - t0 < 4
+        assert shm_ranks.digest_of(src, b) == shm_ranks.digest_of(src, a)
+        assert eng.wait([jb])[0].ok
+    pool.close()
