@@ -43,6 +43,8 @@ from l3pool.pool.pplock import StageLocks
 
 
 class SharedTieredCache(TieredCache):
+    _tp_shared = True
+
     def __init__(
         self, cfg: CacheConfig, l1: L1, l2: HostKVPool, l3: L3Client | None = None, locks: StageLocks | None = None
     ) -> None:

@@ -13,14 +13,14 @@ from ..cache_helpers import Engine, chain
 STEPS = 16
 
 
-def main(name: str, rank: int, size: int, q: Any, diverge: tuple[int, int] | None) -> None:
+def main(name: str, rank: int, size: int, q: Any, diverge: tuple[int, int] | None, every: int = 1) -> None:
     try:
-        _run(name, rank, size, q, diverge)
+        _run(name, rank, size, q, diverge, every)
     except BaseException as e:
         q.put((rank, "error", f"{type(e).__name__}: {e}"))
 
 
-def _run(name: str, rank: int, size: int, q: Any, diverge: tuple[int, int] | None) -> None:
+def _run(name: str, rank: int, size: int, q: Any, diverge: tuple[int, int] | None, every: int) -> None:
     cfg = CacheConfig(tp_shared=True, tp_group=name, tp_rank=rank, tp_size=size, load_timeout_s=30.0)
     eng = Engine(cfg, l1_pages=16, l2_pages=48)
     # L2 poison is per-process test scaffolding: on a shared pool a rank would poison pages another
@@ -35,6 +35,8 @@ def _run(name: str, rank: int, size: int, q: Any, diverge: tuple[int, int] | Non
             hits += m.l2
             if diverge is not None and (rank, step) == diverge:
                 eng.run("extra", chain(999, 4))  # this rank alone: its allocator decides differently
+            if (step + 1) % every:
+                continue  # free-running: a rank > 0 may be ahead of rank 0 and wait for its copies
             try:
                 eng.cache.tp_check(step, timeout=30.0)
                 steps.append("ok")

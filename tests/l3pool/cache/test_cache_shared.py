@@ -15,7 +15,7 @@ import torch
 from l2core.pool import HostKVPool, L2Config
 from l2core.shm_segment import segment_path
 from l2core.spec import ConfigError
-from l3pool.cache import L1, CacheConfig, SharedTieredCache, build
+from l3pool.cache import L1, CacheConfig, SharedTieredCache, TieredCache, build
 
 from ..cache_helpers import SPEC, Engine
 from . import shared_ranks
@@ -23,10 +23,12 @@ from . import shared_ranks
 CTX = mp.get_context("spawn")
 
 
-def _ranks(size: int, diverge: tuple[int, int] | None = None, timeout: float = 120.0) -> dict[int, Any]:
+def _ranks(size: int, diverge: tuple[int, int] | None = None, every: int = 1, timeout: float = 120.0) -> dict[int, Any]:
     name = f"c-{uuid.uuid4().hex[:10]}"
     q = CTX.Queue()
-    procs = [CTX.Process(target=shared_ranks.main, args=(name, r, size, q, diverge), daemon=True) for r in range(size)]
+    procs = [
+        CTX.Process(target=shared_ranks.main, args=(name, r, size, q, diverge, every), daemon=True) for r in range(size)
+    ]
     for p in procs:
         p.start()
     got: dict[int, Any] = {}
@@ -50,10 +52,13 @@ def _ranks(size: int, diverge: tuple[int, int] | None = None, timeout: float = 1
     return got
 
 
-def test_ranks_share_one_l2_copy_with_identical_bookkeeping() -> None:
-    got = _ranks(3)
+@pytest.mark.parametrize("every", [1, shared_ranks.STEPS])
+def test_ranks_share_one_l2_copy_with_identical_bookkeeping(every: int) -> None:
+    """every=1: digests compared (and the ranks in step) every request; every=STEPS: the ranks
+    run free until the last request, so a rank > 0 loads pages rank 0 may still be copying."""
+    got = _ranks(3, every=every)
     steps0, hits0, tp0, d2h0, cached0 = got[0]
-    assert steps0 == ["ok"] * shared_ranks.STEPS  # every step's digests agreed on all 3 ranks
+    assert steps0 == ["ok"] * (shared_ranks.STEPS // every)  # the digests agreed on all 3 ranks
     assert hits0 > 0, "the trace never hit L2: it tests nothing"
     assert tp0["d2h_submissions"] > 0 and tp0["d2h_bytes"] == d2h0 > 0
     for r in (1, 2):
@@ -96,6 +101,8 @@ def test_shared_cache_needs_a_shared_pool_and_no_l3() -> None:
         SharedTieredCache(cfg, L1(bufs, SPEC.page_size), pool)
     with pytest.raises(ConfigError, match="tp_shared = true"):
         SharedTieredCache(CacheConfig(), L1(bufs, SPEC.page_size), pool)
+    with pytest.raises(ConfigError, match="use SharedTieredCache"):
+        TieredCache(cfg, L1(bufs, SPEC.page_size), pool)  # the plain controller would copy on every rank
     pool.close()
     with pytest.raises(ConfigError, match="L1 \\+ L2 only"):
         build(L1(bufs, SPEC.page_size), SPEC, l2_tokens=64, cache=cfg, store=object(), namespace=object())  # type: ignore[arg-type]
