@@ -78,14 +78,14 @@ def _variant(args: argparse.Namespace, tp: int, rank: int, group: str, variant: 
     P = spec.page_size
     shared = variant == "shared"
     l2_pages = args.l2_pages // tp if variant == "per_rank" else args.l2_pages
-    cfg = CacheConfig(
-        l1_to_l2="write_through", l2_to_l3="write_through", ghost_capacity=0,
-        **({"tp_shared": True, "tp_group": group, "tp_rank": rank, "tp_size": tp} if shared else {}),
-    )  # fmt: skip
+    tp_kw: dict[str, Any] = {"tp_shared": True, "tp_group": group, "tp_rank": rank, "tp_size": tp} if shared else {}
+    cfg = CacheConfig(l1_to_l2="write_through", l2_to_l3="write_through", ghost_capacity=0, **tp_kw)
     bufs = [torch.zeros(args.l1_pages * P, 1, spec.dim, dtype=spec.torch_dtype, device=dev) for _ in range(args.layers)]
     stack = build(L1(bufs, P), spec, l2_tokens=l2_pages * P, cache=cfg, pin="auto")
     cache = stack.cache
-    eng = cache._engine.inner if shared else cache._engine  # the device-facing TransferEngine
+    eng: Any = cache._engine
+    if shared:
+        eng = eng.inner  # SharedTransferEngine -> the device-facing TransferEngine
     subs = [0, 0]
     submit = eng.submit_backup
 
