@@ -495,13 +495,18 @@ def janitor(path: str, ino: int, size: int, poll_s: float = 0.1) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    if len(argv) == 4 and argv[0] == "janitor":
-        return janitor(argv[1], int(argv[2]), int(argv[3]))
-    if len(argv) in (1, 2) and argv[0] == "cleanup":
-        for name in cleanup_stale(*argv[1:]):
-            print(f"removed stale segment {name}")
-        return 0
-    print("usage: python -m l2core.shm_segment cleanup [DIR] | janitor PATH INODE SIZE", file=sys.stderr)
+    prog = "python -m l2core.shm_segment"
+    try:
+        if len(argv) == 4 and argv[0] == "janitor":
+            return janitor(argv[1], int(argv[2]), int(argv[3]))
+        if len(argv) in (1, 2) and argv[0] == "cleanup":
+            for name in cleanup_stale(*argv[1:]):
+                print(f"removed stale segment {name}")
+            return 0
+    except (OSError, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    print(f"usage: {prog} cleanup [DIR] | janitor PATH INODE SIZE", file=sys.stderr)
     return 2
 
 

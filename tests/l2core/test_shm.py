@@ -258,3 +258,23 @@ def test_rank0_load_does_not_wait_for_its_backup_to_be_collected(group: str) -> 
         assert shm_ranks.digest_of(src, b) == shm_ranks.digest_of(src, a)
         assert eng.wait([jb])[0].ok
     pool.close()
+
+
+def test_cleanup_cli_errors_are_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "l2core.shm_segment", *a], capture_output=True, text=True, timeout=60, env=env
+    )
+    r = run("bogus")
+    assert r.returncode == 2 and r.stderr.startswith("usage:")
+    r = run("cleanup", str(tmp_path / "missing"))
+    assert r.returncode == 1 and "error:" in r.stderr and "Traceback" not in r.stderr
+    r = run("cleanup", str(tmp_path))
+    assert r.returncode == 0 and r.stdout == ""
+    import l2core
+
+    assert l2core.TPGroup is TPGroup and l2core.SharedHostMemory is SharedHostMemory
