@@ -66,6 +66,7 @@ class SharedTieredCache(TieredCache):
         self._engine: SharedTransferEngine = SharedTransferEngine(  # type: ignore[assignment]
             l2, l1.bufs, ready_timeout_s=cfg.load_timeout_s
         )
+        self._loads.wait_layer = self._engine.wait_layer  # the handles' per-layer waits go to it too
         self.rank, self.tp_size = g.rank, g.size
         self.shared = mem
 

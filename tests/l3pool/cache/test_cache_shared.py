@@ -121,6 +121,14 @@ def test_single_rank_group_works_in_process() -> None:
     m = eng.run("a2", a)
     assert m.l2 > 0
     assert eng.cache.tp_check(0) == [0]
+    # per-layer waits reach the shared engine (not the replaced one, whose KeyError would turn
+    # every wait_layer into a wait for the whole load)
+    assert eng.cache._loads.wait_layer.__self__ is eng.cache._engine  # type: ignore[attr-defined]
+    seen: list[int] = []
+    real = eng.cache._engine.wait_layer
+    eng.cache._loads.wait_layer = lambda j, i, t: (seen.append(i), real(j, i, t))[1]  # type: ignore[method-assign]
+    eng.run("b2", chain(2, 6))
+    assert seen == list(range(SPEC.num_layers))
     assert eng.used() == (0, 0)
     eng.close()
     assert not segment_path(cfg.tp_group).exists()
