@@ -8,8 +8,10 @@ Order matters and is fixed here:
   5. pin through the accelerator's provider (`l2core.devices.pinning_provider`; CUDA:
      cudaHostRegister) when there is one (pinning first would prevent huge-page merging).
 
-`HostMemory._map()` is the one place that creates the mapping: a `/dev/shm` MAP_SHARED variant
-for TP-shared pools is a subclass that overrides it.
+`HostMemory._map()` is the one place that creates the mapping; `_place()` (3.) and
+`_first_touch()` (4.) are the steps a subclass may change: `l2core.shm.SharedHostMemory`, the
+`/dev/shm` MAP_SHARED variant for TP-shared pools, maps a file at a fixed offset (`_align =
+False`), interleaves it over the NUMA nodes and lets only its creator touch (zero) it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 _MPOL_BIND = 2
+_MPOL_INTERLEAVE = 3
 _MPOL_MF_STRICT = 1
 _MPOL_MF_MOVE = 2
 _SYS_MBIND = {"x86_64": 237, "aarch64": 235}
@@ -72,15 +75,15 @@ class HostMemory:
         self.numa_node = numa_node
         self._mm, offset = self._map(self.nbytes + HUGE_PAGE)
         self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
-        offset += (-(self._base.data_ptr() + offset)) % HUGE_PAGE
+        if self._align:
+            offset += (-(self._base.data_ptr() + offset)) % HUGE_PAGE
         self.tensor = self._base[offset : offset + self.nbytes]
         self.ptr = self.tensor.data_ptr()
         self.hugepages = hugepages and hasattr(mmap, "MADV_HUGEPAGE")
         if self.hugepages:
             self._mm.madvise(mmap.MADV_HUGEPAGE, offset, self.nbytes)
-        if numa_node is not None:
-            _mbind(self.ptr, self.nbytes, numa_node)
-        self.tensor.zero_()  # first touch: fault in huge pages on the bound node
+        self._place()
+        self._first_touch()
         self.pinned = False
         if pinner is not None:
             try:
@@ -101,13 +104,26 @@ class HostMemory:
             self.pinned,
         )
 
+    _align = True  # move the usable range to the next 2 MiB boundary of the mapping's address
+    _HUGE_FIELD = "AnonHugePages"
+
+    def _place(self) -> None:
+        """Step 3: NUMA placement of the range (before any page faults in)."""
+        if self.numa_node is not None:
+            _mbind(self.ptr, self.nbytes, self.numa_node)
+
+    def _first_touch(self) -> None:
+        """Step 4: fault the pages in (as huge pages, on the bound node)."""
+        self.tensor.zero_()
+
     def _map(self, length: int) -> tuple[mmap.mmap, int]:
         """Create the mapping; returns it and the offset where usable memory may start."""
         return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), 0
 
     def hugepage_bytes(self) -> int:
-        """Bytes of this allocation backed by transparent huge pages (AnonHugePages in smaps)."""
-        return _smaps_field(self.ptr, self.ptr + self.nbytes, "AnonHugePages")
+        """Bytes of this allocation backed by transparent huge pages (AnonHugePages in smaps;
+        ShmemPmdMapped for a shared mapping)."""
+        return _smaps_field(self.ptr, self.ptr + self.nbytes, self._HUGE_FIELD)
 
     def close(self) -> None:
         if self._mm is None:
@@ -138,23 +154,54 @@ def _check_numa_node(node: int) -> None:
         raise ConfigError(f"NUMA node {node} does not exist on this machine")
 
 
+def online_nodes() -> list[int]:
+    """The online NUMA nodes (/sys/devices/system/node/online, e.g. "0-1,3"); [0] without NUMA."""
+    try:
+        text = Path("/sys/devices/system/node/online").read_text().strip()
+    except OSError:
+        return [0]
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out or [0]
+
+
 def _mbind(addr: int, length: int, node: int) -> None:
+    _mbind_nodes(addr, length, [node], _MPOL_BIND, _MPOL_MF_STRICT | _MPOL_MF_MOVE, f"to NUMA node {node}")
+
+
+def mbind_interleave(addr: int, length: int, nodes: list[int] | None = None) -> list[int]:
+    """MPOL_INTERLEAVE of [addr, addr + length) over `nodes` (default: every online node), before
+    its pages fault in; for a shared file mapping the policy lives with the file. Returns the
+    nodes. One node: nothing to interleave, no call."""
+    nodes = online_nodes() if nodes is None else nodes
+    if len(nodes) > 1:
+        _mbind_nodes(addr, length, nodes, _MPOL_INTERLEAVE, 0, f"interleave over NUMA nodes {nodes}")
+    return nodes
+
+
+def _mbind_nodes(addr: int, length: int, nodes: list[int], mode: int, flags: int, what: str) -> None:
     nr = _SYS_MBIND.get(platform.machine())
     if nr is None:
         raise ConfigError(f"NUMA binding is not supported on {platform.machine()}")
-    mask = ctypes.c_ulong(1 << node)
+    bits = 0
+    for n in nodes:
+        bits |= 1 << n
+    words = max(1, -(-(max(nodes) + 1) // 64))
+    mask = (ctypes.c_ulong * words)(*[(bits >> (64 * i)) & (2**64 - 1) for i in range(words)])
     libc = ctypes.CDLL(None, use_errno=True)
     rc = libc.syscall(
         nr,
         ctypes.c_void_p(addr),
         ctypes.c_ulong(length),
-        _MPOL_BIND,
-        ctypes.byref(mask),
-        ctypes.c_ulong(64),
-        _MPOL_MF_STRICT | _MPOL_MF_MOVE,
+        mode,
+        mask,
+        ctypes.c_ulong(64 * words),
+        flags,
     )
     if rc != 0:
-        raise OSError(ctypes.get_errno(), f"mbind to NUMA node {node} failed: {os.strerror(ctypes.get_errno())}")
+        raise OSError(ctypes.get_errno(), f"mbind {what} failed: {os.strerror(ctypes.get_errno())}")
 
 
 _SMAPS_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")

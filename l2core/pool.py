@@ -22,6 +22,7 @@ import torch
 from .allocator import AllocatorStats, PageAllocator
 from .layout import LAYOUTS, HostLayout, LayoutName
 from .memory import HostMemory, PinMode
+from .shm_segment import TPGroup
 from .spec import ConfigError, KVSpec, parse_size
 from .units import check_int
 
@@ -41,6 +42,8 @@ class L2Config:
     numa_node: int | None = None
     pin: PinMode = "auto"
     hugepages: bool = True
+    # a TP group sharing one host copy (l2core.shm): the pool's memory is a /dev/shm segment
+    shared: TPGroup | None = None
     num_pages: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -60,6 +63,10 @@ class L2Config:
                 raise ConfigError(f"size {self.size!r} is smaller than one page ({self.kv.page_bytes} bytes)")
         if self.pin not in ("auto", "always", "never"):
             raise ConfigError(f"pin must be 'auto', 'always' or 'never', got {self.pin!r}")
+        if self.shared is not None:
+            object.__setattr__(self, "shared", TPGroup.from_dict(self.shared))
+            if self.numa_node is not None:
+                raise ConfigError("a TP-shared pool places its pages by shared.placement/numa_node, not numa_node")
         object.__setattr__(self, "num_pages", pages)
 
     @classmethod
@@ -131,6 +138,12 @@ class HostKVPool:
         self.config = config
         self.layout = HostLayout(config.kv, config.layout, config.num_pages)
         self._owns_memory = memory is None
+        if memory is None and config.shared is not None:
+            from .shm import SharedHostMemory  # only TP-shared pools need it
+
+            memory = SharedHostMemory(
+                self.layout.total_bytes, config.shared, config.num_pages, pin=config.pin, hugepages=config.hugepages
+            )
         self.memory = memory or HostMemory(
             self.layout.total_bytes, numa_node=config.numa_node, pin=config.pin, hugepages=config.hugepages
         )

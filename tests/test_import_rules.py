@@ -47,12 +47,14 @@ NEVER: list[tuple[str, str, str]] = [
 ]
 # nothing outside the demo imports it (the CLI loads its subcommand by dotted name, not by import)
 PRIVATE = {"l3pool.demo": "the demo is an application: nothing imports it"}
-# modules a decode node imports without torch: neither they nor anything they import names torch
+# modules a decode node imports without torch (and the TP-shared segment janitor, which starts as
+# its own process): neither they nor anything they import names torch
 TORCH_FREE_ROOTS = (
     "l3pool.agent",
     "l3pool.cli",
     "l3pool.tools.inspect",
     "l3pool.pool.metadata",
+    "l2core.shm_segment",
     "l3pool.pool.admin",
     "l3pool.values",
     "l3pool.pool.kv_events",

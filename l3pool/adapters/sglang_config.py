@@ -27,6 +27,9 @@ Extra-config keys (unknown keys are refused with a ConfigError naming them):
 | stats_interval | number | 5.0 | seconds between stats publications to etcd |
 | client_id | str | generated | id under which stats are published (suffixes -r/-w) |
 | clear_force | bool | true | `clear()` also removes pages under a read lease (see `clear`) |
+| tp_shared | bool | false | MLA: the TP group keeps one shared host copy (l2core.shm); needs tp_group |
+| tp_group | str | none | the instance's TP-group name, the same on its ranks (each PP stage gets `-pp<rank>`) |
+| tp_placement | "interleave"/"socket" | "interleave" | NUMA placement of the shared copy |
 
 SGLang's Mooncake backend names are accepted too, so a user switching backends keeps their
 config: `master_server_address` (= master), `global_segment_size` (= segment_size), `device_name`
@@ -71,6 +74,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from l2core.shm_segment import TPGroup, check_group
 from l2core.spec import ConfigError
 from l2core.units import parse_size
 from l3pool.pool.etcd import security_mapping
@@ -159,6 +163,9 @@ class BackendConfig:
     stats_interval: float = 5.0
     client_id: str | None = None
     clear_force: bool = True
+    tp_shared: bool = False
+    tp_group: str | None = None
+    tp_placement: str = "interleave"
     etcd_security: dict[str, str] = field(default_factory=dict)  # files are read when connecting
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -192,6 +199,7 @@ class BackendConfig:
             raise ConfigError(f"extra-config 'master' {master!r}: expected host:port")
         s = {k: _typed(extra, k, (str,), None) for k in ("metadata_server", "local_hostname", "protocol")}
         s |= {k: _typed(extra, k, (str,), None) for k in ("rdma_devices", "key_prefix", "tenant", "client_id")}
+        s |= {"tp_group": _typed(extra, "tp_group", (str,), None)}
         s |= {"etcd": _typed(extra, "etcd", (str,), None), "model": _typed(extra, "model", (str,), None)}
         mode = _typed(extra, "layer_first_mode", (str,), "multi")
         if mode not in ("multi", "staging"):
@@ -214,8 +222,23 @@ class BackendConfig:
             if not 0 <= layers[0] < layers[1]:
                 raise ConfigError(f"extra-config 'layers' {layers!r}: need 0 <= begin < end")
             layers = (layers[0], layers[1])
+        tp_shared = _typed(extra, "tp_shared", (bool,), False)
+        tp_group = _typed(extra, "tp_group", (str,), None)
+        placement = _typed(extra, "tp_placement", (str,), "interleave")
+        if placement not in ("interleave", "socket"):
+            raise ConfigError(f"extra-config 'tp_placement' must be 'interleave' or 'socket', got {placement!r}")
+        if tp_shared and not tp_group:
+            raise ConfigError(
+                "extra-config 'tp_shared' needs 'tp_group' (the instance's name, the same on its TP ranks)"
+            )
+        if tp_group is not None and not tp_shared:
+            raise ConfigError("extra-config 'tp_group' without \"tp_shared\": true")
+        if tp_group is not None:
+            check_group(f"{tp_group}-pp0", 0, 1)  # the name's characters and length, before any rank
         return cls(
             master=master,
+            tp_shared=tp_shared,
+            tp_placement=placement,
             segment_size=_sglang_size(extra["segment_size"]) if sglang_sized else _size(extra, "segment_size", 0),
             local_buffer_size=_size(extra, "local_buffer_size", 16 << 20),
             checksum=_typed(extra, "checksum", (bool,), False),
@@ -228,6 +251,15 @@ class BackendConfig:
             extra={k: extra[k] for k in SGLANG_KEYS if k in extra},
             **{k: v for k, v in s.items() if v is not None},
         )
+
+    def tp_shared_group(self, tp_rank: int, tp_size: int, pp_rank: int, is_mla: bool) -> TPGroup | None:
+        """This rank's TP group for a shared L2 copy (None without `tp_shared`): MLA only (MHA
+        ranks hold different heads), one group per PP stage."""
+        if not self.tp_shared:
+            return None
+        if not is_mla:
+            raise ConfigError("extra-config 'tp_shared' needs an MLA model: MHA TP ranks hold different KV heads")
+        return TPGroup(f"{self.tp_group}-pp{int(pp_rank)}", int(tp_rank), int(tp_size), placement=self.tp_placement)
 
     def rank_segment_bytes(self, tp_size: int, pp_size: int) -> int:
         """What one rank donates: `segment_size // (tp_size * pp_size)`, as SGLang's Mooncake

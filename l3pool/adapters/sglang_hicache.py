@@ -101,6 +101,9 @@ class L3PoolStorage(HiCacheStorage):
         if not self.model:
             raise ConfigError("no model fingerprint: give extra-config 'model' (SGLang passed no model name)")
         self.is_writer = bool(cfg.is_storage_writer)
+        # MLA + tp_shared: the TP group's one host copy (l2core.shm); validated here, before any
+        # connection. Only the storage writer rank writes L3 (below); rank 0 alone fills the copy.
+        self.tp_group = self.config.tp_shared_group(cfg.tp_rank, cfg.tp_size, cfg.pp_rank, bool(cfg.is_mla_model))
         self.stats = AdapterStats()
         self._stats_lock = threading.Lock()
         self._write_lock = threading.Lock()

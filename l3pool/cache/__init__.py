@@ -25,6 +25,7 @@ See README.md for the policies and their measured costs.
 from l3pool.cache.config import CacheConfig, PrefetchPolicy, WritePolicy
 from l3pool.cache.controller import LoadHandle, TieredCache
 from l3pool.cache.index import GhostList, TierIndex
+from l3pool.cache.shared import SharedTieredCache
 from l3pool.cache.stack import CacheStack, build
 from l3pool.cache.types import (
     L1,
@@ -50,6 +51,7 @@ __all__ = [
     "Match",
     "PPShortLoad",
     "PrefetchPolicy",
+    "SharedTieredCache",
     "TierIndex",
     "TieredCache",
     "UnknownRequest",

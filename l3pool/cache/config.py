@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from l2core.shm_segment import check_group
 from l2core.spec import ConfigError
 from l2core.units import check_int
 from l3pool.cache.policy import PREFETCH_POLICIES, WRITE_POLICIES
@@ -45,6 +46,9 @@ class CacheConfig:
     `writer_linger_ms` for a batch to fill, and writes a batch as up to `writer_parallel`
     concurrent puts (give the L3Client at least that `max_concurrency`). `pp_join_timeout_s`:
     how long a stage > 0 waits for stage 0's lock.
+    `tp_shared`: the L2 pool is one host copy shared by the TP group `tp_group` (MLA: the ranks'
+    latent KV is bit-identical); this process is rank `tp_rank` of `tp_size`. Rank 0 alone copies
+    D2H, every rank loads the same pages (l3pool.cache.shared, l2core.shm).
     """
 
     l1_to_l2: WritePolicy = "write_through"
@@ -60,6 +64,10 @@ class CacheConfig:
     writer_parallel: int = 4
     pp_join_timeout_s: float = 5.0
     load_timeout_s: float = 60.0
+    tp_shared: bool = False
+    tp_group: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         _choice("l1_to_l2", self.l1_to_l2, WRITE_POLICIES)
@@ -75,6 +83,12 @@ class CacheConfig:
         check_int("writer_parallel", self.writer_parallel, 1)
         _num("pp_join_timeout_s", self.pp_join_timeout_s, 0.0)
         _num("load_timeout_s", self.load_timeout_s, 0.0)
+        if not isinstance(self.tp_shared, bool):
+            raise ConfigError(f"tp_shared must be true or false, got {self.tp_shared!r}")
+        if self.tp_shared:
+            check_group(self.tp_group, self.tp_rank, self.tp_size)
+        elif self.tp_group or self.tp_rank or self.tp_size != 1:
+            raise ConfigError("tp_group / tp_rank / tp_size describe a TP-shared L2: set tp_shared = true too")
         if self.prefetch_max_batch_pages < self.prefetch_batch_pages:
             raise ConfigError(
                 f"prefetch_max_batch_pages ({self.prefetch_max_batch_pages}) must be >= "

@@ -48,6 +48,8 @@ _WAIT_COMPLETE = WaitComplete()
 
 
 class TieredCache:
+    _tp_shared = False
+
     def __init__(
         self,
         cfg: CacheConfig,
@@ -58,6 +60,8 @@ class TieredCache:
     ) -> None:
         if not isinstance(cfg, CacheConfig):
             raise ConfigError(f"cfg must be a CacheConfig, got {type(cfg).__name__}")
+        if cfg.tp_shared and not self._tp_shared:  # the TP-shared controller is l3pool.cache.shared's
+            raise ConfigError("tp_shared = true: use SharedTieredCache (l3pool.cache.build() picks it)")
         check_roles(("l2", l2, HostPages, "l2core's HostKVPool"), ("l3", l3, L3Pages, "L3Client"),
                     ("locks", locks, StageLockService, "StageLocks"))  # fmt: skip
         if not isinstance(l1, L1) or not l1.bufs or not isinstance(l1.bufs[0], torch.Tensor):

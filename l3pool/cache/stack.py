@@ -12,7 +12,9 @@ caller's: a stack never closes them. Rules checked here, at construction, with o
   writer's parallel parts would queue behind each other;
 - its batches hold at least 64 pages and at least the writer's batch (`writer_batch_pages`), so a
   writer batch is one put (the client still cuts it to Mooncake's transfer limit);
-- a store needs a namespace, a namespace a store; PP stage locks need an L3 client.
+- a store needs a namespace, a namespace a store; PP stage locks need an L3 client;
+- `cache.tp_shared`: the pool is the TP group's shared segment (l2core.shm) and the controller a
+  `SharedTieredCache` (L1 + L2 only for now).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2core.pool import HostKVPool, L2Config, PinMode
+from l2core.shm_segment import TPGroup
 from l2core.spec import ConfigError, KVSpec
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.controller import TieredCache
+from l3pool.cache.shared import SharedTieredCache
 from l3pool.cache.types import L1
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace
@@ -93,7 +97,10 @@ def build(
                 f"max_concurrency {conc} < the cache's writer_parallel {cfg.writer_parallel}: "
                 "the writer's parallel puts would wait for each other's buffer slots"
             )
-    pool = HostKVPool(L2Config(kv=spec, layout=l2_layout, tokens=l2_tokens, pin=pin))  # type: ignore[arg-type]
+    if cfg.tp_shared and (store is not None or locks is not None):
+        raise ConfigError("tp_shared supports L1 + L2 only for now (no L3 tier, no PP stage locks)")
+    shared = TPGroup(cfg.tp_group, cfg.tp_rank, cfg.tp_size) if cfg.tp_shared else None
+    pool = HostKVPool(L2Config(kv=spec, layout=l2_layout, tokens=l2_tokens, pin=pin, shared=shared))  # type: ignore[arg-type]
     l3: L3Client | None = None
     try:
         if store is not None and namespace is not None:
@@ -101,7 +108,7 @@ def build(
                 pool, store, namespace, metadata=metadata, client_id=client_id, batch_pages=batch,
                 max_concurrency=conc,
             )  # fmt: skip
-        tc = TieredCache(cfg, l1, pool, l3, locks)
+        tc = (SharedTieredCache if cfg.tp_shared else TieredCache)(cfg, l1, pool, l3, locks)
     except BaseException:
         if l3 is not None:
             l3.close()

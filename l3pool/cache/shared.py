@@ -1,0 +1,143 @@
+"""`SharedTieredCache`: the tiered cache of one TP rank over a TP-shared L2 pool (l2core.shm).
+
+For MLA models every TP rank holds the bit-identical latent KV, so the group keeps one L2 copy:
+rank 0 copies D2H into the shared pool, every rank loads the same pages. `stack.build()` makes
+this class when `CacheConfig.tp_shared` is set (with `tp_group`, `tp_rank`, `tp_size`).
+
+**SPMD-deterministic bookkeeping (the invariant).** Each rank keeps its own L1/L2 allocators
+and indexes; they stay identical because every decision depends only on the calls (same calls,
+same arguments, same order on every rank: the TP ranks run one scheduler), never on timing:
+- an L1 -> L2 backup is indexed in L2 when it is *submitted*, on every rank (the base class
+  indexes it when the copy completes, which differs per rank); its L1 pages are not pinned for
+  the copy (pins would make L1 evictability timing-dependent): rank 0 instead waits for its
+  in-flight copies before an evicted L1 page is reused;
+- the bytes' readiness is not bookkeeping: a load waits until rank 0 published the generation of
+  every source page (`l2core.shm.SharedTransferEngine`), and fails rather than serve a page that
+  changed under it.
+`tp_check(step)` publishes a digest of both allocators, both indexes (keys, LRU order, hit
+counts) and the page generations in the shared segment and raises `Divergence` when another
+rank's digest for the same step differs. Call it at the same point of every step.
+
+Not supported yet (ConfigError): an L3 tier and PP stage locks (the prefetcher allocates L2
+pages on its own thread at times that differ per rank, and L3 writes would read pages before
+rank 0's copy completed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from l2core.allocator import PageAllocator
+from l2core.pool import HostKVPool
+from l2core.shm import Divergence, SharedHostMemory, SharedTransferEngine, state_digest
+from l2core.spec import ConfigError
+from l3pool.cache._internal import _EMPTY, _Backup
+from l3pool.cache.config import CacheConfig
+from l3pool.cache.controller import TieredCache
+from l3pool.cache.index import TierIndex
+from l3pool.cache.types import L1
+from l3pool.pool.client import L3Client
+from l3pool.pool.pplock import StageLocks
+
+
+class SharedTieredCache(TieredCache):
+    _tp_shared = True
+
+    def __init__(
+        self, cfg: CacheConfig, l1: L1, l2: HostKVPool, l3: L3Client | None = None, locks: StageLocks | None = None
+    ) -> None:
+        if not isinstance(cfg, CacheConfig) or not cfg.tp_shared:
+            raise ConfigError("SharedTieredCache needs a CacheConfig with tp_shared = true")
+        mem = getattr(l2, "memory", None)
+        if not isinstance(mem, SharedHostMemory):
+            raise ConfigError("tp_shared needs an L2 pool over shared memory: L2Config(shared=TPGroup(...))")
+        g = mem.group
+        if (g.name, g.rank, g.size) != (cfg.tp_group, cfg.tp_rank, cfg.tp_size):
+            raise ConfigError(
+                f"the L2 pool belongs to TP group {g.name!r} rank {g.rank}/{g.size}, the cache config says "
+                f"{cfg.tp_group!r} rank {cfg.tp_rank}/{cfg.tp_size}"
+            )
+        if l3 is not None or locks is not None:
+            raise ConfigError("tp_shared supports L1 + L2 only for now (no L3 tier, no PP stage locks)")
+        super().__init__(cfg, l1, l2, l3, locks)
+        self._engine.close()  # the base engine copies on every rank: replaced by the shared one
+        self._engine: SharedTransferEngine = SharedTransferEngine(  # type: ignore[assignment]
+            l2, l1.bufs, ready_timeout_s=cfg.load_timeout_s
+        )
+        self._loads.wait_layer = self._engine.wait_layer  # the handles' per-layer waits go to it too
+        self.rank, self.tp_size = g.rank, g.size
+        self.shared = mem
+
+    # -- deterministic backups ---------------------------------------------------------------------
+    def _backup(self, hs: list[bytes], l1p: np.ndarray, reason: str) -> None:
+        todo = self._l2_targets(hs, l1p, "L1 -> L2 backup")
+        if todo is None:
+            return
+        hk, pk, dst = todo
+        hits = self.t1.hits[pk].copy()
+        try:
+            job = self._engine.submit_backup(self.slots(pk), dst)  # rank 0 copies; the rest complete at once
+        except BaseException:
+            self.l2.free(dst)
+            raise
+        self._backed_up(hk, dst, hits, reason)  # indexed now, on every rank alike
+        if self.rank:
+            self._stats.d2h_bytes -= len(hk) * self.page_bytes  # no bytes moved on this rank
+        with self._bk_idle:
+            self._bk_inflight += 1
+        # the backup thread only collects the job (rank 0: publishes the pages' generations)
+        self._backups.put(_Backup(job, [], _EMPTY, _EMPTY, reason, _EMPTY))
+
+    def _write_back_l1(self, hs: list[bytes], victims: np.ndarray) -> None:
+        before = self._stats.d2h_bytes
+        super()._write_back_l1(hs, victims)  # indexes at once (the engine's job is synchronous)
+        if self.rank:
+            self._stats.d2h_bytes = before  # no bytes moved on this rank
+
+    def _evict_l1(self, n: int) -> np.ndarray:
+        victims = super()._evict_l1(n)
+        if self.rank == 0 and self._engine.backups_in_flight():
+            # their L1 pages were not pinned: the copies must be done before a victim is reused
+            self._engine.drain_backups(self.cfg.load_timeout_s)
+        return victims
+
+    # -- the cross-rank check ------------------------------------------------------------------------
+    def tp_digest(self) -> int:
+        """64-bit digest of this rank's bookkeeping: allocators, indexes, page generations."""
+        with self._mu:
+            return state_digest(
+                *_alloc_state(self.l2.allocator), *_index_state(self.t2),
+                *_alloc_state(self._l1_alloc), *_index_state(self.t1), self._engine.want,
+            )  # fmt: skip
+
+    def tp_check(self, step: int, timeout: float = 0.0) -> list[int]:
+        """Publish this rank's digest for `step` and compare it with the other ranks' (those that
+        reached `step`; `timeout` > 0: wait that long for all). Raises Divergence (also recorded
+        as a background error) when they differ. Returns the ranks compared."""
+        try:
+            return self.shared.check_step(step, self.tp_digest(), timeout)
+        except Divergence as e:
+            self._error(str(e))
+            raise
+
+    def stats(self) -> dict[str, Any]:
+        d = super().stats()
+        e = self._engine
+        d["tp_shared"] = {
+            "group": self.shared.group.name, "rank": self.rank, "size": self.tp_size,
+            "d2h_submissions": e.submissions, "d2h_bytes": e.d2h_bytes, "skipped_backups": e.skipped_backups,
+        }  # fmt: skip
+        return d
+
+
+def _alloc_state(a: PageAllocator) -> tuple[np.ndarray, np.ndarray]:
+    with a.holding_free():
+        return a._stack[: a.free_pages].copy(), a._used.copy()
+
+
+def _index_state(t: TierIndex) -> tuple[np.ndarray, bytes, np.ndarray, np.ndarray]:
+    pages = np.flatnonzero(t.cached).astype(np.int64)
+    keys = b"".join(t.keys_of(pages)) if pages.size else b""
+    return pages, keys, t.lru(), t.hits.copy()
