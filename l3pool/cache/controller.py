@@ -306,9 +306,9 @@ class TieredCache:
                     self._stats.l3_read_failures += 1
             if res is not None:
                 fetched = res.pages
-                if res.interrupted:
-                    with self._mu:
-                        self._stats.prefetch_interrupted += 1
+                with self._mu:
+                    self._stats.moved("l3", len(fetched) * self.page_bytes, res.elapsed_s)
+                    self._stats.prefetch_interrupted += int(res.interrupted)
                 if res.error is not None or res.stopped_by not in (None, Outcome.MISS.value):
                     with self._mu:
                         self._stats.l3_read_failures += 1
@@ -550,9 +550,13 @@ class TieredCache:
         if r.load_job is None or r.load_ok is not None:
             return
         try:
-            r.load_ok = self._engine.wait([r.load_job], timeout=self.cfg.load_timeout_s)[0].ok
+            res = self._engine.wait([r.load_job], timeout=self.cfg.load_timeout_s)[0]
         except KeyError:
             r.load_ok = False
+            return
+        with self._mu:
+            r.load_ok = res.ok
+            self._stats.moved("l2", res.nbytes, res.seconds)
 
     def _load_ok(self, rid: str, job: int) -> bool:
         with self._mu:

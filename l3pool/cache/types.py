@@ -89,6 +89,10 @@ class CacheStats:
     backup_skips: dict[str, int] = field(default_factory=lambda: {"l3_slow": 0, "l2_pinned": 0})
     errors: int = 0
     api_s: dict[str, float] = field(default_factory=dict)  # wall time inside each public call
+    # bytes each tier delivered and the seconds its copies ran (l2: L2 -> L1 load jobs, l3: L3 -> L2
+    # prefetches, worker start to last batch): a router's measured bandwidth per tier
+    moved_bytes: dict[str, int] = field(default_factory=lambda: {"l2": 0, "l3": 0})
+    moved_s: dict[str, float] = field(default_factory=lambda: {"l2": 0.0, "l3": 0.0})
 
     def count_request(self, hits: dict[str, int], pages: int, page_bytes: int, page_size: int) -> None:
         """One loaded request: its hit pages per tier (l1, l2, l3) of its `pages` whole pages, here
@@ -106,6 +110,12 @@ class CacheStats:
         metrics.CACHE_MISS_PAGES.inc(miss)
         metrics.CACHE_MISS_TOKENS.inc(miss * page_size)
         metrics.CACHE_REQUESTED_TOKENS.inc(pages * page_size)
+
+    def moved(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A finished copy into the tier above `tier` (caller holds the cache's lock)."""
+        if nbytes > 0 and seconds > 0:
+            self.moved_bytes[tier] += nbytes
+            self.moved_s[tier] += seconds
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
