@@ -30,6 +30,15 @@ NEVER: list[tuple[str, str, str]] = [
         ("l3pool.cache", up, "the cache controller never imports what stands beside or above it")
         for up in ("l3pool.cluster", "l3pool.tools", "l3pool.adapters", "l3pool.agent", "l3pool.cli")
     ),
+    *(
+        ("l3pool.router", up, "the router imports l3pool.index's types and nothing else of l3pool")
+        for up in ("l3pool.cache", "l3pool.pool", "l3pool.cluster", "l3pool.tools", "l3pool.adapters")
+    ),
+    *(
+        ("l3pool.router", up, "the router imports l3pool.index's types and nothing else of l3pool")
+        for up in ("l3pool.agent", "l3pool.cli", "l3pool.demo", "l2core", "torch")
+    ),
+    ("l3pool.index", "l3pool.router", "the index never imports the router that queries it"),
     ("l3pool.tools", "l3pool.adapters", "operator tools never import engine integrations"),
     ("l3pool.cluster", "l3pool.adapters", "the local cluster never imports engine integrations"),
     ("l3pool.agent", "l3pool.adapters", "the decode-node agent never imports engine integrations"),
@@ -38,7 +47,7 @@ NEVER: list[tuple[str, str, str]] = [
 # nothing outside the demo imports it (the CLI loads its subcommand by dotted name, not by import)
 PRIVATE = {"l3pool.demo": "the demo is an application: nothing imports it"}
 # modules a decode node imports without torch: neither they nor anything they import names torch
-TORCH_FREE_ROOTS = ("l3pool.agent", "l3pool.cli", "l3pool.tools.inspect", "l3pool.pool.metadata")
+TORCH_FREE_ROOTS = ("l3pool.agent", "l3pool.cli", "l3pool.tools.inspect", "l3pool.pool.metadata", "l3pool.router")
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -143,6 +152,8 @@ def _plant(tmp: Path, files: dict[str, str]) -> Path:
         ({"l3pool/tools/inspect.py": "from l3pool.adapters import sglang_hicache\n"}, "operator tools never"),
         ({"l3pool/cache/controller.py": "import bench.cache\n"}, "never imports the benchmarks"),
         ({"l3pool/tools/chaos.py": "from l3pool.demo.run import Demo\n"}, "the demo is an application"),
+        ({"l3pool/router/policy.py": "from l3pool.cache import types\n"}, "the router imports l3pool.index"),
+        ({"l3pool/router/policy.py": "def f():\n    import l2core.ops\n"}, "the router imports l3pool.index"),
         (
             {"l3pool/agent.py": "from l3pool.pool import keys\n", "l3pool/pool/keys.py": "import torch\n"},
             "imports torch",

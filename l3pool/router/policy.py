@@ -70,7 +70,9 @@ class Estimate:
 class Policy(Protocol):
     name: str
 
-    def select(self, ests: list[Estimate], session: str | None, page_size: int, tokens: int) -> tuple[int, str, list[float]]:
+    def select(
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
+    ) -> tuple[int, str, list[float]]:
         """(index into `ests` of the pick, reason, cost per estimate)."""
         ...
 
@@ -85,7 +87,9 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turn = 0
 
-    def select(self, ests: list[Estimate], session: str | None, page_size: int, tokens: int) -> tuple[int, str, list[float]]:
+    def select(
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
+    ) -> tuple[int, str, list[float]]:
         k = self._turn % len(ests)
         self._turn += 1
         return k, "round_robin", [float((i - k) % len(ests)) for i in range(len(ests))]
@@ -107,7 +111,9 @@ class DynamoLike:
         prefill = max(e.queued_new_blocks + request_blocks - credit, 0.0)
         return self.w * prefill + e.queued_blocks + request_blocks
 
-    def select(self, ests: list[Estimate], session: str | None, page_size: int, tokens: int) -> tuple[int, str, list[float]]:
+    def select(
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
+    ) -> tuple[int, str, list[float]]:
         blocks = -(-tokens // page_size)
         costs = [self.cost(e, blocks) for e in ests]
         return min(range(len(ests)), key=costs.__getitem__), "lowest_cost", costs
@@ -128,7 +134,9 @@ class CacheAware:
     def home(self, session: str) -> str | None:
         return self._home.get(session)
 
-    def select(self, ests: list[Estimate], session: str | None, page_size: int, tokens: int) -> tuple[int, str, list[float]]:
+    def select(
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
+    ) -> tuple[int, str, list[float]]:
         costs = [e.total_s for e in ests]
         best = min(range(len(ests)), key=costs.__getitem__)
         home = self._home.get(session) if session is not None else None
