@@ -82,16 +82,36 @@ class Policy(Protocol):
 
 
 class RoundRobin:
+    """The candidates in turn. `per_session`: each session rotates on its own — its k-th request
+    goes to candidate (the session's first-seen index + k) mod n — so a session's consecutive
+    requests never share an instance (a balancer without affinity, independent of how sessions
+    interleave; a plain counter over a lock-step trace of S sessions on n instances keeps every
+    session on one instance when n divides S)."""
+
     name = "round_robin"
 
-    def __init__(self) -> None:
+    def __init__(self, per_session: bool = False, sessions: int = 65536) -> None:
+        self.per_session = per_session
         self._turn = 0
+        self._seen: dict[str, list[int]] = {}  # session -> [first-seen index, requests so far]
+        self._cap = sessions
+        self._first = 0
 
     def select(
         self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
     ) -> tuple[int, str, list[float]]:
-        k = self._turn % len(ests)
-        self._turn += 1
+        if self.per_session and session is not None:
+            st = self._seen.get(session)
+            if st is None:
+                st = self._seen[session] = [self._first, 0]
+                self._first += 1
+                if len(self._seen) > self._cap:
+                    self._seen.pop(next(iter(self._seen)))
+            k = (st[0] + st[1]) % len(ests)
+            st[1] += 1
+        else:
+            k = self._turn % len(ests)
+            self._turn += 1
         return k, "round_robin", [float((i - k) % len(ests)) for i in range(len(ests))]
 
     def routed(self, instance: str, session: str | None) -> None:

@@ -144,6 +144,13 @@ class Router:
         b = -(-n // self.page_size)
         self._pending[request_id] = _Pending(instance, w, n, b, b)
 
+    def progress(self, request_id: str, remaining_s: float) -> None:
+        """What is left of a routed request's work (e.g. measured: it started, its end is known)."""
+        p = self._pending.get(request_id)
+        if p is None:
+            raise RouterError(f"unknown request {request_id!r}: never routed or already finished")
+        p.work_s = finite("remaining_s", remaining_s)
+
     # -- routing --------------------------------------------------------------------------------
     def estimate(self, instance: str, tokens: int, prefix: TierPrefix) -> Estimate:
         m = self._get(instance)

@@ -16,6 +16,7 @@ from l3pool.router import (
     DynamoLike,
     InstanceModel,
     PrefetchOrder,
+    RoundRobin,
     Router,
     RouterError,
 )
@@ -265,3 +266,23 @@ def test_bad_input_is_a_clear_error() -> None:
     r.remove("a")  # its queue goes with it
     with pytest.raises(RouterError, match="unknown instance 'a'"):
         r.queued_s("a")
+
+
+def test_round_robin_per_session_rotates_each_session() -> None:
+    r = router(RoundRobin(per_session=True))
+    picks = [r.route(f"q{t}-{s}", TOK, hits(), session=str(s)).instance for t in range(3) for s in range(3)]
+    # session s, turn t -> (s + t) mod 3: never twice in a row on one instance
+    assert picks == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    plain = router(RoundRobin())
+    assert [plain.route(f"q{i}", TOK, hits(), session=str(i % 3)).instance for i in range(6)] == list("abcabc")
+
+
+def test_progress_sets_the_remaining_work() -> None:
+    r = router()
+    r.route("q", TOK, hits(a=(30, 30, 30)))
+    r.progress("q", 0.5)
+    assert r.queued_s("a") == 0.5
+    with pytest.raises(RouterError, match="remaining_s must be a finite number >= 0"):
+        r.progress("q", math.inf)
+    with pytest.raises(RouterError, match="unknown request"):
+        r.progress("zz", 1.0)
