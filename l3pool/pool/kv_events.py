@@ -6,10 +6,11 @@ Keys are 64-bit page keys: the first 8 bytes of the 16-byte page hash, little en
 `hash64` the cache's ghost list uses), carried as one little-endian uint64 buffer per message.
 
 Event message (ZeroMQ PUB, one frame, msgpack array):
-    [1, "ev", instance, epoch, seq, namespace, ops, keys]
+    [1, "ev", instance, epoch, seq, namespace, ops, keys, sent_at]
       ops:  flat list of (tier, op, count) triples, tier 0 = L1, 1 = L2, 2 = L3 (written to the
             pool by this instance); op 1 = store, 0 = remove; applied in order
       keys: bytes, sum(count) * 8 (the ops' keys, concatenated)
+      sent_at: the publisher's wall clock (unix s, float) when it sent the message (event lag)
     `seq` grows by one per message of the instance's `epoch` (a random 63-bit id per publisher
     process). A heartbeat is an event message with no ops and the last seq sent: it lets a
     subscriber see a gap at the tail. A publisher that dropped operations skips a seq number.
@@ -83,6 +84,7 @@ class EventBatch:
     namespace: str
     ops: np.ndarray  # (n, 3) int64: tier, op, count
     keys: np.ndarray  # uint64
+    sent_at: float = 0.0
 
     @property
     def heartbeat(self) -> bool:
@@ -99,7 +101,8 @@ class Snapshot:
 
 
 def encode_events(instance: str, epoch: int, seq: int, namespace: str, ops: list[int], keys: bytes) -> bytes:
-    out: bytes = _msgpack().packb([WIRE_VERSION, "ev", instance, epoch, seq, namespace, ops, keys])
+    msg = [WIRE_VERSION, "ev", instance, epoch, seq, namespace, ops, keys, time.time()]
+    out: bytes = _msgpack().packb(msg)
     return out
 
 
@@ -136,8 +139,10 @@ def _key_buf(b: Any, what: str) -> np.ndarray:
 
 def decode_events(buf: bytes) -> EventBatch:
     msg = _unpack(buf)
-    _check_head(msg, "ev", 8)
-    ops_l, kb = msg[6], msg[7]
+    _check_head(msg, "ev", 9)
+    ops_l, kb, sent_at = msg[6], msg[7], msg[8]
+    if not isinstance(sent_at, (int, float)):
+        raise WireError("sent_at must be a number")
     if not isinstance(ops_l, list) or len(ops_l) % 3 or not all(isinstance(x, int) for x in ops_l):
         raise WireError("ops must be a flat list of (tier, op, count) integer triples")
     ops = np.asarray(ops_l, dtype=np.int64).reshape(-1, 3)
@@ -149,7 +154,7 @@ def decode_events(buf: bytes) -> EventBatch:
             raise WireError(f"ops count {int(ops[:, 2].sum())} keys but the message carries {len(keys)}")
     elif len(keys):
         raise WireError("a heartbeat carries no keys")
-    return EventBatch(msg[2], msg[3], msg[4], msg[5], ops, keys)
+    return EventBatch(msg[2], msg[3], msg[4], msg[5], ops, keys, float(sent_at))
 
 
 def encode_snapshot(instance: str, epoch: int, seq: int, namespace: str, tiers: dict[str, np.ndarray]) -> bytes:
