@@ -63,13 +63,13 @@ class GlobalIndex:
         if not l3_ttl_s > 0:
             raise ValueError(f"l3_ttl_s must be > 0, got {l3_ttl_s!r}")
         self.native: Any = _native.load().KvIndex(capacity_pages, max_instances)
-        self.max_instances = int(self.native.max_instances)
+        self.max_instances = max_instances  # slots handed out; the native masks round up to 64 bits
         self.l3_ttl_s, self._clock, self._t0 = float(l3_ttl_s), clock, clock()
         self._mu = threading.Lock()
         self._slot: dict[str, int] = {}
-        self._name: list[str | None] = [None] * self.max_instances
-        self._free = list(range(self.max_instances - 1, -1, -1))
-        self._live = np.zeros(self.max_instances // 64, dtype=np.uint64)
+        self._name: list[str | None] = [None] * max_instances
+        self._free = list(range(max_instances - 1, -1, -1))
+        self._live = np.zeros(int(self.native.max_instances) // 64, dtype=np.uint64)
         self._salts: dict[str, int] = {}
         self.queries = self.applied_keys = self.pool_clears = 0
 

@@ -130,7 +130,7 @@ def test_publisher_sends_batches_and_snapshot_matches_its_seq(sub: zmq.Socket) -
             assert (b.instance, b.namespace, b.epoch) == ("inst-a", "ns1", pub.epoch)
             if not b.heartbeat:
                 seqs.append(b.seq)
-            for (tier, op, n), ks in zip(b.ops.tolist(), np.split(b.keys, np.cumsum(b.ops[:, 2])[:-1]), strict=False):
+            for (tier, op, _n), ks in zip(b.ops.tolist(), np.split(b.keys, np.cumsum(b.ops[:, 2])[:-1]), strict=False):
                 if tier == 0 and op == kv.STORE:
                     got |= set(ks.tolist())
         assert got == set(hash64(a).tolist())
