@@ -29,22 +29,16 @@ class Model:
         (s.update if store else s.difference_update)(keys)
 
     def query(self, keys: list[int]) -> tuple[int, dict[str, TierPrefix]]:
-        def run(pred) -> int:  # type: ignore[no-untyped-def]
+        def run(*sets: set[int]) -> int:  # leading keys each in one of `sets`
             n = 0
             for k in keys:
-                if not pred(k):
+                if not any(k in s for s in sets):
                     break
                 n += 1
             return n
 
-        pool = run(lambda k: k in self.pool)
-        out = {}
-        for inst, (l1, l2) in self.t.items():
-            out[inst] = TierPrefix(
-                run(lambda k: k in l1),
-                run(lambda k: k in l1 or k in l2),
-                run(lambda k: k in l1 or k in l2 or k in self.pool),
-            )
+        pool = run(self.pool)
+        out = {inst: TierPrefix(run(l1), run(l1, l2), run(l1, l2, self.pool)) for inst, (l1, l2) in self.t.items()}
         return pool, out
 
 
