@@ -137,7 +137,7 @@ class GlobalIndex:
         native call. Returns the keys refused because the table is full."""
         with self._mu:
             s = self._need(instance)
-            refused: int = self.native.apply(s, ops, keys, self._salt(namespace), self._stamp())
+            refused: int = self.native.apply(s, ops, keys64(keys), self._salt(namespace), self._stamp())
             self.applied_keys += len(keys)
             return refused
 

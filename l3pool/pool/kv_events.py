@@ -53,13 +53,13 @@ def _msgpack() -> Any:
 
 
 def keys64(hashes: Any) -> np.ndarray:
-    """64-bit page keys (uint64) of `hashes`: a list of page hashes (bytes, each a multiple of 8
+    """64-bit page keys (contiguous uint64) of `hashes`: a list of page hashes (bytes, each a multiple of 8
     long, all the same length: the first 8 bytes of each), a uint64 array (as is), or a bytes
     buffer of 8-byte keys. ValueError for anything else (wrong lengths, mixed lengths)."""
     if isinstance(hashes, np.ndarray):
         if hashes.dtype != np.uint64 or hashes.ndim != 1:
             raise ValueError(f"page keys must be a 1-d uint64 array, got {hashes.dtype} of shape {hashes.shape}")
-        return hashes
+        return np.ascontiguousarray(hashes)
     if isinstance(hashes, (bytes, bytearray, memoryview)):
         b = bytes(hashes)
         if len(b) % 8:
@@ -73,7 +73,7 @@ def keys64(hashes: Any) -> np.ndarray:
     lens = set(map(len, hs))
     if len(lens) != 1 or (n := lens.pop()) < 8 or n % 8:
         raise ValueError(f"page hashes must all be 8, 16, ... bytes long, got lengths {sorted(set(map(len, hs)))}")
-    return np.frombuffer(b"".join(hs), dtype="<u8")[:: n // 8]
+    return np.ascontiguousarray(np.frombuffer(b"".join(hs), dtype="<u8")[:: n // 8])
 
 
 @dataclass

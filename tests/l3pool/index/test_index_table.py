@@ -95,6 +95,13 @@ def test_hashes_of_16_bytes_and_keys_agree() -> None:
     gi.apply("a", "", ops((0, 1, 5)), keys)
     assert gi.query(hs).of("a") == TierPrefix(5, 5, 5)
     assert gi.query(hs[1:]).of("a").l1 == 4
+    # the halves differ: only the first 8 bytes are the key (a strided view must not be read flat)
+    hs2 = [bytes([i]) * 8 + b"\xff" * 8 for i in range(1, 6)]
+    assert gi.query(hs2).of("a") == TierPrefix(5, 5, 5)
+    wide = np.frombuffer(b"".join(hs2), dtype="<u8")[::2]
+    assert not wide.flags.c_contiguous and gi.query(wide).of("a").l1 == 5
+    gi.apply("a", "", ops((0, 0, 5)), wide)
+    assert gi.query(hs2).of("a").l1 == 0
 
 
 def test_not_live_instances_are_not_answered_and_removal_clears() -> None:
