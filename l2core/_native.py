@@ -69,7 +69,7 @@ def load() -> ModuleType:
         tag = f"torch{torch.__version__.replace('+', '_')}-{'cu' + str(torch.version.cuda) if cuda else 'cpu'}"
         build_dir = Path(os.environ.get("L2CORE_BUILD_DIR", Path.home() / ".cache" / "l2core")) / tag
         build_dir.mkdir(parents=True, exist_ok=True)
-        sources = [str(_ROOT / "csrc" / n) for n in ("bindings.cpp", "cpu_kernels.cpp", "page_index.cpp")]
+        sources = [str(_ROOT / "csrc" / n) for n in ("bindings.cpp", "cpu_kernels.cpp", "page_index.cpp", "kv_index.cpp")]
         cflags = ["-O3"]  # the C++ standard is the one the installed torch asks for (17 or 20)
         extra: dict[str, list[str]] = {}
         if cuda:

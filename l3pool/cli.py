@@ -282,6 +282,7 @@ _COMMANDS = (
     "l3pool.demo",
     "l3pool.tools.deploy",
     "l3pool.tools.doctor",
+    "l3pool.index.cli",
     "l3pool.tools.inspect",
     "l3pool.tools.prefetch_check",
     "l3pool.tools.purge",

@@ -276,6 +276,18 @@ CACHE_WAIT_SECONDS = _Children(_CACHE_WAIT_SECONDS).preinit(("l2",), ("l3",))
 CACHE_EVICTIONS = _Children(_CACHE_EVICTIONS).preinit(("l1",), ("l2",))
 CACHE_BACKUP_SKIPS = _Children(_CACHE_BACKUP_SKIPS).preinit(("l3_slow",), ("l2_pinned",))
 
+# -- KV events (cache/events.py) and the global index (index/) -----------------------------------
+KV_EVENTS_SENT = Counter("l3pool_kv_events_sent_total", "KV event messages (batches) an instance published")
+KV_EVENT_PAGES = Counter("l3pool_kv_event_pages_total", "Page keys carried by published KV events")
+KV_EVENTS_DROPPED = Counter(
+    "l3pool_kv_events_dropped_total",
+    "KV event operations an instance dropped (queue full or transport at its high-water mark); healed by resync",
+)
+KV_SNAPSHOTS_SERVED = Counter("l3pool_kv_snapshots_served_total", "Tier snapshots an instance served to an index")
+INDEX_RESYNCS = Counter("l3pool_index_resyncs_total", "Instance resynchronisations the global index started")
+INDEX_EVENTS_APPLIED = Counter("l3pool_index_events_applied_total", "KV event messages the global index applied")
+INDEX_BAD_MESSAGES = Counter("l3pool_index_bad_messages_total", "Malformed messages the global index dropped")
+
 # -- engine adapters (adapters/) -----------------------------------------------------------------
 _ADAPTER_CALLS = Counter(
     "l3pool_adapter_calls_total", "Calls an engine made into its adapter (the pages are in l3pool_client_*)",

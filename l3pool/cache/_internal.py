@@ -123,3 +123,19 @@ class _Loads:
 
     def waited(self, tier: str, seconds: float) -> None:
         self._c._add_wait(tier, seconds)
+
+
+def _emit(ev: Any, tier: str, stored: bool, keys: Any, index: Any = None, ok: np.ndarray | None = None) -> None:
+    """Report pages of a tier to the cache's TierEvents sink (the caller holds the cache's lock:
+    the sink only queues). `keys`: a native buffer of 16-byte hashes, a list of hashes, or (with
+    `index`, a TierIndex) page ids whose keys it holds; `ok`: a mask of the keys to report."""
+    if ev is None or not len(keys):
+        return
+    if index is not None:
+        k = index.key64_of(keys)
+    else:
+        k = np.frombuffer(keys if isinstance(keys, bytes) else b"".join(keys), dtype="<u8")[:: HASH_BYTES // 8]
+    if ok is not None:
+        k = k[ok]
+    if len(k):
+        (ev.stored if stored else ev.removed)(tier, k)

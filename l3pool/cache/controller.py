@@ -1,9 +1,8 @@
 """`TieredCache`: the per-instance controller over L1 (device), L2 (host pool) and L3 (pool).
 
-See the package docstring (l3pool/cache/__init__.py) for the lifecycle. Locking: one re-entrant
-lock (`_mu`) guards the indexes, reference counts and request table; blocking waits (prefetch,
-load/backup jobs, L3 puts of the writer) happen outside it, except the synchronous write-back on
-eviction, which is the cost that policy pays by definition.
+See the package docstring (l3pool/cache/__init__.py) for the lifecycle. Locking: one re-entrant lock (`_mu`) guards
+the indexes, reference counts and request table; blocking waits (prefetch, load/backup jobs, L3 puts of the writer)
+happen outside it, except the synchronous write-back on eviction, which is the cost that policy pays by definition.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from l2core.spec import ConfigError
 from l2core.transfer import TransferEngine, TransferError
 from l2core.units import check_int
 from l3pool import metrics
-from l3pool.cache._internal import _Backup, _join, _Loads, _member, _Req, _timed
+from l3pool.cache._internal import _Backup, _emit, _join, _Loads, _member, _Req, _timed
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.index import GhostList, TierIndex, split
 from l3pool.cache.policy import WaitComplete, prefetch_policy, write_policy
@@ -122,6 +121,7 @@ class TieredCache:
                 parallel=cfg.writer_parallel,
             )
         self._loads = _Loads(self)
+        self.events: Any = None  # a TierEvents sink: pages entering / leaving a tier (cache/events.py attach())
         self._reaper = threading.Thread(target=self._reap, name="l3pool-cache-backup", daemon=True)
         self._reaper.start()
 
@@ -317,6 +317,7 @@ class TieredCache:
             k = len(fetched)
             if k:
                 used = self.t2.insert(r.buf, fetched, r.n2)
+                _emit(self.events, "l2", True, r.buf[r.n2 * HASH_BYTES : (r.n2 + k) * HASH_BYTES])
                 dup = fetched[used != fetched]
                 if dup.size:
                     self.l2.free(dup)
@@ -402,6 +403,7 @@ class TieredCache:
         """Evict `n` L1 pages (LRU); returns them still allocated (the caller reuses or frees them)."""
         # one native call: the LRU victims out of the index, their hashes into the ghost list
         victims, keys = self.t1.native.evict(n, self.ghost.native if self.ghost.capacity else None)
+        _emit(self.events, "l1", False, keys)
         self._stats.evictions["l1"] += len(victims)
         metrics.CACHE_EVICTIONS("l1").inc(len(victims))
         if self.down.evict_copies:
@@ -463,6 +465,7 @@ class TieredCache:
         victims, hs = self.t2.victims(short)
         if not victims.size:
             return
+        _emit(self.events, "l2", False, hs)
         self._stats.evictions["l2"] += len(victims)
         metrics.CACHE_EVICTIONS("l2").inc(len(victims))
         try:
@@ -488,10 +491,9 @@ class TieredCache:
     # -- commit / backup / writer -----------------------------------------------------------------
     @_timed("commit")
     def commit(self, request_id: str, page_hashes: Sequence[bytes], l1_pages: np.ndarray | Sequence[int]) -> int:
-        """Insert the request's full pages (`page_hashes[i]` held by `l1_pages[i]`) into L1 and
-        let the write policies decide what moves down. May be called again with a longer prefix
-        (PD: once unfinished, once finished); hit counts still count the request once. Returns
-        the number of L1 pages newly indexed."""
+        """Insert the request's full pages (`page_hashes[i]` held by `l1_pages[i]`) into L1 and let the write
+        policies decide what moves down. May be called again with a longer prefix (PD: once unfinished, once
+        finished); hit counts still count the request once. Returns the number of L1 pages newly indexed."""
         self._check_open()
         r = self._req(request_id)
         if r.n_hit < 0:
@@ -540,6 +542,7 @@ class TieredCache:
                     raise ValueError("an L1 page committed before is committed again under another hash")
             used, newly = self.t1.insert_pinned(buf, rest, n1)
             r.l1_inserted.append(newly)
+            _emit(self.events, "l1", True, newly, self.t1)
             # used[i]: the L1 page of hs[n1 + i], = r.hashes[n1 + i] when `same`; counted >= n1
             fresh = used[r.counted - n1 :] if same and m == known and r.counted >= n1 else None
             self._count_hits(r, m, fresh)
@@ -639,6 +642,7 @@ class TieredCache:
 
     def _backed_up(self, hs: list[bytes], dst: np.ndarray, hits: np.ndarray, reason: str) -> None:
         used = self.t2.insert(hs, dst)
+        _emit(self.events, "l2", True, hs)
         dup = dst[used != dst]
         if dup.size:
             self.l2.free(dup)
@@ -689,6 +693,7 @@ class TieredCache:
             return
         ok = np.fromiter((o is Outcome.OK for o in res), bool, len(res))
         self._in_l3[pages[ok]] = True
+        _emit(self.events, "l3", True, hs, ok=ok)
         st.l3_put_failed += int((~ok).sum())
         st.l3_put_bytes += int(ok.sum()) * self.page_bytes
         for why, good in zip(reasons, ok.tolist(), strict=True):

@@ -90,6 +90,7 @@ class TierIndex:
         self.count_hits: Any = x.count_hits
         self.hit_pages: Any = x.hit_pages  # count_hits for pages already looked up (cached ones)
         self.keys_of: Any = x.keys_of  # page -> its hash (None if not cached), as a list
+        self.key64_of: Any = x.key64_of  # cached pages -> the first 8 bytes of their hashes (uint64)
 
     # -- lookups ------------------------------------------------------------------------------
     def pages_of(self, hashes: Hashes) -> np.ndarray:

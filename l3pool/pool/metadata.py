@@ -8,6 +8,8 @@ All values are JSON. Under the prefix (default ``/l3pool``):
   once with put-if-absent; a later writer gets the first record back and compares.
 - ``stats/{client_id}``     leased by a client: its counters (hits, misses, puts, ...) and ``namespace``.
 - ``locks/...``             PP-stage locks (lease-bound); listed here, written by the lock module.
+- ``kv_events/{instance}``  leased by an engine instance publishing KV events: its `SourceInfo`
+  (event and snapshot endpoints, namespace, epoch); the global index subscribes to every one.
 
 Ids (member, namespace, client) are one path component of printable ASCII: letters, digits and
 ``. _ - : @ +``. This module never decides policy (who re-registers, when stats are published);
@@ -27,6 +29,7 @@ from typing import Any
 from l2core.units import check_int
 from l3pool import __version__
 from l3pool.pool.etcd import KV, EtcdClient, EtcdError, LeaseKeeper
+from l3pool.pool.kv_events import SourceInfo, WireError
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +140,9 @@ class Metadata:
 
     def stats_key(self, client_id: str) -> str:
         return f"{self.prefix}/stats/{check_id('client id', client_id)}"
+
+    def kv_source_key(self, instance_id: str) -> str:
+        return f"{self.prefix}/kv_events/{check_id('instance id', instance_id)}"
 
     @property
     def locks_prefix(self) -> str:
@@ -263,3 +269,40 @@ class Metadata:
             ttl = self.etcd.lease_ttl(kv.lease) if kv.lease else -1
             out.append(LockEntry(rel, value, kv.lease, ttl))
         return out
+
+    # -- KV event sources (l3pool/pool/kv_events.py) ---------------------------------------------
+    def register_kv_source(self, info: SourceInfo, ttl: int) -> LeaseKeeper:
+        """Publish an instance's KV-event endpoints under a fresh lease of `ttl` s, kept alive. A
+        newer process of the same instance id replaces the record (its epoch tells the index)."""
+        keeper = LeaseKeeper(self.etcd, ttl, owner="other")
+        try:
+            self.etcd.put(self.kv_source_key(info.id), info.to_json(), lease=keeper.lease)
+        except BaseException:
+            keeper.close(revoke=True)
+            raise
+        return keeper
+
+    def deregister_kv_source(self, instance_id: str, keeper: LeaseKeeper | None) -> None:
+        key = self.kv_source_key(instance_id)
+        try:
+            if keeper is None:
+                self.etcd.delete(key)
+            else:
+                self.etcd.delete_if_lease(key, keeper.lease)
+        finally:
+            if keeper is not None:
+                keeper.close(revoke=True)
+
+    def kv_sources(self) -> dict[str, SourceInfo]:
+        out = {}
+        for iid, kv in self._list("kv_events"):
+            try:
+                out[iid] = SourceInfo.from_json(kv.value)
+            except WireError as e:
+                log.warning("skipping kv_events record %s: %s", iid, e)
+        return out
+
+    def member_ids(self) -> set[str]:
+        """The live pool members' ids (keys only: no record parsed, no lease looked up)."""
+        base = f"{self.prefix}/members/"
+        return {kv.key[len(base) :] for kv in self.etcd.get_prefix(base, keys_only=True)}

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "l2core_kernels.h"
+#include "kv_index.h"
 #include "page_index.h"
 
 #ifdef L2CORE_WITH_CUDA
@@ -529,6 +530,18 @@ void bind_page_index(py::module_& m) {
              }
              return out;
            })
+      .def("key64_of",
+           [](const PageIndex& x, const Pages& p) {
+             x.check_pages(p.data(), p.size());
+             py::array_t<uint64_t> out(p.size());
+             uint64_t* o = out.mutable_data();
+             for (int64_t i = 0; i < p.size(); ++i) {
+               const int64_t q = p.data()[i];
+               if (!x.cached_at(q)) throw std::invalid_argument("key64_of: page " + std::to_string(q) + " is not cached");
+               o[i] = x.key_of(q)[0];
+             }
+             return out;
+           })
       .def("state",
            [](py::object self) {
              auto& x = self.cast<PageIndex&>();
@@ -557,6 +570,70 @@ void bind_page_index(py::module_& m) {
       py::arg("keys"), py::arg("key_bytes") = 16);
 }
 
+void bind_kv_index(py::module_& m) {
+  using Ops = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+  using Words = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+  py::class_<KvIndex>(m, "KvIndex", "Global KV index: 64-bit page key -> per-tier instance masks + pool stamp")
+      .def(py::init<int64_t, int64_t>(), py::arg("capacity"), py::arg("max_instances") = 64)
+      .def_property_readonly("capacity", &KvIndex::capacity)
+      .def_property_readonly("max_instances", &KvIndex::max_instances)
+      .def_property_readonly("slots", &KvIndex::slots)
+      .def_property_readonly("size", &KvIndex::size)
+      .def_property_readonly("rejected", &KvIndex::rejected)
+      .def_property_readonly("pool_count", &KvIndex::pool_count)
+      .def(
+          "apply",
+          [](KvIndex& x, int64_t inst, const Ops& ops, const py::buffer& keys, uint64_t salt, uint64_t stamp) {
+            if (ops.ndim() != 2 || ops.shape(1) != 3) throw std::invalid_argument("ops must be an (n, 3) int64 array");
+            Keys k = keys_of_buffer(keys, 8, 0, -1);
+            const int64_t* o = ops.data();
+            const int64_t n_ops = ops.shape(0);
+            py::gil_scoped_release nogil;
+            return x.apply(inst, o, n_ops, k.ptr, k.n, salt, stamp);
+          },
+          py::arg("inst"), py::arg("ops"), py::arg("keys"), py::arg("salt") = 0, py::arg("stamp") = 1)
+      .def(
+          "clear_instance",
+          [](KvIndex& x, int64_t inst, int tier_mask) {
+            py::gil_scoped_release nogil;
+            x.clear_instance(inst, tier_mask);
+          },
+          py::arg("inst"), py::arg("tier_mask") = 3)
+      .def(
+          "expire_pool",
+          [](KvIndex& x, uint64_t min_stamp) {
+            py::gil_scoped_release nogil;
+            return x.expire_pool(min_stamp);
+          },
+          py::arg("min_stamp"))
+      .def(
+          "query",
+          [](const KvIndex& x, const py::buffer& keys, uint64_t salt, uint64_t min_stamp, const Words& live) {
+            const int64_t M = x.max_instances();
+            if (live.size() != M / 64)
+              throw std::invalid_argument("live must hold " + std::to_string(M / 64) + " uint64 words");
+            Keys k = keys_of_buffer(keys, 8, 0, -1);
+            py::array_t<int32_t> l1(M), l2(M), l3(M);
+            int64_t pool;
+            {
+              py::gil_scoped_release nogil;
+              pool = x.query(k.ptr, k.n, salt, min_stamp, live.data(), l1.mutable_data(), l2.mutable_data(),
+                             l3.mutable_data());
+            }
+            return py::make_tuple(pool, l1, l2, l3);
+          },
+          py::arg("keys"), py::arg("salt"), py::arg("min_stamp"), py::arg("live"))
+      .def("counts",
+           [](const KvIndex& x) {
+             const int64_t M = x.max_instances();
+             py::array_t<int64_t> a({int64_t{2}, M});
+             std::memcpy(a.mutable_data(), x.counts(), static_cast<size_t>(2 * M) * 8);
+             return a;
+           })
+      .def("nbytes", &KvIndex::nbytes)
+      .def("check", &KvIndex::check);
+}
+
 }  // namespace
 }  // namespace l2core
 
@@ -570,4 +647,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cuda_clear_error", &l2core::cuda_clear_error, "Return and clear the CUDA runtime's last error");
   m.def("max_buffers", [] { return l2core::kMaxBuffers; });
   l2core::bind_page_index(m);
+  l2core::bind_kv_index(m);
 }

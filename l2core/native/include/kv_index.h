@@ -1,0 +1,68 @@
+// Torch-free global KV index: 64-bit page key -> which instances hold the page in L1, in L2, and
+// whether the shared pool (L3) is believed to hold it.
+//
+// One open-addressing table (linear probing, backward-shift deletion, no tombstones) of fixed
+// `slots` = capacity / 0.8 entries (range-reduced, not a power of two). Each slot is a run of
+// 2 + 2W uint64 words: the key (0 = empty), the L3 stamp (0 = not in the pool; else the
+// generation of the last L3 store event), then W words of the L1 instance mask and W words of the
+// L2 mask (W = ceil(max_instances / 64)); at W = 1 a slot is 32 bytes. An entry exists while any
+// bit or the stamp is set; when `capacity` entries exist a new key is refused (counted, the page
+// simply goes unindexed: answers undercount, never invent hits).
+//
+// apply(): one call per event batch (ops of one instance: tier, set/clear, key count; keys
+// concatenated). query(): one call per request: running ANDs of the masks along the request give
+// each instance's cumulative L1 / L1+L2 / L1+L2+pool prefix and the pool's own prefix.
+// Not thread-safe: the caller serialises calls.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace l2core {
+
+class KvIndex {
+ public:
+  KvIndex(int64_t capacity, int64_t max_instances);
+  int64_t capacity() const { return cap_; }
+  int64_t max_instances() const { return 64 * W_; }
+  int64_t slots() const { return static_cast<int64_t>(slots_); }
+  int64_t size() const { return size_; }
+  int64_t rejected() const { return rejected_; }
+  // ops: n_ops triples (tier 0 = L1, 1 = L2, 2 = pool; set 0/1; count); keys: sum(count) keys.
+  // Each key is xor'ed with `salt` (the namespace). Pool sets write `stamp` (> 0). Returns the
+  // number of keys refused because the table was full.
+  int64_t apply(int64_t inst, const int64_t* ops, int64_t n_ops, const uint64_t* keys, int64_t n_keys,
+                uint64_t salt, uint64_t stamp);
+  // Clear the instance's bits in the tiers of `tier_mask` (bit 0: L1, bit 1: L2) everywhere.
+  void clear_instance(int64_t inst, int tier_mask);
+  // Drop pool stamps < `min_stamp` (all of them with UINT64_MAX); returns how many were dropped.
+  int64_t expire_pool(uint64_t min_stamp);
+  // Per live instance (bit set in live[W]) its L1, L2 and L3 prefix (out arrays of max_instances);
+  // returns the pool's own prefix. A pool stamp < min_stamp counts as absent.
+  int64_t query(const uint64_t* keys, int64_t n, uint64_t salt, uint64_t min_stamp, const uint64_t* live,
+                int32_t* l1, int32_t* l2, int32_t* l3) const;
+  // Entries per instance per tier (2 * max_instances: L1 then L2) and pool entries.
+  const int64_t* counts() const { return counts_.data(); }
+  int64_t pool_count() const { return pool_count_; }
+  int64_t nbytes() const;
+  void check() const;
+
+ private:
+  uint64_t home(uint64_t k) const;
+  int64_t find(uint64_t k) const;  // slot or -1
+  void erase(uint64_t i);
+  bool empty_entry(const uint64_t* e) const;
+  uint64_t* at(uint64_t i) { return table_.data() + i * stride_; }
+  const uint64_t* at(uint64_t i) const { return table_.data() + i * stride_; }
+
+  int64_t cap_;
+  int64_t W_;
+  uint64_t stride_;
+  uint64_t slots_;
+  int64_t size_ = 0;
+  int64_t rejected_ = 0;
+  int64_t pool_count_ = 0;
+  std::vector<uint64_t> table_;
+  std::vector<int64_t> counts_;
+};
+
+}  // namespace l2core

@@ -1,0 +1,122 @@
+"""`l3pool index`: the global KV index as a service, or (`--status`) the status of a running one.
+
+l3pool index --etcd 127.0.0.1:2379 --listen tcp://127.0.0.1:5757       # serve until Ctrl-C
+l3pool index --listen tcp://127.0.0.1:5757 --status --json            # ask a running index
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from l3pool.cli import UserError, positive_float, positive_int, require_prefill
+from l3pool.pool.etcd import add_security_args, security_from_args
+from l3pool.pool.metadata import DEFAULT_PREFIX
+
+DEFAULT_LISTEN = "tcp://127.0.0.1:5757"
+
+
+def _render(st: dict[str, Any]) -> str:
+    ix = st["index"]
+    lag = st["event_lag_ms"]
+    out = [
+        f"index {st['endpoint']}: {ix['entries']} pages of {ix['capacity_pages']} ({ix['nbytes'] / 2**20:.1f} MiB, "
+        f"{ix['bytes_per_page']} B/page), {ix['pool_hints']} L3 hints, {ix['rejected']} refused (full), "
+        f"{ix['queries']} queries",
+        f"etcd {'ok' if st['etcd_ok'] else 'UNREACHABLE'}; bad messages {st['bad_messages']}; "
+        f"event lag p50 {lag['p50']} ms, p99 {lag['p99']} ms ({lag['samples']} samples)",
+        f"{'INSTANCE':24s} {'LIVE':5s} {'L1':>9s} {'L2':>9s} {'SEQ':>8s} {'RESYNCS':>7s} {'GAPS':>5s}  ERROR",
+    ]
+    for iid, d in sorted(st["instances"].items()):
+        out.append(
+            f"{iid:24s} {'yes' if d.get('live') else 'no':5s} {d.get('l1_pages', 0):9d} {d.get('l2_pages', 0):9d} "
+            f"{d.get('seq', 0):8d} {d.get('resyncs', 0):7d} {d.get('gaps', 0):5d}  {d.get('last_error', '')}"
+        )
+    return "\n".join(out)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from l3pool.index.client import IndexClient, IndexRequestError, IndexUnavailable
+
+    try:
+        with IndexClient(args.listen, timeout_s=args.timeout) as c:
+            st = c.status()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    except (IndexUnavailable, IndexRequestError) as e:
+        raise UserError(str(e), "is `l3pool index` running there? (--listen names its endpoint)", code=1) from None
+    sys.stdout.write((json.dumps(st, indent=2) if args.json else _render(st)) + "\n")
+    return 0
+
+
+def run_index(args: argparse.Namespace) -> int:
+    if args.status:
+        return _status(args)
+    require_prefill()  # the table is l2core's native extension
+    from l3pool.index.service import IndexService
+    from l3pool.index.table import GlobalIndex
+    from l3pool.pool.etcd import EtcdClient
+    from l3pool.pool.metadata import Metadata, check_prefix
+
+    endpoints = args.etcd or os.environ.get("L3POOL_ETCD", "")
+    if not endpoints:
+        raise UserError("no etcd given", "pass --etcd HOST:PORT (or set L3POOL_ETCD)")
+    try:
+        check_prefix(args.key_prefix)
+        etcd = EtcdClient(endpoints, security=security_from_args(args))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    etcd.status()  # unreachable etcd: one line (cli.guarded's operational errors)
+    try:
+        index = GlobalIndex(args.capacity_pages, args.max_instances, args.l3_ttl)
+    except ValueError as e:
+        etcd.close()
+        raise UserError(str(e)) from None
+    try:
+        svc = IndexService(index, metadata=Metadata(etcd, args.key_prefix), listen=args.listen, poll_s=args.poll)
+    except ValueError as e:
+        etcd.close()
+        raise UserError(str(e), "another process may be listening there; choose --listen tcp://HOST:PORT") from None
+    old = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with svc:
+            if args.json:
+                print(json.dumps({"endpoint": svc.endpoint, "nbytes": index.nbytes()}), flush=True)
+            else:
+                print(f"l3pool index: serving at {svc.endpoint} ({index.nbytes() / 2**20:.1f} MiB for "
+                      f"{args.capacity_pages} pages); Ctrl-C stops", flush=True)  # fmt: skip
+            deadline = None if args.duration is None else time.monotonic() + args.duration
+            try:
+                while deadline is None or time.monotonic() < deadline:
+                    time.sleep(0.2 if deadline is None else min(0.2, max(0.0, deadline - time.monotonic())))
+            except KeyboardInterrupt:
+                pass
+            st = svc.status()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        etcd.close()
+    sys.stdout.write((json.dumps(st, indent=2) if args.json else _render(st)) + "\n")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("index", help="the global KV index: which instance holds which prefix, per tier")
+    p.add_argument("--etcd", metavar="ENDPOINTS", help="the pool's etcd (or env L3POOL_ETCD)")
+    p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help=f"etcd key prefix (default {DEFAULT_PREFIX})")
+    p.add_argument("--listen", default=DEFAULT_LISTEN, help=f"query endpoint (default {DEFAULT_LISTEN})")
+    p.add_argument("--capacity-pages", type=positive_int, default=1 << 22,
+                   help="distinct pages the index holds at most (memory: ~40 B each at 64 instances)")  # fmt: skip
+    p.add_argument("--max-instances", type=positive_int, default=64, help="instances indexed at once (default 64)")
+    p.add_argument("--l3-ttl", type=positive_float, default=600.0, help="seconds an L3 hint lives (default 600)")
+    p.add_argument("--poll", type=positive_float, default=0.5, help="etcd membership poll interval, s")
+    p.add_argument("--duration", type=positive_float, default=None, help="serve this many seconds, then exit")
+    p.add_argument("--status", action="store_true", help="print the status of the index at --listen and exit")
+    p.add_argument("--timeout", type=positive_float, default=2.0, help="--status: seconds to wait for the answer")
+    p.add_argument("--json", action="store_true", help="JSON instead of text")
+    add_security_args(p)
+    p.set_defaults(fn=run_index)

@@ -1,0 +1,461 @@
+"""`IndexService`: keeps a `GlobalIndex` in step with every instance's KV events and answers
+queries from other processes (`IndexClient`, l3pool/index/client.py).
+
+Threads: one loop thread owns every ZeroMQ socket (a SUB connected to each instance's event
+endpoint, one DEALER per snapshot in flight, the ROUTER serving queries) and is the only writer of
+the index; a membership thread polls etcd (`{prefix}/kv_events/` for the sources, `{prefix}/
+members/` for the pool) every `poll_s` and hands changes to the loop.
+
+Per instance: unknown -> resync (the SUB is connected first, then a snapshot is asked for; events
+arriving meanwhile are buffered) -> live once the snapshot is applied and the buffered events
+after its seq continue it without a gap. While live, the next message must carry seq + 1 of the
+same epoch; a heartbeat must carry the last seq. Anything else (a gap: lost or dropped events; a
+repeated or older seq: duplication or reordering; another epoch: the instance restarted) marks it
+not live (queries stop answering for it: no stale state) and resynchronises. A snapshot that does
+not come in `snapshot_timeout_s` (dead or wedged instance) is asked for again after `retry_s`
+(doubling to 5 s) while the instance stays registered; its entries vanish when its kv_events key
+does (lease ended, deregistered). A restarted index starts from nothing and resynchronises every
+registered instance before answering for it. While etcd is unreachable the last known sources
+are kept. A pool member leaving drops every L3 hint (GlobalIndex.clear_pool).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from l3pool import metrics
+from l3pool.index.table import GlobalIndex, IndexFull
+from l3pool.pool.kv_events import (
+    EventBatch,
+    SourceInfo,
+    WireError,
+    decode_events,
+    decode_request,
+    decode_snapshot,
+    encode_error,
+    encode_request,
+    keys64,
+)
+
+if TYPE_CHECKING:
+    from l3pool.pool.metadata import Metadata
+
+log = logging.getLogger(__name__)
+MAX_BUFFERED = 10_000  # event messages kept per instance while its snapshot is on its way
+
+
+def _zmq() -> Any:
+    try:
+        import zmq
+    except ModuleNotFoundError:  # pragma: no cover - the `index` extra installs it
+        raise RuntimeError("the global index needs pyzmq: pip install 'l3pool[index]'") from None
+    return zmq
+
+
+@dataclass
+class _Source:
+    info: SourceInfo
+    live: bool = False
+    epoch: int = 0
+    seq: int = 0
+    buffer: list[EventBatch] = field(default_factory=list)
+    dealer: Any = None
+    deadline: float = 0.0
+    retry_at: float = 0.0
+    backoff: float = 0.0
+    resyncs: int = 0
+    gaps: int = 0
+    duplicates: int = 0
+    epochs: int = 0
+    events: int = 0
+    last_error: str = ""
+
+
+class IndexService:
+    def __init__(
+        self,
+        index: GlobalIndex,
+        *,
+        metadata: Metadata | None = None,
+        listen: str = "tcp://127.0.0.1:0",
+        poll_s: float = 0.5,
+        snapshot_timeout_s: float = 2.0,
+        retry_s: float = 0.5,
+        age_s: float | None = None,
+    ) -> None:
+        if not poll_s > 0 or not snapshot_timeout_s > 0 or not retry_s > 0:
+            raise ValueError("poll_s, snapshot_timeout_s and retry_s must be > 0")
+        zmq = _zmq()
+        self.index, self.metadata = index, metadata
+        self.poll_s, self.snapshot_timeout_s, self.retry_s = poll_s, snapshot_timeout_s, retry_s
+        self.age_s = age_s if age_s is not None else index.l3_ttl_s / 4
+        self._ctx = zmq.Context.instance()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.RCVHWM, 100_000)
+        self._rtr = self._ctx.socket(zmq.ROUTER)
+        self._rtr.setsockopt(zmq.LINGER, 0)
+        try:
+            self._rtr.bind(listen.replace(":0", ":*") if listen.endswith(":0") else listen)
+        except zmq.ZMQError as e:
+            self._sub.close()
+            self._rtr.close()
+            raise ValueError(f"cannot listen on {listen}: {e}") from None
+        self.endpoint: str = self._rtr.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._src: dict[str, _Source] = {}
+        self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._wfd, False)
+        self._stop = threading.Event()
+        self._lag: collections.deque[float] = collections.deque(maxlen=10_000)
+        self.bad_messages = self.unknown_messages = self.refused_keys = 0
+        self.etcd_errors = 0
+        self.etcd_ok = metadata is None
+        self._members: set[str] | None = None
+        self._status_cache: dict[str, Any] = {}
+        self._threads: list[threading.Thread] = []
+        self._polled: set[Any] = set()  # snapshot DEALERs registered with the loop's poller
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> IndexService:
+        t = threading.Thread(target=self._loop, name="l3pool-index", daemon=True)
+        t.start()
+        self._threads.append(t)
+        if self.metadata is not None:
+            m = threading.Thread(target=self._membership, name="l3pool-index-members", daemon=True)
+            m.start()
+            self._threads.append(m)
+        return self
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake()
+        for t in self._threads:
+            t.join(5)
+        for s in self._src.values():
+            if s.dealer is not None:
+                s.dealer.close()
+        self._sub.close()
+        self._rtr.close()
+        os.close(self._rfd)
+        os.close(self._wfd)
+
+    def __enter__(self) -> IndexService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wfd, b"x")
+        except OSError:
+            pass
+
+    def set_sources(self, sources: dict[str, SourceInfo]) -> None:
+        """The registered instances (the membership thread calls this; tests may too)."""
+        self._cmds.put(("sources", dict(sources)))
+        self._wake()
+
+    def pool_member_left(self) -> None:
+        self._cmds.put(("pool_left", None))
+        self._wake()
+
+    # -- membership (etcd) ----------------------------------------------------------------------
+    def _membership(self) -> None:
+        assert self.metadata is not None
+        while not self._stop.is_set():
+            try:
+                sources = self.metadata.kv_sources()
+                members = self.metadata.member_ids()
+                self.etcd_ok = True
+            except Exception as e:  # etcd down: keep what is known
+                self.etcd_errors += 1
+                if self.etcd_ok:
+                    log.warning("index: etcd unreachable, keeping the last known sources: %s", e)
+                self.etcd_ok = False
+            else:
+                self.set_sources(sources)
+                if self._members is not None and self._members - members:
+                    self.pool_member_left()
+                self._members = members
+            self._stop.wait(self.poll_s)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        zmq = _zmq()
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._rtr, zmq.POLLIN)
+        poller.register(self._rfd, zmq.POLLIN)
+        next_age = time.monotonic() + self.age_s
+        while not self._stop.is_set():
+            for s in self._src.values():
+                if s.dealer is not None and s.dealer not in self._polled:
+                    poller.register(s.dealer, zmq.POLLIN)
+                    self._polled.add(s.dealer)
+            try:
+                ready = dict(poller.poll(50))
+            except zmq.ZMQError as e:
+                log.warning("index: poll failed: %s", e)
+                return
+            if self._rfd in ready:
+                os.read(self._rfd, 4096)
+            self._commands(poller)
+            if self._sub in ready:
+                self._events()
+            for iid, s in list(self._src.items()):
+                if s.dealer is not None and s.dealer in ready:
+                    self._snapshot_reply(iid, s, poller)
+            if self._rtr in ready:
+                self._queries()
+            now = time.monotonic()
+            for iid, s in list(self._src.items()):
+                if s.dealer is not None and now > s.deadline:
+                    self._drop_dealer(s, poller)
+                    s.last_error = f"no snapshot within {self.snapshot_timeout_s} s"
+                    s.backoff = min(5.0, max(self.retry_s, 2 * s.backoff))
+                    s.retry_at = now + s.backoff
+                elif not s.live and s.dealer is None and now >= s.retry_at:
+                    self._ask_snapshot(iid, s)
+            if now >= next_age:
+                self.index.age()
+                next_age = now + self.age_s
+
+    def _commands(self, poller: Any) -> None:
+        while True:
+            try:
+                kind, arg = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "sources":
+                self._apply_sources(arg, poller)
+            elif kind == "pool_left":
+                n = self.index.clear_pool()
+                log.info("index: a pool member left: %d L3 hints dropped", n)
+
+    def _apply_sources(self, sources: dict[str, SourceInfo], poller: Any) -> None:
+        for iid in list(self._src):
+            s = self._src[iid]
+            new = sources.get(iid)
+            if new is None or (new.events, new.snapshot, new.epoch) != (s.info.events, s.info.snapshot, s.info.epoch):
+                self._forget(iid, poller)
+        for iid, info in sources.items():
+            if iid in self._src:
+                continue
+            try:
+                self.index.add_instance(iid)
+            except IndexFull as e:
+                log.warning("index: %s", e)
+                continue
+            try:
+                self._sub.connect(info.events)
+            except Exception as e:
+                log.warning("index: cannot connect to %s's events at %s: %s", iid, info.events, e)
+                self.index.remove_instance(iid)
+                continue
+            s = self._src[iid] = _Source(info)
+            self._ask_snapshot(iid, s)
+
+    def _forget(self, iid: str, poller: Any) -> None:
+        s = self._src.pop(iid)
+        self._drop_dealer(s, poller)
+        try:
+            self._sub.disconnect(s.info.events)
+        except Exception:
+            pass
+        self.index.remove_instance(iid)
+        log.info("index: instance %s left; its entries are gone", iid)
+
+    def _drop_dealer(self, s: _Source, poller: Any) -> None:
+        if s.dealer is None:
+            return
+        if s.dealer in self._polled:
+            poller.unregister(s.dealer)
+            self._polled.discard(s.dealer)
+        s.dealer.close()
+        s.dealer = None
+
+    def _ask_snapshot(self, iid: str, s: _Source) -> None:
+        zmq = _zmq()
+        self.index.set_live(iid, False)
+        s.live, s.buffer = False, []
+        s.resyncs += 1
+        metrics.INDEX_RESYNCS.inc()
+        d = self._ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        try:
+            d.connect(s.info.snapshot)
+            d.send(encode_request("snapshot"), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            d.close()
+            s.last_error = f"snapshot request failed: {e}"
+            s.retry_at = time.monotonic() + self.retry_s
+            return
+        s.dealer, s.deadline = d, time.monotonic() + self.snapshot_timeout_s
+
+    def _resync(self, iid: str, s: _Source) -> None:
+        """Stop answering for the instance; a snapshot is asked for on the next turn."""
+        self.index.set_live(iid, False)
+        s.live = False
+        if s.dealer is None:
+            s.retry_at = 0.0
+
+    def _snapshot_reply(self, iid: str, s: _Source, poller: Any) -> None:
+        zmq = _zmq()
+        try:
+            body = s.dealer.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        self._drop_dealer(s, poller)
+        try:
+            snap = decode_snapshot(body)
+            if snap.instance != iid:
+                raise WireError(f"snapshot of {snap.instance!r} from {iid!r}'s endpoint")
+        except WireError as e:
+            self.bad_messages += 1
+            metrics.INDEX_BAD_MESSAGES.inc()
+            s.last_error = str(e)
+            s.retry_at = time.monotonic() + max(self.retry_s, s.backoff)
+            return
+        self.refused_keys += self.index.replace(iid, snap.namespace, snap.tiers)
+        s.epoch, s.seq, s.backoff, s.last_error = snap.epoch, snap.seq, 0.0, ""
+        pending, s.buffer = sorted(s.buffer, key=lambda b: b.seq), []
+        for b in pending:
+            if b.epoch != s.epoch or b.seq <= s.seq:  # another process's, or covered by the snapshot
+                continue
+            if b.heartbeat or b.seq != s.seq + 1:
+                s.gaps += 1
+                s.retry_at = 0.0  # the buffered events do not continue the snapshot: again
+                return
+            self._apply(iid, s, b)
+        s.live = True
+        self.index.set_live(iid, True)
+
+    def _apply(self, iid: str, s: _Source, b: EventBatch) -> None:
+        self.refused_keys += self.index.apply(iid, b.namespace, b.ops, b.keys)
+        s.seq = b.seq
+        s.events += 1
+        metrics.INDEX_EVENTS_APPLIED.inc()
+        if b.sent_at:
+            self._lag.append(time.time() - b.sent_at)
+
+    def _events(self) -> None:
+        zmq = _zmq()
+        for _ in range(10_000):
+            try:
+                body = self._sub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                b = decode_events(body)
+            except WireError as e:
+                self.bad_messages += 1
+                metrics.INDEX_BAD_MESSAGES.inc()
+                log.debug("index: dropped a malformed event message: %s", e)
+                continue
+            s = self._src.get(b.instance)
+            if s is None:
+                self.unknown_messages += 1
+                continue
+            if not s.live:
+                if s.dealer is not None:
+                    s.buffer.append(b)
+                    if len(s.buffer) > MAX_BUFFERED:
+                        s.buffer = []
+                        s.gaps += 1
+                continue
+            if b.epoch != s.epoch:
+                s.epochs += 1
+                self._resync(b.instance, s)
+            elif b.heartbeat and b.seq == s.seq:
+                continue
+            elif not b.heartbeat and b.seq == s.seq + 1:
+                self._apply(b.instance, s, b)
+            else:
+                if b.seq > s.seq:
+                    s.gaps += 1
+                else:
+                    s.duplicates += 1
+                self._resync(b.instance, s)
+
+    def _queries(self) -> None:
+        zmq = _zmq()
+        for _ in range(1000):
+            try:
+                frames = self._rtr.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            route, body = frames[:-1], frames[-1]
+            try:
+                req = decode_request(body)
+                if req[0] == "query" and len(req) == 3 and isinstance(req[1], str) and isinstance(req[2], bytes):
+                    h = self.index.query(keys64(req[2]), req[1])
+                    names = list(h.per_instance)
+                    reply = encode_request(
+                        "ok", h.pages, h.pool_l3, names,
+                        [h.per_instance[n].l1 for n in names], [h.per_instance[n].l2 for n in names],
+                        [h.per_instance[n].l3 for n in names],
+                    )  # fmt: skip
+                elif req[0] == "status" and len(req) == 1:
+                    reply = encode_request("ok", self.status())
+                else:
+                    raise WireError(f"unknown request {req[0]!r} with {len(req) - 1} arguments")
+            except (WireError, ValueError) as e:
+                self.bad_messages += 1
+                metrics.INDEX_BAD_MESSAGES.inc()
+                reply = encode_error(str(e))
+            try:
+                self._rtr.send_multipart([*route, reply], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                log.debug("index: reply not sent: %s", e)
+
+    # -- status ---------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        lag = np.asarray(self._lag, dtype=np.float64)
+        st = self.index.stats()
+        inst = st.pop("instances")
+        for iid, s in list(self._src.items()):
+            d = inst.setdefault(iid, {})
+            d.update(
+                live=s.live, seq=s.seq, epoch=s.epoch, resyncs=s.resyncs, gaps=s.gaps, duplicates=s.duplicates,
+                epochs=s.epochs, events=s.events, last_error=s.last_error, events_endpoint=s.info.events,
+                namespace=s.info.namespace,
+            )  # fmt: skip
+        return {
+            "endpoint": self.endpoint,
+            "etcd_ok": self.etcd_ok,
+            "etcd_errors": self.etcd_errors,
+            "bad_messages": self.bad_messages,
+            "unknown_messages": self.unknown_messages,
+            "refused_keys": self.refused_keys,
+            "event_lag_ms": {
+                "samples": int(lag.size),
+                "p50": round(float(np.percentile(lag, 50)) * 1e3, 3) if lag.size else None,
+                "p99": round(float(np.percentile(lag, 99)) * 1e3, 3) if lag.size else None,
+            },
+            "index": st,
+            "instances": inst,
+        }
+
+    def wait_live(self, ids: list[str] | set[str], timeout: float = 10.0) -> bool:
+        """True once every instance in `ids` is live (tests, tools)."""
+        deadline = time.monotonic() + timeout
+        want = set(ids)
+        while time.monotonic() < deadline:
+            if want <= set(self.index.instances()):
+                return True
+            time.sleep(0.01)
+        return False

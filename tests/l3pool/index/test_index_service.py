@@ -1,0 +1,262 @@
+"""IndexService over real ZeroMQ sockets on 127.0.0.1: an instance that speaks the wire protocol
+under the test's control (it can lose, repeat and reorder its messages, restart, go silent) and
+the index's answers checked against that instance's true state after every fault."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from l3pool.index.client import IndexClient, IndexRequestError, IndexUnavailable
+from l3pool.index.service import IndexService
+from l3pool.index.table import GlobalIndex
+from l3pool.index.types import TierPrefix
+from l3pool.pool import kv_events as kv
+
+pytestmark = pytest.mark.usefixtures("native")
+
+
+def eventually(fn: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if fn():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"not within {timeout} s: {fn}")
+
+
+class Instance:
+    """An engine instance's KV-event side, scripted: `event()` changes its state and returns the
+    message it would send; `send()` sends one (or not: a loss); snapshots are served from a
+    thread, exactly as of the last seq."""
+
+    def __init__(self, iid: str, namespace: str = "ns") -> None:
+        self.iid, self.ns, self.epoch, self.seq = iid, namespace, kv.new_epoch(), 0
+        self.tiers: dict[int, set[int]] = {0: set(), 1: set(), 2: set()}
+        self.mu = threading.Lock()
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.rtr = ctx.socket(zmq.ROUTER)
+        self.rtr.setsockopt(zmq.LINGER, 0)
+        self.rtr.bind("tcp://127.0.0.1:*")
+        self.snapshots = 0
+        self.serving = True
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._serve, daemon=True)
+        self._t.start()
+
+    def info(self) -> kv.SourceInfo:
+        ep = lambda s: s.getsockopt(zmq.LAST_ENDPOINT).decode()  # noqa: E731
+        return kv.SourceInfo(self.iid, ep(self.pub), ep(self.rtr), self.ns, self.epoch)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.rtr.poll(20):
+                continue
+            frames = self.rtr.recv_multipart()
+            if not self.serving:
+                continue  # a wedged instance: never answers
+            with self.mu:
+                tiers = {n: np.array(sorted(self.tiers[i]), dtype=np.uint64) for i, n in enumerate(kv.TIER_NAMES)}
+                body = kv.encode_snapshot(self.iid, self.epoch, self.seq, self.ns, tiers)
+                self.snapshots += 1
+            self.rtr.send_multipart([*frames[:-1], body])
+
+    def event(self, *ops: tuple[int, int, list[int]]) -> bytes:
+        with self.mu:
+            for tier, op, keys in ops:
+                (self.tiers[tier].update if op else self.tiers[tier].difference_update)(keys)
+            self.seq += 1
+            flat = [x for t, o, k in ops for x in (t, o, len(k))]
+            keys_b = np.array([x for _, _, k in ops for x in k], dtype="<u8").tobytes()
+            return kv.encode_events(self.iid, self.epoch, self.seq, self.ns, flat, keys_b)
+
+    def heartbeat(self) -> bytes:
+        return kv.encode_events(self.iid, self.epoch, self.seq, self.ns, [], b"")
+
+    def send(self, msg: bytes) -> None:
+        self.pub.send(msg)
+
+    def restart(self) -> None:
+        with self.mu:
+            self.epoch, self.seq = kv.new_epoch(), 0
+            self.tiers = {0: set(), 1: set(), 2: set()}
+
+    def truth(self, keys: list[int]) -> TierPrefix:
+        def run(*sets: set[int]) -> int:
+            n = 0
+            for k in keys:
+                if not any(k in s for s in sets):
+                    break
+                n += 1
+            return n
+
+        t = self.tiers
+        return TierPrefix(run(t[0]), run(t[0], t[1]), run(t[0], t[1], t[2]))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(2)
+        self.pub.close()
+        self.rtr.close()
+
+
+@pytest.fixture
+def inst() -> Iterator[Instance]:
+    i = Instance("inst-a")
+    yield i
+    i.close()
+
+
+@pytest.fixture
+def svc() -> Iterator[IndexService]:
+    s = IndexService(GlobalIndex(10_000), snapshot_timeout_s=0.5, retry_s=0.1).start()
+    yield s
+    s.close()
+
+
+KEYS = list(range(1, 41))
+
+
+def _matches(svc: IndexService, inst: Instance) -> bool:
+    if inst.iid not in svc.index.instances():
+        return False
+    return svc.index.query(np.array(KEYS, dtype=np.uint64), inst.ns).of(inst.iid) == inst.truth(KEYS)
+
+
+def _join(svc: IndexService, inst: Instance) -> None:
+    svc.set_sources({inst.iid: inst.info()})
+    assert svc.wait_live([inst.iid], 10)
+    time.sleep(0.2)  # the SUB's subscription reaches the PUB (ZeroMQ's slow joiner)
+
+
+def _st(svc: IndexService, iid: str) -> dict[str, Any]:
+    """The instance's status row (zeros until the index knows it)."""
+    d = dict.fromkeys(("seq", "resyncs", "gaps", "duplicates", "epochs"), 0) | {"last_error": ""}
+    return d | svc.status()["instances"].get(iid, {})
+
+
+def test_events_apply_in_order(svc: IndexService, inst: Instance) -> None:
+    inst.event((0, 1, KEYS[:5]))  # before the index knew it: in the snapshot
+    _join(svc, inst)
+    inst.send(inst.event((0, 1, KEYS[5:10]), (1, 1, KEYS[:20])))
+    inst.send(inst.event((2, 1, KEYS[:30]), (0, 0, KEYS[8:10])))
+    eventually(lambda: _matches(svc, inst) and _st(svc, inst.iid)["seq"] == 3)
+    assert svc.index.query(np.array(KEYS, dtype=np.uint64), "ns").of("inst-a") == TierPrefix(8, 20, 30)
+    assert _st(svc, inst.iid)["resyncs"] == 1 and _st(svc, inst.iid)["gaps"] == 0
+
+
+def test_a_lost_event_is_healed_by_resync(svc: IndexService, inst: Instance) -> None:
+    _join(svc, inst)
+    inst.send(inst.event((0, 1, KEYS[:10])))
+    inst.event((0, 0, KEYS[:3]), (1, 1, KEYS[:3]))  # lost on the way
+    inst.send(inst.event((1, 1, KEYS[10:20])))
+    eventually(lambda: _st(svc, inst.iid)["gaps"] >= 1 and _matches(svc, inst))
+    assert svc.index.query(np.array(KEYS, dtype=np.uint64), "ns").of("inst-a") == TierPrefix(0, 20, 20)
+    assert _st(svc, inst.iid)["resyncs"] >= 2 and inst.snapshots >= 2
+
+
+def test_a_lost_last_event_is_seen_by_the_heartbeat(svc: IndexService, inst: Instance) -> None:
+    _join(svc, inst)
+    inst.event((0, 1, KEYS[:10]))  # lost, and nothing follows but heartbeats
+    inst.send(inst.heartbeat())
+    eventually(lambda: _matches(svc, inst) and svc.index.query(np.array(KEYS, np.uint64), "ns").of("inst-a").l1 == 10)
+
+
+def test_duplicates_and_reordering_resync(svc: IndexService, inst: Instance) -> None:
+    _join(svc, inst)
+    m1 = inst.event((0, 1, KEYS[:10]))
+    inst.send(m1)
+    eventually(lambda: _st(svc, inst.iid)["seq"] == 1)
+    inst.send(m1)  # a duplicate
+    eventually(lambda: _st(svc, inst.iid)["duplicates"] >= 1 and _matches(svc, inst))
+    m2 = inst.event((0, 0, KEYS[:10]))
+    m3 = inst.event((0, 1, KEYS[:4]))
+    inst.send(m3)  # reordered: 3 before 2
+    inst.send(m2)
+    eventually(lambda: _st(svc, inst.iid)["gaps"] >= 1 and _matches(svc, inst) and _st(svc, inst.iid)["seq"] == 3)
+    assert svc.index.query(np.array(KEYS, np.uint64), "ns").of("inst-a") == TierPrefix(4, 4, 4)
+
+
+def test_an_instance_restart_is_a_new_epoch(svc: IndexService, inst: Instance) -> None:
+    _join(svc, inst)
+    inst.send(inst.event((0, 1, KEYS[:10])))
+    eventually(lambda: _matches(svc, inst) and _st(svc, inst.iid)["seq"] == 1)
+    inst.restart()
+    inst.send(inst.event((1, 1, KEYS[:2])))
+    eventually(lambda: _st(svc, inst.iid)["epochs"] >= 1 and _matches(svc, inst))
+    assert svc.index.query(np.array(KEYS, np.uint64), "ns").of("inst-a") == TierPrefix(0, 2, 2)
+
+
+def test_malformed_and_unknown_messages_are_counted_and_dropped(svc: IndexService, inst: Instance) -> None:
+    _join(svc, inst)
+    inst.send(inst.event((0, 1, KEYS[:5])))
+    eventually(lambda: _st(svc, inst.iid)["seq"] == 1)
+    inst.send(b"\xc1not msgpack")
+    inst.send(kv.encode_events("stranger", 1, 1, "ns", [0, 1, 1], b"\1" * 8))
+    eventually(lambda: svc.status()["bad_messages"] >= 1 and svc.status()["unknown_messages"] >= 1)
+    assert _matches(svc, inst) and _st(svc, inst.iid)["resyncs"] == 1  # nothing else disturbed
+
+
+def test_a_silent_snapshot_endpoint_is_never_answered_for(svc: IndexService, inst: Instance) -> None:
+    inst.serving = False
+    inst.event((0, 1, KEYS[:5]))
+    svc.set_sources({inst.iid: inst.info()})
+    eventually(lambda: "no snapshot" in _st(svc, inst.iid)["last_error"], 5)
+    assert svc.index.query(np.array(KEYS, np.uint64), "ns").per_instance == {}
+    inst.serving = True  # it comes back: retried, then answered
+    eventually(lambda: _matches(svc, inst))
+
+
+def test_dead_endpoints_and_leaving_sources(svc: IndexService, inst: Instance) -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nobody listens there
+    dead = kv.SourceInfo("dead", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port}", "ns", 1)
+    inst.event((0, 1, KEYS[:5]))
+    svc.set_sources({"dead": dead, inst.iid: inst.info()})
+    eventually(lambda: _matches(svc, inst))
+    eventually(lambda: "no snapshot" in _st(svc, "dead")["last_error"], 5)
+    assert set(svc.index.query(np.array(KEYS, np.uint64), "ns").per_instance) == {"inst-a"}
+    svc.set_sources({"dead": dead})  # inst-a's registration ended
+    eventually(lambda: "inst-a" not in svc.status()["instances"])
+    assert svc.index.stats()["entries"] == 0
+
+
+def test_client_queries_status_and_errors(svc: IndexService, inst: Instance) -> None:
+    inst.event((0, 1, KEYS[:7]), (2, 1, KEYS[:9]))
+    _join(svc, inst)
+    hs = [k.to_bytes(8, "little") + b"\0" * 8 for k in KEYS]  # 16-byte hashes whose first 8 bytes are the keys
+    with IndexClient(svc.endpoint, timeout_s=2.0) as c:
+        h = c.query(hs, "ns")
+        assert h == svc.index.query(hs, "ns") and h.of("inst-a") == TierPrefix(7, 7, 9) and h.pool_l3 == 9
+        assert c.status()["instances"]["inst-a"]["live"] is True
+        c._socket().send(kv.encode_request("query", "ns", b"\0" * 7))
+        with pytest.raises(IndexRequestError, match="8-byte keys"):
+            kv_rep = kv.decode_request(c._sock.recv())
+            raise IndexRequestError(kv_rep[1])
+        with pytest.raises(IndexRequestError, match="unknown request"):
+            c._call("drop_everything")
+        with pytest.raises(ValueError):
+            c.query([b"short"])
+        assert c.query([], "ns").pages == 0
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    t0 = time.monotonic()
+    with IndexClient(f"tcp://127.0.0.1:{port}", timeout_s=0.3) as c, pytest.raises(IndexUnavailable):
+        c.query(hs)
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(ValueError, match="endpoint"):
+        IndexClient("localhost:1")
