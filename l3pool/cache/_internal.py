@@ -121,6 +121,20 @@ class _Loads:
     def load_ok(self, rid: str, job: int) -> bool:
         return self._c._load_ok(rid, job)
 
+    def collect(self, r: _Req) -> None:
+        """The outcome of the request's L2 -> L1 load (waited for), its bytes and seconds counted."""
+        c = self._c
+        if r.load_job is None or r.load_ok is not None:
+            return
+        try:
+            res = c._engine.wait([r.load_job], timeout=c.cfg.load_timeout_s)[0]
+        except KeyError:
+            r.load_ok = False
+            return
+        with c._mu:
+            r.load_ok = res.ok
+            c._stats.moved("l2", res.nbytes, res.seconds)
+
     def waited(self, tier: str, seconds: float) -> None:
         self._c._add_wait(tier, seconds)
 

@@ -517,7 +517,7 @@ class TieredCache:
             buf = r.buf if m == len(r.hashes) else r.buf[: m * HASH_BYTES]
         else:
             buf = _join(hs)
-        self._collect_load(r)
+        self._loads.collect(r)
         if r.load_ok is False:
             raise TransferError(f"the L2 -> L1 load of {request_id!r} failed: its pages were not inserted")
         with self._mu:
@@ -549,22 +549,10 @@ class TieredCache:
             self._policy_on_commit(r, hs, buf, np.concatenate([r.l1_hit, used]))
             return int(newly.size)
 
-    def _collect_load(self, r: _Req) -> None:
-        if r.load_job is None or r.load_ok is not None:
-            return
-        try:
-            res = self._engine.wait([r.load_job], timeout=self.cfg.load_timeout_s)[0]
-        except KeyError:
-            r.load_ok = False
-            return
-        with self._mu:
-            r.load_ok = res.ok
-            self._stats.moved("l2", res.nbytes, res.seconds)
-
     def _load_ok(self, rid: str, job: int) -> bool:
         with self._mu:
             r = self._req(rid)
-        self._collect_load(r)
+        self._loads.collect(r)
         return bool(r.load_ok)
 
     def _policy_on_commit(self, r: _Req, hs: list[bytes], buf: bytes, pages: np.ndarray) -> None:
