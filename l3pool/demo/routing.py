@@ -9,20 +9,24 @@ PrefetchOrder, executed through the cache's own match/prefetch path), so the pre
 the request waits. When the request is scheduled its measured compute time feeds the router's
 compute fit of that instance and the instance's cache counters its measured tier bandwidths.
 
-The index here is `LocalIndex`: the same query (page hashes -> l3pool.index.PrefixHits) answered in
-process from the demo instances' own cache indexes and one pool lookup; the event-driven
-`l3pool.index.GlobalIndex` answers the same query from the caches' events.
+The index is H1's `l3pool.index`, as a cluster runs it (`ServiceIndex`): each instance's cache
+publishes KV events over ZeroMQ, an IndexService keeps a GlobalIndex from them, the router's
+query is an IndexClient round trip. `LocalIndex` answers the same query (page hashes ->
+PrefixHits) in process from the caches' own indexes and one pool lookup: the fallback without
+pyzmq, and the reference each decision's index answer is compared with (`index_stale`: the
+answer for the chosen instance lagged its cache's state, e.g. events still in flight).
 
 Per policy the report gives `prefill_s` (median total prefill time over the repeats, with its
 min/max), `hit_rate` per tier (of all tokens), `l3_bytes` (bytes fetched from L3), `load_imbalance`
 (max / mean prompt tokens routed per instance), the decisions' reasons, how many prefetch orders
-were given and how many landed (the request hit every ordered page: the pages were in L2 before
-its L1 load started), and the checks: logits identical to the no-cache run, 0 wrong pages.
+were given and how many landed (every page the instance's match found in L3 arrived in L2 before
+the request's L1 load started), and the checks: logits identical to the no-cache run, 0 wrong pages.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,6 +86,52 @@ class LocalIndex:
         return PrefixHits(pages=len(hs), pool_l3=pool, per_instance=per)
 
 
+class ServiceIndex:
+    """The router's view through l3pool.index, as a cluster runs it: every instance's cache
+    publishes its KV events (KvEventPublisher, ZeroMQ), an IndexService keeps a GlobalIndex from
+    them (resync from the instances' snapshots at start), and each query is one IndexClient round
+    trip. The sources are handed to the service directly (a cluster registers them in etcd)."""
+
+    def __init__(self, insts: dict[str, PrefillInstance], ns: Namespace, timeout_s: float = 20.0) -> None:
+        from l3pool.cache.events import KvEventPublisher
+        from l3pool.index.client import IndexClient
+        from l3pool.index.service import IndexService
+        from l3pool.index.table import GlobalIndex
+
+        self.ns_id = ns.ns_id
+        self.pubs: dict[str, Any] = {}
+        self.svc: Any = None
+        self.client: Any = None
+        try:
+            for name, inst in insts.items():
+                pub = self.pubs[name] = KvEventPublisher(name, namespace=ns.ns_id)
+                assert inst.cache is not None
+                pub.attach(inst.cache)
+            self.svc = IndexService(GlobalIndex(1 << 20), snapshot_timeout_s=1.0, retry_s=0.1).start()
+            self.svc.set_sources({n: p.info() for n, p in self.pubs.items()})
+            self.client = IndexClient(self.svc.endpoint, timeout_s=5.0)
+            deadline = time.monotonic() + timeout_s
+            while set(self.svc.index.instances()) < set(insts):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the index did not resync the demo instances within {timeout_s} s")
+                time.sleep(0.02)
+        except BaseException:
+            self.close()
+            raise
+
+    def query(self, hs: Sequence[bytes]) -> PrefixHits:
+        hits: PrefixHits = self.client.query(list(hs), namespace=self.ns_id)
+        return hits
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        if self.svc is not None:
+            self.svc.close()
+        for p in self.pubs.values():
+            p.close()
+
+
 def _leading(mask: np.ndarray) -> int:
     miss = np.flatnonzero(~mask)
     return int(miss[0]) if miss.size else int(mask.size)
@@ -96,6 +146,7 @@ class RoutedRun:
     reasons: Counter[str] = field(default_factory=Counter)
     orders: int = 0
     landed: int = 0
+    index_stale: int = 0  # decisions whose index answer for the chosen instance differed from its cache
     logits_identical: bool = False
     wrong_pages: int = 0
     decisions: list[dict[str, Any]] = field(default_factory=list)
@@ -113,7 +164,13 @@ def make_policy(name: str) -> Policy:
 
 
 def run_routed(
-    demo: Demo, trace: list[tuple[int, Request]], policy: str, tag: str, instances: int, gap_s: float
+    demo: Demo,
+    trace: list[tuple[int, Request]],
+    policy: str,
+    tag: str,
+    instances: int,
+    gap_s: float,
+    use_service: bool = True,
 ) -> RoutedRun:
     """One replay of `trace` under `policy` on `instances` fresh instances (checked like the main
     replay against the no-cache references the demo recorded).
@@ -128,14 +185,17 @@ def run_routed(
     ns = demo.namespace(tag)
     before = (v.compared, v.mismatched_logits, v.wrong_pages)
     insts = {f"{policy}-{k}": demo.instance(f"{tag}-{k}", "l1_l2_l3", ns) for k in range(instances)}
-    index = LocalIndex(insts, demo.store, ns)
+    local = LocalIndex(insts, demo.store, ns)
+    index: LocalIndex | ServiceIndex = local
     router = Router(make_policy(policy), list(insts), page_size=P, page_bytes=o.model.kv_spec().page_bytes)
     run = RoutedRun(policy, routed_tokens=dict.fromkeys(insts, 0))
-    queued: deque[tuple[int, Request, str, Queued, int, float]] = deque()
+    queued: deque[tuple[int, Request, str, Queued, bool, float]] = deque()
     free_at = dict.fromkeys(insts, 0.0)
     running: list[tuple[float, float, str]] = []  # (virtual end, start, request id) not yet left the queue
     nxt = 0
     try:
+        if use_service:
+            index = ServiceIndex(insts, ns)
         while nxt < len(trace) or queued:
             while nxt < len(trace) and len(queued) < o.queue_depth:  # arrivals: index, route, match + prefetch
                 i, r = trace[nxt]
@@ -147,25 +207,27 @@ def run_routed(
                         router.progress(rid, end - max(now, t0))
                 running = [x for x in running if x[0] > now]
                 hs = page_hashes(r.tokens, P)
-                d = router.route(str(i), r.length, index.query(hs), session=str(r.session))
+                hits = index.query(hs)
+                d = router.route(str(i), r.length, hits, session=str(r.session))
+                if index is not local and hits.of(d.instance) != local.query(hs).of(d.instance):
+                    run.index_stale += 1
                 q = insts[d.instance].arrive(r.tokens)
                 run.orders += d.prefetch is not None
                 run.reasons[d.reason] += 1
                 run.routed_tokens[d.instance] += r.length
                 if len(run.decisions) < 8:
                     run.decisions.append(d.as_dict())
-                want = d.prefetch.last_page if d.prefetch is not None else 0
-                queued.append((i, r, d.instance, q, want, now))
+                queued.append((i, r, d.instance, q, d.prefetch is not None, now))
                 nxt += 1
-            i, r, name, q, want, arrived = queued.popleft()
+            i, r, name, q, ordered, arrived = queued.popleft()
             inst = insts[name]
             rec = inst.prefill(q, hold=True)
             try:
                 v.check(i, inst, rec, pages=i % o.verify_every == 0)
             finally:
                 inst.release(rec)
-            if want and rec.hit_pages >= want:  # every ordered page was in L2 when its L1 load started
-                run.landed += 1
+            if ordered and q.match is not None and rec.hit_l3 == q.match.l3:
+                run.landed += 1  # every page its match found in L3 was in L2 when its L1 load started
             t0 = max(arrived, free_at[name])
             free_at[name] = end = t0 + rec.prefill_s
             running.append((end, t0, str(i)))
@@ -182,6 +244,8 @@ def run_routed(
             c = insts[name].cache
             if c is not None:
                 c.release(q.request_id)
+        if isinstance(index, ServiceIndex):
+            index.close()
         for inst in insts.values():
             inst.close()
         demo.drop(ns)
@@ -222,10 +286,19 @@ def summarize(runs: list[RoutedRun], P: int) -> dict[str, Any]:
         "reasons": dict(reasons),
         "prefetch_orders": sum(r.orders for r in runs),
         "prefetch_landed": sum(r.landed for r in runs),
+        "index_stale": sum(r.index_stale for r in runs),
         "logits_identical": all(r.logits_identical for r in runs),
         "wrong_pages": sum(r.wrong_pages for r in runs),
         "decisions_sample": last.decisions,
     }
+
+
+def _have_zmq() -> bool:
+    try:
+        import zmq  # noqa: F401
+    except ModuleNotFoundError:
+        return False
+    return True
 
 
 def compare(
@@ -238,17 +311,20 @@ def compare(
     reps = max(3, repeats)
     gap = statistics.fmean(no_cache_s) / n if no_cache_s else 0.0
     trace = list(enumerate(requests))
+    service = _have_zmq()
     runs: dict[str, list[RoutedRun]] = {p: [] for p in policies}
     for k in range(reps):
         order = list(policies[k % len(policies) :]) + list(policies[: k % len(policies)])
         for p in order:
-            runs[p].append(run_routed(demo, trace, p, f"route-{p}-{k}", n, gap))
+            runs[p].append(run_routed(demo, trace, p, f"route-{p}-{k}", n, gap, service))
     P = demo.opts.model.page_size
     out: dict[str, Any] = {
         "instances": n,
         "repeats": reps,
         "arrival_gap_s": round(gap, 6),
-        "index": "in-process LocalIndex (the instances' cache indexes + one pool lookup per request)",
+        "index": "l3pool.index: KV events over ZeroMQ -> IndexService (GlobalIndex) -> IndexClient queries"
+        if service
+        else "in-process LocalIndex (pyzmq missing): the instances' cache indexes + one pool lookup per request",
         "round_robin": "per session: a session's turn t goes to instance (session + t) mod n, as the main replay",
         "ttft": "virtual: each instance its own machine, requests arrive every arrival_gap_s, measured prefill times",
         "policies": {p: summarize(rs, P) for p, rs in runs.items()},
