@@ -181,13 +181,14 @@ def run_routed(
     its measured prefill time. The router sees that queue: a request leaves it at its virtual end,
     and a started one counts only what is left of it."""
     o, v = demo.opts, demo.verifier
-    P = o.model.page_size
+    spec = demo.model.cfg.kv_spec()  # the model the demo runs (its own or a real one's geometry)
+    P = spec.page_size
     ns = demo.namespace(tag)
     before = (v.compared, v.mismatched_logits, v.wrong_pages)
     insts = {f"{policy}-{k}": demo.instance(f"{tag}-{k}", "l1_l2_l3", ns) for k in range(instances)}
     local = LocalIndex(insts, demo.store, ns)
     index: LocalIndex | ServiceIndex = local
-    router = Router(make_policy(policy), list(insts), page_size=P, page_bytes=o.model.kv_spec().page_bytes)
+    router = Router(make_policy(policy), list(insts), page_size=P, page_bytes=spec.page_bytes)
     run = RoutedRun(policy, routed_tokens=dict.fromkeys(insts, 0))
     queued: deque[tuple[int, Request, str, Queued, bool, float]] = deque()
     free_at = dict.fromkeys(insts, 0.0)
@@ -317,7 +318,7 @@ def compare(
         order = list(policies[k % len(policies) :]) + list(policies[: k % len(policies)])
         for p in order:
             runs[p].append(run_routed(demo, trace, p, f"route-{p}-{k}", n, gap, service))
-    P = demo.opts.model.page_size
+    P = demo.model.cfg.kv_spec().page_size
     out: dict[str, Any] = {
         "instances": n,
         "repeats": reps,
