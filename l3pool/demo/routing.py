@@ -17,8 +17,11 @@ pyzmq, and the reference each decision's index answer is compared with (`index_s
 answer for the chosen instance lagged its cache's state, e.g. events still in flight).
 
 Per policy the report gives `prefill_s` (median total prefill time over the repeats, with its
-min/max), `hit_rate` per tier (of all tokens), `l3_bytes` (bytes fetched from L3), `load_imbalance`
-(max / mean prompt tokens routed per instance), the decisions' reasons, how many prefetch orders
+min/max), `prefill_cpu_s` (this process's CPU seconds inside the prefill calls: on a machine
+shared with other work it is not inflated by their load, but it leaves out what the pool's agents
+spend serving L3 reads), `ttft_mean_s` (virtual time, see run_routed), `hit_rate` per tier (of
+all tokens), `l3_bytes` (bytes fetched from L3), `load_imbalance` (max / mean prompt tokens
+routed per instance), the decisions' reasons, how many prefetch orders
 were given and how many landed (every page the instance's match found in L3 arrived in L2 before
 the request's L1 load started), and the checks: logits identical to the no-cache run, 0 wrong pages.
 """
@@ -142,6 +145,7 @@ class RoutedRun:
     policy: str
     recs: list[Record] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)  # virtual: arrival to logits on parallel instances
+    cpu_s: float = 0.0  # this process's CPU seconds inside the prefill calls (all its threads)
     routed_tokens: dict[str, int] = field(default_factory=dict)
     reasons: Counter[str] = field(default_factory=Counter)
     orders: int = 0
@@ -222,7 +226,9 @@ def run_routed(
                 nxt += 1
             i, r, name, q, ordered, arrived = queued.popleft()
             inst = insts[name]
+            c0 = time.process_time()
             rec = inst.prefill(q, hold=True)
+            run.cpu_s += time.process_time() - c0
             try:
                 v.check(i, inst, rec, pages=i % o.verify_every == 0)
             finally:
@@ -268,6 +274,7 @@ def summarize(runs: list[RoutedRun], P: int) -> dict[str, Any]:
     """One policy's repeats: medians with their spread, and the checks of every repeat."""
     tot = [r.prefill_s for r in runs]
     ttft = [statistics.fmean(r.ttft_s) for r in runs]
+    cpu = [r.cpu_s for r in runs]
     last = runs[len(runs) // 2]
     loads = np.array([[x for x in r.routed_tokens.values()] for r in runs], dtype=float)
     imb = [float(row.max() / row.mean()) if row.mean() > 0 else 0.0 for row in loads]
@@ -278,6 +285,8 @@ def summarize(runs: list[RoutedRun], P: int) -> dict[str, Any]:
         "prefill_s": round(statistics.median(tot), 4),
         "prefill_s_spread": [round(min(tot), 4), round(max(tot), 4)],
         "prefill_s_runs": [round(t, 4) for t in tot],
+        "prefill_cpu_s": round(statistics.median(cpu), 4),
+        "prefill_cpu_s_spread": [round(min(cpu), 4), round(max(cpu), 4)],
         "ttft_mean_s": round(statistics.median(ttft), 4),
         "ttft_mean_s_spread": [round(min(ttft), 4), round(max(ttft), 4)],
         "hit_rate": _hit_rate([x for r in runs for x in r.recs], P),
@@ -335,14 +344,17 @@ def compare(
 
 
 def verdict(pol: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
-    """cache_aware against each other policy, per metric (total prefill time, mean TTFT): `faster`
+    """cache_aware against each other policy, per metric (total prefill wall time, its CPU time,
+    mean TTFT; a metric the rows lack is skipped): `faster`
     when its slowest repeat beats the other's fastest, `slower` the other way round, else
     `inconclusive` (the spreads overlap)."""
     ca = pol.get("cache_aware")
     out: dict[str, dict[str, str]] = {}
     if ca is None:
         return out
-    for metric in ("prefill_s", "ttft_mean_s"):
+    for metric in ("prefill_s", "prefill_cpu_s", "ttft_mean_s"):
+        if f"{metric}_spread" not in ca:
+            continue
         row_out = out[metric] = {}
         lo, hi = ca[f"{metric}_spread"]
         for name, row in pol.items():
@@ -374,7 +386,7 @@ def table(section: dict[str, Any]) -> str:
         lines.append(
             f"  {name:12s} prefill {r['prefill_s']:8.3f} s [{lo:.3f}, {hi:.3f}]  "
             f"hits L1 {h['L1']:.2f} L2 {h['L2']:.2f} L3 {h['L3']:.2f}  "
-            f"L3 {r['l3_bytes'] / 1e6:8.1f} MB  imbalance {r['load_imbalance']:.2f}  "
+            f"CPU {r['prefill_cpu_s']:.2f} s  L3 {r['l3_bytes'] / 1e6:6.1f} MB  imbalance {r['load_imbalance']:.2f}  "
             f"TTFT {r['ttft_mean_s']:.3f} s [{r['ttft_mean_s_spread'][0]:.3f}, {r['ttft_mean_s_spread'][1]:.3f}]"
         )
     for metric, vs in section.get("verdict", {}).items():

@@ -60,6 +60,8 @@ def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     for name, row in rt["policies"].items():
         lo, hi = row["prefill_s_spread"]
         assert lo <= row["prefill_s"] <= hi and len(row["prefill_s_runs"]) == rt["repeats"]
+        lo, hi = row["prefill_cpu_s_spread"]
+        assert 0 < lo <= row["prefill_cpu_s"] <= hi
         assert set(row["hit_rate"]) == {"L1", "L2", "L3", "miss"}
         assert abs(sum(row["hit_rate"].values()) - 1) < 1e-3
         assert isinstance(row["l3_bytes"], int) and row["l3_bytes"] >= 0
@@ -76,7 +78,7 @@ def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert set(rr["reasons"]) == {"round_robin"}
     assert set(rt["policies"]["dynamo_like"]["reasons"]) == {"lowest_cost"}
     assert set(rt["policies"]["cache_aware"]["reasons"]) <= {"lowest_ttft", "affinity", "spill"}
-    assert set(rt["verdict"]) == {"prefill_s", "ttft_mean_s"}
+    assert set(rt["verdict"]) == {"prefill_s", "prefill_cpu_s", "ttft_mean_s"}
     # the router queried H1's global index (events over ZeroMQ) when pyzmq is there; its answers
     # for the chosen instance lag the caches' own state at most for a few requests (events in flight)
     try:
