@@ -17,13 +17,14 @@ pyzmq, and the reference each decision's index answer is compared with (`index_s
 answer for the chosen instance lagged its cache's state, e.g. events still in flight).
 
 Per policy the report gives `prefill_s` (median total prefill time over the repeats, with its
-min/max), `prefill_cpu_s` (this process's CPU seconds inside the prefill calls: on a machine
-shared with other work it is not inflated by their load, but it leaves out what the pool's agents
-spend serving L3 reads), `ttft_mean_s` (virtual time, see run_routed), `hit_rate` per tier (of
-all tokens), `l3_bytes` (bytes fetched from L3), `load_imbalance` (max / mean prompt tokens
-routed per instance), the decisions' reasons, how many prefetch orders
-were given and how many landed (every page the instance's match found in L3 arrived in L2 before
-the request's L1 load started), and the checks: logits identical to the no-cache run, 0 wrong pages.
+min/max), `prefill_cpu_s` (this process's CPU seconds inside the prefill calls; it leaves out
+what the pool's agents spend serving L3 reads, and it is no shield against other load: on the
+shared 2-core CI machine it tracked the wall time, torch's threads spinning while descheduled),
+`ttft_mean_s` (virtual time, see run_routed), `hit_rate` per tier (of all tokens), `l3_bytes`
+(bytes fetched from L3), `load_imbalance` (max / mean prompt tokens routed per instance), the
+decisions' reasons, how many prefetch orders were given and how many landed (every page the
+instance's match found in L3 arrived in L2 before the request's L1 load started), and the
+checks: logits identical to the no-cache run, 0 wrong pages.
 """
 
 from __future__ import annotations
