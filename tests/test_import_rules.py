@@ -39,6 +39,15 @@ NEVER: list[tuple[str, str, str]] = [
         for up in ("l3pool.cache", "l3pool.cluster", "l3pool.tools", "l3pool.adapters", "l3pool.agent", "l3pool.demo")
     ),
     ("l3pool.pool", "l3pool.index", "the pool core never imports the floors above it"),
+    *(
+        ("l3pool.router", up, "the router imports l3pool.index's types and nothing else of l3pool")
+        for up in ("l3pool.cache", "l3pool.pool", "l3pool.cluster", "l3pool.tools", "l3pool.adapters")
+    ),
+    *(
+        ("l3pool.router", up, "the router imports l3pool.index's types and nothing else of l3pool")
+        for up in ("l3pool.agent", "l3pool.cli", "l3pool.demo", "l2core", "torch")
+    ),
+    ("l3pool.index", "l3pool.router", "the index never imports the router that queries it"),
     ("l3pool.tools", "l3pool.adapters", "operator tools never import engine integrations"),
     ("l3pool.cluster", "l3pool.adapters", "the local cluster never imports engine integrations"),
     ("l3pool.agent", "l3pool.adapters", "the decode-node agent never imports engine integrations"),
@@ -60,6 +69,7 @@ TORCH_FREE_ROOTS = (
     "l3pool.pool.kv_events",
     "l3pool.index.client",
     "l3pool.index.cli",
+    "l3pool.router",
 )
 
 
@@ -167,6 +177,8 @@ def _plant(tmp: Path, files: dict[str, str]) -> Path:
         ({"l3pool/tools/chaos.py": "from l3pool.demo.run import Demo\n"}, "the demo is an application"),
         ({"l3pool/cache/events.py": "from l3pool.index import table\n"}, "never imports the global index"),
         ({"l3pool/index/service.py": "from l3pool.cache.events import x\n"}, "stands beside the cache"),
+        ({"l3pool/router/policy.py": "from l3pool.cache import types\n"}, "the router imports l3pool.index"),
+        ({"l3pool/router/policy.py": "def f():\n    import l2core.ops\n"}, "the router imports l3pool.index"),
         (
             {"l3pool/agent.py": "from l3pool.pool import keys\n", "l3pool/pool/keys.py": "import torch\n"},
             "imports torch",

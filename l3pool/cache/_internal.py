@@ -117,6 +117,14 @@ class _Loads:
         self.slots, self.wait_layer, self.load_ok, self.waited = slots, wait_layer, load_ok, waited
 
 
+def _select(hs: list[bytes], pages: np.ndarray, mask: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+    """The hashes and pages where `mask` is True (all of them without a copy when it is all True)."""
+    if mask.all():
+        return hs, pages
+    sel = np.flatnonzero(mask)
+    return [hs[i] for i in sel.tolist()], pages[sel]
+
+
 def _emit(ev: Any, tier: str, stored: bool, keys: Any, index: Any = None, ok: np.ndarray | None = None) -> None:
     """Report pages of a tier to the cache's TierEvents sink (the caller holds the cache's lock:
     the sink only queues). `keys`: a native buffer of 16-byte hashes, a list of hashes, or (with

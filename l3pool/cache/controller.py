@@ -22,7 +22,7 @@ from l2core.spec import ConfigError
 from l2core.transfer import TransferEngine, TransferError
 from l2core.units import check_int
 from l3pool import metrics
-from l3pool.cache._internal import _Backup, _emit, _join, _Loads, _member, _Req, _timed
+from l3pool.cache._internal import _Backup, _emit, _join, _Loads, _member, _Req, _select, _timed
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.index import GhostList, TierIndex, split
 from l3pool.cache.policy import WaitComplete, prefetch_policy, write_policy
@@ -309,9 +309,9 @@ class TieredCache:
                     self._stats.l3_read_failures += 1
             if res is not None:
                 fetched = res.pages
-                if res.interrupted:
-                    with self._mu:
-                        self._stats.prefetch_interrupted += 1
+                with self._mu:
+                    self._stats.moved("l3", len(fetched) * self.page_bytes, res.elapsed_s)
+                    self._stats.prefetch_interrupted += int(res.interrupted)
                 if res.error is not None or res.stopped_by not in (None, Outcome.MISS.value):
                     with self._mu:
                         self._stats.l3_read_failures += 1
@@ -553,12 +553,17 @@ class TieredCache:
             return int(newly.size)
 
     def _collect_load(self, r: _Req) -> None:
+        """The outcome of the request's L2 -> L1 load (waited for), its bytes and seconds counted."""
         if r.load_job is None or r.load_ok is not None:
             return
         try:
-            r.load_ok = self._engine.wait([r.load_job], timeout=self.cfg.load_timeout_s)[0].ok
+            res = self._engine.wait([r.load_job], timeout=self.cfg.load_timeout_s)[0]
         except KeyError:
             r.load_ok = False
+            return
+        with self._mu:
+            r.load_ok = res.ok
+            self._stats.moved("l2", res.nbytes, res.seconds)
 
     def _load_ok(self, rid: str, job: int) -> bool:
         with self._mu:
@@ -571,11 +576,8 @@ class TieredCache:
         pol = self.down
         hot = pol.on_insert(self.t1.hits[pages])
         if not pol.ghost:
-            if hot.all():
-                self._backup(hs, pages, pol.reason)
-            elif hot.any():
-                sel = np.flatnonzero(hot)
-                self._backup([hs[i] for i in sel.tolist()], pages[sel], pol.reason)
+            if hot.any():
+                self._backup(*_select(hs, pages, hot), pol.reason)
             return
         start, thr = r.n_hit, pol.hit_threshold
         g = self.ghost.native.leading_of(buf, start, HASH_BYTES) if self.ghost.capacity else 0
@@ -646,18 +648,13 @@ class TieredCache:
         if dup.size:
             self.l2.free(dup)
         self.t2.hits[used] = np.maximum(self.t2.hits[used], hits)
-        st = self._stats
-        st.l1_to_l2_writes[reason] = st.l1_to_l2_writes.get(reason, 0) + len(hs)
-        st.d2h_bytes += len(hs) * self.page_bytes
+        self._stats.backed_up(reason, len(hs), self.page_bytes)
         if self.writer is None:
             return
         hot = self.out.on_insert(self.t2.hits[used])
         why = self.out.reason
-        if hot.all():
-            self._write_l3(hs, used, why)
-        elif hot.any():
-            sel = np.flatnonzero(hot)
-            self._write_l3([hs[i] for i in sel.tolist()], used[sel], why)
+        if hot.any():
+            self._write_l3(*_select(hs, used, hot), why)
 
     def _write_l3(self, hs: list[bytes], pages: np.ndarray, reason: str) -> None:
         assert self.writer is not None
@@ -693,11 +690,7 @@ class TieredCache:
         ok = np.fromiter((o is Outcome.OK for o in res), bool, len(res))
         self._in_l3[pages[ok]] = True
         _emit(self.events, "l3", True, hs, ok=ok)
-        st.l3_put_failed += int((~ok).sum())
-        st.l3_put_bytes += int(ok.sum()) * self.page_bytes
-        for why, good in zip(reasons, ok.tolist(), strict=True):
-            if good and why is not None:
-                st.l2_to_l3_writes[why] = st.l2_to_l3_writes.get(why, 0) + 1
+        st.put_l3(reasons, ok, self.page_bytes)
 
     # -- release / flush / stats / close ----------------------------------------------------------
     @_timed("release")

@@ -89,6 +89,10 @@ class CacheStats:
     backup_skips: dict[str, int] = field(default_factory=lambda: {"l3_slow": 0, "l2_pinned": 0})
     errors: int = 0
     api_s: dict[str, float] = field(default_factory=dict)  # wall time inside each public call
+    # bytes each tier delivered and the seconds its copies ran (l2: L2 -> L1 load jobs, l3: L3 -> L2
+    # prefetches, worker start to last batch): a router's measured bandwidth per tier
+    moved_bytes: dict[str, int] = field(default_factory=lambda: {"l2": 0, "l3": 0})
+    moved_s: dict[str, float] = field(default_factory=lambda: {"l2": 0.0, "l3": 0.0})
 
     def count_request(self, hits: dict[str, int], pages: int, page_bytes: int, page_size: int) -> None:
         """One loaded request: its hit pages per tier (l1, l2, l3) of its `pages` whole pages, here
@@ -106,6 +110,25 @@ class CacheStats:
         metrics.CACHE_MISS_PAGES.inc(miss)
         metrics.CACHE_MISS_TOKENS.inc(miss * page_size)
         metrics.CACHE_REQUESTED_TOKENS.inc(pages * page_size)
+
+    def moved(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A finished copy into the tier above `tier` (caller holds the cache's lock)."""
+        if nbytes > 0 and seconds > 0:
+            self.moved_bytes[tier] += nbytes
+            self.moved_s[tier] += seconds
+
+    def backed_up(self, reason: str, pages: int, page_bytes: int) -> None:
+        """`pages` copied L1 -> L2 because of `reason` (caller holds the cache's lock)."""
+        self.l1_to_l2_writes[reason] = self.l1_to_l2_writes.get(reason, 0) + pages
+        self.d2h_bytes += pages * page_bytes
+
+    def put_l3(self, reasons: Sequence[str | None], ok: np.ndarray, page_bytes: int) -> None:
+        """One L2 -> L3 put's outcome: `ok[i]` for the page queued because of `reasons[i]`."""
+        self.l3_put_failed += int((~ok).sum())
+        self.l3_put_bytes += int(ok.sum()) * page_bytes
+        for why, good in zip(reasons, ok.tolist(), strict=True):
+            if good and why is not None:
+                self.l2_to_l3_writes[why] = self.l2_to_l3_writes.get(why, 0) + 1
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

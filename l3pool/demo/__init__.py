@@ -82,6 +82,10 @@ def add_parser(subparsers: Any) -> None:
         "--side-turns", type=positive_int, help="turns replayed for savings/policies/sweep (quick: all, else 3)"
     )
     p.add_argument("--sweep-l2", action="store_true", help="also sweep the L2 capacity and recommend a size")
+    p.add_argument(
+        "--routing",
+        help="also compare router policies on >= 3 instances: round_robin, cache_aware, dynamo_like, a list, all",
+    )
     p.add_argument("--layout", choices=["layer_first", "page_first", "page_first_direct"], default="page_first_direct")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--segment-size", type=segment_size, default="1GB", help="DRAM each local decode agent donates")
@@ -104,6 +108,7 @@ def _options(a: argparse.Namespace) -> Any:
     import torch
 
     from l3pool.demo.model import ModelConfig
+    from l3pool.demo.routing import parse_policies
     from l3pool.demo.run import DemoOptions
     from l3pool.demo.workload import WorkloadConfig
 
@@ -125,6 +130,7 @@ def _options(a: argparse.Namespace) -> Any:
         queue_depth=a.queue_depth, repeats=a.repeats if a.repeats is not None else base["repeats"],
         side_sessions=a.side_sessions, sweep_l2=a.sweep_l2,
         side_turns=a.side_turns if a.side_turns is not None else base["side_turns"],
+        routing=parse_policies(a.routing),
     )  # fmt: skip
 
 
@@ -216,6 +222,9 @@ def _verdict(rep: dict[str, Any]) -> list[str]:
             bad.append(f"policy row {row['policy']} at L2 {row['l2_tokens']} tokens failed its checks")
     if rep["hit_rate"]["L3"] <= 0:
         bad.append("L3 served no hits")
+    from l3pool.demo.routing import failures
+
+    bad += failures(rep.get("routing"))
     return bad
 
 
@@ -231,6 +240,10 @@ def _write(a: argparse.Namespace, rep: dict[str, Any]) -> bool:
         print(json.dumps(rep, indent=2))
     else:
         print(table(rep))
+        if rep.get("routing"):
+            from l3pool.demo.routing import table as routing_table
+
+            print(routing_table(rep["routing"]))
         print(f"report: {a.out / 'report.json'}" + (f"; plots: {', '.join(rep['plots'])}" if rep["plots"] else ""))
     for b in bad:
         print(f"l3pool demo: FAILED: {b}", file=sys.stderr)

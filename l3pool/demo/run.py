@@ -44,7 +44,7 @@ import torch
 
 from l2core.spec import ConfigError
 from l3pool.cache import CacheConfig
-from l3pool.demo import study
+from l3pool.demo import routing, study
 from l3pool.demo.engine import DEMO_CACHE, L3Side, PrefillInstance, Queued, Record
 from l3pool.demo.model import ModelConfig, RefModel
 from l3pool.demo.workload import Request, WorkloadConfig, generate, prefix_reuse
@@ -105,6 +105,7 @@ class DemoOptions:
     side_turns: int = 0  # turns of the shorter trace (0: all)
     sweep_l2: bool = False  # run the L2 capacity sweep
     sweep_points: int = 6  # at most this many capacities
+    routing: tuple[str, ...] = ()  # router policies compared on the trace (l3pool/demo/routing.py)
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -515,6 +516,8 @@ def run(
         bar.refresh()
     demo.warmup()
     runs = demo.replay(requests)
+    nc_s = [r.prefill_s for r in runs["no_cache"].recs]
+    routed = routing.compare(demo, requests, opts.routing, opts.repeats, nc_s) if opts.routing else None
     median = int(np.median([r.length for r in requests]))
     cold = demo.cold(median)
     fit = demo.fit(requests, runs["no_cache"].recs)
@@ -541,6 +544,7 @@ def run(
             "savings": sav,
             "policies": pol,
             "sweep": swp,
+            "routing": routed,
             "side_trace": {
                 "sessions": len({r.session for _, r in side}),
                 "turns": len({r.turn for _, r in side}),

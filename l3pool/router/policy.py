@@ -1,0 +1,185 @@
+"""Routing policies as objects: each picks one instance from the router's per-instance estimates.
+
+- `CacheAware` (ours): the lowest expected TTFT (queued work + compute of the tokens the instance
+  must prefill + fetch of its L2/L3 hits at that tier's measured bandwidth), with session affinity:
+  a session stays on its last instance unless that instance's TTFT exceeds the best by more than
+  `margin` (relative) + `slack_s`.
+- `RoundRobin`: the candidates in turn, blind to hits and load (the demo's old behaviour).
+- `DynamoLike`: Dynamo's KV-router cost as documented (docs.nvidia.com/dynamo, "Routing Concepts"):
+  cost = w · max(active_prefill_blocks + request_blocks − overlap_credit, 0) + active_blocks +
+  request_blocks, lowest cost wins (temperature 0, ties to the first candidate). The overlap
+  credit weights hits by a *fixed* tier weight: a device (L1) hit 1, a host (L2) hit 0.75, a disk
+  hit 0.25 — here the L3 pool stands in the disk/shared slot. `w` is `overlap_score_weight`
+  (default 1). Prefill-only instances have no decode: active blocks are the blocks of the requests
+  routed there and not finished. It ignores measured bandwidths and compute rates by design.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from l3pool.router.model import RouterError, finite
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One candidate's price for one request. Pages are cumulative prefixes as in PrefixHits, cut
+    to what the instance may hit (the last token is always computed). Seconds: `compute_s` of
+    `compute_tokens`; `l2_s` the L2 -> L1 copy of every hit page not in L1 (L3 pages pass through
+    L2); `l3_s` the L3 -> L2 fetch of the pages only the pool holds, of which `l3_exposed_s`
+    is not hidden behind `queue_s` (the prefetch runs while the request waits); `queue_s` the
+    estimated work of requests already routed there and unfinished (`queued_tokens` their
+    prompt tokens). `total_s` = queue + compute + l2 + exposed l3: the expected TTFT. `cost`: what
+    the policy minimised (seconds for cache_aware, blocks for dynamo_like, the turn for round_robin)."""
+
+    instance: str
+    l1: int
+    l2: int
+    l3: int
+    compute_tokens: int
+    compute_s: float
+    l2_s: float
+    l3_s: float
+    l3_exposed_s: float
+    queue_s: float
+    queued_tokens: int
+    queued_blocks: int = 0  # blocks of the unfinished requests routed there
+    queued_new_blocks: int = 0  # their blocks not hit (what they compute)
+    cost: float = 0.0
+
+    @property
+    def work_s(self) -> float:
+        """What this request adds to the instance's queue."""
+        return self.compute_s + self.l2_s + self.l3_exposed_s
+
+    @property
+    def total_s(self) -> float:
+        return self.queue_s + self.work_s
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {
+            "instance": self.instance, "l1": self.l1, "l2": self.l2, "l3": self.l3,
+            "compute_tokens": self.compute_tokens, "compute_s": round(self.compute_s, 6),
+            "l2_s": round(self.l2_s, 6), "l3_s": round(self.l3_s, 6), "l3_exposed_s": round(self.l3_exposed_s, 6),
+            "queue_s": round(self.queue_s, 6), "queued_tokens": self.queued_tokens,
+            "total_s": round(self.total_s, 6), "cost": round(self.cost, 6),
+        }  # fmt: skip
+
+
+class Policy(Protocol):
+    name: str
+
+    def select(
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
+    ) -> tuple[int, str, list[float]]:
+        """(index into `ests` of the pick, reason, cost per estimate)."""
+        ...
+
+    def routed(self, instance: str, session: str | None) -> None:
+        """The router sent the request to `instance` (policies with memory update it)."""
+        ...
+
+
+class RoundRobin:
+    """The candidates in turn. `per_session`: each session rotates on its own — its k-th request
+    goes to candidate (the session's first-seen index + k) mod n — so a session's consecutive
+    requests never share an instance (a balancer without affinity, independent of how sessions
+    interleave; a plain counter over a lock-step trace of S sessions on n instances keeps every
+    session on one instance when n divides S)."""
+
+    name = "round_robin"
+
+    def __init__(self, per_session: bool = False, sessions: int = 65536) -> None:
+        self.per_session = per_session
+        self._turn = 0
+        self._seen: dict[str, list[int]] = {}  # session -> [first-seen index, requests so far]
+        self._cap = sessions
+        self._first = 0
+
+    def select(
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
+    ) -> tuple[int, str, list[float]]:
+        if self.per_session and session is not None:
+            st = self._seen.get(session)
+            if st is None:
+                st = self._seen[session] = [self._first, 0]
+                self._first += 1
+                if len(self._seen) > self._cap:
+                    self._seen.pop(next(iter(self._seen)))
+            k = (st[0] + st[1]) % len(ests)
+            st[1] += 1
+        else:
+            k = self._turn % len(ests)
+            self._turn += 1
+        return k, "round_robin", [float((i - k) % len(ests)) for i in range(len(ests))]
+
+    def routed(self, instance: str, session: str | None) -> None:
+        pass
+
+
+class DynamoLike:
+    name = "dynamo_like"
+
+    def __init__(self, overlap_score_weight: float = 1.0, host_weight: float = 0.75, disk_weight: float = 0.25):
+        self.w = finite("overlap_score_weight", overlap_score_weight)
+        self.host_weight = finite("host_weight", host_weight)
+        self.disk_weight = finite("disk_weight", disk_weight)
+
+    def cost(self, e: Estimate, request_blocks: int) -> float:
+        credit = e.l1 + self.host_weight * (e.l2 - e.l1) + self.disk_weight * (e.l3 - e.l2)
+        prefill = max(e.queued_new_blocks + request_blocks - credit, 0.0)
+        return self.w * prefill + e.queued_blocks + request_blocks
+
+    def select(
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
+    ) -> tuple[int, str, list[float]]:
+        blocks = -(-tokens // page_size)
+        costs = [self.cost(e, blocks) for e in ests]
+        return min(range(len(ests)), key=costs.__getitem__), "lowest_cost", costs
+
+    def routed(self, instance: str, session: str | None) -> None:
+        pass
+
+
+class CacheAware:
+    name = "cache_aware"
+
+    def __init__(self, margin: float = 0.25, slack_s: float = 0.0, sessions: int = 65536) -> None:
+        self.margin = finite("affinity margin", margin)
+        self.slack_s = finite("affinity slack_s", slack_s)
+        self._home: dict[str, str] = {}
+        self._cap = sessions
+
+    def home(self, session: str) -> str | None:
+        return self._home.get(session)
+
+    def select(
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
+    ) -> tuple[int, str, list[float]]:
+        costs = [e.total_s for e in ests]
+        best = min(range(len(ests)), key=costs.__getitem__)
+        home = self._home.get(session) if session is not None else None
+        if home is not None and home != ests[best].instance:
+            for i, e in enumerate(ests):
+                if e.instance == home and costs[i] <= costs[best] * (1 + self.margin) + self.slack_s:
+                    return i, "affinity", costs
+        return best, "lowest_ttft", costs
+
+    def routed(self, instance: str, session: str | None) -> None:
+        if session is None:
+            return
+        self._home.pop(session, None)
+        self._home[session] = instance  # most recent last: the oldest goes first when full
+        if len(self._home) > self._cap:
+            self._home.pop(next(iter(self._home)))
+
+
+POLICIES = {"cache_aware": CacheAware, "round_robin": RoundRobin, "dynamo_like": DynamoLike}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()  # type: ignore[no-any-return]
+    except KeyError:
+        raise RouterError(f"unknown routing policy {name!r}: choose one of {', '.join(POLICIES)}") from None
