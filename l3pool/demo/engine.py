@@ -28,6 +28,7 @@ import hashlib
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,6 +41,9 @@ from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.protocols import NamespaceRegistry
 from l3pool.pool.store import MooncakeStore
+
+if TYPE_CHECKING:
+    from l3pool.demo.hf import HFModel
 
 # The demo waits for the L3 -> L2 prefetch at load (wait_complete): every variant then gets the
 # same hits, and what prefetch-on-queue saves is time, not a different amount of compute.
@@ -114,7 +118,7 @@ class PrefillInstance:
     def __init__(
         self,
         name: str,
-        model: RefModel,
+        model: RefModel | HFModel,
         *,
         l1_tokens: int,
         l2_tokens: int,
@@ -172,6 +176,10 @@ class PrefillInstance:
             return Queued(rid, tokens, [], None, 0.0)
         hs = page_hashes(tokens, self.P)
         m = self.cache.match(rid, hs, max_hit=(n - 1) // self.P)  # the last token is always computed
+        per = getattr(self.model, "align", self.P) // self.P  # hits used up to a chunk boundary (hf.py)
+        while per > 1 and m.hit_pages % per:
+            self.cache.release(rid)
+            m = self.cache.match(rid, hs, max_hit=m.hit_pages // per * per)
         if self.prefetch_on_queue:
             self.cache.prefetch(m)
         return Queued(rid, tokens, hs, m, time.perf_counter() - t0)
@@ -225,7 +233,8 @@ class PrefillInstance:
             logits = self.model.prefill(q.tokens, h.hit_pages * P, slots, self.bufs)
         self._sync()
         t2 = time.perf_counter()
-        cache.commit(q.request_id, q.hashes, h.l1_pages)
+        k = self.committable(n)  # pages of a partial last chunk are not cached (hf.py: exactness)
+        cache.commit(q.request_id, q.hashes[:k], h.l1_pages[:k])
         rec.prefill_s = time.perf_counter() - t0
         st1 = cache.stats()
         rec.logits, rec.l1_pages = logits, h.l1_pages
@@ -236,6 +245,12 @@ class PrefillInstance:
         rec.compute_s = max(0.0, (t2 - t1) - h.wait_s)
         rec.backup_bytes = st1["d2h_bytes"] - st0["d2h_bytes"]
         rec.put_bytes = st1["l3_put_bytes"] - st0["l3_put_bytes"]
+
+    def committable(self, n: int) -> int:
+        """Full pages of an n-token request that the cache may keep: those in whole alignment
+        units (chunks) of the model; every page for the reference model (align = page)."""
+        a = getattr(self.model, "align", self.P)
+        return n // a * a // self.P
 
     def release(self, rec: Record) -> None:
         """The request is done: its uncommitted L1 pages go back to the cache."""

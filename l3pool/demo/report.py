@@ -11,64 +11,91 @@ _NAMES = {"no_cache": "no cache", "l1_l2": "L1+L2", "l1_l2_l3": "L1+L2+L3"}
 
 
 def table(rep: dict[str, Any]) -> str:
-    tr, hr, ps, fit, t = rep["trace"], rep["hit_rate"], rep["prefill_s"], rep["fit"], rep["tiers"]
+    tr, hr, fit, t, tt = rep["trace"], rep["hit_rate"], rep["fit"], rep["tiers"], rep["ttft_ms"]
     be = fit["break_even_tokens"]
+    ov = rep["cache_overhead"]
 
     def gb(x: dict[str, Any]) -> str:
         w = x.get("engine_wait_s")
         return f"{x['bytes'] / 1e6:9.1f} MB" + (f" (engine waited {w * 1e3:7.1f} ms)" if w is not None else " " * 28)
 
-    def saved(what: str) -> str:
-        v, (lo, hi) = rep[f"{what}_saved_verdict"], rep[f"{what}_saved_spread_s"]
-        head = "inconclusive" if v == "inconclusive" else f"{rep[f'{what}_saved_s']:+.3f} s ({v})"
-        return f"{head}, runs allow {lo:+.3f}..{hi:+.3f} s"
-
     def rates(h: dict[str, float]) -> str:
         return " ".join(f"{k} {v:5.1%}" for k, v in h.items())
 
-    sv, side = rep["savings"], rep["side_trace"]
-    pol = [
-        f"  {r['policy']:<30} L2 {r['l2_tokens']:>7}  {rates(r['hit_rate'])}  D2H {r['d2h_bytes'] / 1e6:7.1f} MB  "
-        f"L3 put {r['l3_put_bytes'] / 1e6:7.1f} MB  prefill {r['prefill_s']:6.2f} s  "
-        + ("ok" if r["logits_identical"] and not r["wrong_pages"] else "CHECKS FAILED")
-        for r in rep["policies"]
-    ]
-    sweep = []
-    if rep.get("sweep"):
-        sw = rep["sweep"]
-        sweep = [f"L2 sweep   recommended {sw['recommended_l2_tokens']} tokens: {sw['reason']}"]
-        sweep += [
-            f"  L2 {q['l2_tokens']:>8}  {rates(q['hit_rate'])}  prefill {q['prefill_s']:6.2f} s" for q in sw["points"]
-        ]
+    def ttft(c: str) -> str:
+        x = tt[c]
+        red = f", {x['reduction_vs_no_cache']:+.1%} total vs no cache" if "reduction_vs_no_cache" in x else ""
+        return f"{_NAMES[c]:<9} median {x['median']:9.1f} ms  p90 {x['p90']:9.1f} ms  (+-{x['spread']:.1f}){red}"
 
     lines = [
+        f"model      {rep['model']} on {rep['device']}",
         f"workload   {tr['requests']} requests ({tr['sessions']} sessions x <= {tr['turns']} turns), "
-        f"{tr['min_context']}-{tr['max_context']} tokens, prefix reuse {tr['prefix_reuse']:.2f}",
-        f"setup      {rep['setup']['device']}, {rep['setup']['instances']} prefill instances, {rep['setup']['pool']}",
-        "hit rate   "
-        + "  ".join(f"{k} {v:.1%}" for k, v in hr.items())
-        + "   (L1+L2 only: "
-        + "  ".join(f"{k} {v:.1%}" for k, v in rep["hit_rate_by_config"]["l1_l2"].items())
-        + ")",
-        "prefill    " + "  ".join(f"{_NAMES[k]} {v:.2f} s" for k, v in ps.items()),
-        f"benefit    net {rep['net_benefit_s']:.2f} s vs no cache; L3 adds {rep['l3_benefit_s']:.2f} s over L1+L2",
-        f"overhead   miss path {rep['cache_overhead']:+.1%} "
-        f"({rep['miss_path']['cache_tok_per_s']:.0f} vs {rep['miss_path']['no_cache_tok_per_s']:.0f} tok/s)",
-        f"fit        all-hit T(n) = {fit['a_ms']:.2f} ms + {fit['b_us_per_token']:.3f} us/token; no cache "
-        f"{fit['no_cache_a_ms']:.2f} ms + {fit['no_cache_b_us_per_token']:.2f} us/token; break-even "
+        f"{tr['min_context']}-{tr['max_context']} tokens, prefix reuse {tr['prefix_reuse']:.2f}; {tr['rounds']} "
+        "interleaved rounds",
+        f"setup      {rep['setup']['instances']} prefill instances, {rep['setup'].get('pool', '')}",
+        *("ttft       " + ttft(c) for c in _NAMES),
+        "hit rate   " + rates(hr) + "   (L1+L2 only: " + rates(rep["hit_rate_by_config"]["l1_l2"]) + ")",
+        f"overhead   miss path {ov['headline']} (rounds {ov['spread'][0]:+.1%}..{ov['spread'][1]:+.1%}); "
+        f"biased: {rep['biased']}",
+        "fit        all-hit T(n) = "
+        + (f"{fit['a_ms']:.2f} ms" + (" (intercept < 0: clamped)" if fit["intercept_clamped"] else ""))
+        + f" + {fit['b_us_per_token']:.3f} us/token; no cache {fit['no_cache_b_us_per_token']:.2f} us/token; "
+        + "break-even "
         + (f"{be:.0f} tokens" if be is not None else "none"),
         f"L3->L2     {gb(t['L3_to_L2'])}    L2->L1 {gb(t['L2_to_L1'])}",
         f"L1->L2     {gb(t['L1_to_L2_backup'])}    L2->L3 {gb(t['L2_to_L3_put'])}   (background threads)",
-        f"side trace {side['requests']} requests ({side['sessions']} sessions x {side['turns']} turns, "
-        f"{side['tokens']} tokens) for the rows below; {sv['runs']} runs per variant",
-        f"overlap    per-layer L2->L1 overlap saves {saved('overlap')}",
-        f"prefetch   prefetch-on-queue saves {saved('prefetch')}",
-        "policies   (both boundaries; hit rates of the side trace)",
-        *pol,
-        *sweep,
-        f"checks     logits identical: {rep['logits_identical']} ({rep['logits_compared']} compared), "
-        f"wrong pages: {rep['wrong_pages']} of {rep['pages_verified']} verified",
+        "what-if    "
+        + "  ".join(
+            f"{k} {v['ttft_median_ms']:.0f} ms ({v['reduction_vs_no_cache']:+.1%})"
+            for k, v in rep["what_if"]["fabrics"].items()
+            if v["reduction_vs_no_cache"] is not None
+        ),
     ]
+    if rep.get("interference"):
+        x = rep["interference"]
+        lines.append(
+            f"interfere  forward {x['compute_alone_ms']['median']:.1f} ms alone, "
+            f"{x['compute_with_l2_traffic_ms']['median']:.1f} ms with L2 traffic ({x['slowdown']:+.1%}, "
+            f"{x['copy_GBps']['median']:.1f} GB/s copied)"
+        )
+    if rep.get("hf_reference"):
+        for p in rep["hf_reference"]["points"]:
+            lines.append(
+                f"hf ref     {p['tokens']} tokens: engine {p['engine_no_cache_ms']:.0f} ms, HF chunked "
+                + (f"{p['hf_chunked_ms']['median']:.0f} ms" if p["hf_chunked_ms"] else "OOM")
+                + f" ({p['engine_vs_hf_chunked']}x)"
+            )
+    if rep.get("savings"):
+        sv, side = rep["savings"], rep["side_trace"]
+
+        def saved(what: str) -> str:
+            v, (lo, hi) = rep[f"{what}_saved_verdict"], rep[f"{what}_saved_spread_s"]
+            head = "inconclusive" if v == "inconclusive" else f"{rep[f'{what}_saved_s']:+.3f} s ({v})"
+            return f"{head}, runs allow {lo:+.3f}..{hi:+.3f} s"
+
+        lines += [
+            f"side trace {side['requests']} requests ({side['sessions']} sessions x {side['turns']} turns, "
+            f"{side['tokens']} tokens) for the rows below; {sv['runs']} runs per variant",
+            f"overlap    per-layer L2->L1 overlap saves {saved('overlap')}",
+            f"prefetch   prefetch-on-queue saves {saved('prefetch')}",
+            "policies   (both boundaries; hit rates of the side trace)",
+        ]
+        lines += [
+            f"  {r['policy']:<30} L2 {r['l2_tokens']:>7}  {rates(r['hit_rate'])}  D2H {r['d2h_bytes'] / 1e6:7.1f} MB  "
+            f"L3 put {r['l3_put_bytes'] / 1e6:7.1f} MB  prefill {r['prefill_s']:6.2f} s  "
+            + ("ok" if r["logits_identical"] and not r["wrong_pages"] else "CHECKS FAILED")
+            for r in rep["policies"]
+        ]
+    if rep.get("sweep"):
+        sw = rep["sweep"]
+        lines.append(f"L2 sweep   recommended {sw['recommended_l2_tokens']} tokens: {sw['reason']}")
+        lines += [
+            f"  L2 {q['l2_tokens']:>8}  {rates(q['hit_rate'])}  prefill {q['prefill_s']:6.2f} s" for q in sw["points"]
+        ]
+    lines.append(
+        f"checks     logits identical: {rep['logits_identical']} ({rep['logits_compared']} compared), "
+        f"wrong pages: {rep['wrong_pages']} of {rep['pages_verified']} verified"
+    )
     return "\n".join(lines)
 
 
