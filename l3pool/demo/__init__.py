@@ -39,6 +39,11 @@ DEFAULTS_GPU = {
     "side_turns": 3,
 }  # fmt: skip
 
+REAL = {
+    "sessions": 4, "turns": 3, "min_context": 24576, "max_context": 40000, "cold": 2, "fit_points": 3, "repeats": 3,
+    "side_turns": 3, "rounds": 3,
+}  # fmt: skip  # real models (--model llama-8b|deepseek-mla): sized for a few minutes on one H200
+
 
 def add_parser(subparsers: Any) -> None:
     from l3pool.cli import nonneg_int, positive_int, segment_size
@@ -67,7 +72,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--chunk", type=positive_int, default=0, help="prefill chunk of a real model (default 2048)")
     p.add_argument("--rounds", type=positive_int, help="interleaved timing rounds (default 3; every time a median)")
-    p.add_argument("--no-side", action="store_true", help="skip the savings/policies comparisons (real models: default)")
+    p.add_argument("--no-side", action="store_true", help="skip the savings/policies comparisons (real: always)")
     p.add_argument("--no-interference", action="store_true", help="skip the interference measurement")
     p.add_argument("--hf-reference", action="store_true", help="also time HF transformers' own prefill (real models)")
     p.add_argument("--attention", choices=["mla", "mha"], default="mla")
@@ -124,12 +129,12 @@ def _options(a: argparse.Namespace) -> Any:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise DemoError("--device cuda: no CUDA device is available")
-    base = QUICK if a.quick else DEFAULTS_GPU if device == "cuda" else DEFAULTS_CPU
+    real = a.model != "reference"
+    base = QUICK if a.quick else REAL if real else DEFAULTS_GPU if device == "cuda" else DEFAULTS_CPU
     pick = {
         k: getattr(a, k) if getattr(a, k, None) is not None else base[k]
         for k in ("sessions", "turns", "min_context", "max_context")
     }
-    real = a.model != "reference"
     model: Any
     if real:
         from l3pool.demo.hf import HFConfig
@@ -191,7 +196,8 @@ def _run(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     import torch
 
     torch.set_flush_denormal(True)  # random weights produce denormals; they cost 10x on x86
-    quiet = [] if getattr(a, "verbose", False) else [logging.getLogger(n) for n in ("l2core", "l3pool.pool.store", "l3pool.pool.client")]
+    names = ("l2core", "l3pool.pool.store", "l3pool.pool.client")
+    quiet = [] if getattr(a, "verbose", False) else [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in quiet]
     for lg in quiet:  # the demo makes dozens of pools and clients: their INFO lines are noise
         lg.setLevel(logging.WARNING)

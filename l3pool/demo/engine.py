@@ -258,13 +258,27 @@ class PrefillInstance:
             self.cache.release(rec.request_id)
 
     def page_digests(self, rec: Record, upto: int) -> list[bytes]:
-        """blake2b of each of the first `upto` full pages' KV bytes in L1 (all layers); the request
-        must still be held (prefill(..., hold=True))."""
+        """A 128-bit checksum of each of the first `upto` full pages' KV bytes in L1 (all layers),
+        computed where the KV lives: per buffer, the page's int32 words times two fixed odd
+        weight vectors, summed mod 2^64 (any changed word changes both sums). The request must
+        still be held (prefill(..., hold=True))."""
         assert rec.l1_pages is not None
         slots = self._slots(rec.l1_pages[:upto]).to(self.device)
-        per = [b[slots].reshape(upto, -1).view(torch.uint8).cpu() for b in self.bufs]  # verification only
-        allb = torch.cat(per, dim=1).numpy()
+        sums = []
+        for b in self.bufs:
+            x = b[slots].reshape(upto, -1).view(torch.int32).to(torch.int64)
+            w = self._weights(x.shape[1])
+            sums.append((x[:, :, None] * w[None]).sum(dim=1))  # [upto, 2], wraps mod 2^64
+        allb = torch.cat(sums, dim=1).cpu().numpy()
         return [hashlib.blake2b(allb[i].tobytes(), digest_size=16).digest() for i in range(upto)]
+
+    def _weights(self, n: int) -> torch.Tensor:
+        w = getattr(self, "_w", None)
+        if w is None or w.shape[0] != n:
+            g = torch.Generator().manual_seed(n)
+            w = (torch.randint(0, 2**31 - 1, (n, 2), generator=g, dtype=torch.int64) * 2 + 1).to(self.device)
+            self._w = w
+        return w
 
     def flush(self) -> None:
         """Wait for the background backups (L1 -> L2, L2 -> L3); raise their errors."""
