@@ -99,8 +99,21 @@ def table(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _log_if_wide(ax: Any, vals: list[float], axis: str = "y") -> None:
+    pos = [v for v in vals if v > 0]
+    if pos and max(pos) / min(pos) >= 30:
+        (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
+
+
+def _label_bars(ax: Any, bars: Any, fmt: str) -> None:
+    for b in bars:
+        h = b.get_height()
+        ax.annotate(fmt.format(h), (b.get_x() + b.get_width() / 2, h), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")  # fmt: skip
+
+
 def plot(rep: dict[str, Any], out: Path) -> list[str]:
-    """demo_prefill.png, demo_tiers.png, demo_fit.png in `out`; [] when matplotlib is missing."""
+    """demo_ttft.png, demo_prefill.png, demo_tiers.png, demo_fit.png in `out`; [] without matplotlib."""
     try:
         import matplotlib
 
@@ -110,50 +123,87 @@ def plot(rep: dict[str, Any], out: Path) -> list[str]:
         log.warning("matplotlib is not installed: no plots")
         return []
     files = []
+    title = f"{rep['model']} on {rep['device']}"
+    tt = rep["ttft_ms"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [_NAMES[c] for c in _NAMES]
+    med = [tt[c]["median"] for c in _NAMES]
+    p90 = [tt[c]["p90"] for c in _NAMES]
+    x = range(len(names))
+    bars = ax.bar([i - 0.2 for i in x], med, width=0.4, yerr=[tt[c]["spread"] for c in _NAMES], capsize=3,
+                  label="median (error bar: spread over rounds)")  # fmt: skip
+    bars2 = ax.bar([i + 0.2 for i in x], p90, width=0.4, label="p90")
+    _label_bars(ax, bars, "{:.0f}")
+    _label_bars(ax, bars2, "{:.0f}")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("TTFT per request (ms)")
+    ax.set_title(f"TTFT, {rep['trace']['rounds']} interleaved rounds" + (" (BIASED)" if rep["biased"] else ""))
+    _log_if_wide(ax, med + p90)
+    if ax.get_yscale() == "linear":
+        ax.set_ylim(0, 1.15 * max(p90 + med))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    files.append(_save(fig, out / "demo_ttft.png"))
+
     reqs = rep["requests"]
     fig, ax = plt.subplots(figsize=(9, 4))
+    allv = []
     for k, name in _NAMES.items():
-        ax.plot(range(len(reqs)), [r[f"{k}_ms"] for r in reqs], marker="o", ms=3, label=name)
+        ys = [r[f"{k}_ms"] for r in reqs]
+        allv += ys
+        ax.plot(range(len(reqs)), ys, marker="o", ms=3, label=name)
     ax.set_xlabel("request (arrival order)")
-    ax.set_ylabel("prefill time (ms)")
-    ax.set_title("Prefill time per request")
-    ax.legend()
+    ax.set_ylabel("TTFT, median over rounds (ms)")
+    ax.set_title("TTFT per request")
+    _log_if_wide(ax, allv)
+    ax.legend(loc="best", fontsize=8)
+    fig.suptitle(title, fontsize=9)
     files.append(_save(fig, out / "demo_prefill.png"))
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     cfgs = {"L1+L2": rep["hit_rate_by_config"]["l1_l2"], "L1+L2+L3": rep["hit_rate"]}
     bottom = [0.0] * len(cfgs)
     for tier in ("L1", "L2", "L3", "miss"):
         vals = [c[tier] for c in cfgs.values()]
-        a1.bar(list(cfgs), vals, bottom=bottom, label=tier)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    a1.set_ylabel("fraction of prompt tokens")
+        bs = a1.bar(list(cfgs), vals, bottom=bottom, label=tier)
+        for b, v, y0 in zip(bs, vals, bottom, strict=True):
+            if v >= 0.03:
+                a1.text(
+                    b.get_x() + b.get_width() / 2, y0 + v / 2, f"{tier} {v:.0%}", ha="center", va="center", fontsize=8
+                )
+        bottom = [y + v for y, v in zip(bottom, vals, strict=True)]
+    a1.set_ylabel("share of prompt tokens")
     a1.set_title("Where tokens came from")
-    a1.legend()
+    a1.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     t = rep["tiers"]
     names = ["L3->L2", "L2->L1", "L1->L2", "L2->L3"]
     vals = [t[k]["bytes"] / 1e6 for k in ("L3_to_L2", "L2_to_L1", "L1_to_L2_backup", "L2_to_L3_put")]
-    a2.bar(names, vals)
-    a2.set_ylabel("MB")
-    a2.set_title("Bytes per tier move (L1+L2+L3)")
+    _label_bars(a2, a2.bar(names, vals), "{:.0f}")
+    a2.set_ylabel("MB moved (last round, L1+L2+L3)")
+    a2.set_title("Bytes per tier move")
+    _log_if_wide(a2, vals)
+    fig.suptitle(title, fontsize=9)
     files.append(_save(fig, out / "demo_tiers.png"))
 
     fit = rep["fit"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4))
     xs = [p["tokens"] for p in fit["points"]]
-    ax.scatter(xs, [p["all_hit_ms"] for p in fit["points"]], label="all hit (from L3)")
-    nc = [(r["tokens"], r["no_cache_ms"]) for r in rep["requests"]]
+    ax.scatter(xs, [p["all_hit_ms"] for p in fit["points"]], label="all hit (from L3), median")
+    nc = [(r["tokens"], r["no_cache_ms"]) for r in reqs]
     nc += [(p["tokens"], p["no_cache_ms"]) for p in fit["points"] if "no_cache_ms" in p]
-    ax.scatter([t for t, _ in nc], [m for _, m in nc], marker="x", label="no cache (trace)")
-    x0, x1 = 0, max(xs + [t for t, _ in nc])
-    ax.plot([x0, x1], [fit["a_ms"] + fit["b_us_per_token"] * x / 1e3 for x in (x0, x1)], "--")
-    ax.plot([x0, x1], [fit["no_cache_a_ms"] + fit["no_cache_b_us_per_token"] * x / 1e3 for x in (x0, x1)], "--")
+    ax.scatter([n for n, _ in nc], [m for _, m in nc], marker="x", label="no cache, median")
+    x0, x1 = 0, max(xs + [n for n, _ in nc])
+    a_lbl = f"T(n) = {fit['a_ms']:.1f} ms + {fit['b_us_per_token']:.2f} us/token"
+    ax.plot([x0, x1], [fit["a_ms"] + fit["b_us_per_token"] * v / 1e3 for v in (x0, x1)], "--", label=a_lbl)
+    ax.plot([x0, x1], [fit["no_cache_a_ms"] + fit["no_cache_b_us_per_token"] * v / 1e3 for v in (x0, x1)], ":",
+            label="no-cache line")  # fmt: skip
     if fit["break_even_tokens"] is not None:
         ax.axvline(fit["break_even_tokens"], color="grey", lw=0.8, label=f"break-even {fit['break_even_tokens']:.0f}")
     ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("prefill time (ms)")
+    ax.set_ylabel("TTFT (ms)")
     ax.set_title("All-hit fit T(n) = a + b n")
-    ax.legend()
+    ax.legend(loc="upper left", fontsize=8)
+    fig.suptitle(title, fontsize=9)
     files.append(_save(fig, out / "demo_fit.png"))
     return files
 
