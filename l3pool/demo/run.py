@@ -255,11 +255,16 @@ class QueueReplay:
     def done(self) -> bool:
         return self.nxt >= len(self.trace) and not self.queued
 
+    def route(self, r: Request) -> PrefillInstance:
+        """The instance a request goes to: round-robin by session + turn (a load balancer without
+        session affinity; a session's next turn lands on another instance)."""
+        return self.insts[(r.session + r.turn) % len(self.insts)]
+
     def step(self) -> Record:
         d, v = self.demo, self.demo.verifier
         while self.nxt < len(self.trace) and len(self.queued) < d.opts.queue_depth:  # arrivals
             i, r = self.trace[self.nxt]
-            inst = self.insts[(r.session + r.turn) % len(self.insts)]
+            inst = self.route(r)
             self.queued.append((i, r, inst, inst.arrive(r.tokens)))
             self.nxt += 1
         i, r, inst, q = self.queued.popleft()  # scheduled: the next arrives while it computes
