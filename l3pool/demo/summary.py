@@ -88,8 +88,17 @@ def summarize(
         }
         for i, q in enumerate(requests)
     ]  # fmt: skip
+    l1, l2 = opts.sizes()
+    longest = max(r.length for r in requests)
+    why = (
+        f"L1 holds {l1} tokens per instance ({l1 / longest:.1f} x the longest request), L2 {l2} "
+        f"({l2 / longest:.1f} x); {opts.instances} instances, requests routed by session + turn, so a session's next "
+        "turn lands on another instance: L1 serves the shared system prompt/tools and what the instance computed "
+        "last, L2 what L1 evicted on the same instance, L3 the history other instances computed"
+    )
     return {
         "ttft_ms": ttft,
+        "hit_rate_why": why,
         "hit_rate": _rates(fr, P, total),
         "hit_rate_by_config": {c: _rates(last[c].recs, P, total) for c in CONFIGS[1:]},
         "l3_hit_share_by_round": [round(x, 4) for x in l3_share],
