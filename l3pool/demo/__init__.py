@@ -137,8 +137,12 @@ def _options(a: argparse.Namespace) -> Any:
     }
     model: Any
     if real:
+        import importlib.util
+
         from l3pool.demo.hf import HFConfig
 
+        if importlib.util.find_spec("transformers") is None:
+            raise DemoError(f"--model {a.model} needs transformers: pip install 'l3pool[real]'")
         model = HFConfig(a.model, layers=a.layers or 0, chunk=a.chunk or 2048, seed=a.seed)
     else:
         model = ModelConfig(attention=a.attention, layers=a.layers or 8, seed=a.seed)

@@ -316,6 +316,9 @@ def test_demo_detects_corrupted_pages(
         (["--side-sessions", "-1"], "--side-sessions: must be >= 0"),
         (["--side-turns", "-1"], "--side-turns: must be >= 1"),
         (["--segment-size", "12XB"], "size"),
+        (["--model", "gpt-9"], "invalid choice"),
+        (["--model", "llama-tiny", "--chunk", "100"], "multiple of page_size"),
+        (["--rounds", "0"], "--rounds: must be >= 1"),
         (["--master", "127.0.0.1:1", "--metadata", "http://127.0.0.1:1/metadata"], "unreachable"),
     ],
 )
