@@ -27,8 +27,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 QUICK = {
-    "sessions": 3, "turns": 4, "min_context": 768, "max_context": 2048, "cold": 2, "fit_points": 4, "repeats": 2,
-    "side_turns": 0,
+    "sessions": 3, "turns": 3, "min_context": 512, "max_context": 1536, "cold": 2, "fit_points": 3, "repeats": 2,
+    "side_turns": 0, "rounds": 3,
 }  # fmt: skip
 DEFAULTS_CPU = {
     "sessions": 6, "turns": 5, "min_context": 2048, "max_context": 6144, "cold": 3, "fit_points": 5, "repeats": 3,
