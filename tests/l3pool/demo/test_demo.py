@@ -202,7 +202,7 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert rep == json.loads((tmp_path / "report.json").read_text())
     for k in ("model", "device", "ttft_ms", "hit_rate", "fit", "cache_overhead", "interference", "what_if", "biased"):
         assert k in rep, k
-    assert isinstance(rep["biased"], bool)
+    assert isinstance(rep["biased"], bool) and rep["hit_rate_why"].startswith("L1 holds")
     rounds = rep["trace"]["rounds"]
     assert rounds == 3  # every timing a median over >= 3 interleaved rounds
     # every round's cached requests are checked (trace + cold prompts, 2 cached configurations)
