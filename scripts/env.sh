@@ -19,7 +19,7 @@ if [ ! -f "$_stamp" ] || [ "$_root/pyproject.toml" -nt "$_stamp" ]; then
     python -m pip install -q "torch==$_torch" --index-url "${L3POOL_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" \
       --extra-index-url https://pypi.org/simple
   fi
-  python -m pip install -q --no-build-isolation -e "$_root[dev,sglang]"
+  python -m pip install -q --no-build-isolation -e "$_root[dev,sglang,real]"
   # sglang pins torch==2.14.1 (CUDA): only its package (its light import-time deps come from [sglang];
   # pip would list every other requirement of it as missing, hence --no-warn-conflicts)
   python -m pip install -q --no-deps --no-warn-conflicts sglang==0.5.23

@@ -27,8 +27,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 QUICK = {
-    "sessions": 3, "turns": 4, "min_context": 768, "max_context": 2048, "cold": 2, "fit_points": 4, "repeats": 2,
-    "side_turns": 0,
+    "sessions": 3, "turns": 3, "min_context": 512, "max_context": 1536, "cold": 2, "fit_points": 3, "repeats": 2,
+    "side_turns": 0, "rounds": 3,
 }  # fmt: skip
 DEFAULTS_CPU = {
     "sessions": 6, "turns": 5, "min_context": 2048, "max_context": 6144, "cold": 3, "fit_points": 5, "repeats": 3,
@@ -38,6 +38,11 @@ DEFAULTS_GPU = {
     "sessions": 6, "turns": 4, "min_context": 24576, "max_context": 65536, "cold": 2, "fit_points": 5, "repeats": 3,
     "side_turns": 3,
 }  # fmt: skip
+
+REAL = {
+    "sessions": 4, "turns": 3, "min_context": 24576, "max_context": 40000, "cold": 2, "fit_points": 3, "repeats": 3,
+    "side_turns": 3, "rounds": 3,
+}  # fmt: skip  # real models (--model llama-8b|deepseek-mla): sized for a few minutes on one H200
 
 
 def add_parser(subparsers: Any) -> None:
@@ -58,8 +63,20 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--min-context", type=positive_int, help="first-turn length in tokens")
     p.add_argument("--max-context", type=positive_int, help="longest request in tokens")
     p.add_argument("--reuse", type=float, default=0.8, help="target prefix reuse per turn (default 0.8)")
+    p.add_argument(
+        "--model",
+        choices=["reference", "llama-8b", "deepseek-mla", "llama-tiny", "mla-tiny"],
+        default="reference",
+        help="reference: the bit-exact small model (default); others: HF transformers' own classes, random bf16 "
+        "weights (needs the `real` extra)",
+    )
+    p.add_argument("--chunk", type=positive_int, default=0, help="prefill chunk of a real model (default 2048)")
+    p.add_argument("--rounds", type=positive_int, help="interleaved timing rounds (default 3; every time a median)")
+    p.add_argument("--no-side", action="store_true", help="skip the savings/policies comparisons (real: always)")
+    p.add_argument("--no-interference", action="store_true", help="skip the interference measurement")
+    p.add_argument("--hf-reference", action="store_true", help="also time HF transformers' own prefill (real models)")
     p.add_argument("--attention", choices=["mla", "mha"], default="mla")
-    p.add_argument("--layers", type=positive_int, default=8)
+    p.add_argument("--layers", type=positive_int, help="layers (reference default 8; real models: the shape's own)")
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="auto", help="L1 device (auto: cuda if present)"
     )
@@ -117,18 +134,30 @@ def _options(a: argparse.Namespace) -> Any:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise DemoError("--device cuda: no CUDA device is available")
-    base = QUICK if a.quick else DEFAULTS_GPU if device == "cuda" else DEFAULTS_CPU
+    real = a.model != "reference"
+    base = QUICK if a.quick else REAL if real else DEFAULTS_GPU if device == "cuda" else DEFAULTS_CPU
     pick = {
         k: getattr(a, k) if getattr(a, k, None) is not None else base[k]
         for k in ("sessions", "turns", "min_context", "max_context")
     }
-    model = ModelConfig(attention=a.attention, layers=a.layers, seed=a.seed)
+    model: Any
+    if real:
+        import importlib.util
+
+        from l3pool.demo.hf import HFConfig
+
+        if importlib.util.find_spec("transformers") is None:
+            raise DemoError(f"--model {a.model} needs transformers: pip install 'l3pool[real]'")
+        model = HFConfig(a.model, layers=a.layers or 0, chunk=a.chunk or 2048, seed=a.seed)
+    else:
+        model = ModelConfig(attention=a.attention, layers=a.layers or 8, seed=a.seed)
     wl = WorkloadConfig(**pick, reuse=a.reuse, vocab=model.vocab, seed=a.seed)
     return DemoOptions(
         model=model, workload=wl, device=device, instances=a.instances, l1_tokens=a.l1_tokens,
         l2_tokens=a.l2_tokens, l2_layout=a.layout, cold_requests=base["cold"], fit_points=base["fit_points"],
         queue_depth=a.queue_depth, repeats=a.repeats if a.repeats is not None else base["repeats"],
-        side_sessions=a.side_sessions, sweep_l2=a.sweep_l2,
+        side_sessions=a.side_sessions, sweep_l2=a.sweep_l2, rounds=a.rounds or base.get("rounds", 3),
+        side=not (a.no_side or real), interference=not a.no_interference, hf_reference=a.hf_reference,
         side_turns=a.side_turns if a.side_turns is not None else base["side_turns"],
         routing=parse_policies(a.routing),
     )  # fmt: skip
@@ -177,7 +206,8 @@ def _run(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     import torch
 
     torch.set_flush_denormal(True)  # random weights produce denormals; they cost 10x on x86
-    quiet = [] if getattr(a, "verbose", False) else [logging.getLogger(n) for n in ("l2core", "l3pool.pool.store")]
+    names = ("l2core", "l3pool.pool.store", "l3pool.pool.client")
+    quiet = [] if getattr(a, "verbose", False) else [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in quiet]
     for lg in quiet:  # the demo makes dozens of pools and clients: their INFO lines are noise
         lg.setLevel(logging.WARNING)
@@ -217,7 +247,7 @@ def _verdict(rep: dict[str, Any]) -> list[str]:
         bad.append("logits with cache differ from logits without cache")
     if rep["wrong_pages"]:
         bad.append(f"{rep['wrong_pages']} pages had wrong bytes")
-    for row in rep["policies"]:
+    for row in rep["policies"] or []:
         if not row["logits_identical"] or row["wrong_pages"]:
             bad.append(f"policy row {row['policy']} at L2 {row['l2_tokens']} tokens failed its checks")
     if rep["hit_rate"]["L3"] <= 0:

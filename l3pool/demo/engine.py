@@ -28,6 +28,7 @@ import hashlib
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,6 +41,9 @@ from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.protocols import NamespaceRegistry
 from l3pool.pool.store import MooncakeStore
+
+if TYPE_CHECKING:
+    from l3pool.demo.hf import HFModel
 
 # The demo waits for the L3 -> L2 prefetch at load (wait_complete): every variant then gets the
 # same hits, and what prefetch-on-queue saves is time, not a different amount of compute.
@@ -114,7 +118,7 @@ class PrefillInstance:
     def __init__(
         self,
         name: str,
-        model: RefModel,
+        model: RefModel | HFModel,
         *,
         l1_tokens: int,
         l2_tokens: int,
@@ -172,6 +176,10 @@ class PrefillInstance:
             return Queued(rid, tokens, [], None, 0.0)
         hs = page_hashes(tokens, self.P)
         m = self.cache.match(rid, hs, max_hit=(n - 1) // self.P)  # the last token is always computed
+        per = getattr(self.model, "align", self.P) // self.P  # hits used up to a chunk boundary (hf.py)
+        while per > 1 and m.hit_pages % per:
+            self.cache.release(rid)
+            m = self.cache.match(rid, hs, max_hit=m.hit_pages // per * per)
         if self.prefetch_on_queue:
             self.cache.prefetch(m)
         return Queued(rid, tokens, hs, m, time.perf_counter() - t0)
@@ -225,7 +233,8 @@ class PrefillInstance:
             logits = self.model.prefill(q.tokens, h.hit_pages * P, slots, self.bufs)
         self._sync()
         t2 = time.perf_counter()
-        cache.commit(q.request_id, q.hashes, h.l1_pages)
+        k = self.committable(n)  # pages of a partial last chunk are not cached (hf.py: exactness)
+        cache.commit(q.request_id, q.hashes[:k], h.l1_pages[:k])
         rec.prefill_s = time.perf_counter() - t0
         st1 = cache.stats()
         rec.logits, rec.l1_pages = logits, h.l1_pages
@@ -237,19 +246,39 @@ class PrefillInstance:
         rec.backup_bytes = st1["d2h_bytes"] - st0["d2h_bytes"]
         rec.put_bytes = st1["l3_put_bytes"] - st0["l3_put_bytes"]
 
+    def committable(self, n: int) -> int:
+        """Full pages of an n-token request that the cache may keep: those in whole alignment
+        units (chunks) of the model; every page for the reference model (align = page)."""
+        a = getattr(self.model, "align", self.P)
+        return n // a * a // self.P
+
     def release(self, rec: Record) -> None:
         """The request is done: its uncommitted L1 pages go back to the cache."""
         if self.cache is not None:
             self.cache.release(rec.request_id)
 
     def page_digests(self, rec: Record, upto: int) -> list[bytes]:
-        """blake2b of each of the first `upto` full pages' KV bytes in L1 (all layers); the request
-        must still be held (prefill(..., hold=True))."""
+        """A 128-bit checksum of each of the first `upto` full pages' KV bytes in L1 (all layers),
+        computed where the KV lives: per buffer, the page's int32 words times two fixed odd
+        weight vectors, summed mod 2^64 (any changed word changes both sums). The request must
+        still be held (prefill(..., hold=True))."""
         assert rec.l1_pages is not None
         slots = self._slots(rec.l1_pages[:upto]).to(self.device)
-        per = [b[slots].reshape(upto, -1).view(torch.uint8).cpu() for b in self.bufs]  # verification only
-        allb = torch.cat(per, dim=1).numpy()
+        sums = []
+        for b in self.bufs:
+            x = b[slots].reshape(upto, -1).view(torch.int32).to(torch.int64)
+            w = self._weights(x.shape[1])
+            sums.append((x[:, :, None] * w[None]).sum(dim=1))  # [upto, 2], wraps mod 2^64
+        allb = torch.cat(sums, dim=1).cpu().numpy()
         return [hashlib.blake2b(allb[i].tobytes(), digest_size=16).digest() for i in range(upto)]
+
+    def _weights(self, n: int) -> torch.Tensor:
+        w = getattr(self, "_w", None)
+        if w is None or w.shape[0] != n:
+            g = torch.Generator().manual_seed(n)
+            w = (torch.randint(0, 2**31 - 1, (n, 2), generator=g, dtype=torch.int64) * 2 + 1).to(self.device)
+            self._w = w
+        return w
 
     def flush(self) -> None:
         """Wait for the background backups (L1 -> L2, L2 -> L3); raise their errors."""

@@ -11,69 +11,109 @@ _NAMES = {"no_cache": "no cache", "l1_l2": "L1+L2", "l1_l2_l3": "L1+L2+L3"}
 
 
 def table(rep: dict[str, Any]) -> str:
-    tr, hr, ps, fit, t = rep["trace"], rep["hit_rate"], rep["prefill_s"], rep["fit"], rep["tiers"]
+    tr, hr, fit, t, tt = rep["trace"], rep["hit_rate"], rep["fit"], rep["tiers"], rep["ttft_ms"]
     be = fit["break_even_tokens"]
+    ov = rep["cache_overhead"]
 
     def gb(x: dict[str, Any]) -> str:
         w = x.get("engine_wait_s")
         return f"{x['bytes'] / 1e6:9.1f} MB" + (f" (engine waited {w * 1e3:7.1f} ms)" if w is not None else " " * 28)
 
-    def saved(what: str) -> str:
-        v, (lo, hi) = rep[f"{what}_saved_verdict"], rep[f"{what}_saved_spread_s"]
-        head = "inconclusive" if v == "inconclusive" else f"{rep[f'{what}_saved_s']:+.3f} s ({v})"
-        return f"{head}, runs allow {lo:+.3f}..{hi:+.3f} s"
-
     def rates(h: dict[str, float]) -> str:
         return " ".join(f"{k} {v:5.1%}" for k, v in h.items())
 
-    sv, side = rep["savings"], rep["side_trace"]
-    pol = [
-        f"  {r['policy']:<30} L2 {r['l2_tokens']:>7}  {rates(r['hit_rate'])}  D2H {r['d2h_bytes'] / 1e6:7.1f} MB  "
-        f"L3 put {r['l3_put_bytes'] / 1e6:7.1f} MB  prefill {r['prefill_s']:6.2f} s  "
-        + ("ok" if r["logits_identical"] and not r["wrong_pages"] else "CHECKS FAILED")
-        for r in rep["policies"]
-    ]
-    sweep = []
-    if rep.get("sweep"):
-        sw = rep["sweep"]
-        sweep = [f"L2 sweep   recommended {sw['recommended_l2_tokens']} tokens: {sw['reason']}"]
-        sweep += [
-            f"  L2 {q['l2_tokens']:>8}  {rates(q['hit_rate'])}  prefill {q['prefill_s']:6.2f} s" for q in sw["points"]
-        ]
+    def ttft(c: str) -> str:
+        x = tt[c]
+        red = f", {x['reduction_vs_no_cache']:+.1%} total vs no cache" if "reduction_vs_no_cache" in x else ""
+        return f"{_NAMES[c]:<9} median {x['median']:9.1f} ms  p90 {x['p90']:9.1f} ms  (+-{x['spread']:.1f}){red}"
 
     lines = [
+        f"model      {rep['model']} on {rep['device']}",
         f"workload   {tr['requests']} requests ({tr['sessions']} sessions x <= {tr['turns']} turns), "
-        f"{tr['min_context']}-{tr['max_context']} tokens, prefix reuse {tr['prefix_reuse']:.2f}",
-        f"setup      {rep['setup']['device']}, {rep['setup']['instances']} prefill instances, {rep['setup']['pool']}",
-        "hit rate   "
-        + "  ".join(f"{k} {v:.1%}" for k, v in hr.items())
-        + "   (L1+L2 only: "
-        + "  ".join(f"{k} {v:.1%}" for k, v in rep["hit_rate_by_config"]["l1_l2"].items())
-        + ")",
-        "prefill    " + "  ".join(f"{_NAMES[k]} {v:.2f} s" for k, v in ps.items()),
-        f"benefit    net {rep['net_benefit_s']:.2f} s vs no cache; L3 adds {rep['l3_benefit_s']:.2f} s over L1+L2",
-        f"overhead   miss path {rep['cache_overhead']:+.1%} "
-        f"({rep['miss_path']['cache_tok_per_s']:.0f} vs {rep['miss_path']['no_cache_tok_per_s']:.0f} tok/s)",
-        f"fit        all-hit T(n) = {fit['a_ms']:.2f} ms + {fit['b_us_per_token']:.3f} us/token; no cache "
-        f"{fit['no_cache_a_ms']:.2f} ms + {fit['no_cache_b_us_per_token']:.2f} us/token; break-even "
+        f"{tr['min_context']}-{tr['max_context']} tokens, prefix reuse {tr['prefix_reuse']:.2f}; {tr['rounds']} "
+        "interleaved rounds",
+        f"setup      {rep['setup']['instances']} prefill instances, {rep['setup'].get('pool', '')}",
+        *("ttft       " + ttft(c) for c in _NAMES),
+        "hit rate   " + rates(hr) + "   (L1+L2 only: " + rates(rep["hit_rate_by_config"]["l1_l2"]) + ")",
+        f"overhead   miss path {ov['headline']} (rounds {ov['spread'][0]:+.1%}..{ov['spread'][1]:+.1%}); "
+        f"biased: {rep['biased']}",
+        "fit        all-hit T(n) = "
+        + (f"{fit['a_ms']:.2f} ms" + (" (intercept < 0: clamped)" if fit["intercept_clamped"] else ""))
+        + f" + {fit['b_us_per_token']:.3f} us/token; no cache {fit['no_cache_b_us_per_token']:.2f} us/token; "
+        + "break-even "
         + (f"{be:.0f} tokens" if be is not None else "none"),
         f"L3->L2     {gb(t['L3_to_L2'])}    L2->L1 {gb(t['L2_to_L1'])}",
         f"L1->L2     {gb(t['L1_to_L2_backup'])}    L2->L3 {gb(t['L2_to_L3_put'])}   (background threads)",
-        f"side trace {side['requests']} requests ({side['sessions']} sessions x {side['turns']} turns, "
-        f"{side['tokens']} tokens) for the rows below; {sv['runs']} runs per variant",
-        f"overlap    per-layer L2->L1 overlap saves {saved('overlap')}",
-        f"prefetch   prefetch-on-queue saves {saved('prefetch')}",
-        "policies   (both boundaries; hit rates of the side trace)",
-        *pol,
-        *sweep,
-        f"checks     logits identical: {rep['logits_identical']} ({rep['logits_compared']} compared), "
-        f"wrong pages: {rep['wrong_pages']} of {rep['pages_verified']} verified",
+        "what-if    "
+        + "  ".join(
+            f"{k} {v['ttft_median_ms']:.0f} ms ({v['reduction_vs_no_cache']:+.1%})"
+            for k, v in rep["what_if"]["fabrics"].items()
+            if v["reduction_vs_no_cache"] is not None
+        ),
     ]
+    if rep.get("interference"):
+        x = rep["interference"]
+        lines.append(
+            f"interfere  forward {x['compute_alone_ms']['median']:.1f} ms alone, "
+            f"{x['compute_with_l2_traffic_ms']['median']:.1f} ms with L2 traffic ({x['slowdown']:+.1%}, "
+            f"{x['copy_GBps']['median']:.1f} GB/s copied)"
+        )
+    if rep.get("hf_reference"):
+        for p in rep["hf_reference"]["points"]:
+            lines.append(
+                f"hf ref     {p['tokens']} tokens: engine {p['engine_no_cache_ms']:.0f} ms, HF chunked "
+                + (f"{p['hf_chunked_ms']['median']:.0f} ms" if p["hf_chunked_ms"] else "OOM")
+                + f" ({p['engine_vs_hf_chunked']}x)"
+            )
+    if rep.get("savings"):
+        sv, side = rep["savings"], rep["side_trace"]
+
+        def saved(what: str) -> str:
+            v, (lo, hi) = rep[f"{what}_saved_verdict"], rep[f"{what}_saved_spread_s"]
+            head = "inconclusive" if v == "inconclusive" else f"{rep[f'{what}_saved_s']:+.3f} s ({v})"
+            return f"{head}, runs allow {lo:+.3f}..{hi:+.3f} s"
+
+        lines += [
+            f"side trace {side['requests']} requests ({side['sessions']} sessions x {side['turns']} turns, "
+            f"{side['tokens']} tokens) for the rows below; {sv['runs']} runs per variant",
+            f"overlap    per-layer L2->L1 overlap saves {saved('overlap')}",
+            f"prefetch   prefetch-on-queue saves {saved('prefetch')}",
+            "policies   (both boundaries; hit rates of the side trace)",
+        ]
+        lines += [
+            f"  {r['policy']:<30} L2 {r['l2_tokens']:>7}  {rates(r['hit_rate'])}  D2H {r['d2h_bytes'] / 1e6:7.1f} MB  "
+            f"L3 put {r['l3_put_bytes'] / 1e6:7.1f} MB  prefill {r['prefill_s']:6.2f} s  "
+            + ("ok" if r["logits_identical"] and not r["wrong_pages"] else "CHECKS FAILED")
+            for r in rep["policies"]
+        ]
+    if rep.get("sweep"):
+        sw = rep["sweep"]
+        lines.append(f"L2 sweep   recommended {sw['recommended_l2_tokens']} tokens: {sw['reason']}")
+        lines += [
+            f"  L2 {q['l2_tokens']:>8}  {rates(q['hit_rate'])}  prefill {q['prefill_s']:6.2f} s" for q in sw["points"]
+        ]
+    lines.append(
+        f"checks     logits identical: {rep['logits_identical']} ({rep['logits_compared']} compared), "
+        f"wrong pages: {rep['wrong_pages']} of {rep['pages_verified']} verified"
+    )
     return "\n".join(lines)
 
 
+def _log_if_wide(ax: Any, vals: list[float], axis: str = "y") -> None:
+    pos = [v for v in vals if v > 0]
+    if pos and max(pos) / min(pos) >= 30:
+        (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
+
+
+def _label_bars(ax: Any, bars: Any, fmt: str) -> None:
+    for b in bars:
+        h = b.get_height()
+        ax.annotate(fmt.format(h), (b.get_x() + b.get_width() / 2, h), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")  # fmt: skip
+
+
 def plot(rep: dict[str, Any], out: Path) -> list[str]:
-    """demo_prefill.png, demo_tiers.png, demo_fit.png in `out`; [] when matplotlib is missing."""
+    """demo_ttft.png, demo_prefill.png, demo_tiers.png, demo_fit.png in `out`; [] without matplotlib."""
     try:
         import matplotlib
 
@@ -83,50 +123,87 @@ def plot(rep: dict[str, Any], out: Path) -> list[str]:
         log.warning("matplotlib is not installed: no plots")
         return []
     files = []
+    title = f"{rep['model']} on {rep['device']}"
+    tt = rep["ttft_ms"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [_NAMES[c] for c in _NAMES]
+    med = [tt[c]["median"] for c in _NAMES]
+    p90 = [tt[c]["p90"] for c in _NAMES]
+    x = range(len(names))
+    bars = ax.bar([i - 0.2 for i in x], med, width=0.4, yerr=[tt[c]["spread"] for c in _NAMES], capsize=3,
+                  label="median (error bar: spread over rounds)")  # fmt: skip
+    bars2 = ax.bar([i + 0.2 for i in x], p90, width=0.4, label="p90")
+    _label_bars(ax, bars, "{:.0f}")
+    _label_bars(ax, bars2, "{:.0f}")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("TTFT per request (ms)")
+    ax.set_title(f"TTFT, {rep['trace']['rounds']} interleaved rounds" + (" (BIASED)" if rep["biased"] else ""))
+    _log_if_wide(ax, med + p90)
+    if ax.get_yscale() == "linear":
+        ax.set_ylim(0, 1.15 * max(p90 + med))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    files.append(_save(fig, out / "demo_ttft.png"))
+
     reqs = rep["requests"]
     fig, ax = plt.subplots(figsize=(9, 4))
+    allv = []
     for k, name in _NAMES.items():
-        ax.plot(range(len(reqs)), [r[f"{k}_ms"] for r in reqs], marker="o", ms=3, label=name)
+        ys = [r[f"{k}_ms"] for r in reqs]
+        allv += ys
+        ax.plot(range(len(reqs)), ys, marker="o", ms=3, label=name)
     ax.set_xlabel("request (arrival order)")
-    ax.set_ylabel("prefill time (ms)")
-    ax.set_title("Prefill time per request")
-    ax.legend()
+    ax.set_ylabel("TTFT, median over rounds (ms)")
+    ax.set_title("TTFT per request")
+    _log_if_wide(ax, allv)
+    ax.legend(loc="best", fontsize=8)
+    fig.suptitle(title, fontsize=9)
     files.append(_save(fig, out / "demo_prefill.png"))
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     cfgs = {"L1+L2": rep["hit_rate_by_config"]["l1_l2"], "L1+L2+L3": rep["hit_rate"]}
     bottom = [0.0] * len(cfgs)
     for tier in ("L1", "L2", "L3", "miss"):
         vals = [c[tier] for c in cfgs.values()]
-        a1.bar(list(cfgs), vals, bottom=bottom, label=tier)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    a1.set_ylabel("fraction of prompt tokens")
+        bs = a1.bar(list(cfgs), vals, bottom=bottom, label=tier)
+        for b, v, y0 in zip(bs, vals, bottom, strict=True):
+            if v >= 0.03:
+                a1.text(
+                    b.get_x() + b.get_width() / 2, y0 + v / 2, f"{tier} {v:.0%}", ha="center", va="center", fontsize=8
+                )
+        bottom = [y + v for y, v in zip(bottom, vals, strict=True)]
+    a1.set_ylabel("share of prompt tokens")
     a1.set_title("Where tokens came from")
-    a1.legend()
+    a1.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     t = rep["tiers"]
     names = ["L3->L2", "L2->L1", "L1->L2", "L2->L3"]
     vals = [t[k]["bytes"] / 1e6 for k in ("L3_to_L2", "L2_to_L1", "L1_to_L2_backup", "L2_to_L3_put")]
-    a2.bar(names, vals)
-    a2.set_ylabel("MB")
-    a2.set_title("Bytes per tier move (L1+L2+L3)")
+    _label_bars(a2, a2.bar(names, vals), "{:.0f}")
+    a2.set_ylabel("MB moved (last round, L1+L2+L3)")
+    a2.set_title("Bytes per tier move")
+    _log_if_wide(a2, vals)
+    fig.suptitle(title, fontsize=9)
     files.append(_save(fig, out / "demo_tiers.png"))
 
     fit = rep["fit"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4))
     xs = [p["tokens"] for p in fit["points"]]
-    ax.scatter(xs, [p["all_hit_ms"] for p in fit["points"]], label="all hit (from L3)")
-    nc = [(r["tokens"], r["no_cache_ms"]) for r in rep["requests"]]
+    ax.scatter(xs, [p["all_hit_ms"] for p in fit["points"]], label="all hit (from L3), median")
+    nc = [(r["tokens"], r["no_cache_ms"]) for r in reqs]
     nc += [(p["tokens"], p["no_cache_ms"]) for p in fit["points"] if "no_cache_ms" in p]
-    ax.scatter([t for t, _ in nc], [m for _, m in nc], marker="x", label="no cache (trace)")
-    x0, x1 = 0, max(xs + [t for t, _ in nc])
-    ax.plot([x0, x1], [fit["a_ms"] + fit["b_us_per_token"] * x / 1e3 for x in (x0, x1)], "--")
-    ax.plot([x0, x1], [fit["no_cache_a_ms"] + fit["no_cache_b_us_per_token"] * x / 1e3 for x in (x0, x1)], "--")
+    ax.scatter([n for n, _ in nc], [m for _, m in nc], marker="x", label="no cache, median")
+    x0, x1 = 0, max(xs + [n for n, _ in nc])
+    a_lbl = f"T(n) = {fit['a_ms']:.1f} ms + {fit['b_us_per_token']:.2f} us/token"
+    ax.plot([x0, x1], [fit["a_ms"] + fit["b_us_per_token"] * v / 1e3 for v in (x0, x1)], "--", label=a_lbl)
+    ax.plot([x0, x1], [fit["no_cache_a_ms"] + fit["no_cache_b_us_per_token"] * v / 1e3 for v in (x0, x1)], ":",
+            label="no-cache line")  # fmt: skip
     if fit["break_even_tokens"] is not None:
         ax.axvline(fit["break_even_tokens"], color="grey", lw=0.8, label=f"break-even {fit['break_even_tokens']:.0f}")
     ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("prefill time (ms)")
+    ax.set_ylabel("TTFT (ms)")
     ax.set_title("All-hit fit T(n) = a + b n")
-    ax.legend()
+    ax.legend(loc="upper left", fontsize=8)
+    fig.suptitle(title, fontsize=9)
     files.append(_save(fig, out / "demo_fit.png"))
     return files
 

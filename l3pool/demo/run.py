@@ -44,17 +44,17 @@ import torch
 
 from l2core.spec import ConfigError
 from l3pool.cache import CacheConfig
-from l3pool.demo import routing, study
+from l3pool.demo import routing, study, timing
 from l3pool.demo.engine import DEMO_CACHE, L3Side, PrefillInstance, Queued, Record
+from l3pool.demo.hf import HFConfig, HFModel
 from l3pool.demo.model import ModelConfig, RefModel
-from l3pool.demo.workload import Request, WorkloadConfig, generate, prefix_reuse
+from l3pool.demo.summary import CONFIGS, TIERS, summarize
+from l3pool.demo.workload import Request, WorkloadConfig, generate
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.protocols import NamespaceRegistry
 from l3pool.pool.store import MooncakeStore
 
 log = logging.getLogger(__name__)
-CONFIGS = ("no_cache", "l1_l2", "l1_l2_l3")
-TIERS = ("L1", "L2", "L3", "miss")
 SHORT_PAGES = (1, 2, 4, 8, 16)  # short prompts (pages + 1 token) measured for the break-even
 
 
@@ -89,7 +89,7 @@ def cache_overhead(no_cache_s: float, cache_s: float) -> float:
 
 @dataclass(frozen=True)
 class DemoOptions:
-    model: ModelConfig
+    model: ModelConfig | HFConfig
     workload: WorkloadConfig
     device: str = "cpu"
     instances: int = 2
@@ -106,6 +106,10 @@ class DemoOptions:
     sweep_l2: bool = False  # run the L2 capacity sweep
     sweep_points: int = 6  # at most this many capacities
     routing: tuple[str, ...] = ()  # router policies compared on the trace (l3pool/demo/routing.py)
+    rounds: int = 3  # interleaved rounds of the main trace + miss-path requests (every timing a median)
+    side: bool = True  # run the savings/policies(/sweep) comparisons on the side trace
+    interference: bool = True  # forward pass alone vs with concurrent L2 <-> L1 traffic
+    hf_reference: bool = False  # time HF transformers' own prefill of the same lengths (real models)
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -114,6 +118,8 @@ class DemoOptions:
             raise ConfigError("cold_requests >= 1, fit_points >= 2 and verify_every >= 1 are required")
         if min(self.queue_depth, self.repeats) < 1 or min(self.side_sessions, self.side_turns) < 0:
             raise ConfigError("queue_depth >= 1, repeats >= 1, side_sessions >= 0 and side_turns >= 0 are required")
+        if self.rounds < 1:
+            raise ConfigError("rounds >= 1 is required")
         if self.sweep_points < 2:
             raise ConfigError("sweep_points >= 2 is required")
         need = self.min_tokens()
@@ -170,34 +176,133 @@ class Verifier:
         self.logits: dict[int, torch.Tensor] = {}
         self.digests: dict[bytes, bytes] = {}
         self.compared = self.mismatched_logits = self.pages_checked = self.wrong_pages = 0
+        self.pending: list[tuple[int, str, torch.Tensor, list[tuple[bytes, bytes]]]] = []
 
     def record(self, i: int, inst: PrefillInstance, rec: Record, tokens: np.ndarray) -> None:
         assert rec.logits is not None
         self.logits[i] = rec.logits.cpu()
-        hs = page_hashes(tokens, inst.P)
+        hs = page_hashes(tokens, inst.P)[: inst.committable(int(tokens.size))]
         new = [k for k, h in enumerate(hs) if h not in self.digests]
         if new:
             dig = inst.page_digests(rec, max(new) + 1)
             self.digests.update((hs[k], dig[k]) for k in new)
 
     def check(self, i: int, inst: PrefillInstance, rec: Record, pages: bool) -> None:
+        """Compare with the no-cache references; when the no-cache run has not reached request i
+        yet (interleaved rounds), the logits and page digests wait for resolve()."""
         assert rec.logits is not None
-        self.compared += 1
-        if not torch.equal(self.logits[i], rec.logits.cpu()):
-            self.mismatched_logits += 1
-            log.error("request %d on %s: logits differ from the no-cache run", i, inst.name)
-        if pages and rec.hit_pages:
-            dig = inst.page_digests(rec, rec.hit_pages)
-            for h, d in zip(rec.hashes[: rec.hit_pages], dig, strict=True):
+        dig = inst.page_digests(rec, rec.hit_pages) if pages and rec.hit_pages else []
+        self.pending.append((i, inst.name, rec.logits.cpu(), list(zip(rec.hashes[: rec.hit_pages], dig, strict=False))))
+        self.resolve(final=False)
+
+    def resolve(self, final: bool = True) -> None:
+        keep = []
+        for i, name, logits, pages in self.pending:
+            if i not in self.logits:
+                keep.append((i, name, logits, pages))
+                continue
+            self.compared += 1
+            if not torch.equal(self.logits[i], logits):
+                self.mismatched_logits += 1
+                log.error("request %d on %s: logits differ from the no-cache run", i, name)
+            for h, d in pages:
                 self.pages_checked += 1
                 if self.digests.get(h) != d:
                     self.wrong_pages += 1
+        self.pending = keep
+        if final and keep:
+            raise RuntimeError(f"{len(keep)} cached requests have no no-cache reference")
 
     def compare(self, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         assert a is not None and b is not None
         self.compared += 1
         if not torch.equal(a.cpu(), b.cpu()):
             self.mismatched_logits += 1
+
+
+class QueueReplay:
+    """One configuration's replay of a trace as a queue of `queue_depth` requests on fresh
+    instances, one scheduled request per step() (so configurations can be interleaved); every
+    request is checked against the no-cache run (which records the references)."""
+
+    def __init__(
+        self,
+        demo: Demo,
+        trace: list[tuple[int, Request]],
+        cfg: str,
+        ns: Namespace | None,
+        *,
+        tick: str,
+        cache: CacheConfig = DEMO_CACHE,
+        l2_tokens: int = 0,
+        overlap: bool = True,
+        prefetch: bool = True,
+    ) -> None:
+        self.demo, self.trace, self.cfg, self.tick = demo, trace, cfg, tick
+        v = demo.verifier
+        self.before = (v.compared, v.mismatched_logits, v.wrong_pages)
+        self.insts: list[PrefillInstance] = []
+        try:
+            for k in range(demo.opts.instances):
+                self.insts.append(demo.instance(f"{cfg}-{k}", cfg, ns, cache=cache, l2_tokens=l2_tokens,
+                                                overlap=overlap, prefetch=prefetch))  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+        self.run = QueueRun()
+        self.queued: deque[tuple[int, Request, PrefillInstance, Queued]] = deque()
+        self.nxt = 0
+
+    def done(self) -> bool:
+        return self.nxt >= len(self.trace) and not self.queued
+
+    def route(self, r: Request) -> PrefillInstance:
+        """The instance a request goes to: round-robin by session + turn (a load balancer without
+        session affinity; a session's next turn lands on another instance)."""
+        return self.insts[(r.session + r.turn) % len(self.insts)]
+
+    def step(self) -> Record:
+        d, v = self.demo, self.demo.verifier
+        while self.nxt < len(self.trace) and len(self.queued) < d.opts.queue_depth:  # arrivals
+            i, r = self.trace[self.nxt]
+            inst = self.route(r)
+            self.queued.append((i, r, inst, inst.arrive(r.tokens)))
+            self.nxt += 1
+        i, r, inst, q = self.queued.popleft()  # scheduled: the next arrives while it computes
+        rec = inst.prefill(q, hold=True)
+        try:
+            if self.cfg == "no_cache":
+                v.record(i, inst, rec, r.tokens)
+            else:
+                v.check(i, inst, rec, pages=i % d.opts.verify_every == 0)
+        finally:
+            inst.release(rec)
+        rec.logits, rec.l1_pages, rec.hashes = None, None, []
+        self.run.recs.append(rec)
+        d.tick(self.tick)
+        return rec
+
+    def finish(self) -> QueueRun:
+        v, run = self.demo.verifier, self.run
+        for inst in self.insts:
+            inst.flush()
+            st = inst.stats()
+            for k in ("d2h_bytes", "l3_put_bytes"):
+                run.stats[k] = run.stats.get(k, 0) + int(st.get(k, 0))  # type: ignore[call-overload]
+        v.resolve()
+        run.logits_identical = v.mismatched_logits == self.before[1] and v.compared > self.before[0]
+        run.wrong_pages = v.wrong_pages - self.before[2]
+        run.logits_compared = v.compared - self.before[0]
+        return run
+
+    def close(self) -> None:
+        for _, _, inst, q in self.queued:
+            if inst.cache is not None:
+                inst.cache.release(q.request_id)
+        self.queued.clear()
+        for inst in self.insts:
+            inst.close()
+        self.insts = []
 
 
 class Demo:
@@ -210,7 +315,10 @@ class Demo:
     ) -> None:
         self.opts, self.store, self.metadata = opts, store, metadata
         self.tick = tick or (lambda _s: None)
-        self.model = RefModel(opts.model, opts.device)
+        self.model: RefModel | HFModel = (
+            HFModel(opts.model, opts.device) if isinstance(opts.model, HFConfig) else RefModel(opts.model, opts.device)
+        )
+        self.align = getattr(self.model, "align", opts.model.page_size)  # hits are used up to this (tokens)
         self.run_id = uuid.uuid4().hex[:8]
         self.verifier = Verifier()
 
@@ -244,20 +352,66 @@ class Demo:
             log.warning("could not remove the pages of %s: %s", ns.ns_id, e)
 
     # -- phases ---------------------------------------------------------------------------------
-    def warmup(self) -> None:
-        inst = self.instance("warmup", "l1_l2")
+    def warmup(self, requests: list[Request]) -> None:
+        """Untimed: the shortest trace request and a short prompt through a no-cache and a full
+        instance (kernels, allocator, pool, L3 client), so no timed configuration pays for them."""
+        ns = self.namespace("warmup")
+        nc, ca = self.instance("warmup-nc", "no_cache"), self.instance("warmup", "l1_l2_l3", ns)
         try:
-            toks = np.arange(self.opts.model.page_size * 2 + 1, dtype=np.int64) % self.opts.model.vocab
-            inst.prefill(toks)
-            inst.flush()
-            inst.prefill(toks)
+            short = np.arange(self.align * 2 + 1, dtype=np.int64) % self.opts.model.vocab
+            first = min(requests, key=lambda r: r.length).tokens
+            for toks in (short, first):
+                for inst in (nc, ca, nc, ca):
+                    inst.prefill(toks)
+                    inst.flush()
         finally:
-            inst.close()
+            nc.close()
+            ca.close()
+            self.drop(ns)
 
-    def replay(self, requests: list[Any]) -> dict[str, QueueRun]:
-        ns = self.namespace("trace")
+    def replay(self, requests: list[Request], cold: list[np.ndarray]) -> tuple[dict[str, list[QueueRun]], Any]:
+        """`rounds` rounds; in each, fresh instances of the three configurations replay the trace
+        request by request in a rotating configuration order (interleaved), then the never-hit
+        `cold` prompts the same way. The last round's L3 pages stay for the fit."""
         trace = list(enumerate(requests))
-        return {cfg: self.run_queue(trace, cfg, ns, tick=cfg) for cfg in CONFIGS}
+        runs: dict[str, list[QueueRun]] = {c: [] for c in CONFIGS}
+        colds: dict[str, list[list[Record]]] = {c: [] for c in CONFIGS}
+        for rnd in range(self.opts.rounds):
+            ns = self.namespace(f"trace-r{rnd}")
+            self.trace_ns = ns
+            qs = {c: QueueReplay(self, trace, c, ns if c == "l1_l2_l3" else None, tick=c) for c in CONFIGS}
+            try:
+                k = 0
+                while not all(q.done() for q in qs.values()):
+                    for j in range(len(CONFIGS)):
+                        q = qs[CONFIGS[(k + rnd + j) % len(CONFIGS)]]
+                        if not q.done():
+                            q.step()
+                    k += 1
+                for ci, toks in enumerate(cold):
+                    recs = {}
+                    for j in range(len(CONFIGS)):
+                        c = CONFIGS[(ci + rnd + j) % len(CONFIGS)]
+                        inst = qs[c].insts[0]
+                        recs[c] = inst.prefill(toks)
+                        inst.flush()  # untimed: backups do not run into the next configuration's timing
+                        if recs[c].hit_pages:
+                            raise RuntimeError("a cold request hit the cache: the miss-path measurement is invalid")
+                        self.tick("cold")
+                    for c in CONFIGS[1:]:
+                        self.verifier.compare(recs["no_cache"].logits, recs[c].logits)
+                    for c in CONFIGS:
+                        recs[c].logits = None
+                        colds[c].append([]) if ci == 0 else None
+                        colds[c][-1].append(recs[c])
+                for c in CONFIGS:
+                    runs[c].append(qs[c].finish())
+            finally:
+                for q in qs.values():
+                    q.close()
+            if rnd < self.opts.rounds - 1:
+                self.drop(ns)
+        return runs, colds
 
     def run_queue(
         self,
@@ -272,228 +426,123 @@ class Demo:
         prefetch: bool = True,
     ) -> QueueRun:
         """Replay `trace` ((index into the full trace, request) in arrival order) as a queue of
-        `queue_depth` requests on fresh instances; every request is checked against the no-cache
-        run (which records the references when `cfg` is no_cache)."""
-        v = self.verifier
-        before = (v.compared, v.mismatched_logits, v.wrong_pages)
-        insts = [
-            self.instance(f"{cfg}-{k}", cfg, ns, cache=cache, l2_tokens=l2_tokens, overlap=overlap, prefetch=prefetch)
-            for k in range(self.opts.instances)
-        ]
-        run = QueueRun()
-        queued: deque[tuple[int, Request, PrefillInstance, Queued]] = deque()
-        nxt = 0
+        `queue_depth` requests on fresh instances, one configuration alone."""
+        q = QueueReplay(self, trace, cfg, ns, tick=tick, cache=cache, l2_tokens=l2_tokens, overlap=overlap,
+                        prefetch=prefetch)  # fmt: skip
         try:
-            while nxt < len(trace) or queued:
-                while nxt < len(trace) and len(queued) < self.opts.queue_depth:  # arrivals
-                    i, r = trace[nxt]
-                    inst = insts[(r.session + r.turn) % len(insts)]
-                    queued.append((i, r, inst, inst.arrive(r.tokens)))
-                    nxt += 1
-                i, r, inst, q = queued.popleft()  # scheduled: the next arrives while it computes
-                rec = inst.prefill(q, hold=True)
-                try:
-                    if cfg == "no_cache":
-                        v.record(i, inst, rec, r.tokens)
-                    else:
-                        v.check(i, inst, rec, pages=i % self.opts.verify_every == 0)
-                finally:
-                    inst.release(rec)
-                rec.logits, rec.l1_pages, rec.hashes = None, None, []
-                run.recs.append(rec)
-                self.tick(tick)
-            for inst in insts:
-                inst.flush()
-                st = inst.stats()
-                for k in ("d2h_bytes", "l3_put_bytes"):
-                    run.stats[k] = run.stats.get(k, 0) + int(st.get(k, 0))  # type: ignore[call-overload]
+            while not q.done():
+                q.step()
+            return q.finish()
         finally:
-            for _, _, inst, q in queued:
-                if inst.cache is not None:
-                    inst.cache.release(q.request_id)
-            for inst in insts:
-                inst.close()
-        run.logits_identical = v.mismatched_logits == before[1] and v.compared > before[0]
-        run.wrong_pages = v.wrong_pages - before[2]
-        run.logits_compared = v.compared - before[0]
-        return run
+            q.close()
 
-    def cold(self, length: int) -> dict[str, Any]:
-        """Miss-path overhead: unique prompts through a no-cache and a full-cache instance."""
-        rng = np.random.default_rng(self.opts.workload.seed + 7)
-        nc = self.instance("cold-nc", "no_cache")
-        ca = self.instance("cold-cache", "l1_l2_l3", self.namespace("cold"))
-        t_nc = t_ca = 0.0
-        toks_total = 0
-        try:
-            for k in range(self.opts.cold_requests):
-                toks = rng.integers(0, self.opts.model.vocab, size=length, dtype=np.int64)
-                order = (nc, ca) if k % 2 == 0 else (ca, nc)  # alternate who runs first
-                recs = {}
-                for inst in order:
-                    recs[inst.name] = inst.prefill(toks)
-                    inst.flush()  # untimed: the backups do not run into the other instance's timing
-                self.verifier.compare(recs["cold-nc"].logits, recs["cold-cache"].logits)
-                if recs["cold-cache"].hit_pages:
-                    raise RuntimeError("a cold request hit the cache: the overhead measurement is invalid")
-                t_nc += recs["cold-nc"].total_s  # arrival to logits: the miss path's match included
-                t_ca += recs["cold-cache"].total_s
-                toks_total += length
-                self.tick("cold")
-        finally:
-            nc.close()
-            ca.close()
-        return {
-            "requests": self.opts.cold_requests,
-            "tokens": length,
-            "no_cache_tok_per_s": round(toks_total / t_nc, 1),
-            "cache_tok_per_s": round(toks_total / t_ca, 1),
-            "cache_overhead": round(cache_overhead(t_nc, t_ca), 4),
-        }
-
-    def _all_hit(self, toks: np.ndarray, ns: Namespace, tries: int = 1) -> Record:
-        """Prefill of `toks` on fresh instances (empty L1/L2: every full page from L3); the fastest."""
-        best: Record | None = None
+    def _all_hit(self, toks: np.ndarray, ns: Namespace, tries: int) -> tuple[Record, float]:
+        """Prefill of `toks` on fresh instances (empty L1/L2: every used page from L3): the record
+        of the median try and the tries' half-range (s)."""
+        recs = []
         for _ in range(tries):
-            reader = self.instance("fit-reader", "l1_l2_l3", ns)
+            P = self.opts.model.page_size  # the reader holds this prompt alone: a small L2
+            reader = self.instance("fit-reader", "l1_l2_l3", ns, l2_tokens=max(-(-toks.size // P) * P + P, 4 * P))
             try:
-                rec = reader.prefill(toks)
+                recs.append(reader.prefill(toks))
             finally:
                 reader.close()
-            if best is None or rec.total_s < best.total_s:
-                best = rec
-        assert best is not None
-        return best
+        recs.sort(key=lambda r: r.total_s)
+        return recs[len(recs) // 2], (recs[-1].total_s - recs[0].total_s) / 2
 
-    def short_prompts(self) -> list[dict[str, Any]]:
-        """All-hit and no-cache times of short prompts (1-16 pages + 1 token), where the break-even
-        lies: each written to L3 by one instance, recomputed without cache, and read back on fresh
-        instances (best of 2 each; logits compared)."""
-        P, mc = self.opts.model.page_size, self.opts.workload.max_context
+    def short_prompts(self, tries: int) -> list[dict[str, Any]]:
+        """All-hit and no-cache times (medians of `tries`) of short prompts (1-16 alignment units
+        + 1 token), where the break-even lies: written to L3 by one instance, recomputed without
+        cache and read back on fresh instances, the tries interleaved; logits compared."""
+        A, mc = self.align, self.opts.workload.max_context
         rng = np.random.default_rng(self.opts.workload.seed + 13)
         ns = self.namespace("short")
         writer = self.instance("short-writer", "l1_l2_l3", ns)
         nc = self.instance("short-nc", "no_cache")
         points = []
         try:
-            for k in [k for k in SHORT_PAGES if k * P < mc]:
-                toks = rng.integers(0, self.opts.model.vocab, size=k * P + 1, dtype=np.int64)
+            ks = SHORT_PAGES if A == self.opts.model.page_size else SHORT_PAGES[:4]  # real models: 1-8 chunks
+            for k in [k for k in ks if k * A < mc]:
+                toks = rng.integers(0, self.opts.model.vocab, size=k * A + 1, dtype=np.int64)
                 writer.prefill(toks)
                 writer.flush()
-                ref = min((nc.prefill(toks) for _ in range(2)), key=lambda r: r.total_s)
-                hit = self._all_hit(toks, ns, tries=2)
-                self.verifier.compare(ref.logits, hit.logits)
-                ms = {"all_hit_ms": hit.total_s * 1e3, "no_cache_ms": ref.total_s * 1e3}
-                points.append({"tokens": int(toks.size), "hit_pages": hit.hit_l3, **ms})
+                refs, hits = [], []
+                for _ in range(tries):
+                    refs.append(nc.prefill(toks))
+                    hits.append(self._all_hit(toks, ns, 1)[0])
+                for r, h in zip(refs, hits, strict=True):
+                    self.verifier.compare(r.logits, h.logits)
+                ref_ms = [r.total_s * 1e3 for r in refs]
+                hit_ms = [h.total_s * 1e3 for h in hits]
+                points.append({
+                    "tokens": int(toks.size), "hit_pages": min(h.hit_l3 for h in hits),
+                    "all_hit_ms": float(np.median(hit_ms)), "all_hit_spread_ms": (max(hit_ms) - min(hit_ms)) / 2,
+                    "no_cache_ms": float(np.median(ref_ms)), "no_cache_spread_ms": (max(ref_ms) - min(ref_ms)) / 2,
+                })  # fmt: skip
                 self.tick("short")
         finally:
             writer.close()
             nc.close()
+            self.drop(ns)
         return points
 
-    def fit(self, requests: list[Any], no_cache: list[Record]) -> dict[str, Any]:
+    def fit(self, requests: list[Any], no_cache: list[float]) -> dict[str, Any]:
         """All-hit prefill time T(n) = a + b n and the break-even prompt length.
 
         All-hit points: the short prompts, plus `fit_points` trace prompts of spread-out lengths
-        cut to whole pages + one token, on fresh instances (empty L1/L2): every full page comes
-        from L3, where the l1_l2_l3 replay left it. The no-cache line (for reference) is fit over
-        the short prompts and every request of the no-cache replay. The break-even length is
-        where the measured no-cache and all-hit times of the short prompts cross (interpolated;
-        extrapolated to 0 from the two shortest when hits win everywhere), not an extrapolation
-        of the lines."""
-        P = self.opts.model.page_size
-        short = self.short_prompts()
+        cut to whole alignment units + one token, on fresh instances (empty L1/L2): every used page
+        comes from L3, where the last round's l1_l2_l3 replay left it (median of `rounds` tries).
+        The no-cache line is fit over the short prompts and the trace's no-cache medians
+        (`no_cache`, ms per request). A negative intercept is never a result (timing.linear_fit).
+        The break-even length is where the measured no-cache and all-hit times of the short
+        prompts cross (interpolated; extrapolated to 0 from the two shortest when hits win
+        everywhere), not an extrapolation of the lines."""
+        A, P = self.align, self.opts.model.page_size
+        tries = max(3, self.opts.rounds) if self.opts.rounds > 1 else 1
+        short = self.short_prompts(tries)
         order = sorted(range(len(requests)), key=lambda i: requests[i].length)
         k = min(self.opts.fit_points, len(order))
         picks = sorted({order[round(j * (len(order) - 1) / max(1, k - 1))] for j in range(k)})
-        ns = self.namespace("trace")
         points = list(short)
         for i in picks:
             toks = requests[i].tokens
-            toks = toks[: (toks.size - 1) // P * P + 1]
-            hit = self._all_hit(toks, ns)
-            points.append({"tokens": int(toks.size), "hit_pages": hit.hit_l3, "all_hit_ms": hit.total_s * 1e3})
+            toks = toks[: (toks.size - 1) // A * A + 1]
+            hit, spread = self._all_hit(toks, self.trace_ns, tries)
+            points.append({"tokens": int(toks.size), "hit_pages": hit.hit_l3, "all_hit_ms": hit.total_s * 1e3,
+                           "all_hit_spread_ms": spread * 1e3})  # fmt: skip
             self.tick("fit")
-        x = np.array([p["tokens"] for p in points], dtype=float)
-        b, a = np.polyfit(x, [p["all_hit_ms"] for p in points], 1)
-        nx = [p["tokens"] for p in short] + [r.tokens for r in no_cache]
-        ny = [p["no_cache_ms"] for p in short] + [r.prefill_s * 1e3 for r in no_cache]
-        d, c = np.polyfit(np.array(nx, dtype=float), ny, 1)
+        line = timing.linear_fit([p["tokens"] for p in points], [p["all_hit_ms"] for p in points])
+        nx = [p["tokens"] for p in short] + [r.length for r in requests]
+        ny = [p["no_cache_ms"] for p in short] + list(no_cache)
+        nline = timing.linear_fit(nx, ny)
         return {
-            "a_ms": round(float(a), 3),
-            "b_us_per_token": round(float(b) * 1e3, 4),
-            "no_cache_a_ms": round(float(c), 3),
-            "no_cache_b_us_per_token": round(float(d) * 1e3, 4),
+            **line,
+            "no_cache_a_ms": nline["a_ms"],
+            "no_cache_b_us_per_token": nline["b_us_per_token"],
+            "no_cache_intercept_clamped": nline["intercept_clamped"],
             "break_even_tokens": break_even(short),
-            "all_hit": all(p["hit_pages"] == (p["tokens"] - 1) // P for p in points),
+            "all_hit": all(p["hit_pages"] == (p["tokens"] - 1) // A * A // P for p in points),
+            "tries": tries,
             "points": [{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()} for p in points],
         }
+
+    def interference(self, toks: np.ndarray) -> dict[str, Any]:
+        """The same no-cache forward pass alone and with concurrent L2 <-> L1 traffic (a host
+        buffer of one request's KV copied to and from the device on a side stream/thread, as the
+        cache's loads and backups do), `rounds` interleaved tries each; the copy bandwidth reached."""
+        from l3pool.demo.interference import measure
+
+        inst = self.instance("interference", "no_cache")
+        try:
+            return measure(inst, toks, max(3, self.opts.rounds))
+        finally:
+            inst.close()
 
     def total_ticks(self, n_requests: int, n_side: int) -> int:
         o = self.opts
         rows = len(study.VARIANTS) * o.repeats + 2 * len(study.POLICIES) + (o.sweep_points if o.sweep_l2 else 0)
-        side = n_side * rows
-        return len(CONFIGS) * n_requests + o.cold_requests + o.fit_points + len(SHORT_PAGES) + side
-
-
-def summarize(opts: DemoOptions, requests: list[Any], runs: dict[str, QueueRun], page_bytes: int) -> dict[str, Any]:
-    P = opts.model.page_size
-    total_tokens = sum(r.length for r in requests)
-
-    def rates(rs: list[Record]) -> dict[str, float]:
-        agg = dict.fromkeys(TIERS, 0)
-        for r in rs:
-            for k, v in r.tier_tokens(P).items():
-                agg[k] += v
-        return {k: round(v / total_tokens, 4) for k, v in agg.items()}
-
-    def bw(nbytes: int, secs: float) -> dict[str, Any]:
-        return {"bytes": nbytes, "s": round(secs, 4), "GBps": round(nbytes / secs / 1e9, 3) if secs > 0 else None}
-
-    def waited(nbytes: int, wait: float) -> dict[str, Any]:  # overlapped: a rate over waits means nothing
-        return {"bytes": nbytes, "engine_wait_s": round(wait, 4), "s": None, "GBps": None}
-
-    recs = {c: runs[c].recs for c in CONFIGS}
-    full, st = recs["l1_l2_l3"], runs["l1_l2_l3"].stats
-    # every move overlaps something (the prefetch the queue, the per-layer load the compute, the
-    # backups later requests): bytes, and for loads the time the engine waited for them
-    tiers = {
-        "L1_hit_bytes": sum(r.hit_l1 for r in full) * page_bytes,
-        "L3_to_L2": waited(sum(r.l3_get_bytes for r in full), sum(r.l3_get_s for r in full)),
-        "L2_to_L1": waited(sum(r.load_bytes for r in full), sum(r.load_s for r in full)),
-        "L1_to_L2_backup": bw(st.get("d2h_bytes", 0), 0.0),
-        "L2_to_L3_put": bw(st.get("l3_put_bytes", 0), 0.0),
-    }
-    prefill = {c: round(sum(r.prefill_s for r in recs[c]), 4) for c in CONFIGS}
-    per_request = [
-        {
-            "session": q.session,
-            "turn": q.turn,
-            "tokens": q.length,
-            "instance": recs["l1_l2_l3"][i].instance.rsplit("-", 1)[-1],
-            **{f"{c}_ms": round(recs[c][i].prefill_s * 1e3, 3) for c in CONFIGS},
-            "hit_pages": {t: getattr(recs["l1_l2_l3"][i], f"hit_{t.lower()}") for t in ("L1", "L2", "L3")},
-        }
-        for i, q in enumerate(requests)
-    ]
-    return {
-        "hit_rate": rates(full),
-        "hit_rate_by_config": {c: rates(recs[c]) for c in CONFIGS[1:]},
-        "tiers": tiers,
-        "prefill_s": prefill,
-        "net_benefit_s": round(prefill["no_cache"] - prefill["l1_l2_l3"], 4),
-        "l3_benefit_s": round(prefill["l1_l2"] - prefill["l1_l2_l3"], 4),
-        "trace": {
-            "sessions": opts.workload.sessions,
-            "turns": opts.workload.turns,
-            "requests": len(requests),
-            "tokens": total_tokens,
-            "min_context": min(r.length for r in requests),
-            "max_context": max(r.length for r in requests),
-            "prefix_reuse": round(prefix_reuse(requests, P), 4),
-        },
-        "requests": per_request,
-    }
+        main = o.rounds * len(CONFIGS) * (n_requests + o.cold_requests)
+        return main + o.fit_points + len(SHORT_PAGES) + n_side * rows + 3 * o.hf_reference
 
 
 def run(
@@ -510,37 +559,53 @@ def run(
             bar.update(1)
 
     demo = Demo(opts, store, metadata, tick)
-    if bar is not None:
-        n_side = len(study.side_trace(requests, opts.side_count(), opts.side_turns))
-        bar.total = demo.total_ticks(len(requests), n_side)
-        bar.refresh()
-    demo.warmup()
-    runs = demo.replay(requests)
-    nc_s = [r.prefill_s for r in runs["no_cache"].recs]
-    routed = routing.compare(demo, requests, opts.routing, opts.repeats, nc_s) if opts.routing else None
-    median = int(np.median([r.length for r in requests]))
-    cold = demo.cold(median)
-    fit = demo.fit(requests, runs["no_cache"].recs)
     side = study.side_trace(requests, opts.side_count(), opts.side_turns)
-    small = opts.min_tokens()
-    sav = study.savings(demo, side, opts.repeats)
-    pol = study.policies(demo, side, [small, 4 * small])
-    swp = study.sweep(demo, side, small, opts.sweep_points) if opts.sweep_l2 else None
+    if bar is not None:
+        bar.total = demo.total_ticks(len(requests), len(side) if opts.side else 0)
+        bar.refresh()
+
+    def phase(what: str) -> None:
+        log.info("demo: %s at %.1f s", what, time.perf_counter() - t0)
+
+    phase("model built; warm-up")
+    demo.warmup(requests)
+    phase("warm-up done; interleaved rounds")
+    median = int(np.median([r.length for r in requests]))
+    if isinstance(opts.model, HFConfig):  # real models: 4 chunks (device time)
+        median = min(median, 4 * opts.model.chunk)
+    rng = np.random.default_rng(opts.workload.seed + 7)
+    cold = [rng.integers(0, opts.model.vocab, size=median, dtype=np.int64) for _ in range(opts.cold_requests)]
+    runs, colds = demo.replay(requests, cold)
+    rep = summarize(opts, requests, runs, colds, demo.model.cfg.kv_spec().page_bytes)
+    nc_ms = [r["no_cache_ms"] for r in rep["requests"]]
+    nc_s = [x / 1e3 for x in nc_ms]
+    routed = routing.compare(demo, requests, opts.routing, opts.repeats, nc_s) if opts.routing else None
+    phase("rounds done; fit")
+    fit = demo.fit(requests, nc_ms)
+    phase("fit done; interference / HF reference")
+    demo.drop(demo.trace_ns)
+    inter = demo.interference(requests[len(requests) // 2].tokens) if opts.interference else None
+    hf_ref = hf_reference(demo, requests, rep) if opts.hf_reference and isinstance(demo.model, HFModel) else None
+    sav = pol = swp = None
+    if opts.side:
+        small = opts.min_tokens()
+        sav = study.savings(demo, side, opts.repeats)
+        pol = study.policies(demo, side, [small, 4 * small])
+        swp = study.sweep(demo, side, small, opts.sweep_points) if opts.sweep_l2 else None
     if bar is not None:  # the sweep may stop before its last point
         bar.total = bar.n
         bar.refresh()
     spec = opts.model.kv_spec()
-    rep = summarize(opts, requests, runs, demo.model.cfg.kv_spec().page_bytes)
     v = demo.verifier
     l1, l2 = opts.sizes()
+    dev = demo.model.device
     rep.update(
         {
-            "overlap_saved_s": sav["overlap"]["saved_s"],
-            "overlap_saved_spread_s": sav["overlap"]["spread_s"],
-            "overlap_saved_verdict": sav["overlap"]["verdict"],
-            "prefetch_saved_s": sav["prefetch"]["saved_s"],
-            "prefetch_saved_spread_s": sav["prefetch"]["spread_s"],
-            "prefetch_saved_verdict": sav["prefetch"]["verdict"],
+            "model": model_name(opts.model),
+            "device": device_name(dev),
+            "fit": fit,
+            "interference": inter,
+            "hf_reference": hf_ref,
             "savings": sav,
             "policies": pol,
             "sweep": swp,
@@ -551,29 +616,75 @@ def run(
                 "requests": len(side),
                 "tokens": sum(r.length for _, r in side),
                 "why": "savings, policies and sweep replay the first sessions and turns (each row is a full replay)",
-            },
-            "cache_overhead": cold["cache_overhead"],
-            "miss_path": cold,
-            "fit": fit,
+            } if opts.side else None,
             "logits_identical": v.mismatched_logits == 0 and v.compared > 0,
             "logits_compared": v.compared,
             "wrong_pages": v.wrong_pages,
             "pages_verified": v.pages_checked,
             "setup": {
-                "device": str(demo.model.device),
-                "model": asdict(opts.model),
+                "device": str(dev),
+                "model": opts.model.describe() if isinstance(opts.model, HFConfig) else asdict(opts.model),
                 "model_flops_per_token": opts.model.flops_per_token(),
                 "kv_bytes_per_token": spec.token_bytes,
                 "page_bytes": spec.page_bytes,
+                "hit_alignment_tokens": demo.align,
                 "instances": opts.instances,
                 "l1_tokens_per_instance": l1,
                 "l2_tokens_per_instance": l2,
                 "l2_layout": opts.l2_layout,
                 "torch_threads": torch.get_num_threads(),
                 "queue_depth": opts.queue_depth,
+                "rounds": opts.rounds,
                 "cache": asdict(DEMO_CACHE),
             },
             "elapsed_s": round(time.perf_counter() - t0, 2),
         }
-    )
+    )  # fmt: skip
+    if sav is not None:
+        for what in ("overlap", "prefetch"):
+            rep[f"{what}_saved_s"] = sav[what]["saved_s"]
+            rep[f"{what}_saved_spread_s"] = sav[what]["spread_s"]
+            rep[f"{what}_saved_verdict"] = sav[what]["verdict"]
     return rep
+
+
+def device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+
+
+def model_name(m: ModelConfig | HFConfig) -> str:
+    if isinstance(m, HFConfig):
+        return f"{m.name} ({m.num_layers} layers, HF transformers, random bf16 weights)"
+    return f"reference-{m.attention} ({m.layers} layers, hidden {m.hidden})"
+
+
+def hf_reference(demo: Demo, requests: list[Request], rep: dict[str, Any]) -> dict[str, Any]:
+    """HF transformers' own prefill (DynamicCache, the same chunks; and one forward) of the trace's
+    shortest, median and longest request, against our no-cache engine's median for it."""
+    assert isinstance(demo.model, HFModel)
+    m = demo.model
+    by_len = sorted(range(len(requests)), key=lambda i: requests[i].length)
+    picks = sorted({by_len[len(by_len) // 2], by_len[-1]})
+    tries = max(3, demo.opts.rounds)
+    rows = []
+    for i in picks:
+        toks = requests[i].tokens
+        row: dict[str, Any] = {"tokens": int(toks.size), "engine_no_cache_ms": rep["requests"][i]["no_cache_ms"]}
+        for key, chunked in (("hf_chunked_ms", True), ("hf_one_forward_ms", False)):
+            ts = []
+            try:
+                for _ in range(tries):
+                    t0 = time.perf_counter()
+                    m.reference_prefill(toks, chunked=chunked)
+                    if m.device.type == "cuda":
+                        torch.cuda.synchronize(m.device)
+                    ts.append((time.perf_counter() - t0) * 1e3)
+                row[key] = timing.med_spread(ts)
+            except torch.OutOfMemoryError:
+                row[key] = None
+                torch.cuda.empty_cache()
+        ref = row["hf_chunked_ms"]["median"] if row["hf_chunked_ms"] else None
+        row["engine_vs_hf_chunked"] = round(row["engine_no_cache_ms"] / ref, 3) if ref else None
+        rows.append(row)
+        demo.tick("hf")
+    return {"target": "engine within 1.2x of HF's own prefill", "points": rows}

@@ -1,0 +1,285 @@
+"""Real-scale models for the demo: HF transformers' own model classes, random bf16 weights.
+
+    m = HFModel(HFConfig("llama-8b"), "cuda")     # LlamaForCausalLM: 32 layers, 32 heads, 8 KV x 128
+    m = HFModel(HFConfig("deepseek-mla"), "cuda")  # DeepseekV3ForCausalLM, dense MLP, latent 512 + rope 64
+
+`HFModel` has the reference model's interface (`cfg.kv_spec()`, `new_l1`, `prefill`), so the
+demo's engine, cache and checks run unchanged on it. transformers is an optional extra
+(`pip install l3pool[real]`); importing this module without it is fine, building a model is not.
+
+The L1 adapter (`L1Cache`, a transformers `Cache` whose layers are `L1Layer`) maps the model's
+cache calls onto l2core's L1 view, the per-layer token-slot buffers the tiered cache loads into
+and backs up from (MHA `[K_0, V_0, K_1, ...]` each `[slots, kv_heads, head_dim]`; MLA one
+`[slots, 1, 512 + 64]` per layer). `update(k, v, layer)` scatters the chunk's new K/V (or latent
++ rope key) into the buffers at the request's slots and returns one gather of the request's slots
+as the model's `[1, heads, n, d]` view (a permuted view of the gather, no copy per token); the
+first chunk calls `before_layer(i)` there, so layer i's L2 -> L1 copy overlaps earlier layers.
+DeepseekV3 in transformers >= 5.17 caches the compressed latent (`[1, 1, n, 512]` and
+`[1, 1, n, 64]`), which is exactly l2core's 576-element MLA item.
+
+Exactness: prefill runs in chunks of `chunk` tokens on an absolute grid ([0, C), [C, 2C), ...),
+and the engine uses a cache hit only up to a chunk boundary (`align`). A chunk then has the same
+shapes and inputs whether the earlier chunks were computed or loaded, so logits with cache equal
+logits without, bit for bit, also with cuBLAS/SDPA on a GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from l2core.spec import ConfigError, KVSpec
+
+# name -> (family, transformers config arguments). Sizes: Llama-3-8B; DeepSeek-V3 attention with a
+# dense MLP (its published hidden/intermediate sizes), fewer layers by default (see README).
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-8b": ("llama", {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+    }),
+    "deepseek-mla": ("mla", {
+        "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "vocab_size": 129280,
+    }),
+    # tiny shapes of the same classes: CPU tests of the same code path
+    "llama-tiny": ("llama", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
+    }),
+    "mla-tiny": ("mla", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "vocab_size": 512,
+    }),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    name: str = "llama-8b"
+    layers: int = 0  # 0: the shape's own
+    page_size: int = 64
+    chunk: int = 2048  # prefill chunk (tokens), a multiple of page_size
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in SHAPES:
+            raise ConfigError(f"unknown model {self.name!r}; known: {', '.join(SHAPES)}")
+        for k in ("page_size", "chunk"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"model {k} must be a positive integer, got {v!r}")
+        if not isinstance(self.layers, int) or self.layers < 0:
+            raise ConfigError(f"model layers must be >= 0, got {self.layers!r}")
+        if self.chunk % self.page_size:
+            raise ConfigError(f"chunk {self.chunk} must be a multiple of page_size {self.page_size}")
+
+    @property
+    def family(self) -> str:
+        return SHAPES[self.name][0]
+
+    def hf_args(self) -> dict[str, Any]:
+        a = dict(SHAPES[self.name][1])
+        if self.layers:
+            a["num_hidden_layers"] = self.layers
+        return a
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_args()["num_hidden_layers"])
+
+    @property
+    def vocab(self) -> int:
+        return int(self.hf_args()["vocab_size"])
+
+    @property
+    def attention(self) -> str:
+        return self.family
+
+    def kv_spec(self) -> KVSpec:
+        a = self.hf_args()
+        if self.family == "mla":
+            return KVSpec.mla(self.num_layers, a["kv_lora_rank"], a["qk_rope_head_dim"], page_size=self.page_size)
+        return KVSpec.mha(self.num_layers, a["num_key_value_heads"], a["head_dim"], page_size=self.page_size)
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.blake2b(repr(sorted(self.hf_args().items())).encode(), digest_size=6).hexdigest()
+        return f"l3pool-demo-hf-{self.name}-{self.num_layers}l-{h}-s{self.seed}"
+
+    def flops_per_token(self) -> int:
+        """Dense matmul FLOPs per token (attention over the context not included)."""
+        a, L = self.hf_args(), self.num_layers
+        h, f = a["hidden_size"], a["intermediate_size"]
+        if self.family == "mla":
+            nh, r, dr, dn, dv, qr = (a[k] for k in ("num_attention_heads", "kv_lora_rank", "qk_rope_head_dim",
+                                                   "qk_nope_head_dim", "v_head_dim", "q_lora_rank"))  # fmt: skip
+            att = h * qr + qr * nh * (dn + dr) + h * (r + dr) + r * nh * (dn + dv) + nh * dv * h
+        else:
+            nh, nkv, d = a["num_attention_heads"], a["num_key_value_heads"], a["head_dim"]
+            att = h * nh * d + 2 * h * nkv * d + nh * d * h
+        return 2 * (L * (att + 3 * h * f) + h * a["vocab_size"])
+
+    def describe(self) -> dict[str, Any]:
+        return {**asdict(self), "family": self.family, "hf_config": self.hf_args()}
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("real-scale models need transformers: pip install 'l3pool[real]'") from None
+    return transformers
+
+
+def hf_config(cfg: HFConfig) -> Any:
+    tf = _transformers()
+    common = {"max_position_embeddings": 131072, "tie_word_embeddings": False, "use_cache": True}
+    if cfg.family == "llama":
+        return tf.LlamaConfig(**cfg.hf_args(), rope_theta=500000.0, **common)
+    a = cfg.hf_args()  # every layer dense: first_k_dense_replace = layers (no MoE)
+    return tf.DeepseekV3Config(**a, first_k_dense_replace=a["num_hidden_layers"], n_routed_experts=1,
+                               num_experts_per_tok=1, n_group=1, topk_group=1, rope_scaling=None, **common)  # fmt: skip
+
+
+class L1View:
+    """What the L1 adapter writes to and reads from during one prefill call."""
+
+    def __init__(self, family: str, bufs: Sequence[torch.Tensor], r: int) -> None:
+        self.family, self.bufs, self.r = family, bufs, r
+        self.slots = self.new_slots = torch.empty(0, dtype=torch.int64)
+        self.past = 0
+        self.before_layer: Callable[[int], None] | None = None
+
+    def layer(self, li: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.before_layer is not None:
+            self.before_layer(li)
+        if self.family == "mla":  # a: latent [1, 1, m, r], b: rope key [1, 1, m, dr]
+            buf = self.bufs[li]
+            buf[self.new_slots, 0, : self.r] = a[0, 0]
+            buf[self.new_slots, 0, self.r :] = b[0, 0]
+            kv = buf[self.slots, 0]  # [n, r + dr]: one gather per layer and chunk
+            return kv[None, None, :, : self.r], kv[None, None, :, self.r :]
+        kb, vb = self.bufs[2 * li], self.bufs[2 * li + 1]  # a, b: K, V [1, kv_heads, m, d]
+        kb[self.new_slots] = a[0].transpose(0, 1)
+        vb[self.new_slots] = b[0].transpose(0, 1)
+        return kb[self.slots].permute(1, 0, 2)[None], vb[self.slots].permute(1, 0, 2)[None]
+
+
+def _cache_classes() -> tuple[type, type]:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    class L1Layer(CacheLayerMixin):  # type: ignore[misc, valid-type]
+        is_sliding = False
+        is_compileable = False
+
+        def __init__(self, view: L1View, li: int) -> None:
+            super().__init__()
+            self.view, self.li = view, li
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            pass
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.view.layer(self.li, key_states, value_states)
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.view.past + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return self.view.past
+
+        def get_max_length(self) -> int:
+            return -1
+
+    class L1Cache(Cache):  # type: ignore[misc, valid-type]
+        def __init__(self, view: L1View, layers: int) -> None:
+            super().__init__(layers=[L1Layer(view, i) for i in range(layers)])
+
+    return L1Layer, L1Cache
+
+
+class HFModel:
+    """A transformers causal LM with random bf16 weights, prefilling over the demo's L1 buffers."""
+
+    def __init__(self, cfg: HFConfig, device: torch.device | str = "cpu") -> None:
+        tf = _transformers()
+        self.cfg, self.device = cfg, torch.device(device)
+        hc = hf_config(cfg)
+        hc._attn_implementation = "sdpa"
+        torch.manual_seed(cfg.seed)
+        cls = tf.LlamaForCausalLM if cfg.family == "llama" else tf.DeepseekV3ForCausalLM
+        with torch.device(self.device):
+            m = cls._from_config(hc, dtype=torch.bfloat16)
+        self.hf = m.eval()
+        self.align = cfg.chunk  # hits are used up to a chunk boundary (module docstring)
+        spec = cfg.kv_spec()
+        self._r = spec.kv_lora_rank if cfg.family == "mla" else 0
+        self._view = L1View(cfg.family, [], self._r)
+        _, l1cache = _cache_classes()
+        self._cache = l1cache(self._view, cfg.num_layers)
+
+    def new_l1(self, slots: int) -> list[torch.Tensor]:
+        s = self.cfg.kv_spec()
+        return [
+            torch.zeros(slots, s.heads, s.dim, dtype=s.torch_dtype, device=self.device)
+            for _ in range(s.num_layers * s.num_kv)
+        ]
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        tokens: Sequence[int] | torch.Tensor | np.ndarray,
+        start: int,
+        slots: torch.Tensor,
+        bufs: Sequence[torch.Tensor],
+        before_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Computes tokens[start:] (start chunk-aligned) in chunks of `chunk` tokens on the absolute
+        grid, K/V into `bufs` at `slots`; returns the last token's logits (float32)."""
+        C, n = self.cfg.chunk, len(tokens)
+        if start % C or not 0 <= start < n:
+            raise ValueError(f"start {start} must be a multiple of the chunk ({C}) and < {n} tokens")
+        if slots.numel() < n:
+            raise ValueError(f"{slots.numel()} slots for {n} tokens")
+        tok = torch.as_tensor(tokens, dtype=torch.int64).to(self.device)
+        slots = slots.to(self.device)
+        v = self._view
+        v.bufs = bufs
+        hidden = torch.empty(0)
+        try:
+            for c0 in range(start, n, C):
+                c1 = min(c0 + C, n)
+                v.past, v.slots, v.new_slots = c0, slots[:c1], slots[c0:c1]
+                v.before_layer = before_layer if c0 == start else None
+                pos = torch.arange(c0, c1, device=self.device)[None]
+                out = self.hf.model(input_ids=tok[None, c0:c1], position_ids=pos, past_key_values=self._cache,
+                                    use_cache=True)  # fmt: skip
+                hidden = out.last_hidden_state[0, -1:]
+        finally:
+            v.bufs, v.before_layer = [], None
+        return self.hf.lm_head(hidden)[0].float()
+
+    @torch.no_grad()
+    def reference_prefill(self, tokens: np.ndarray, chunked: bool = True) -> torch.Tensor:
+        """HF transformers' own prefill (its DynamicCache; in the same chunks, or one forward):
+        what the no-cache engine is compared against."""
+        tf = _transformers()
+        tok = torch.as_tensor(tokens, dtype=torch.int64).to(self.device)[None]
+        if not chunked:
+            return self.hf(input_ids=tok, logits_to_keep=1).logits[0, -1].float()
+        cache = tf.DynamicCache(config=self.hf.config)
+        hidden = torch.empty(0)
+        for c0 in range(0, tok.shape[1], self.cfg.chunk):
+            out = self.hf.model(input_ids=tok[:, c0 : c0 + self.cfg.chunk], past_key_values=cache, use_cache=True)
+            hidden = out.last_hidden_state[0, -1:]
+        return self.hf.lm_head(hidden)[0].float()

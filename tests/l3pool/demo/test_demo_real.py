@@ -1,0 +1,130 @@
+"""The demo's honest timing statistics, and the real-scale path (HF transformers' own model classes
+over the L1 adapter) at tiny shapes on the CPU: exactness and the self-check, not timings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from l2core import ConfigError
+from l3pool.cli import main
+from l3pool.demo import timing
+from l3pool.demo.engine import PrefillInstance
+from l3pool.demo.hf import HFConfig, HFModel
+
+
+# -- statistics ------------------------------------------------------------------------------------
+def test_med_spread_and_ttft_stats() -> None:
+    m = timing.med_spread([3.0, 1.0, 2.0])
+    assert (m["median"], m["min"], m["max"], m["spread"], m["runs"]) == (2.0, 1.0, 3.0, 1.0, 3)
+    t = timing.ttft_stats([[10, 20, 30], [12, 22, 32], [11, 21, 31]])  # 3 rounds x 3 requests
+    assert t["median"] == 21 and t["rounds"] == 3 and t["spread"] == 1.0
+    assert 21 < t["p90"] <= 31 and t["total_ms"]["median"] == 63
+    with pytest.raises(ValueError):
+        timing.med_spread([])
+    with pytest.raises(ValueError):
+        timing.ttft_stats([])
+
+
+def test_miss_check_flags_bias_and_never_a_negative_headline() -> None:
+    same = timing.miss_check([1.0, 1.1, 0.9], [1.05, 1.0, 0.95])  # the rounds straddle 0
+    assert same["equal_within_spread"] and same["headline"] == "within noise"
+    assert same["spread"][0] <= same["overhead"] <= same["spread"][1]
+    faster = timing.miss_check([1.0, 1.01, 1.02], [0.7, 0.71, 0.69])  # the cache "speeds up" misses
+    assert not faster["equal_within_spread"] and faster["overhead"] < 0
+    slower = timing.miss_check([1.0, 1.0, 1.0], [1.5, 1.5, 1.5])  # a real miss-path cost: flagged
+    assert not slower["equal_within_spread"] and slower["headline"] == "+33.3%"
+    with pytest.raises(ValueError):
+        timing.miss_check([1.0], [1.0, 2.0])
+
+
+def test_linear_fit_never_reports_a_negative_intercept() -> None:
+    f = timing.linear_fit([1000, 2000, 4000], [10 + 0.002 * x for x in (1000, 2000, 4000)])
+    assert f["a_ms"] == pytest.approx(10) and f["b_us_per_token"] == pytest.approx(2) and not f["intercept_clamped"]
+    g = timing.linear_fit([1000, 2000, 4000], [1.0, 3.5, 8.5])  # least squares would give a < 0
+    assert g["intercept_clamped"] and g["a_ms"] == 0 and g["b_us_per_token"] > 0
+    with pytest.raises(ValueError):
+        timing.linear_fit([5, 5], [1, 2])
+
+
+def test_what_if_replays_bytes_against_faster_fabrics() -> None:
+    rows = [{"ttft_ms": 500.0, "l3_bytes": 1e9, "l3_wait_ms": 400.0}]  # 1 GB over TCP cost 400 ms
+    w = timing.what_if(rows, [1000.0])
+    f = w["fabrics"]
+    assert f["tcp_measured"]["ttft_median_ms"] == 500 and f["tcp_measured"]["reduction_vs_no_cache"] == 0.5
+    assert f["rdma_25GBps"]["ttft_median_ms"] == pytest.approx(140)  # 100 ms of compute + 40 ms at 25 GB/s
+    assert f["rdma_100GBps"]["ttft_median_ms"] == pytest.approx(110)
+
+
+# -- the real-scale model path at tiny shapes --------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama-tiny", "mla-tiny"])
+def test_hf_model_over_l1_is_bit_identical_with_a_loaded_prefix(name: str) -> None:
+    m = HFModel(HFConfig(name, page_size=16, chunk=64))
+    spec = m.cfg.kv_spec()
+    assert spec.attention == ("mla" if name == "mla-tiny" else "mha")
+    toks = np.random.default_rng(0).integers(0, m.cfg.vocab, 200)
+    bufs, slots = m.new_l1(512), torch.arange(200)
+    ref = m.prefill(toks, 0, slots, bufs)
+    assert torch.equal(ref, m.reference_prefill(toks))  # the adapter computes what HF's own cache computes
+    bufs2, slots2 = m.new_l1(512), torch.arange(300, 500)  # other slots: the prefix "loaded" there
+    for b, b2 in zip(bufs, bufs2, strict=True):
+        b2[slots2[:128]] = b[slots[:128]]
+    calls: list[int] = []
+    got = m.prefill(toks, 128, slots2, bufs2, before_layer=calls.append)
+    assert torch.equal(ref, got) and calls == list(range(m.cfg.num_layers))  # per-layer waits, first chunk only
+    for b, b2 in zip(bufs, bufs2, strict=True):  # the chunks' K/V landed in the L1 view at the request's slots
+        assert torch.equal(b[slots[:192]], b2[slots2[:192]])
+    with pytest.raises(ValueError, match="multiple of the chunk"):
+        m.prefill(toks, 16, slots2, bufs2)
+
+
+def test_hf_instance_uses_hits_up_to_a_chunk_boundary() -> None:
+    m = HFModel(HFConfig("llama-tiny", page_size=16, chunk=64))
+    inst = PrefillInstance("t", m, l1_tokens=1024, l2_tokens=2048)
+    try:
+        rng = np.random.default_rng(1)
+        a = rng.integers(0, m.cfg.vocab, 150)  # 9 full pages; 2 whole chunks (128 tokens)
+        r1 = inst.prefill(a)
+        assert inst.committable(150) == 8  # the partial last chunk's page is not cached
+        b = np.concatenate([a, rng.integers(0, m.cfg.vocab, 50)])
+        r2 = inst.prefill(b)
+        assert r2.hit_pages * 16 == 128 and r2.computed_tokens == 200 - 128
+        assert torch.equal(r2.logits, m.reference_prefill(b))
+        assert r1.hit_pages == 0
+    finally:
+        inst.close()
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [({"name": "gpt-9"}, "unknown model"), ({"chunk": 100}, "multiple of page_size"), ({"layers": -1}, "layers")],
+)
+def test_hf_config_rejects_bad_input(kw: dict[str, object], msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg):
+        HFConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_real_shapes_match_the_published_architectures() -> None:
+    llama, mla = HFConfig("llama-8b"), HFConfig("deepseek-mla")
+    assert llama.kv_spec().token_bytes == 32 * 2 * 8 * 128 * 2  # 128 KiB per token
+    assert mla.kv_spec().token_bytes == 61 * 576 * 2  # latent 512 + rope 64 per layer, bf16
+    assert HFConfig("deepseek-mla", layers=12).kv_spec().num_layers == 12
+
+
+def test_demo_real_model_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`l3pool demo --model llama-tiny`: the real-scale path (HF classes, L1 adapter, chunk-aligned
+    hits, 3 instances, L1 of one request) on a real local cluster: exact, and the report's keys."""
+    args = ["--model", "llama-tiny", "--chunk", "128", "--sessions", "4", "--turns", "3", "--min-context", "256",
+            "--max-context", "640", "--instances", "3", "--queue-depth", "1", "--hf-reference"]  # fmt: skip
+    rc = main(["demo", "--quick", *args, "--json", "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0, rep
+    assert rep["model"].startswith("llama-tiny") and rep["setup"]["hit_alignment_tokens"] == 128
+    assert rep["logits_identical"] and rep["wrong_pages"] == 0 and rep["pages_verified"] > 0
+    assert rep["hit_rate"]["L3"] > 0 and rep["savings"] is None  # real models skip the side comparisons
+    assert isinstance(rep["biased"], bool) and "spread" in rep["cache_overhead"]
+    assert all(p["hf_chunked_ms"]["runs"] == 3 for p in rep["hf_reference"]["points"])
