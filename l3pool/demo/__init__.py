@@ -46,6 +46,7 @@ REAL = {
 
 
 def add_parser(subparsers: Any) -> None:
+    from l2core.names import LAYOUTS
     from l3pool.cli import nonneg_int, positive_int, segment_size
 
     p = subparsers.add_parser(
@@ -103,7 +104,7 @@ def add_parser(subparsers: Any) -> None:
         "--routing",
         help="also compare router policies on >= 3 instances: round_robin, cache_aware, dynamo_like, a list, all",
     )
-    p.add_argument("--layout", choices=["layer_first", "page_first", "page_first_direct"], default="page_first_direct")
+    p.add_argument("--layout", choices=LAYOUTS, default="page_first_direct")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--segment-size", type=segment_size, default="1GB", help="DRAM each local decode agent donates")
     p.add_argument("--master", help="host:port of a running pool's mooncake_master (default: start a local cluster)")
