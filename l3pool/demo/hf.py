@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from l2core.spec import ConfigError, KVSpec
+from l3pool.demo.model import l1_buffers
 
 # name -> (family, transformers config arguments). Sizes: Llama-3-8B; DeepSeek-V3 attention with a
 # dense MLP (its published hidden/intermediate sizes), fewer layers by default (see README).
@@ -229,11 +230,7 @@ class HFModel:
         self._cache = l1cache(self._view, cfg.num_layers)
 
     def new_l1(self, slots: int) -> list[torch.Tensor]:
-        s = self.cfg.kv_spec()
-        return [
-            torch.zeros(slots, s.heads, s.dim, dtype=s.torch_dtype, device=self.device)
-            for _ in range(s.num_layers * s.num_kv)
-        ]
+        return l1_buffers(self.cfg.kv_spec(), slots, self.device)
 
     @torch.no_grad()
     def prefill(

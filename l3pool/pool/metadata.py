@@ -188,15 +188,7 @@ class Metadata:
         With a keeper the key is deleted only while it is still under that keeper's lease: another
         process may have taken the id meanwhile, and its record must survive. Without one (an
         operator cleaning up) the key is deleted unconditionally."""
-        key = self.member_key(member_id)
-        try:
-            if keeper is None:
-                self.etcd.delete(key)
-            else:
-                self.etcd.delete_if_lease(key, keeper.lease)
-        finally:
-            if keeper is not None:
-                keeper.close(revoke=True)
+        self._delete_leased(self.member_key(member_id), keeper)
 
     def members(self) -> list[Member]:
         out = []
@@ -283,7 +275,12 @@ class Metadata:
         return keeper
 
     def deregister_kv_source(self, instance_id: str, keeper: LeaseKeeper | None) -> None:
-        key = self.kv_source_key(instance_id)
+        """Delete the instance's event-source key and revoke its lease (as deregister_member)."""
+        self._delete_leased(self.kv_source_key(instance_id), keeper)
+
+    def _delete_leased(self, key: str, keeper: LeaseKeeper | None) -> None:
+        """Delete `key` while it is still under `keeper`'s lease (unconditionally without a keeper),
+        then revoke that lease."""
         try:
             if keeper is None:
                 self.etcd.delete(key)
