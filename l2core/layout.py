@@ -19,12 +19,16 @@ these four strides and nothing else, so a new layout is a new set of strides, no
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from .names import LAYOUTS, LayoutName
 from .spec import ConfigError, KVSpec
 from .units import check_int
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -110,3 +114,18 @@ class HostLayout:
         addrs = base + p[:, None] * ps + inner[None, :]
         sizes = np.full(addrs.shape, self.run_bytes, dtype=np.int64)
         return addrs, sizes
+
+
+class HostKV(Protocol):
+    """What a transfer engine copies to and from: KV pages of `spec` laid out by `layout` in one
+    host `buffer`. `HostKVPool` is one; a memory variant (e.g. a segment shared by a TP group) is
+    another, without the engine knowing."""
+
+    @property
+    def spec(self) -> KVSpec: ...
+
+    @property
+    def layout(self) -> HostLayout: ...
+
+    @property
+    def buffer(self) -> torch.Tensor: ...

@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -114,21 +114,6 @@ class L2Config:
                 except ValueError:
                     raise ConfigError(f"{ENV_PREFIX}{key.upper()}={v!r} is not valid") from None
         return cls.from_dict(d)
-
-
-class HostKV(Protocol):
-    """What a transfer engine copies to and from: KV pages of `spec` laid out by `layout` in one
-    host `buffer`. `HostKVPool` is one; a memory variant (e.g. a segment shared by a TP group) is
-    another, without the engine knowing."""
-
-    @property
-    def spec(self) -> KVSpec: ...
-
-    @property
-    def layout(self) -> HostLayout: ...
-
-    @property
-    def buffer(self) -> torch.Tensor: ...
 
 
 class HostKVPool:

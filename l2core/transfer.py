@@ -31,7 +31,7 @@ import torch
 
 from . import ops
 from .devices import provider_for
-from .pool import HostKV
+from .layout import HostKV
 
 log = logging.getLogger(__name__)
 

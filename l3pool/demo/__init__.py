@@ -126,8 +126,8 @@ def _options(a: argparse.Namespace) -> Any:
     import torch
 
     from l3pool.demo.model import ModelConfig
+    from l3pool.demo.replay import DemoOptions
     from l3pool.demo.routing import parse_policies
-    from l3pool.demo.run import DemoOptions
     from l3pool.demo.workload import WorkloadConfig
 
     device = a.device

@@ -50,6 +50,10 @@ if TYPE_CHECKING:
 DEMO_CACHE = CacheConfig(prefetch_policy="wait_complete")
 
 
+CONFIGS = ("no_cache", "l1_l2", "l1_l2_l3")  # the cache configurations every report compares
+TIERS = ("L1", "L2", "L3", "miss")  # where a request's tokens came from (Record.tier_tokens)
+
+
 @dataclass
 class Record:
     """One prefill: what hit where, what moved, how long it took. `prefill_s` runs from the

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from l3pool.demo.engine import PrefillInstance, Queued, Record
+from l3pool.demo.engine import TIERS, PrefillInstance, Queued, Record
 from l3pool.demo.workload import Request
 from l3pool.index.types import PrefixHits, TierPrefix
 from l3pool.pool.keys import Namespace, page_hashes
@@ -46,10 +46,9 @@ from l3pool.pool.store import MooncakeStore
 from l3pool.router import POLICIES, Policy, RoundRobin, Router
 
 if TYPE_CHECKING:
-    from l3pool.demo.run import Demo
+    from l3pool.demo.replay import Demo
 
 MIN_INSTANCES = 3
-TIERS = ("L1", "L2", "L3", "miss")
 
 
 def parse_policies(arg: str | None) -> tuple[str, ...]:

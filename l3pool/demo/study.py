@@ -19,7 +19,7 @@ from l3pool.demo.engine import DEMO_CACHE
 from l3pool.demo.workload import Request
 
 if TYPE_CHECKING:
-    from l3pool.demo.run import Demo, QueueRun
+    from l3pool.demo.replay import Demo, QueueRun
 
 VARIANTS = ("on", "no_overlap", "no_prefetch")
 # (row name, write policy of both boundaries, ghost list on)

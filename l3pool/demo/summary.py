@@ -8,14 +8,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from l3pool.demo import timing
-from l3pool.demo.engine import Record
+from l3pool.demo.engine import CONFIGS, TIERS, Record
 from l3pool.demo.workload import Request, prefix_reuse
 
 if TYPE_CHECKING:
-    from l3pool.demo.run import DemoOptions, QueueRun
-
-CONFIGS = ("no_cache", "l1_l2", "l1_l2_l3")
-TIERS = ("L1", "L2", "L3", "miss")
+    from l3pool.demo.replay import DemoOptions, QueueRun
 
 
 def _rates(rs: list[Record], P: int, total: int) -> dict[str, float]:

@@ -342,7 +342,7 @@ def test_demo_cuda_request_without_gpu_is_an_error(tmp_path: Path, capsys: pytes
 
 
 def test_cache_overhead_known_inputs() -> None:
-    from l3pool.demo.run import cache_overhead
+    from l3pool.demo.replay import cache_overhead
 
     assert cache_overhead(1.0, 1.0) == 0.0
     assert cache_overhead(0.9, 1.0) == pytest.approx(0.1)  # the cache adds 10 % of its own time
@@ -354,7 +354,7 @@ def test_cache_overhead_known_inputs() -> None:
 
 
 def test_break_even_from_measured_points() -> None:
-    from l3pool.demo.run import break_even
+    from l3pool.demo.replay import break_even
 
     def pts(*rows: tuple[int, float, float]) -> list[dict[str, float]]:
         return [{"tokens": n, "all_hit_ms": h, "no_cache_ms": c} for n, h, c in rows]

@@ -1,0 +1,516 @@
+"""The demo's replay machinery: its options (`DemoOptions`), a replay's result (`QueueRun`), the
+checks (`Verifier`: reference logits and page digests from the no-cache run), the queued replay of
+a trace (`QueueReplay`) and `Demo`, which builds instances and runs every replay the report needs
+(the interleaved rounds, the all-hit fit, the short prompts, interference). `run.py` orchestrates
+them into the report; `study.py` and `routing.py` run their comparisons through `Demo`. See run.py's
+docstring for what is measured and why.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from l2core.spec import ConfigError
+from l3pool.cache import CacheConfig
+from l3pool.demo import timing
+from l3pool.demo.engine import CONFIGS, DEMO_CACHE, TIERS, L3Side, PrefillInstance, Queued, Record
+from l3pool.demo.hf import HFConfig, HFModel
+from l3pool.demo.model import ModelConfig, RefModel
+from l3pool.demo.workload import Request, WorkloadConfig
+from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.protocols import NamespaceRegistry
+from l3pool.pool.store import MooncakeStore
+
+log = logging.getLogger(__name__)
+
+SHORT_PAGES = (1, 2, 4, 8, 16)  # short prompts (pages + 1 token) measured for the break-even
+
+
+def break_even(points: list[dict[str, Any]]) -> float | None:
+    """Prompt length where loading every page from L3 starts to beat recomputing it, from measured
+    (tokens, all_hit_ms, no_cache_ms) points in increasing length: the first crossing of
+    no_cache - all_hit from <= 0 to > 0, linearly interpolated; when hits already win at the
+    shortest prompt, the line through the two shortest points extended down (clamped to 0);
+    None when hits never win."""
+    pts = sorted((p["tokens"], p["no_cache_ms"] - p["all_hit_ms"]) for p in points)
+    if not pts or all(dv <= 0 for _, dv in pts):
+        return None
+    if pts[0][1] > 0:
+        if len(pts) < 2 or pts[1][1] <= pts[0][1]:
+            return 0.0
+        (n0, d0), (n1, d1) = pts[0], pts[1]
+        return round(max(0.0, n0 - d0 * (n1 - n0) / (d1 - d0)), 1)
+    for (n0, d0), (n1, d1) in itertools.pairwise(pts):
+        if d0 <= 0 < d1:
+            return round(n0 + (0 - d0) * (n1 - n0) / (d1 - d0), 1)
+    return None
+
+
+def cache_overhead(no_cache_s: float, cache_s: float) -> float:
+    """Share of the cache configuration's miss-path time that the cache itself adds: 1 - t_nc / t_ca
+    over the same unique (never hit) prompts. 0: no cost; 0.1: the cache adds 10 % of its own
+    time (the no-cache instance is 1 / 0.9 = 1.11x as fast); negative: the cache run was faster."""
+    if no_cache_s <= 0 or cache_s <= 0:
+        raise ValueError(f"cache_overhead: times must be > 0, got {no_cache_s} and {cache_s}")
+    return 1.0 - no_cache_s / cache_s
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    model: ModelConfig | HFConfig
+    workload: WorkloadConfig
+    device: str = "cpu"
+    instances: int = 2
+    l1_tokens: int = 0  # 0: queue_depth x (max_context + a page) per instance (small: L1 is device memory)
+    l2_tokens: int = 0  # 0: 3 x the default L1 per instance
+    l2_layout: str = "page_first_direct"
+    cold_requests: int = 3
+    fit_points: int = 4
+    verify_every: int = 1  # digest-check the hit pages of every k-th cached request
+    queue_depth: int = 2  # requests in the system at once (one computing, the others queued)
+    repeats: int = 3  # runs per variant for the overlap/prefetch savings
+    side_sessions: int = 0  # sessions of the shorter trace for savings/policies/sweep (0: half, >= 1)
+    side_turns: int = 0  # turns of the shorter trace (0: all)
+    sweep_l2: bool = False  # run the L2 capacity sweep
+    sweep_points: int = 6  # at most this many capacities
+    routing: tuple[str, ...] = ()  # router policies compared on the trace (l3pool/demo/routing.py)
+    rounds: int = 3  # interleaved rounds of the main trace + miss-path requests (every timing a median)
+    side: bool = True  # run the savings/policies(/sweep) comparisons on the side trace
+    interference: bool = True  # forward pass alone vs with concurrent L2 <-> L1 traffic
+    hf_reference: bool = False  # time HF transformers' own prefill of the same lengths (real models)
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            raise ConfigError("instances must be >= 1")
+        if self.cold_requests < 1 or self.fit_points < 2 or self.verify_every < 1:
+            raise ConfigError("cold_requests >= 1, fit_points >= 2 and verify_every >= 1 are required")
+        if min(self.queue_depth, self.repeats) < 1 or min(self.side_sessions, self.side_turns) < 0:
+            raise ConfigError("queue_depth >= 1, repeats >= 1, side_sessions >= 0 and side_turns >= 0 are required")
+        if self.rounds < 1:
+            raise ConfigError("rounds >= 1 is required")
+        if self.sweep_points < 2:
+            raise ConfigError("sweep_points >= 2 is required")
+        need = self.min_tokens()
+        for name in ("l1_tokens", "l2_tokens"):
+            v = getattr(self, name)
+            if v and v < need:
+                raise ConfigError(
+                    f"{name} {v} must hold {self.queue_depth} queued requests of max_context + a page ({need})"
+                )
+
+    def side_count(self) -> int:
+        """Sessions of the shorter trace: by default half, but more than queue_depth (a session's
+        next turn must arrive after its previous turn committed, or it cannot hit its history)."""
+        ws = self.workload.sessions
+        return min(ws, self.side_sessions) if self.side_sessions else max(min(ws, self.queue_depth + 1), ws // 2)
+
+    def min_tokens(self) -> int:
+        """What L1 and L2 must hold: every request in the system pins its hit (queue_depth x one
+        request of max_context, rounded up to pages, + a page)."""
+        P, mc = self.model.page_size, self.workload.max_context
+        return self.queue_depth * (-(-mc // P) * P + P)
+
+    def sizes(self) -> tuple[int, int]:
+        return self.l1_tokens or self.min_tokens(), self.l2_tokens or 3 * self.min_tokens()
+
+
+@dataclass
+class QueueRun:
+    """One replay: its records in scheduling order, summed cache stats, its checks."""
+
+    recs: list[Record] = field(default_factory=list)
+    stats: dict[str, int] = field(default_factory=dict)
+    logits_identical: bool = False
+    logits_compared: int = 0
+    wrong_pages: int = 0
+
+    @property
+    def prefill_s(self) -> float:
+        return sum(r.prefill_s for r in self.recs)
+
+    def hit_rate(self, page_size: int) -> dict[str, float]:
+        total = sum(r.tokens for r in self.recs)
+        agg = dict.fromkeys(TIERS, 0)
+        for r in self.recs:
+            for k, x in r.tier_tokens(page_size).items():
+                agg[k] += x
+        return {k: round(x / total, 4) if total else 0.0 for k, x in agg.items()}
+
+
+class Verifier:
+    """Reference logits per request and KV digests per page hash, from the no-cache run."""
+
+    def __init__(self) -> None:
+        self.logits: dict[int, torch.Tensor] = {}
+        self.digests: dict[bytes, bytes] = {}
+        self.compared = self.mismatched_logits = self.pages_checked = self.wrong_pages = 0
+        self.pending: list[tuple[int, str, torch.Tensor, list[tuple[bytes, bytes]]]] = []
+
+    def record(self, i: int, inst: PrefillInstance, rec: Record, tokens: np.ndarray) -> None:
+        assert rec.logits is not None
+        self.logits[i] = rec.logits.cpu()
+        hs = page_hashes(tokens, inst.P)[: inst.committable(int(tokens.size))]
+        new = [k for k, h in enumerate(hs) if h not in self.digests]
+        if new:
+            dig = inst.page_digests(rec, max(new) + 1)
+            self.digests.update((hs[k], dig[k]) for k in new)
+
+    def check(self, i: int, inst: PrefillInstance, rec: Record, pages: bool) -> None:
+        """Compare with the no-cache references; when the no-cache run has not reached request i
+        yet (interleaved rounds), the logits and page digests wait for resolve()."""
+        assert rec.logits is not None
+        dig = inst.page_digests(rec, rec.hit_pages) if pages and rec.hit_pages else []
+        self.pending.append((i, inst.name, rec.logits.cpu(), list(zip(rec.hashes[: rec.hit_pages], dig, strict=False))))
+        self.resolve(final=False)
+
+    def resolve(self, final: bool = True) -> None:
+        keep = []
+        for i, name, logits, pages in self.pending:
+            if i not in self.logits:
+                keep.append((i, name, logits, pages))
+                continue
+            self.compared += 1
+            if not torch.equal(self.logits[i], logits):
+                self.mismatched_logits += 1
+                log.error("request %d on %s: logits differ from the no-cache run", i, name)
+            for h, d in pages:
+                self.pages_checked += 1
+                if self.digests.get(h) != d:
+                    self.wrong_pages += 1
+        self.pending = keep
+        if final and keep:
+            raise RuntimeError(f"{len(keep)} cached requests have no no-cache reference")
+
+    def compare(self, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        assert a is not None and b is not None
+        self.compared += 1
+        if not torch.equal(a.cpu(), b.cpu()):
+            self.mismatched_logits += 1
+
+
+class QueueReplay:
+    """One configuration's replay of a trace as a queue of `queue_depth` requests on fresh
+    instances, one scheduled request per step() (so configurations can be interleaved); every
+    request is checked against the no-cache run (which records the references)."""
+
+    def __init__(
+        self,
+        demo: Demo,
+        trace: list[tuple[int, Request]],
+        cfg: str,
+        ns: Namespace | None,
+        *,
+        tick: str,
+        cache: CacheConfig = DEMO_CACHE,
+        l2_tokens: int = 0,
+        overlap: bool = True,
+        prefetch: bool = True,
+    ) -> None:
+        self.demo, self.trace, self.cfg, self.tick = demo, trace, cfg, tick
+        v = demo.verifier
+        self.before = (v.compared, v.mismatched_logits, v.wrong_pages)
+        self.insts: list[PrefillInstance] = []
+        try:
+            for k in range(demo.opts.instances):
+                self.insts.append(demo.instance(f"{cfg}-{k}", cfg, ns, cache=cache, l2_tokens=l2_tokens,
+                                                overlap=overlap, prefetch=prefetch))  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+        self.run = QueueRun()
+        self.queued: deque[tuple[int, Request, PrefillInstance, Queued]] = deque()
+        self.nxt = 0
+
+    def done(self) -> bool:
+        return self.nxt >= len(self.trace) and not self.queued
+
+    def route(self, r: Request) -> PrefillInstance:
+        """The instance a request goes to: round-robin by session + turn (a load balancer without
+        session affinity; a session's next turn lands on another instance)."""
+        return self.insts[(r.session + r.turn) % len(self.insts)]
+
+    def step(self) -> Record:
+        d, v = self.demo, self.demo.verifier
+        while self.nxt < len(self.trace) and len(self.queued) < d.opts.queue_depth:  # arrivals
+            i, r = self.trace[self.nxt]
+            inst = self.route(r)
+            self.queued.append((i, r, inst, inst.arrive(r.tokens)))
+            self.nxt += 1
+        i, r, inst, q = self.queued.popleft()  # scheduled: the next arrives while it computes
+        rec = inst.prefill(q, hold=True)
+        try:
+            if self.cfg == "no_cache":
+                v.record(i, inst, rec, r.tokens)
+            else:
+                v.check(i, inst, rec, pages=i % d.opts.verify_every == 0)
+        finally:
+            inst.release(rec)
+        rec.logits, rec.l1_pages, rec.hashes = None, None, []
+        self.run.recs.append(rec)
+        d.tick(self.tick)
+        return rec
+
+    def finish(self) -> QueueRun:
+        v, run = self.demo.verifier, self.run
+        for inst in self.insts:
+            inst.flush()
+            st = inst.stats()
+            for k in ("d2h_bytes", "l3_put_bytes"):
+                run.stats[k] = run.stats.get(k, 0) + int(st.get(k, 0))  # type: ignore[call-overload]
+        v.resolve()
+        run.logits_identical = v.mismatched_logits == self.before[1] and v.compared > self.before[0]
+        run.wrong_pages = v.wrong_pages - self.before[2]
+        run.logits_compared = v.compared - self.before[0]
+        return run
+
+    def close(self) -> None:
+        for _, _, inst, q in self.queued:
+            if inst.cache is not None:
+                inst.cache.release(q.request_id)
+        self.queued.clear()
+        for inst in self.insts:
+            inst.close()
+        self.insts = []
+
+
+class Demo:
+    def __init__(
+        self,
+        opts: DemoOptions,
+        store: MooncakeStore,
+        metadata: NamespaceRegistry | None = None,
+        tick: Callable[[str], None] | None = None,
+    ) -> None:
+        self.opts, self.store, self.metadata = opts, store, metadata
+        self.tick = tick or (lambda _s: None)
+        self.model: RefModel | HFModel = (
+            HFModel(opts.model, opts.device) if isinstance(opts.model, HFConfig) else RefModel(opts.model, opts.device)
+        )
+        self.align = getattr(self.model, "align", opts.model.page_size)  # hits are used up to this (tokens)
+        self.run_id = uuid.uuid4().hex[:8]
+        self.verifier = Verifier()
+
+    def namespace(self, tag: str) -> Namespace:
+        spec = self.opts.model.kv_spec()
+        return Namespace.for_pool(spec, self.opts.l2_layout, self.opts.model.fingerprint, tenant=f"{self.run_id}-{tag}")
+
+    def instance(
+        self,
+        name: str,
+        cfg: str,
+        ns: Namespace | None = None,
+        *,
+        cache: CacheConfig = DEMO_CACHE,
+        l2_tokens: int = 0,
+        overlap: bool = True,
+        prefetch: bool = True,
+    ) -> PrefillInstance:
+        l1, l2 = self.opts.sizes()
+        l3 = L3Side(self.store, ns, self.metadata) if cfg == "l1_l2_l3" and ns is not None else None
+        return PrefillInstance(
+            name, self.model, l1_tokens=l1, l2_tokens=l2_tokens or l2, l2_layout=self.opts.l2_layout, l3=l3,
+            use_cache=cfg != "no_cache", cache=cache, overlap=overlap, prefetch=prefetch,
+        )  # fmt: skip
+
+    def drop(self, ns: Namespace) -> None:
+        """Remove a finished run's pages from the pool (the repeated runs would fill it)."""
+        try:
+            self.store.remove_prefix(ns.key_prefix, force=True)
+        except Exception as e:  # only memory: the next runs use their own namespaces
+            log.warning("could not remove the pages of %s: %s", ns.ns_id, e)
+
+    # -- phases ---------------------------------------------------------------------------------
+    def warmup(self, requests: list[Request]) -> None:
+        """Untimed: the shortest trace request and a short prompt through a no-cache and a full
+        instance (kernels, allocator, pool, L3 client), so no timed configuration pays for them."""
+        ns = self.namespace("warmup")
+        nc, ca = self.instance("warmup-nc", "no_cache"), self.instance("warmup", "l1_l2_l3", ns)
+        try:
+            short = np.arange(self.align * 2 + 1, dtype=np.int64) % self.opts.model.vocab
+            first = min(requests, key=lambda r: r.length).tokens
+            for toks in (short, first):
+                for inst in (nc, ca, nc, ca):
+                    inst.prefill(toks)
+                    inst.flush()
+        finally:
+            nc.close()
+            ca.close()
+            self.drop(ns)
+
+    def replay(self, requests: list[Request], cold: list[np.ndarray]) -> tuple[dict[str, list[QueueRun]], Any]:
+        """`rounds` rounds; in each, fresh instances of the three configurations replay the trace
+        request by request in a rotating configuration order (interleaved), then the never-hit
+        `cold` prompts the same way. The last round's L3 pages stay for the fit."""
+        trace = list(enumerate(requests))
+        runs: dict[str, list[QueueRun]] = {c: [] for c in CONFIGS}
+        colds: dict[str, list[list[Record]]] = {c: [] for c in CONFIGS}
+        for rnd in range(self.opts.rounds):
+            ns = self.namespace(f"trace-r{rnd}")
+            self.trace_ns = ns
+            qs = {c: QueueReplay(self, trace, c, ns if c == "l1_l2_l3" else None, tick=c) for c in CONFIGS}
+            try:
+                k = 0
+                while not all(q.done() for q in qs.values()):
+                    for j in range(len(CONFIGS)):
+                        q = qs[CONFIGS[(k + rnd + j) % len(CONFIGS)]]
+                        if not q.done():
+                            q.step()
+                    k += 1
+                for ci, toks in enumerate(cold):
+                    recs = {}
+                    for j in range(len(CONFIGS)):
+                        c = CONFIGS[(ci + rnd + j) % len(CONFIGS)]
+                        inst = qs[c].insts[0]
+                        recs[c] = inst.prefill(toks)
+                        inst.flush()  # untimed: backups do not run into the next configuration's timing
+                        if recs[c].hit_pages:
+                            raise RuntimeError("a cold request hit the cache: the miss-path measurement is invalid")
+                        self.tick("cold")
+                    for c in CONFIGS[1:]:
+                        self.verifier.compare(recs["no_cache"].logits, recs[c].logits)
+                    for c in CONFIGS:
+                        recs[c].logits = None
+                        colds[c].append([]) if ci == 0 else None
+                        colds[c][-1].append(recs[c])
+                for c in CONFIGS:
+                    runs[c].append(qs[c].finish())
+            finally:
+                for q in qs.values():
+                    q.close()
+            if rnd < self.opts.rounds - 1:
+                self.drop(ns)
+        return runs, colds
+
+    def run_queue(
+        self,
+        trace: list[tuple[int, Request]],
+        cfg: str,
+        ns: Namespace | None,
+        *,
+        tick: str,
+        cache: CacheConfig = DEMO_CACHE,
+        l2_tokens: int = 0,
+        overlap: bool = True,
+        prefetch: bool = True,
+    ) -> QueueRun:
+        """Replay `trace` ((index into the full trace, request) in arrival order) as a queue of
+        `queue_depth` requests on fresh instances, one configuration alone."""
+        q = QueueReplay(self, trace, cfg, ns, tick=tick, cache=cache, l2_tokens=l2_tokens, overlap=overlap,
+                        prefetch=prefetch)  # fmt: skip
+        try:
+            while not q.done():
+                q.step()
+            return q.finish()
+        finally:
+            q.close()
+
+    def _all_hit(self, toks: np.ndarray, ns: Namespace, tries: int) -> tuple[Record, float]:
+        """Prefill of `toks` on fresh instances (empty L1/L2: every used page from L3): the record
+        of the median try and the tries' half-range (s)."""
+        recs = []
+        for _ in range(tries):
+            P = self.opts.model.page_size  # the reader holds this prompt alone: a small L2
+            reader = self.instance("fit-reader", "l1_l2_l3", ns, l2_tokens=max(-(-toks.size // P) * P + P, 4 * P))
+            try:
+                recs.append(reader.prefill(toks))
+            finally:
+                reader.close()
+        recs.sort(key=lambda r: r.total_s)
+        return recs[len(recs) // 2], (recs[-1].total_s - recs[0].total_s) / 2
+
+    def short_prompts(self, tries: int) -> list[dict[str, Any]]:
+        """All-hit and no-cache times (medians of `tries`) of short prompts (1-16 alignment units
+        + 1 token), where the break-even lies: written to L3 by one instance, recomputed without
+        cache and read back on fresh instances, the tries interleaved; logits compared."""
+        A, mc = self.align, self.opts.workload.max_context
+        rng = np.random.default_rng(self.opts.workload.seed + 13)
+        ns = self.namespace("short")
+        writer = self.instance("short-writer", "l1_l2_l3", ns)
+        nc = self.instance("short-nc", "no_cache")
+        points = []
+        try:
+            ks = SHORT_PAGES if A == self.opts.model.page_size else SHORT_PAGES[:4]  # real models: 1-8 chunks
+            for k in [k for k in ks if k * A < mc]:
+                toks = rng.integers(0, self.opts.model.vocab, size=k * A + 1, dtype=np.int64)
+                writer.prefill(toks)
+                writer.flush()
+                refs, hits = [], []
+                for _ in range(tries):
+                    refs.append(nc.prefill(toks))
+                    hits.append(self._all_hit(toks, ns, 1)[0])
+                for r, h in zip(refs, hits, strict=True):
+                    self.verifier.compare(r.logits, h.logits)
+                ref_ms = [r.total_s * 1e3 for r in refs]
+                hit_ms = [h.total_s * 1e3 for h in hits]
+                points.append({
+                    "tokens": int(toks.size), "hit_pages": min(h.hit_l3 for h in hits),
+                    "all_hit_ms": float(np.median(hit_ms)), "all_hit_spread_ms": (max(hit_ms) - min(hit_ms)) / 2,
+                    "no_cache_ms": float(np.median(ref_ms)), "no_cache_spread_ms": (max(ref_ms) - min(ref_ms)) / 2,
+                })  # fmt: skip
+                self.tick("short")
+        finally:
+            writer.close()
+            nc.close()
+            self.drop(ns)
+        return points
+
+    def fit(self, requests: list[Any], no_cache: list[float]) -> dict[str, Any]:
+        """All-hit prefill time T(n) = a + b n and the break-even prompt length.
+
+        All-hit points: the short prompts, plus `fit_points` trace prompts of spread-out lengths
+        cut to whole alignment units + one token, on fresh instances (empty L1/L2): every used page
+        comes from L3, where the last round's l1_l2_l3 replay left it (median of `rounds` tries).
+        The no-cache line is fit over the short prompts and the trace's no-cache medians
+        (`no_cache`, ms per request). A negative intercept is never a result (timing.linear_fit).
+        The break-even length is where the measured no-cache and all-hit times of the short
+        prompts cross (interpolated; extrapolated to 0 from the two shortest when hits win
+        everywhere), not an extrapolation of the lines."""
+        A, P = self.align, self.opts.model.page_size
+        tries = max(3, self.opts.rounds) if self.opts.rounds > 1 else 1
+        short = self.short_prompts(tries)
+        order = sorted(range(len(requests)), key=lambda i: requests[i].length)
+        k = min(self.opts.fit_points, len(order))
+        picks = sorted({order[round(j * (len(order) - 1) / max(1, k - 1))] for j in range(k)})
+        points = list(short)
+        for i in picks:
+            toks = requests[i].tokens
+            toks = toks[: (toks.size - 1) // A * A + 1]
+            hit, spread = self._all_hit(toks, self.trace_ns, tries)
+            points.append({"tokens": int(toks.size), "hit_pages": hit.hit_l3, "all_hit_ms": hit.total_s * 1e3,
+                           "all_hit_spread_ms": spread * 1e3})  # fmt: skip
+            self.tick("fit")
+        line = timing.linear_fit([p["tokens"] for p in points], [p["all_hit_ms"] for p in points])
+        nx = [p["tokens"] for p in short] + [r.length for r in requests]
+        ny = [p["no_cache_ms"] for p in short] + list(no_cache)
+        nline = timing.linear_fit(nx, ny)
+        return {
+            **line,
+            "no_cache_a_ms": nline["a_ms"],
+            "no_cache_b_us_per_token": nline["b_us_per_token"],
+            "no_cache_intercept_clamped": nline["intercept_clamped"],
+            "break_even_tokens": break_even(short),
+            "all_hit": all(p["hit_pages"] == (p["tokens"] - 1) // A * A // P for p in points),
+            "tries": tries,
+            "points": [{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()} for p in points],
+        }
+
+    def interference(self, toks: np.ndarray) -> dict[str, Any]:
+        """The same no-cache forward pass alone and with concurrent L2 <-> L1 traffic (a host
+        buffer of one request's KV copied to and from the device on a side stream/thread, as the
+        cache's loads and backups do), `rounds` interleaved tries each; the copy bandwidth reached."""
+        from l3pool.demo.interference import measure
+
+        inst = self.instance("interference", "no_cache")
+        try:
+            return measure(inst, toks, max(3, self.opts.rounds))
+        finally:
+            inst.close()
