@@ -36,6 +36,7 @@ def test_miss_check_flags_bias_and_never_a_negative_headline() -> None:
     assert same["spread"][0] <= same["overhead"] <= same["spread"][1]
     faster = timing.miss_check([1.0, 1.01, 1.02], [0.7, 0.71, 0.69])  # the cache "speeds up" misses
     assert not faster["equal_within_spread"] and faster["overhead"] < 0
+    assert faster["headline"].startswith("none measured") and "-" not in faster["headline"]  # no negative headline
     slower = timing.miss_check([1.0, 1.0, 1.0], [1.5, 1.5, 1.5])  # a real miss-path cost: flagged
     assert not slower["equal_within_spread"] and slower["headline"] == "+33.3%"
     with pytest.raises(ValueError):
