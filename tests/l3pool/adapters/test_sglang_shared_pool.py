@@ -1,0 +1,205 @@
+"""TP-shared SGLang MLA host pool (l3pool.adapters.sglang_shared_pool).
+
+Spawned rank processes build SGLang's real `MLATokenToKVPoolHost` (sglang 0.5.23, CPU) and rebind
+it onto one /dev/shm segment; in-process tests cover the refusals with a stand-in host pool. Every
+test with a group name checks that no segment is left behind, also after SIGKILL.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage",
+    reason="sglang is not installed (scripts/env.sh: pip install --no-deps sglang==0.5.23 + the [sglang] extra)",
+)
+
+from l2core.shm_segment import SegmentError, TPGroup, segment_path
+from l2core.spec import ConfigError
+from l3pool.adapters.sglang_shared_pool import SharedHostPool, check_sglang_modes, share_host_pool
+
+from . import sglang_shared_ranks
+
+CTX = mp.get_context("spawn")
+_PROCS: list[Any] = []
+
+
+@pytest.fixture
+def group() -> Iterator[str]:
+    name = f"t-sg-{uuid.uuid4().hex[:10]}"
+    yield name
+    while _PROCS:  # a failed test's ranks: killed, so the janitor cleans up
+        p = _PROCS.pop()
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    path = segment_path(name)
+    leaked = not _gone(path)
+    if leaked:
+        path.unlink()
+    assert not leaked, f"segment {path} leaked"
+
+
+def _gone(path: Path, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not path.exists()
+
+
+def _start(scenario: str, name: str, size: int, arg: Any = None) -> tuple[Any, dict[int, Any]]:
+    q = CTX.Queue()
+    procs = {}
+    for r in range(size):
+        p = CTX.Process(target=sglang_shared_ranks.main, args=(scenario, name, r, size, q, arg), daemon=True)
+        p.start()
+        procs[r] = p
+        _PROCS.append(p)
+    return q, procs
+
+
+def _collect(q: Any, want: int, timeout: float = 180.0) -> dict[tuple[int, str], Any]:
+    got: dict[tuple[int, str], Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < want:
+        left = deadline - time.monotonic()
+        assert left > 0, f"ranks reported only {sorted(got)} of {want} events in {timeout} s"
+        r, ev, val = q.get(timeout=left)
+        assert ev != "error", f"rank {r}: {val}"
+        got[(r, ev)] = val
+    return got
+
+
+def _join(procs: dict[int, Any], timeout: float = 30.0) -> None:
+    for p in procs.values():
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
+def test_rank0_writes_every_rank_reads_identical_bytes(group: str, layout: str) -> None:
+    barrier = CTX.Barrier(3)  # referenced until the ranks are done (start() drops the args)
+    q, procs = _start("roundtrip", group, 3, arg=(layout, barrier))
+    got = _collect(q, 3)
+    _join(procs)
+    del barrier
+    results = [got[(r, "result")] for r in range(3)]
+    for r, (mapped, pages, same, not_own, copied, digest, checks, skipped) in enumerate(results):
+        assert mapped, f"rank {r}: SGLang's kv_buffer is not the segment's mapping"
+        assert pages == results[0][1]  # SGLang's allocator: the same slots on every rank
+        assert same, f"rank {r} does not read rank 0's bytes"
+        assert not_own  # and not bytes of its own (ranks > 0 never wrote)
+        assert digest == results[0][5] and checks == 2  # alloc + free, compared across ranks
+        assert copied == ("ran: NameError" if r == 0 else "skipped")  # only rank 0 runs SGLang's D2H
+        assert skipped == (0 if r == 0 else 1)
+    assert all(p.exitcode == 0 for p in procs.values())
+
+
+def test_diverged_allocator_is_caught(group: str) -> None:
+    barrier = CTX.Barrier(3)
+    q, procs = _start("diverge", group, 3, arg=barrier)
+    got = _collect(q, 3)
+    _join(procs)
+    del barrier
+    assert got[(0, "result")] == got[(1, "result")] == "ok"
+    msg = got[(2, "result")]
+    assert msg.startswith("diverged: ") and "step 2" in msg and "rank 0" in msg and "\n" not in msg
+
+
+def test_sigkilled_ranks_leave_no_segment(group: str) -> None:
+    q, procs = _start("hang", group, 3)
+    got = _collect(q, 3)
+    path = segment_path(group)
+    assert path.exists() and got[(2, "attached")] == procs[2].pid
+    os.kill(procs[1].pid, signal.SIGKILL)  # a rank > 0 dies
+    procs[1].join(10)
+    assert path.exists()  # ranks 0 and 2 still map it
+    for r in (0, 2):
+        os.kill(procs[r].pid, signal.SIGKILL)
+    _join(procs)
+    assert _gone(path), "the janitor did not remove the segment after every rank was killed"
+
+
+# -- refusals, in process, with a stand-in for SGLang's host pool -------------------------------------
+class _Host:
+    """What SharedHostPool uses of SGLang's host pool: an mmap'd kv_buffer (as alloc_mmap gives),
+    page geometry, its RLock, alloc/free and the backup method."""
+
+    def __init__(self, pages: int = 8, page: int = 4, dim: int = 64, layout: str = "page_first_direct") -> None:
+        n = pages * page * dim * 2
+        self._mm = mmap.mmap(-1, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)
+        self.kv_buffer = torch.frombuffer(self._mm, dtype=torch.bfloat16, count=n // 2)
+        self.layout, self.page_num, self.page_size, self.size = layout, pages, page, pages * page
+        self.pin_memory, self.lock = False, threading.RLock()
+        self.next = 0
+
+    def alloc(self, n: int) -> torch.Tensor:
+        self.next += n
+        return torch.arange(self.next - n, self.next)
+
+    def free(self, idx: torch.Tensor) -> int:
+        return int(idx.numel())
+
+    def backup_from_device_all_layer(self, *a: Any) -> str:
+        return "copied"
+
+
+def test_size_mismatch_between_ranks_is_one_clear_error(group: str) -> None:
+    h0, h1 = _Host(pages=8), _Host(pages=16)
+    s0 = share_host_pool(h0, TPGroup(group, 0, 2))
+    try:
+        with pytest.raises(SegmentError, match="the ranks' configs differ") as e:
+            share_host_pool(h1, TPGroup(group, 1, 2, open_timeout_s=2))
+        assert "\n" not in str(e.value)
+        s1 = share_host_pool(_Host(pages=8), TPGroup(group, 1, 2, open_timeout_s=2))
+        h0.kv_buffer.fill_(3.0)  # the second rank's buffer sees rank 0's stores
+        assert bool((s1.host.kv_buffer == 3.0).all())
+        assert s1.host.backup_from_device_all_layer() is None and h0.backup_from_device_all_layer() == "copied"
+        s1.close()
+    finally:
+        s0.close()
+    assert _gone(segment_path(group), 2.0)
+
+
+def test_rank_without_rank0_times_out_clearly(group: str) -> None:
+    with pytest.raises(SegmentError, match=f"TP group '{group}' rank 1: no ready segment .* within 0.3 s"):
+        share_host_pool(_Host(), TPGroup(group, 1, 2, open_timeout_s=0.3))
+
+
+def test_bad_config_is_refused(group: str) -> None:
+    with pytest.raises(ConfigError, match="TPGroup"):
+        share_host_pool(_Host(), "inst-7")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="tp_rank must be in"):
+        TPGroup(group, 2, 2)
+    h = _Host()
+    h.kv_buffer = h.kv_buffer[1:]  # not on a page boundary
+    with pytest.raises(ConfigError, match="does not start on a page"):
+        share_host_pool(h, TPGroup(group, 0, 1))
+    with pytest.raises(ConfigError, match="layouts"):
+        share_host_pool(_Host(layout="page_head"), TPGroup(group, 0, 1))
+    with pytest.raises(ConfigError, match="write_through"):
+        check_sglang_modes("write_back", "cache")
+    with pytest.raises(ConfigError, match="host-memory-mode"):
+        check_sglang_modes("write_through", "buffer_only")
+    check_sglang_modes("write_through_selective", "cache")
+    check_sglang_modes(None, None)  # outside a server: nothing to check
+    s = share_host_pool(_Host(), TPGroup(group, 0, 1))
+    try:
+        with pytest.raises(ConfigError, match="already TP-shared"):
+            SharedHostPool(s.host, TPGroup(group, 0, 1))
+    finally:
+        s.close()
