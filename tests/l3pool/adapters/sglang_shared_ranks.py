@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib.abc
 import importlib.machinery
+import os
 import pickle
 import sys
 import time
@@ -93,67 +94,59 @@ def main(scenario: str, name: str, rank: int, size: int, q: Any, arg: Any = None
         q.put((rank, "error", f"{type(e).__name__}: {e}"))
 
 
+LAYOUTS = ("page_first_direct", "layer_first", "page_first")
+
+
 def roundtrip(g: TPGroup, q: Any, arg: Any) -> None:
-    """Rank 0 writes pages through SGLang's own set_from_flat_data_page; every rank reads them
-    back through SGLang's get_data_page and reports their hashes."""
-    from l3pool.adapters.sglang_shared_pool import share_host_pool
-
-    layout, barrier = arg
-    host = build_host(layout)
-    ptr = host.kv_buffer.data_ptr()
-    shared = share_host_pool(host, g)
-    assert host.kv_buffer.data_ptr() == ptr and host.data_refs[0].data_ptr() >= ptr
-    maps = open("/proc/self/maps").read()
-    mapped = any(line.startswith(f"{ptr:x}-") and shared.segment.path.name in line for line in maps.splitlines())
-    idx = host.alloc(3 * PAGE)  # every rank, same call: same slots
-    pages = [int(i) for i in idx[::PAGE]]
-    if g.rank == 0:
-        for k, i in enumerate(pages):
-            host.set_from_flat_data_page(i, page_data(host, 100 + k))
-    barrier.wait(60)
-    read = [sha(host.get_data_page(i)) for i in pages]
-    want = [sha(page_data(host, 100 + k)) for k in range(len(pages))]
-    own = [sha(page_data(host, 100 + k + 1000 * g.rank)) for k in range(len(pages))]
-    try:  # SGLang's CPU build has no copy kernel: rank 0 reaches it (NameError), the others skip it
-        host.backup_from_device_all_layer(None, idx, torch.arange(3 * PAGE), "direct")
-        copied = "skipped"
-    except (NameError, ValueError) as e:
-        copied = f"ran: {type(e).__name__}"
-    host.free(idx)
-    barrier.wait(60)
-    q.put((g.rank, "result", (mapped, pages, read == want, read != own or g.rank == 0, copied, shared.digest(),
-                              shared.checks, shared.skipped_backups)))  # fmt: skip
-    barrier.wait(60)
-    shared.close()
-
-
-def diverge(g: TPGroup, q: Any, arg: Any) -> None:
-    """Identical first allocation; then the last rank asks for a different size: it must raise."""
+    """Per layout (group `<name><i>`): rank 0 writes pages through SGLang's own
+    set_from_flat_data_page; every rank reads them back through SGLang's get_data_page and reports
+    their hashes. Then, on the last pool, the last rank allocates differently: it must raise."""
     from l3pool.adapters.sglang_shared_pool import share_host_pool
 
     barrier = arg
-    host = build_host("page_first_direct")
-    shared = share_host_pool(host, g)
-    host.alloc(2 * PAGE)
-    barrier.wait(60)
+    out = []
+    for i, layout in enumerate(LAYOUTS):
+        host = build_host(layout)
+        ptr = host.kv_buffer.data_ptr()
+        shared = share_host_pool(host, TPGroup(f"{g.name}{i}", g.rank, g.size, open_timeout_s=60.0))
+        assert host.kv_buffer.data_ptr() == ptr  # rebound in place: SGLang's views stay valid
+        path = shared.segment.path.name
+        mapped = any(ln.startswith(f"{ptr:x}-") and path in ln for ln in open("/proc/self/maps").read().splitlines())
+        idx = host.alloc(3 * PAGE)  # every rank, same call: same slots
+        pages = [int(i) for i in idx[::PAGE]]
+        if g.rank == 0:
+            for k, p in enumerate(pages):
+                host.set_from_flat_data_page(p, page_data(host, 100 + k))
+        barrier.wait(60)
+        read = [sha(host.get_data_page(p)) for p in pages]
+        want = [sha(page_data(host, 100 + k)) for k in range(len(pages))]
+        try:  # SGLang's CPU build has no copy kernel: rank 0 reaches it (NameError), the others skip
+            host.backup_from_device_all_layer(None, idx, torch.arange(3 * PAGE), "direct")
+            copied = "skipped"
+        except (NameError, ValueError) as e:
+            copied = f"ran: {type(e).__name__}"
+        host.free(idx)
+        out.append((mapped, pages, read == want, copied, shared.digest(), shared.checks, shared.skipped_backups))
+        barrier.wait(60)
+        if i < len(LAYOUTS) - 1:
+            shared.close()
+    # the SPMD check: identical so far; now every rank but the last allocates one page, the last three
+    outcome = "ok"
     if g.rank < g.size - 1:
         host.alloc(PAGE)
     barrier.wait(60)
-    outcome = "ok"
     if g.rank == g.size - 1:
         try:
             host.alloc(3 * PAGE)
         except Divergence as e:
             outcome = f"diverged: {e}"
-    q.put((g.rank, "result", outcome))
+    q.put((g.rank, "result", (out, outcome)))
     barrier.wait(60)
     shared.close()
 
 
 def hang(g: TPGroup, q: Any, arg: Any) -> None:
     """Share, report, then wait to be killed."""
-    import os
-
     from l3pool.adapters.sglang_shared_pool import share_host_pool
 
     host = build_host("page_first_direct")
@@ -162,4 +155,4 @@ def hang(g: TPGroup, q: Any, arg: Any) -> None:
     time.sleep(600)
 
 
-SCENARIOS = {"roundtrip": roundtrip, "diverge": diverge, "hang": hang}
+SCENARIOS = {"roundtrip": roundtrip, "hang": hang}

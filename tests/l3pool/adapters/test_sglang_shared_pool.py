@@ -90,46 +90,41 @@ def _join(procs: dict[int, Any], timeout: float = 30.0) -> None:
             p.join(5)
 
 
-@pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
-def test_rank0_writes_every_rank_reads_identical_bytes(group: str, layout: str) -> None:
+def test_rank0_writes_every_rank_reads_identical_bytes(group: str) -> None:
     barrier = CTX.Barrier(3)  # referenced until the ranks are done (start() drops the args)
-    q, procs = _start("roundtrip", group, 3, arg=(layout, barrier))
+    q, procs = _start("roundtrip", group, 3, arg=barrier)
     got = _collect(q, 3)
     _join(procs)
     del barrier
-    results = [got[(r, "result")] for r in range(3)]
-    for r, (mapped, pages, same, not_own, copied, digest, checks, skipped) in enumerate(results):
-        assert mapped, f"rank {r}: SGLang's kv_buffer is not the segment's mapping"
-        assert pages == results[0][1]  # SGLang's allocator: the same slots on every rank
-        assert same, f"rank {r} does not read rank 0's bytes"
-        assert not_own  # and not bytes of its own (ranks > 0 never wrote)
-        assert digest == results[0][5] and checks == 2  # alloc + free, compared across ranks
-        assert copied == ("ran: NameError" if r == 0 else "skipped")  # only rank 0 runs SGLang's D2H
-        assert skipped == (0 if r == 0 else 1)
+    results = [got[(r, "result")][0] for r in range(3)]
+    for i, layout in enumerate(sglang_shared_ranks.LAYOUTS):
+        first = results[0][i]
+        for r in range(3):
+            mapped, pages, same, copied, digest, checks, skipped = results[r][i]
+            assert mapped, f"{layout} rank {r}: SGLang's kv_buffer is not the segment's mapping"
+            assert pages == first[1]  # SGLang's allocator: the same slots on every rank
+            assert same, f"{layout} rank {r} does not read rank 0's bytes"
+            assert digest == first[4] and checks == 2  # alloc + free, compared across ranks
+            # only rank 0 runs SGLang's D2H (its CPU build stops at the missing CUDA kernel)
+            assert copied.startswith("ran: ") if r == 0 else copied == "skipped", (layout, r, copied)
+            assert skipped == (0 if r == 0 else 1)
+        assert _gone(segment_path(f"{group}{i}"))
+    # the SPMD check: the last rank's different allocation is caught there, in one line
+    assert got[(0, "result")][1] == got[(1, "result")][1] == "ok"
+    msg = got[(2, "result")][1]
+    assert msg.startswith("diverged: ") and "step 3" in msg and "rank 0" in msg and "\n" not in msg
     assert all(p.exitcode == 0 for p in procs.values())
 
 
-def test_diverged_allocator_is_caught(group: str) -> None:
-    barrier = CTX.Barrier(3)
-    q, procs = _start("diverge", group, 3, arg=barrier)
-    got = _collect(q, 3)
-    _join(procs)
-    del barrier
-    assert got[(0, "result")] == got[(1, "result")] == "ok"
-    msg = got[(2, "result")]
-    assert msg.startswith("diverged: ") and "step 2" in msg and "rank 0" in msg and "\n" not in msg
-
-
 def test_sigkilled_ranks_leave_no_segment(group: str) -> None:
-    q, procs = _start("hang", group, 3)
-    got = _collect(q, 3)
+    q, procs = _start("hang", group, 2)
+    got = _collect(q, 2)
     path = segment_path(group)
-    assert path.exists() and got[(2, "attached")] == procs[2].pid
+    assert path.exists() and got[(1, "attached")] == procs[1].pid
     os.kill(procs[1].pid, signal.SIGKILL)  # a rank > 0 dies
     procs[1].join(10)
-    assert path.exists()  # ranks 0 and 2 still map it
-    for r in (0, 2):
-        os.kill(procs[r].pid, signal.SIGKILL)
+    assert path.exists()  # rank 0 still maps it
+    os.kill(procs[0].pid, signal.SIGKILL)
     _join(procs)
     assert _gone(path), "the janitor did not remove the segment after every rank was killed"
 
