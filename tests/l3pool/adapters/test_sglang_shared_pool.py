@@ -31,8 +31,11 @@ from l2core.spec import ConfigError
 from l3pool.adapters.sglang_shared_pool import SharedHostPool, check_sglang_modes, share_host_pool
 
 from . import sglang_shared_ranks
+from . import test_sglang_hicache as _base
+from .test_sglang_hicache import FakeMLAHostPool, extra_config, hexkeys, slots
 
 CTX = mp.get_context("spawn")
+donor, adapters = _base.donor, _base.adapters  # the backend tests' cluster and adapter fixtures
 _PROCS: list[Any] = []
 
 
@@ -198,3 +201,73 @@ def test_bad_config_is_refused(group: str) -> None:
             SharedHostPool(s.host, TPGroup(group, 0, 1))
     finally:
         s.close()
+
+
+# -- through the backend: L3PoolStorage with "tp_shared" (a real etcd + master + donor) -------------
+
+
+class _MmapMLAHostPool(FakeMLAHostPool):
+    """The MLA fake of test_sglang_hicache (SGLang's own page methods) with what SGLang's real pool
+    has and SharedHostPool uses: an mmap'd (page-aligned) kv_buffer, the RLock, alloc/free, backup."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__(layout)
+        n = self.kv_buffer.numel() * self.kv_buffer.element_size()
+        self._mm = mmap.mmap(-1, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)
+        buf = torch.frombuffer(self._mm, dtype=self.dtype, count=self.kv_buffer.numel()).view(self.kv_buffer.shape)
+        self.kv_buffer = buf
+        self.pin_memory, self.lock, self.backups = False, threading.RLock(), 0
+
+    def alloc(self, n: int) -> torch.Tensor:
+        return torch.arange(n)
+
+    def free(self, idx: torch.Tensor) -> int:
+        return int(idx.numel())
+
+    def backup_from_device_all_layer(self, *a: Any) -> None:
+        self.backups += 1
+
+
+def test_backend_shares_the_host_pool_and_reads_l3_on_rank0_only(
+    donor: Any, adapters: Any, group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    extra = extra_config(donor, tp_shared=True, tp_group=group)
+    h0, h1 = _MmapMLAHostPool("page_first_direct"), _MmapMLAHostPool("page_first_direct")
+    r0 = adapters(dict(extra), h0, mla=True, tp=(0, 2))
+    r1 = adapters(dict(extra), h1, mla=True, tp=(1, 2))
+    shared = segment_path(f"{group}-pp0")
+    assert r0.shared is not None and r1.shared is not None and shared.exists()
+    g = torch.Generator().manual_seed(3)
+    raw = h0.kv_buffer.view(-1).view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8, generator=g))  # rank 0's D2H
+    assert h1.page_bytes(2) == h0.page_bytes(2)  # one copy: rank 1 sees rank 0's bytes
+    h0.backup_from_device_all_layer()
+    h1.backup_from_device_all_layer()
+    assert (h0.backups, h1.backups) == (1, 0)  # rank 1 never copies
+    keys = hexkeys(4)
+    assert r0.batch_set_v1(keys, slots(range(4))) == [True] * 4
+    before = r1.client_stats()
+    missing = hexkeys(3)
+    assert (r0.batch_exists(missing), r1.batch_exists(missing)) == (0, 3)  # rank 1 defers to SGLang's MIN
+    want = [h0.page_bytes(i) for i in range(4)]
+    raw[:] = 0
+    marker = h0.page_bytes(12)
+    assert r1.batch_get_v1(keys, slots(range(12, 16))) == [True] * 4
+    assert [h1.page_bytes(12 + i) for i in range(4)] == [marker] * 4  # rank 1 wrote nothing
+    assert r0.batch_get_v1(keys, slots(range(8, 12))) == [True] * 4
+    assert [h1.page_bytes(8 + i) for i in range(4)] == want  # rank 0's L3 read, seen by rank 1
+    assert r1.client_stats() == before and r1.stats.shared_skipped == 7  # no L3 call on rank 1
+    r1.close()
+    r0.close()
+    assert _gone(shared, 5.0)
+
+
+def test_backend_refuses_write_back_before_sharing(
+    donor: Any, adapters: Any, group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from l3pool.adapters import sglang_hicache
+
+    monkeypatch.setattr(sglang_hicache, "_sglang_hicache_modes", lambda: ("write_back", "cache"))
+    with pytest.raises(ConfigError, match="write_through"):
+        adapters(extra_config(donor, tp_shared=True, tp_group=group), _MmapMLAHostPool("page_first"), mla=True)
+    assert not segment_path(f"{group}-pp0").exists()
