@@ -108,7 +108,10 @@ class L3PoolStorage(HiCacheStorage):
         self.is_writer = bool(cfg.is_storage_writer)
         # MLA + tp_shared: the TP group's one host copy (l2core.shm); validated here, before any
         # connection. Only the storage writer rank writes L3 (below); rank 0 alone fills the copy.
-        self.tp_group = self.config.tp_shared_group(cfg.tp_rank, cfg.tp_size, cfg.pp_rank, bool(cfg.is_mla_model))
+        self.tp_group = self.config.tp_shared_group(
+            cfg.tp_rank, cfg.tp_size, cfg.pp_rank, bool(cfg.is_mla_model), pp_size=cfg.pp_size,
+            dp_rank=getattr(cfg, "dp_rank", 0),
+        )  # fmt: skip
         self.shared: Any = None  # the SharedHostPool once registered (tp_shared)
         # tp_shared ranks > 0 neither read L3 nor copy: rank 0 fills the one host copy, and SGLang's
         # MIN all-reduce over the ranks' answers makes rank 0's the group's (sglang_shared_pool).

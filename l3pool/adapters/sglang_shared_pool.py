@@ -238,5 +238,14 @@ class SharedHostPool:
 
 def share_host_pool(host: Any, group: TPGroup, *, janitor: bool = True, check_every: int = 1) -> SharedHostPool:
     """Rebind `host` (an SGLang MLA host pool) onto the TP group's shared segment; every rank of
-    the group calls it with the same group name and size (rank 0 first or concurrently)."""
+    the group calls it with the same group name and size (rank 0 first or concurrently). A host
+    pool shared before (a storage backend detached and attached again) keeps its binding: it is
+    returned as it is when the group is the same, refused when it differs."""
+    old: SharedHostPool | None = getattr(host, _MARK, None)
+    if old is not None:
+        if old.group != group:
+            raise ConfigError(
+                f"this SGLang host pool is already shared by TP group {old.group.name!r}, not {group.name!r}"
+            )
+        return old
     return SharedHostPool(host, group, janitor=janitor, check_every=check_every)

@@ -199,6 +199,9 @@ def test_bad_config_is_refused(group: str) -> None:
     try:
         with pytest.raises(ConfigError, match="already TP-shared"):
             SharedHostPool(s.host, TPGroup(group, 0, 1))
+        assert share_host_pool(s.host, TPGroup(group, 0, 1)) is s  # a backend attached again keeps it
+        with pytest.raises(ConfigError, match="already shared by TP group"):
+            share_host_pool(s.host, TPGroup(group + "x", 0, 1))
     finally:
         s.close()
 
