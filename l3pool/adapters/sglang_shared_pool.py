@@ -54,6 +54,7 @@ import ctypes
 import hashlib
 import logging
 import mmap
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -80,6 +81,8 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.memset.restype = ctypes.c_void_p
 _libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FIXED = 0x10
 
 
@@ -120,6 +123,11 @@ class SharedHostPool:
             raise ConfigError(f"tp_shared supports the host layouts {LAYOUTS}, got {getattr(host, 'layout', None)!r}")
         if torch.version.hip is not None:
             raise ConfigError("tp_shared is not supported on ROCm (host pools there may be hipHostMalloc memory)")
+        if os.environ.get("SGLANG_HUGEPAGE_SIZE", "").strip():
+            raise ConfigError(
+                "tp_shared cannot rebind a hugetlbfs host pool: unset SGLANG_HUGEPAGE_SIZE (the shared copy asks "
+                "for transparent huge pages itself)"
+            )
         self.ptr = buf.data_ptr()
         if self.ptr % mmap.PAGESIZE:
             raise ConfigError(f"the host kv_buffer at 0x{self.ptr:x} does not start on a page: it cannot be rebound")
@@ -174,6 +182,8 @@ class SharedHostPool:
         if got != self.ptr:
             err = ctypes.get_errno()
             raise OSError(err, f"mmap(MAP_FIXED) of the TP-shared segment over the host buffer failed (errno {err})")
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # THP on tmpfs: needs shmem_enabled = advise (l2core README)
+            _libc.madvise(self.ptr, self.length, mmap.MADV_HUGEPAGE)
         if self.writer:
             self._place()
             _libc.memset(self.ptr, 0, self.length)  # fault the file's pages in under the placement

@@ -178,7 +178,7 @@ def test_rank_without_rank0_times_out_clearly(group: str) -> None:
         share_host_pool(_Host(), TPGroup(group, 1, 2, open_timeout_s=0.3))
 
 
-def test_bad_config_is_refused(group: str) -> None:
+def test_bad_config_is_refused(group: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="TPGroup"):
         share_host_pool(_Host(), "inst-7")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="tp_rank must be in"):
@@ -189,6 +189,10 @@ def test_bad_config_is_refused(group: str) -> None:
         share_host_pool(h, TPGroup(group, 0, 1))
     with pytest.raises(ConfigError, match="layouts"):
         share_host_pool(_Host(layout="page_head"), TPGroup(group, 0, 1))
+    with monkeypatch.context() as m:
+        m.setenv("SGLANG_HUGEPAGE_SIZE", "2MB")
+        with pytest.raises(ConfigError, match="unset SGLANG_HUGEPAGE_SIZE"):
+            share_host_pool(_Host(), TPGroup(group, 0, 1))
     with pytest.raises(ConfigError, match="write_through"):
         check_sglang_modes("write_back", "cache")
     with pytest.raises(ConfigError, match="host-memory-mode"):
