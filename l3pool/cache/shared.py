@@ -18,9 +18,16 @@ same arguments, same order on every rank: the TP ranks run one scheduler), never
 counts) and the page generations in the shared segment and raises `Divergence` when another
 rank's digest for the same step differs. Call it at the same point of every step.
 
-Not supported yet (ConfigError): an L3 tier and PP stage locks (the prefetcher allocates L2
-pages on its own thread at times that differ per rank, and L3 writes would read pages before
-rank 0's copy completed).
+Not supported yet (ConfigError `L3_REFUSED`): an L3 tier and PP stage locks. The prefetcher
+allocates L2 pages on its own thread and `load()` keeps whatever prefix had arrived when it
+interrupts the prefetch: both depend on timing, so the ranks' L2 allocators and indexes would
+split; every rank would also get the same objects into the shared pages, and the L3 writer could
+read a page before rank 0's copy completed. What it would take (what SGLang's HiCache does, see
+l3pool.adapters.sglang_shared_pool): L2 pages for a prefetch allocated on the calling thread at
+`prefetch()`, the same on every rank; rank 0 alone getting from L3 and publishing the number of
+pages that arrived (the segment's generations); the other ranks' `load()` waiting for that
+number instead of cutting the prefetch themselves — a cross-rank handshake this controller has
+no channel for yet besides the segment.
 """
 
 from __future__ import annotations
@@ -41,6 +48,13 @@ from l3pool.cache.types import L1
 from l3pool.pool.client import L3Client
 from l3pool.pool.pplock import StageLocks
 
+# One home for the refusal (stack.build refuses first, the class again when built by hand).
+L3_REFUSED = (
+    "tp_shared works with L1 + L2 only: with an L3 tier (or PP stage locks) each rank's prefetcher would "
+    "allocate L2 pages and cut prefetches on its own thread, at times that differ per rank, and every rank "
+    'would write the shared pages from L3 (l3pool/README.md, "TP-shared L2")'
+)
+
 
 class SharedTieredCache(TieredCache):
     _tp_shared = True
@@ -60,7 +74,7 @@ class SharedTieredCache(TieredCache):
                 f"{cfg.tp_group!r} rank {cfg.tp_rank}/{cfg.tp_size}"
             )
         if l3 is not None or locks is not None:
-            raise ConfigError("tp_shared supports L1 + L2 only for now (no L3 tier, no PP stage locks)")
+            raise ConfigError(L3_REFUSED)
         super().__init__(cfg, l1, l2, l3, locks)
         self._engine.close()  # the base engine copies on every rank: replaced by the shared one
         self._engine: SharedTransferEngine = SharedTransferEngine(  # type: ignore[assignment]

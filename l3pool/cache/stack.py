@@ -26,7 +26,7 @@ from l2core.shm_segment import TPGroup
 from l2core.spec import ConfigError, KVSpec
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.controller import TieredCache
-from l3pool.cache.shared import SharedTieredCache
+from l3pool.cache.shared import L3_REFUSED, SharedTieredCache
 from l3pool.cache.types import L1
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace
@@ -98,7 +98,7 @@ def build(
                 "the writer's parallel puts would wait for each other's buffer slots"
             )
     if cfg.tp_shared and (store is not None or locks is not None):
-        raise ConfigError("tp_shared supports L1 + L2 only for now (no L3 tier, no PP stage locks)")
+        raise ConfigError(L3_REFUSED)
     shared = TPGroup(cfg.tp_group, cfg.tp_rank, cfg.tp_size) if cfg.tp_shared else None
     pool = HostKVPool(L2Config(kv=spec, layout=l2_layout, tokens=l2_tokens, pin=pin, shared=shared))  # type: ignore[arg-type]
     l3: L3Client | None = None
