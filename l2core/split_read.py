@@ -249,6 +249,8 @@ class SplitRead:
 
     def bind(self, layout: HostLayout, device: torch.device, provider: DeviceProvider) -> None:
         """Checked once by the engine: MLA only; makes the communication stream."""
+        if self.layout is not None:
+            raise ConfigError("this SplitRead already serves an engine: one reader (and group) per engine")
         if layout.spec.attention != "mla":
             raise ConfigError(
                 "split reads are for MLA (every TP rank needs the same latent pages); this pool's KV spec is "
@@ -295,6 +297,11 @@ class SplitRead:
         layout = self._spec_layout()
         spec, dev = layout.spec, bufs[0].device
         n, tp, r = int(pages.numel()), self.tp_size, self.rank
+        # before any collective (the same slots on every rank: every rank fails here alike); the
+        # scatter's index_copy_ must never see a bad row (on CUDA a device-side assert)
+        lo, hi = (int(v) for v in torch.aminmax(slots))
+        if lo < 0 or hi >= bufs[0].shape[0]:
+            raise IndexError(f"device slot out of range [0, {bufs[0].shape[0]}): min {lo}, max {hi}")
         b = self.bounds()
         plans = [byte_pieces(int(b[k]), int(b[k + 1]), spec.item_bytes) for k in range(tp)]
         chunk = n * int(np.diff(b).max()) + 1  # + the status byte

@@ -9,6 +9,9 @@ Lifecycle:
     eng.wait([jid]) / eng.pop_finished()      # JobResult per job (ok, error, bytes, seconds)
     eng.close()                               # drains queued jobs, stops the threads
 
+With `split=SplitRead(group)` (MLA, TP ranks; l2core.split_read) a load copies only this rank's
+byte slice of every page and an all-gather per layer completes it; `wait_layer` waits for both.
+
 Each thread owns a stream of the device's provider (`l2core.devices`; CUDA: a CUDA stream; on
 CPU the copies are synchronous in the thread). A job that
 fails (bad slots, CUDA error, ...) completes with ok=False and its error text, the failure is

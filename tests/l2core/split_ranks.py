@@ -111,6 +111,12 @@ def matrix(pg: Any, rank: int, size: int, q: Any, arg: Any) -> None:
             ref = reference(pool, slots, pages, num_slots)
             rows.append(((layout, ps), got == want, want == ref, hashlib.sha256(b"".join(got)).hexdigest(),
                          split.split_jobs))  # fmt: skip
+            if (layout, ps) == (LAYOUTS[0], page_sizes[0]):  # a bad slot: every rank fails before any gather
+                bad = slots.clone()
+                bad[-1] = num_slots
+                with TransferEngine(pool, split_b, split=SplitRead(pg, min_rank_bytes=0, into_tensor=into_tensor)) as s:
+                    rb = load(s, bad, pages)
+                rows.append((("bad slot", ps), not rb.ok and "device slot out of range" in str(rb.error), True, "", 1))
             pool.close()
     q.put((rank, "matrix", rows))
 

@@ -137,7 +137,7 @@ def test_split_reads_are_bit_identical_to_whole_pages(tmp_path: Path, size: int)
     digests = {}
     for r in range(size):
         rows = got[(r, "matrix")]
-        assert len(rows) == 3 * len(page_sizes)
+        assert len(rows) == 3 * len(page_sizes) + 1 and [c[0] for c, *_ in rows].count("bad slot") == 1
         for case, same, whole_ok, digest, split_jobs in rows:
             assert whole_ok, f"rank {r} {case}: whole-page read differs from the reference"
             assert same, f"rank {r} {case}: split read differs from the whole-page read"
@@ -150,6 +150,16 @@ def test_list_all_gather_fallback_gives_the_same_bytes(tmp_path: Path) -> None:
     got, _ = _run(tmp_path, "matrix", 2, ([3], False), {"matrix": 2, "done": 2})
     for r in range(2):
         assert all(same and ok and n == 1 for _, same, ok, _, n in got[(r, "matrix")])
+
+
+def test_one_reader_per_engine() -> None:
+    spec = split_ranks.spec_of(4)
+    pool = HostKVPool(L2Config(kv=spec, tokens=64, pin="never"))
+    split = SplitRead(tp_size=1)
+    bufs = split_ranks.poisoned(spec, 64)
+    with TransferEngine(pool, bufs, split=split), pytest.raises(ConfigError, match="one reader"):
+        TransferEngine(pool, bufs, split=split)
+    pool.close()
 
 
 @pytest.mark.parametrize("who", [0, 1])
