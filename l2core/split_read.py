@@ -195,6 +195,7 @@ def all_gather_bytes(
 
 
 # -- the reader ------------------------------------------------------------------------------------
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 Publish = Callable[[int, Any], None]  # (layer, event or None): the layer may be read after event
 
 
@@ -304,7 +305,7 @@ class SplitRead:
             raise IndexError(f"device slot out of range [0, {bufs[0].shape[0]}): min {lo}, max {hi}")
         b = self.bounds()
         plans = [byte_pieces(int(b[k]), int(b[k + 1]), spec.item_bytes) for k in range(tp)]
-        chunk = n * int(np.diff(b).max()) + 1  # + the status byte
+        chunk = -(-(n * int(np.diff(b).max()) + 1) // 16) * 16  # + the status byte, 16-byte aligned chunks
         # the job's slots of each piece's tokens: the scatter's row indices (one tensor per piece)
         slots2d = slots.view(n, spec.page_size)
         rows = [[slots2d[:, p.token : p.token + p.ntok].reshape(-1) for p in plan] for plan in plans]
@@ -405,8 +406,11 @@ class SplitRead:
             for k, plan in enumerate(plans):
                 off = 0
                 for j, pc in enumerate(plan):
-                    src = got[k, off : off + n * pc.nbytes].view(n * pc.ntok, pc.width)
-                    dst = bv if pc.width == bv.shape[1] else bv[:, pc.col : pc.col + pc.width]
+                    # the widest element dividing every offset: a byte-wise index_copy_ moves ~1 GB/s
+                    # on a CPU core (9.4 MB: 12 ms as uint8, measured here), 8-byte words far more
+                    w = math.gcd(8, pc.col, pc.width, bv.shape[1], k * chunk + off)
+                    src = got[k, off : off + n * pc.nbytes].view(_WORD[w]).view(n * pc.ntok, pc.width // w)
+                    dst = bv.view(_WORD[w])[:, pc.col // w : (pc.col + pc.width) // w]
                     dst.index_copy_(0, rows[k][j], src)
                     off += n * pc.nbytes
             ev = provider.record(self._comm, dev) if self._comm is not None else None
