@@ -208,7 +208,7 @@ def test_split_reads_over_the_tp_shared_pool(tmp_path: Path) -> None:
     assert not leaked, f"segment {path} leaked"
 
 
-def test_all_gather_bytes_single_process(tmp_path: Path) -> None:
+def test_group_checks_and_all_gather_bytes_single_process(tmp_path: Path) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -216,6 +216,12 @@ def test_all_gather_bytes_single_process(tmp_path: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 's'}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=10))  # fmt: skip
     try:
+        with pytest.raises(ConfigError, match="the process group has 1 ranks"):
+            SplitRead(dist.group.WORLD, tp_size=2, rank=0)
+        with pytest.raises(ConfigError, match="rank must be in"):
+            SplitRead(dist.group.WORLD, tp_size=2, rank=5)
+        one = SplitRead(dist.group.WORLD)  # TP size and rank from the group
+        assert (one.tp_size, one.rank) == (1, 0) and not one.active(100)
         for into in (True, False):
             out = torch.zeros(5, dtype=torch.uint8)
             inp = torch.arange(5, dtype=torch.uint8)
