@@ -18,7 +18,8 @@ bytes (16 for every real MLA shape; never inside an element, since the block is 
 the element size): with `n = block / unit` units, ranks `0 .. n % tp - 1` get `n // tp + 1`
 units and the others `n // tp` (sizes differ by at most one unit). 576 bf16 elements per token
 (1152 bytes) and one token per page over 3 ranks: 384 bytes each; over 4 ranks: 288 each; 7
-tokens over 3 ranks: 168 units of 16 bytes each, 56 per rank (2688 bytes: 2 tokens + 384 bytes).
+tokens over 3 ranks: 504 units of 16 bytes, 168 per rank (2688 bytes: 2 tokens + 384 bytes).
+A block smaller than `tp` units leaves some rank 0 bytes: such loads are never split.
 A byte range is at most three affine *pieces* of the block (the tail of a token, whole tokens,
 the head of a token), each copied by the device provider's kernel with its own strides
 (`StridedView`): one contiguous run per page on token-contiguous layouts (layer_first,
@@ -35,8 +36,9 @@ all-gather runs on the backend's own thread, so the copy of layer i+1 still over
    wait on the communication stream, in the load thread), and only when every rank copied its
    slice are the pieces scattered into the layer's device buffer at the job's slots; then the
    layer is published (its event recorded after the scatter, so `wait_layer(i)` waits for both).
-A rank whose copy fails still joins the all-gather with its status byte set: every rank then
-raises (TransferError naming the failed ranks and the layer), and that layer's slots are never
+A rank whose copy fails still joins the all-gather with its status byte set: every rank's job
+then fails (SplitReadError naming the failed ranks and the layer; `wait_layer` of that layer and
+the later ones raises TransferError), and that layer's slots are never
 written, so no half-assembled page is ever marked loaded. A collective that fails (a peer died,
 the group's timeout) fails the job on this rank and marks the reader broken: its later split
 jobs fail at once (the group's state is unknown after a failed collective); create the group
@@ -48,7 +50,10 @@ with a timeout (`dist.new_group(..., timeout=...)`) so a dead peer costs a bound
 the configuration, so every rank makes the same one, as the collectives require: every rank
 must submit the same loads in the same order with the same configuration (the SPMD invariant
 of `l2core.shm`). The group must be used only by this reader: its collectives are issued from
-the engine's load thread, concurrently with whatever the model's own groups do.
+the engine's load thread, concurrently with whatever the model's own groups do (NCCL: two
+communicators busy at once on one GPU; whether that ever stalls the model's collectives is for
+the two-GPU run to show). Device memory: two staging buffers of `tp x pages x slice` bytes per
+job (the layer's bytes, twice), freed when the job ends.
 """
 
 from __future__ import annotations
