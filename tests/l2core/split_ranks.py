@@ -38,12 +38,14 @@ def job_of(spec: KVSpec, pool_pages: int, n_pages: int, seed: int) -> tuple[torc
     return slots, pages, num_slots
 
 
-def poisoned(spec: KVSpec, num_slots: int) -> list[torch.Tensor]:
-    return [torch.full((num_slots, 1, spec.dim), 7.0, dtype=spec.torch_dtype) for _ in range(spec.num_layers)]
+def poisoned(spec: KVSpec, num_slots: int, device: str = "cpu") -> list[torch.Tensor]:
+    return [
+        torch.full((num_slots, 1, spec.dim), 7.0, dtype=spec.torch_dtype, device=device) for _ in range(spec.num_layers)
+    ]
 
 
 def raw(bufs: list[torch.Tensor]) -> list[bytes]:
-    return [b.view(torch.uint8).numpy().tobytes() for b in bufs]
+    return [b.view(torch.uint8).cpu().numpy().tobytes() for b in bufs]
 
 
 def fill_host(pool: HostKVPool, seed: int) -> None:
@@ -68,16 +70,23 @@ def reference(pool: HostKVPool, slots: torch.Tensor, pages: np.ndarray, num_slot
     return out
 
 
-def init_group(store: str, rank: int, size: int) -> Any:
+def init_group(store: str, rank: int, size: int, device: str = "cpu") -> Any:
+    """gloo on CPU; NCCL with one GPU per rank (`device="cuda"`)."""
     timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size, timeout=timeout)
-    return dist.new_group(list(range(size)), backend="gloo", timeout=timeout)  # the reader's own group
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=size, timeout=timeout)
+    pg = dist.new_group(list(range(size)), backend=backend, timeout=timeout)  # the reader's own group
+    if device == "cuda":
+        dist.all_reduce(torch.ones(1, device=f"cuda:{rank}"), group=pg)  # its communicator, on this rank's GPU
+    return pg
 
 
 def main(scenario: str, store: str, rank: int, size: int, q: Any, arg: Any = None) -> None:
     torch.set_num_threads(1)
     try:
-        pg = init_group(store, rank, size)
+        pg = init_group(store, rank, size, arg[2] if scenario == "matrix" else "cpu")
         SCENARIOS[scenario](pg, rank, size, q, arg)
         q.put((rank, "done", None))
         dist.destroy_process_group()
@@ -94,15 +103,17 @@ def matrix(pg: Any, rank: int, size: int, q: Any, arg: Any) -> None:
     """Every layout x page size (odd ones, and one whose slices cut tokens): split reads give the
     bytes whole-page reads give, and the reference from the strides. Reports per case
     (case, split == whole, whole == reference, digest of the split result)."""
-    page_sizes, into_tensor = arg
+    page_sizes, into_tensor, device = arg
+    dev = f"cuda:{rank}" if device == "cuda" else "cpu"
+    pin = "auto" if device == "cuda" else "never"  # CUDA reads pinned host memory
     rows = []
     for layout in LAYOUTS:
         for ps in page_sizes:
             spec = spec_of(ps)
-            pool = HostKVPool(L2Config(kv=spec, tokens=9 * ps, layout=layout, pin="never"))
+            pool = HostKVPool(L2Config(kv=spec, tokens=9 * ps, layout=layout, pin=pin))  # type: ignore[arg-type]
             fill_host(pool, seed=ps * 31 + len(layout))  # the same bytes on every rank: one shared pool
             slots, pages, num_slots = job_of(spec, pool.num_pages, 5, seed=ps)
-            whole_b, split_b = poisoned(spec, num_slots), poisoned(spec, num_slots)
+            whole_b, split_b = poisoned(spec, num_slots, dev), poisoned(spec, num_slots, dev)
             split = SplitRead(pg, min_rank_bytes=0, into_tensor=into_tensor)
             with TransferEngine(pool, whole_b) as w, TransferEngine(pool, split_b, split=split) as s:
                 rw, rs = load(w, slots, pages), load(s, slots, pages)

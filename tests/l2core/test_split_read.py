@@ -132,7 +132,20 @@ def test_threshold_decides_by_the_smallest_slice() -> None:
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_split_reads_are_bit_identical_to_whole_pages(tmp_path: Path, size: int) -> None:
     page_sizes = [1, 7, 64] if size != 3 else [1, 5, 16]
-    got, procs = _run(tmp_path, "matrix", size, (page_sizes, None), {"matrix": size, "done": size})
+    got, procs = _run(tmp_path, "matrix", size, (page_sizes, None, "cpu"), {"matrix": size, "done": size})
+    _check_matrix(got, procs, size, page_sizes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per rank, NCCL)")
+def test_split_reads_on_two_gpus_are_bit_identical(tmp_path: Path) -> None:
+    """The same matrix on CUDA: pinned host pools, NCCL, the provider's kernels on StridedViews."""
+    page_sizes = [1, 7, 64]
+    got, procs = _run(tmp_path, "matrix", 2, (page_sizes, None, "cuda"), {"matrix": 2, "done": 2})
+    _check_matrix(got, procs, 2, page_sizes)
+
+
+def _check_matrix(got: dict[tuple[int, str], Any], procs: list[Any], size: int, page_sizes: list[int]) -> None:
     assert all(p.exitcode == 0 for p in procs)
     digests = {}
     for r in range(size):
@@ -147,7 +160,7 @@ def test_split_reads_are_bit_identical_to_whole_pages(tmp_path: Path, size: int)
 
 
 def test_list_all_gather_fallback_gives_the_same_bytes(tmp_path: Path) -> None:
-    got, _ = _run(tmp_path, "matrix", 2, ([3], False), {"matrix": 2, "done": 2})
+    got, _ = _run(tmp_path, "matrix", 2, ([3], False, "cpu"), {"matrix": 2, "done": 2})
     for r in range(2):
         assert all(same and ok and n == 1 for _, same, ok, _, n in got[(r, "matrix")])
 
