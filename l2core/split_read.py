@@ -250,8 +250,9 @@ class SplitRead:
         self.broken: str | None = None  # set after a failed collective
         self.layout: HostLayout | None = None
         self._comm: Any = None
-        self.split_jobs = 0
-        self.whole_jobs = 0
+        self.split_jobs = 0  # loads split (decided by `active`)
+        self.whole_jobs = 0  # loads left to whole-page reads
+        self.h2d_bytes = 0  # bytes this rank copied host -> device for split loads (its slices)
 
     def bind(self, layout: HostLayout, device: torch.device, provider: DeviceProvider) -> None:
         """Checked once by the engine: MLA only; makes the communication stream."""
@@ -337,6 +338,7 @@ class SplitRead:
                                                                 provider, publish)  # fmt: skip
             while pending:
                 self._complete(pending.pop(0), bufs, plans, rows, chunk, n, provider, publish)
+            self.h2d_bytes += n * int(b[r + 1] - b[r]) * spec.num_layers
         except BaseException:
             for p in pending:  # the ranks issued the same collectives: finish them before the buffers go
                 try:

@@ -147,6 +147,7 @@ class SharedTieredCache(TieredCache):
             "d2h_submissions": e.submissions, "d2h_bytes": e.d2h_bytes, "skipped_backups": e.skipped_backups,
             "split_loads": self.split.split_jobs if self.split else 0,
             "whole_loads": self.split.whole_jobs if self.split else None,
+            "split_h2d_bytes": self.split.h2d_bytes if self.split else 0,
         }  # fmt: skip
         return d
 

@@ -82,6 +82,7 @@ def test_split_reads_serve_the_same_hits(tmp_path: Path) -> None:
         steps, hits, tp, _, _ = got[r]
         assert steps == steps0 and hits == hits0
         assert tp["split_loads"] > 0 and tp["whole_loads"] == 0, f"rank {r}: {tp}"
+        assert tp["split_h2d_bytes"] == hits * SPEC.page_bytes // 2  # half of every hit page per rank
 
 
 def test_a_process_group_needs_tp_shared() -> None:
