@@ -14,12 +14,16 @@ caller's: a stack never closes them. Rules checked here, at construction, with o
   writer batch is one put (the client still cuts it to Mooncake's transfer limit);
 - a store needs a namespace, a namespace a store; PP stage locks need an L3 client;
 - `cache.tp_shared`: the pool is the TP group's shared segment (l2core.shm) and the controller a
-  `SharedTieredCache` (L1 + L2 only for now).
+  `SharedTieredCache` (L1 + L2 only for now); with `tp_process_group` (a torch.distributed group
+  of the TP ranks, used by nothing else) its loads are MLA split reads (l2core.split_read): each
+  rank copies 1/TP of every page and an all-gather completes them. A group without tp_shared is
+  refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from l2core.pool import HostKVPool, L2Config, PinMode
 from l2core.shm_segment import TPGroup
@@ -74,6 +78,8 @@ def build(
     batch_pages: int | None = None,
     max_concurrency: int | None = None,
     locks: StageLocks | None = None,
+    tp_process_group: Any = None,
+    tp_split_min_rank_bytes: int | None = None,
 ) -> CacheStack:
     """An engine's cache over its L1 buffers: a new L2 pool of `l2_tokens`, an L3 client when a
     store is given, and the controller. `batch_pages` / `max_concurrency` default to what the
@@ -97,6 +103,8 @@ def build(
                 f"max_concurrency {conc} < the cache's writer_parallel {cfg.writer_parallel}: "
                 "the writer's parallel puts would wait for each other's buffer slots"
             )
+    if tp_process_group is not None and not cfg.tp_shared:
+        raise ConfigError("tp_process_group is for split reads over a TP-shared pool: set cache.tp_shared too")
     if cfg.tp_shared and (store is not None or locks is not None):
         raise ConfigError(L3_REFUSED)
     shared = TPGroup(cfg.tp_group, cfg.tp_rank, cfg.tp_size) if cfg.tp_shared else None
@@ -108,7 +116,13 @@ def build(
                 pool, store, namespace, metadata=metadata, client_id=client_id, batch_pages=batch,
                 max_concurrency=conc,
             )  # fmt: skip
-        tc = (SharedTieredCache if cfg.tp_shared else TieredCache)(cfg, l1, pool, l3, locks)
+        if cfg.tp_shared:
+            split_kw: dict[str, Any] = {"process_group": tp_process_group}
+            if tp_split_min_rank_bytes is not None:
+                split_kw["split_min_rank_bytes"] = tp_split_min_rank_bytes
+            tc: TieredCache = SharedTieredCache(cfg, l1, pool, l3, locks, **split_kw)
+        else:
+            tc = TieredCache(cfg, l1, pool, l3, locks)
     except BaseException:
         if l3 is not None:
             l3.close()
