@@ -223,10 +223,13 @@ class Verifier:
         """Counts a logits mismatch; logs it and keeps the first MAX_MISMATCHES for the report
         (which request, where, its hit pages per tier, how far the logits are apart)."""
         self.mismatched_logits += 1
-        diff = (ref.float() - got.float()).abs()
-        row = {"what": what, "where": where, **hits, "max_abs_diff": float(diff.max()),
-               "elements_differ": int((diff > 0).sum()),
-               "argmax_equal": bool(ref.argmax() == got.argmax())}  # fmt: skip
+        r, g = ref.float(), got.float()
+        diff = (r - g).abs()
+        fin = torch.isfinite(diff)
+        row = {"what": what, "where": where, **hits,
+               "max_abs_diff": float(diff[fin].max()) if bool(fin.any()) else None,  # JSON has no NaN
+               "elements_differ": int((r != g).sum()), "nonfinite": int((~torch.isfinite(g)).sum()),
+               "argmax_equal": bool(r.argmax() == g.argmax())}  # fmt: skip
         log.error("%s on %s: logits differ from the no-cache run (%s)", what, where, row)
         if len(self.mismatches) < MAX_MISMATCHES:
             self.mismatches.append(row)

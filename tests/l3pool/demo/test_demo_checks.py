@@ -3,6 +3,7 @@ all-hit path, and the deterministic-kernel switch the CUDA runs need."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -32,7 +33,16 @@ def test_verifier_names_each_logits_mismatch() -> None:
     v.compare(a, b, "cold prompt 1", "l1_l2_l3")
     assert v.compared == 2 and v.mismatched_logits == 1
     assert v.mismatches == [{"what": "cold prompt 1", "where": "l1_l2_l3", "max_abs_diff": 0.5,
-                             "elements_differ": 1, "argmax_equal": False}]  # fmt: skip
+                             "elements_differ": 1, "nonfinite": 0, "argmax_equal": False}]  # fmt: skip
+
+
+def test_a_mismatch_with_nan_logits_stays_valid_json() -> None:
+    v = Verifier()
+    bad = torch.tensor([0.0, float("nan"), 1.0])
+    v.compare(torch.zeros(3), bad, "request 5", "l1_l2")
+    (row,) = v.mismatches
+    assert row["nonfinite"] == 1 and row["elements_differ"] == 2 and row["max_abs_diff"] == 1.0
+    json.dumps(row, allow_nan=False)
 
 
 def test_verifier_keeps_the_first_mismatches_and_counts_all() -> None:
