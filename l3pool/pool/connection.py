@@ -197,6 +197,11 @@ class Connection:
                 raise StoreError(f"mooncake register_buffer(0x{ptr:x}, {nbytes}) failed with code {rc}")
             self._registered[key] = 1
 
+    @property
+    def registered(self) -> int:
+        """Buffers registered now (each counted once, however many references)."""
+        return len(self._registered)
+
     def unregister(self, ptr: int) -> None:
         with self._lock:
             for key, refs in self._registered.items():
