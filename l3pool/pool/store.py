@@ -201,8 +201,9 @@ _FAILED = (Outcome.UNAVAILABLE, Outcome.ERROR)
 
 # Placement of a put: fields of Mooncake's ReplicateConfig (replica_num, preferred_segment,
 # preferred_segments, prefer_alloc_in_same_node, with_hard_pin, ...), None = the binding's default.
-# Measured (bench/l3_placement.py, bench/results/2026-12-01-cpu-l3-placement.json): no field
-# makes a pure client's put faster than the default, so L3Client passes none.
+# Measured (bench/l3_placement.py, bench/results/2026-12-0{1,2}-cpu-l3-placement.json, group_ids and
+# a one-fragment object included): no field makes a pure client's put faster than the default, so
+# L3Client passes none; `_put` passes preferred_segment only while a donor is marked dead.
 Placement = Mapping[str, Any] | None
 
 # keys of recent successful puts (a sample of each call's) kept to find the donors after a put's transfers fail
