@@ -207,7 +207,7 @@ _FAILED = (Outcome.UNAVAILABLE, Outcome.ERROR)
 Placement = Mapping[str, Any] | None
 
 # keys of recent successful puts (a sample of each call's) kept to find the donors after a put's transfers fail
-_RECENT_KEYS, _RECENT_PER_CALL = 64, 8
+_RECENT_KEYS, _RECENT_PER_CALL = 64, 16
 
 
 class MooncakeStore:
@@ -349,6 +349,8 @@ class MooncakeStore:
         """Each key's memory replicas as (transfer endpoint, object size), from one master query
         (it grants a read lease, like a get); None when the master cannot be asked. The
         endpoints seen are remembered (`DeadDonors.saw`)."""
+        if not keys:
+            return []
         try:
             r = self._guarded(len(keys), "batch_get_replica_desc", list(keys))
         except Exception as e:  # pragma: no cover - binding errors
@@ -433,7 +435,7 @@ class MooncakeStore:
         if stored:  # a sample of what this call stored, to find the donors later
             sample = stored[:: max(1, len(stored) // _RECENT_PER_CALL)][:_RECENT_PER_CALL]
             self._recent = [*self._recent, *sample][-_RECENT_KEYS:]
-        if Outcome.TRANSFER_FAIL in out:
+        if Outcome.TRANSFER_FAIL in out and self._recent:
             took = time.monotonic() - t0
             reps = self.replicas(self._recent)
             if reps is not None:

@@ -236,7 +236,10 @@ def test_dead_donor_costs_one_slow_get(cluster2: LocalCluster) -> None:
         med = statistics.median(lat)
         assert med <= 0.05 * slack(), f"per get after detection: median {med * 1e3:.1f} ms of {lat}"
         s = st.stats()
-        assert s["dead_endpoints_marked"] == 1 and s["dead_skipped_items"] >= 10 * len(on_dead), s
+        # each get skipped every dead-donor page, until the master dropped the segment (5-11 s after
+        # the kill; a loaded machine's gets reach it): then its objects are gone, nothing to skip
+        skipped = s["dead_skipped_items"]
+        assert s["dead_endpoints_marked"] == 1 and skipped >= len(on_dead) and skipped % len(on_dead) == 0, s
         assert s["state"] == "closed" and s["trips"] == 0, s  # a dead donor is not a dead master
     finally:
         p.close()
