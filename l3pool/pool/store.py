@@ -32,13 +32,14 @@ open, every call answers UNAVAILABLE per item at once (microseconds) and one bac
 retries with backoff; the first successful probe closes it. Calls already inside Mooncake when
 it opens cannot be interrupted: they return when Mooncake gives up. `healthy()` is the breaker's
 state, refreshed by a probe when no call succeeded recently.
+
 Rebuild: a client whose calls keep failing while its master answers is replaced by a new one with
 every buffer registered again (`connection.py`); the probe below decides when. Donors never rebuild.
 
 Dead donors (`donors.py`): a get or put that failed with TRANSFER_FAIL marks the donors whose
-endpoints refuse a TCP connect; while one is marked, gets answer its objects MISS at once and puts
-go to a live donor (Mooncake's `preferred_segment`). A failure is a miss, never data; a put is OK
-only when Mooncake stored it.
+transfer engines refuse a TCP connect (their RPC address from the metadata server); while one is
+marked, gets answer its objects MISS at once and puts go to a live donor (Mooncake's
+`preferred_segment`). A failure is a miss, never data; a put is OK only when Mooncake stored it.
 
 Frozen master: a call already inside Mooncake when the master stops answering returns only when
 Mooncake's RPC deadline ends it: 30 s by default; `MC_RPC_TIMEOUT_MS` in the process environment
