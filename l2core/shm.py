@@ -40,7 +40,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +185,9 @@ class SharedTransferEngine:
         self.submissions = 0  # D2H jobs this rank submitted to its device
         self.d2h_bytes = 0
         self.skipped_backups = 0  # backups answered without a copy (ranks > 0)
+        # rank 0: called with the pages before any new byte goes into them (the cache waits there
+        # for L3 puts still reading them)
+        self.before_write: Callable[[np.ndarray], None] | None = None
 
     @property
     def stats(self) -> Any:
@@ -205,6 +208,8 @@ class SharedTransferEngine:
         if not self.writer:
             self.skipped_backups += 1
             return self._fake_job("backup", p, True)
+        if self.before_write is not None:
+            self.before_write(p)
         self.seg.invalidate(p)  # before any new byte lands: readers of the old bytes fail their check
         fence_release()  # ... and seen before any of them, on every CPU
         jid = self.inner.submit_backup(slots, p)
@@ -213,6 +218,24 @@ class SharedTransferEngine:
         self.submissions += 1
         self.d2h_bytes += int(p.size) * self.pool.layout.page_bytes
         return jid
+
+    def begin_external(self, pages: np.ndarray) -> np.ndarray:
+        """Pages another writer than the D2H copy fills (rank 0's L3 gets): every rank gives them
+        their next generation (returned); rank 0 invalidates them before any byte lands. Publish
+        with `publish_external` once their bytes are complete."""
+        p = np.asarray(pages, dtype=np.int64).reshape(-1)
+        self.want[p] += 1
+        if self.writer:
+            if self.before_write is not None:
+                self.before_write(p)
+            self.seg.invalidate(p)
+            fence_release()
+        return self.want[p].copy()
+
+    def publish_external(self, pages: np.ndarray, gens: np.ndarray) -> None:
+        """Rank 0: the bytes of `pages` (generations `gens` from begin_external) are complete."""
+        fence_release()  # the bytes before the generations that make them loadable
+        self.seg.publish(pages, gens)
 
     def wait_ready(self, pages: np.ndarray, timeout: float | None = None) -> bool:
         """Block until every page shows this rank's generation (rank 0's copy completed)."""

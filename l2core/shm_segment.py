@@ -8,7 +8,9 @@ File layout (little endian, one file per TP group: `<dir>/l3pool-l2shm-<group>`,
     [0, 4 KiB)        header: magic, version, state, generation, sizes, offsets, creator,
                       group name, then one 32-byte slot per rank (pid, process start time,
                       attached flag): the refcount is the number of live attached slots
-    [4 KiB, 32 KiB)   digest board: per rank a ring of DIGEST_RING (step, digest) entries
+    [4 KiB, 20 KiB)   digest board: per rank a ring of DIGEST_RING (step, digest) entries
+    [20 KiB, 32 KiB)  handshake table: TABLE_SLOTS rows of 3 u64, written by rank 0 only (the
+                      cache's L3 lookups and prefetch counts, l3pool.cache.shared_l3)
     [32 KiB, ...)     page generations: one u64 per page, written by rank 0 only
     [data_off, +n)    the pool's bytes (data_off a multiple of 2 MiB, for huge pages)
 
@@ -66,6 +68,8 @@ NAME_BYTES = 64
 SLOT_OFF, SLOT_BYTES = 256, 32
 DIGEST_OFF, DIGEST_RING = 4096, 16
 GEN_OFF = 32768
+TABLE_OFF = DIGEST_OFF + MAX_RANKS * DIGEST_RING * 16  # after the digest board
+TABLE_SLOTS = (GEN_OFF - TABLE_OFF) // 24  # 512 rows of 3 u64
 PREFIX = "l3pool-l2shm-"
 _NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 # header fields: name -> byte offset (all u64)
@@ -266,8 +270,15 @@ class Segment:
         self._board = np.frombuffer(mm, dtype="<u8", count=MAX_RANKS * DIGEST_RING * 2, offset=DIGEST_OFF).reshape(
             MAX_RANKS, DIGEST_RING, 2
         )
+        self.table = np.frombuffer(mm, dtype="<u8", count=TABLE_SLOTS * 3, offset=TABLE_OFF).reshape(TABLE_SLOTS, 3)
+        self.creator_pid = _u64(mm, _F["creator_pid"])
+        self._creator_start = _u64(mm, _F["creator_start"])
         self.janitor: subprocess.Popen[bytes] | None = None
         self.closed = False
+
+    def creator_alive(self) -> bool:
+        """Whether rank 0 (the process that created the segment) still runs."""
+        return alive(self.creator_pid, self._creator_start)
 
     # -- create / open ------------------------------------------------------------------------
     @classmethod
@@ -464,7 +475,7 @@ class Segment:
 
     def _release_map(self) -> None:
         # the mmap object stays alive under numpy/torch views; only the fd goes now
-        self.gens = self._board = None  # type: ignore[assignment]
+        self.gens = self._board = self.table = None  # type: ignore[assignment]
         with contextlib.suppress(OSError):
             os.close(self.fd)
 

@@ -183,12 +183,7 @@ class TieredCache:
             if self.pp:
                 n3 = self._pp_length(r)
             elif self.l3 is not None and limit > r.n2:
-                try:
-                    n3 = r.n2 + self.l3.lookup(self.l3.ns.keys(hs[r.n2 : limit]))
-                except Exception as e:  # a failed L3 read is a miss
-                    log.warning("L3 lookup for %s failed (treated as a miss): %s", request_id, e)
-                    with self._mu:
-                        self._stats.l3_read_failures += 1
+                n3 = r.n2 + self._l3_lookup(r)
         except BaseException:
             self.release(request_id)
             raise
@@ -199,6 +194,16 @@ class TieredCache:
             self._count_hits(r, r.n2, r.l1_hit if r.n2 == r.n1 else None)  # no L2 hits: L1's are known
             self._policy_on_use(r)
             return Match(request_id, len(hs), r.n1, r.n2 - r.n1, r.n3 - r.n2)
+
+    def _l3_lookup(self, r: _Req) -> int:
+        """Pages of hashes[n2:limit] present in L3 (a prefix); a failed lookup is a miss."""
+        try:
+            return self.l3.lookup(self.l3.ns.keys(r.hashes[r.n2 : r.limit]))  # type: ignore[union-attr]
+        except Exception as e:
+            log.warning("L3 lookup for %s failed (treated as a miss): %s", r.rid, e)
+            with self._mu:
+                self._stats.l3_read_failures += 1
+            return 0
 
     def _pp_length(self, r: _Req) -> int:
         assert self.locks is not None
@@ -664,7 +669,8 @@ class TieredCache:
             return
         sel = np.flatnonzero(keep)
         hk, pk = [hs[i] for i in sel.tolist()], pages[sel]
-        self.t2.pin(pk)
+        if not self._tp_shared:  # the TP-shared writer holds its pages without pins (cache/shared_l3.py)
+            self.t2.pin(pk)
         q.update(dict.fromkeys(hk, reason))
         self.writer.submit(hk, pk)
 

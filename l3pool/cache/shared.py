@@ -25,21 +25,25 @@ pages on every rank; `wait_layer(i)` covers both. Small loads read whole pages
 (`split_min_rank_bytes`, default `l2core.split_read.SPLIT_MIN_RANK_BYTES`). The loads are
 already SPMD (same calls in the same order on every rank), which the collectives need.
 
-Not supported yet (ConfigError `L3_REFUSED`): an L3 tier and PP stage locks. The prefetcher
-allocates L2 pages on its own thread and `load()` keeps whatever prefix had arrived when it
-interrupts the prefetch: both depend on timing, so the ranks' L2 allocators and indexes would
-split; every rank would also get the same objects into the shared pages, and the L3 writer could
-read a page before rank 0's copy completed. What it would take (what SGLang's HiCache does, see
-l3pool.adapters.sglang_shared_pool): L2 pages for a prefetch allocated on the calling thread at
-`prefetch()`, the same on every rank; rank 0 alone getting from L3 and publishing the number of
-pages that arrived (the segment's generations); the other ranks' `load()` waiting for that
-number instead of cutting the prefetch themselves — a cross-rank handshake this controller has
-no channel for yet besides the segment.
+**With an L3 tier** (l3pool.cache.shared_l3): rank 0 alone calls L3. Its lookups and the number
+of pages each prefetch got are published in the segment's handshake table, and the other ranks'
+`match()` / `load()` wait for them (bounded by `load_timeout_s`, at once when rank 0 died) instead
+of deciding by their own timing; a prefetch's L2 pages are allocated on the caller's thread at
+`prefetch()` (or `load()`), the same on every rank, and the pages after the published prefix are
+freed there too. Only rank 0 writes L2 -> L3, without pins, each put after rank 0's D2H copy of
+its pages completed; a page is rewritten only once no put reads it. A prefetch interrupted at
+`load()` waits for its batch in flight (the pages are every rank's; none can be quarantined on
+rank 0 alone), so an interrupt costs up to one batch's get.
+
+Not supported (ConfigError `PP_REFUSED`): PP stage locks. Each stage's rank 0 would take or join
+the etcd lock and every rank would need its length: a second handshake per request, not built.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import collections
+import time
+from typing import Any, cast
 
 import numpy as np
 
@@ -48,19 +52,22 @@ from l2core.pool import HostKVPool
 from l2core.shm import Divergence, SharedHostMemory, SharedTransferEngine, state_digest
 from l2core.spec import ConfigError
 from l2core.split_read import SPLIT_MIN_RANK_BYTES, SplitRead
-from l3pool.cache._internal import _EMPTY, _Backup
+from l3pool.cache._internal import _EMPTY, _Backup, _Req, _timed
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.controller import TieredCache
 from l3pool.cache.index import TierIndex
-from l3pool.cache.types import L1
+from l3pool.cache.shared_l3 import Handshake, Reading, ReadyPuts, SharedFetch, SharedFetcher, TPWriter
+from l3pool.cache.types import L1, LoadHandle, Match
 from l3pool.pool.client import L3Client
 from l3pool.pool.pplock import StageLocks
+from l3pool.pool.protocols import L3Pages, Outcome
+
+_BASE_LOAD = TieredCache.load.__wrapped__  # type: ignore[attr-defined]  # the shared load() times itself
 
 # One home for the refusal (stack.build refuses first, the class again when built by hand).
-L3_REFUSED = (
-    "tp_shared works with L1 + L2 only: with an L3 tier (or PP stage locks) each rank's prefetcher would "
-    "allocate L2 pages and cut prefetches on its own thread, at times that differ per rank, and every rank "
-    'would write the shared pages from L3 (l3pool/README.md, "TP-shared L2")'
+PP_REFUSED = (
+    "tp_shared does not take PP stage locks yet: every TP rank would need the lock's length from its stage's "
+    'rank 0, a handshake not built (l3pool/README.md, "TP-shared L2")'
 )
 
 
@@ -82,8 +89,8 @@ class SharedTieredCache(TieredCache):
                 f"the L2 pool belongs to TP group {g.name!r} rank {g.rank}/{g.size}, the cache config says "
                 f"{cfg.tp_group!r} rank {cfg.tp_rank}/{cfg.tp_size}"
             )
-        if l3 is not None or locks is not None:
-            raise ConfigError(L3_REFUSED)
+        if locks is not None:
+            raise ConfigError(PP_REFUSED)
         split = None
         if process_group is not None:  # checked before the base class starts its threads
             split = SplitRead(process_group, tp_size=g.size, rank=g.rank, min_rank_bytes=split_min_rank_bytes)
@@ -100,6 +107,136 @@ class SharedTieredCache(TieredCache):
         self._loads.wait_layer = self._engine.wait_layer  # the handles' per-layer waits go to it too
         self.rank, self.tp_size = g.rank, g.size
         self.shared = mem
+        self._seqs: dict[str, int] = {}  # request -> its L3 lookup's handshake row (until its fetch starts)
+        self._l3_seq = 0
+        self._done_puts: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.fetcher: SharedFetcher | None = None
+        if l3 is not None:
+            self._with_l3(cfg, l3, mem)
+
+    def _with_l3(self, cfg: CacheConfig, l3: L3Client, mem: SharedHostMemory) -> None:
+        """Swap the base's prefetcher and writer for the TP-shared ones (l3pool.cache.shared_l3)."""
+        assert self.prefetcher is not None and self.writer is not None
+        self.prefetcher.close()
+        self.prefetcher = None
+        self.writer.close()
+        self.writer = None
+        t = cfg.load_timeout_s
+        self.hand = Handshake(mem.segment, self.rank)
+        self.fetcher = SharedFetcher(
+            l3, self._engine, self.hand, self._free_l2, rank=self.rank, batch_pages=cfg.prefetch_batch_pages,
+            max_batch_pages=cfg.prefetch_max_batch_pages, max_inflight=2, timeout_s=t,
+        )  # fmt: skip
+        if self.rank == 0:  # the only rank that writes to L3
+            self.reading = Reading(self.l2.num_pages, t)
+            self._engine.before_write = self.reading.wait_unread
+            self.writer = TPWriter(
+                self.reading, cast(L3Pages, ReadyPuts(l3, self._engine, t)), self._written, cfg.writer_batch_pages,
+                cfg.writer_linger_ms, lambda: self._bk_inflight > 0, parallel=cfg.writer_parallel,
+            )  # fmt: skip
+
+    # -- L3: lookups and prefetches through rank 0 ----------------------------------------------------
+    def _l3_lookup(self, r: _Req) -> int:
+        seq = self._l3_seq
+        self._l3_seq += 1
+        if self.rank == 0:
+            n = super()._l3_lookup(r)
+            self.hand.publish_lookup(seq, n)
+        else:
+            n = self.hand.wait(seq, 1, self.cfg.load_timeout_s, f"the L3 lookup of {r.rid!r}")
+        if n:
+            self._seqs[r.rid] = seq
+        return n
+
+    def _free_l2(self, pages: np.ndarray) -> None:
+        if len(pages):
+            with self._mu:
+                self.l2.free(pages)
+
+    def _start_fetch(self, r: _Req, wait_all: bool) -> None:
+        """Every rank, on the caller's thread: L2 pages for the L3 hit (the same everywhere), then
+        rank 0 starts the gets."""
+        assert self.l3 is not None and self.fetcher is not None
+        keys = self.l3.ns.keys(r.hashes[r.n2 : r.n3])
+        with self._mu:
+            pages = self._alloc_prefetch(len(keys))
+            h = self.fetcher.start(r.rid, self._seqs.pop(r.rid), keys, pages, wait_all)
+        r.prefetch = h  # type: ignore[assignment]  # PrefetchHandle's surface (interrupt, wait, cancel)
+
+    @_timed("prefetch")
+    def prefetch(self, m: Match) -> bool:
+        self._check_open()
+        r = self._req(m.request_id)
+        if self.fetcher is None or r.n3 <= r.n2 or r.prefetch is not None or r.n_hit >= 0:
+            return False
+        self._start_fetch(r, wait_all=False)
+        return True
+
+    @_timed("load")
+    def load(self, m: Match, total_pages: int | None = None) -> LoadHandle:
+        """Every rank agrees on the L3 prefix first (rank 0 ends its prefetch by the policy and
+        publishes its length; the others wait for it), then the base load uses it."""
+        self._check_open()
+        r = self._req(m.request_id)
+        if self.fetcher is not None and r.n_hit < 0 and r.n3 > r.n2:
+            if r.prefetch is None:
+                self._start_fetch(r, wait_all=True)
+            h = cast(SharedFetch, r.prefetch)
+            if not h.delivered:
+                t0 = time.perf_counter()
+                try:
+                    self.fetcher.finish(h, self.cfg.prefetch_policy, self.cfg.prefetch_timeout_s)
+                finally:
+                    self._add_wait("l3", time.perf_counter() - t0)
+        return _BASE_LOAD(self, m, total_pages)
+
+    def release(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+        super().release(request_id)
+
+    # -- L3: rank 0's writes ---------------------------------------------------------------------
+    def _put_now(self, hs: list[bytes], pages: np.ndarray, reason: str) -> None:
+        if self.rank:
+            return  # rank 0 writes
+        if not self._engine.wait_ready(pages, self.cfg.load_timeout_s):
+            self._error(f"write-back of {len(hs)} L2 pages to L3 skipped: rank 0's D2H copy did not complete")
+            return
+        super()._put_now(hs, pages, reason)
+
+    def _written(
+        self, hs: list[bytes], pages: np.ndarray, res: list[Outcome] | None, err: BaseException | None, s: float
+    ) -> None:
+        """The writer thread: the pages are free to be rewritten now; the bookkeeping of the put is
+        applied under the lock when it is free (a caller holding it may wait for these pages)."""
+        self.reading.done(pages)
+        self._done_puts.append((hs, pages, res, err, s))
+        self._apply_puts(block=False)
+
+    def _apply_puts(self, block: bool = True) -> None:
+        if not self._mu.acquire(blocking=block):
+            return
+        try:
+            while self._done_puts:
+                hs, pages, res, err, s = self._done_puts.popleft()
+                self._written_locked(hs, pages, res, err, s, None, unpin=False)
+        finally:
+            self._mu.release()
+
+    def _write_l3(self, hs: list[bytes], pages: np.ndarray, reason: str) -> None:
+        self._apply_puts()  # what is in L3 already, up to date
+        super()._write_l3(hs, pages, reason)
+
+    def raise_errors(self) -> None:
+        if self.writer is not None:
+            self._apply_puts()
+        super().raise_errors()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.fetcher is not None:
+                self.fetcher.close()
 
     # -- deterministic backups ---------------------------------------------------------------------
     def _backup(self, hs: list[bytes], l1p: np.ndarray, reason: str) -> None:
@@ -154,6 +291,8 @@ class SharedTieredCache(TieredCache):
             raise
 
     def stats(self) -> dict[str, Any]:
+        if self.writer is not None:
+            self._apply_puts()
         d = super().stats()
         e = self._engine
         d["tp_shared"] = {
@@ -162,6 +301,7 @@ class SharedTieredCache(TieredCache):
             "split_loads": self.split.split_jobs if self.split else 0,
             "whole_loads": self.split.whole_jobs if self.split else None,
             "split_h2d_bytes": self.split.h2d_bytes if self.split else 0,
+            "fetch_quarantined": self.fetcher.quarantined if self.fetcher else 0,
         }  # fmt: skip
         return d
 

@@ -14,10 +14,10 @@ caller's: a stack never closes them. Rules checked here, at construction, with o
   writer batch is one put (the client still cuts it to Mooncake's transfer limit);
 - a store needs a namespace, a namespace a store; PP stage locks need an L3 client;
 - `cache.tp_shared`: the pool is the TP group's shared segment (l2core.shm) and the controller a
-  `SharedTieredCache` (L1 + L2 only for now); with `tp_process_group` (a torch.distributed group
-  of the TP ranks, used by nothing else) its loads are MLA split reads (l2core.split_read): each
-  rank copies 1/TP of every page and an all-gather completes them. A group without tp_shared is
-  refused.
+  `SharedTieredCache` (with L3: rank 0 alone talks to the pool; PP stage locks are refused); with
+  `tp_process_group` (a torch.distributed group of the TP ranks, used by nothing else) its loads
+  are MLA split reads (l2core.split_read): each rank copies 1/TP of every page and an all-gather
+  completes them. A group without tp_shared is refused.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from l2core.shm_segment import TPGroup
 from l2core.spec import ConfigError, KVSpec
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.controller import TieredCache
-from l3pool.cache.shared import L3_REFUSED, SharedTieredCache
+from l3pool.cache.shared import PP_REFUSED, SharedTieredCache
 from l3pool.cache.types import L1
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace
@@ -105,8 +105,8 @@ def build(
             )
     if tp_process_group is not None and not cfg.tp_shared:
         raise ConfigError("tp_process_group is for split reads over a TP-shared pool: set cache.tp_shared too")
-    if cfg.tp_shared and (store is not None or locks is not None):
-        raise ConfigError(L3_REFUSED)
+    if cfg.tp_shared and locks is not None:
+        raise ConfigError(PP_REFUSED)
     shared = TPGroup(cfg.tp_group, cfg.tp_rank, cfg.tp_size) if cfg.tp_shared else None
     pool = HostKVPool(L2Config(kv=spec, layout=l2_layout, tokens=l2_tokens, pin=pin, shared=shared))  # type: ignore[arg-type]
     l3: L3Client | None = None

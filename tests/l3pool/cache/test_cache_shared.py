@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+import types
 import uuid
 from pathlib import Path
 from typing import Any
@@ -116,7 +117,7 @@ def test_bad_tp_config(kw: dict[str, Any], match: str) -> None:
         CacheConfig.from_dict(kw)
 
 
-def test_shared_cache_needs_a_shared_pool_and_no_l3() -> None:
+def test_shared_cache_needs_a_shared_pool_and_no_pp_locks() -> None:
     cfg = CacheConfig(tp_shared=True, tp_group=f"c-{uuid.uuid4().hex[:8]}", tp_rank=0, tp_size=1)
     bufs = [torch.zeros(64, 1, SPEC.dim, dtype=torch.bfloat16) for _ in range(SPEC.num_layers)]
     pool = HostKVPool(L2Config(kv=SPEC, tokens=64, pin="never"))
@@ -127,8 +128,9 @@ def test_shared_cache_needs_a_shared_pool_and_no_l3() -> None:
     with pytest.raises(ConfigError, match="use SharedTieredCache"):
         TieredCache(cfg, L1(bufs, SPEC.page_size), pool)  # the plain controller would copy on every rank
     pool.close()
-    with pytest.raises(ConfigError, match=r"L1 \+ L2 only: .*prefetcher .* differ per rank"):
-        build(L1(bufs, SPEC.page_size), SPEC, l2_tokens=64, cache=cfg, store=object(), namespace=object())  # type: ignore[arg-type]
+    locks = types.SimpleNamespace(stages=2)  # refused before anything is built from it
+    with pytest.raises(ConfigError, match=r"does not take PP stage locks yet"):
+        build(L1(bufs, SPEC.page_size), SPEC, l2_tokens=64, cache=cfg, store=object(), namespace=object(), locks=locks)  # type: ignore[arg-type]
     assert not segment_path(cfg.tp_group).exists()
 
 

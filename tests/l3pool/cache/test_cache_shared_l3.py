@@ -1,0 +1,104 @@
+"""SharedTieredCache with an L3 tier (real mooncake_master; the ranks are spawned processes, each a
+pure Mooncake client; this process donates the pool's memory): only rank 0 calls L3, every rank
+gets the same hit length and bytes, also when rank 0's prefetch is interrupted, and the others fail
+with a clear error soon after rank 0 dies mid-prefetch. No segment is left behind."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from l2core.shm_segment import segment_path
+from l3pool.pool.store import MooncakeStore
+
+from ..cache_helpers import Engine
+from ..conftest import MasterServer
+from . import shared_l3_ranks as ranks
+
+CTX = mp.get_context("spawn")
+pytestmark = pytest.mark.usefixtures("native")
+
+
+def _spawn(
+    scenario: str, size: int, master: MasterServer, tenant: str, kill_rank0: bool = False, timeout: float = 240.0
+) -> tuple[dict[int, Any], float | None, list[str]]:
+    name = f"l3-{uuid.uuid4().hex[:8]}"
+    q = CTX.Queue()
+    args = (scenario, name, 0, size, q, master.rpc, master.metadata_url, tenant)
+    procs = [CTX.Process(target=ranks.main, args=(*args[:2], r, *args[3:]), daemon=True) for r in range(size)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    killed_at = None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < size - (1 if killed_at else 0):
+            r, ev, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            if ev == "fetching" and kill_rank0 and killed_at is None:
+                os.kill(val, signal.SIGKILL)
+                killed_at = time.time()
+                continue
+            assert ev != "error", f"rank {r}: {val}"
+            if ev == "result":
+                got[r] = val
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        groups = [f"{name}-{s}" for s in "wrik"]
+        end = time.monotonic() + 5
+        while any(segment_path(g).exists() for g in groups) and time.monotonic() < end:
+            time.sleep(0.05)
+        left = [g for g in groups if segment_path(g).exists()]
+    return got, killed_at, left
+
+
+def test_rank0_alone_moves_l3_pages_and_every_rank_agrees(mooncake_master: MasterServer, store: MooncakeStore) -> None:
+    got, _, left = _spawn("write_then_read", 3, mooncake_master, uuid.uuid4().hex)
+    assert not left, f"segments leaked: {left}"
+    (w_calls0, writes0) = got[0]["w"]
+    assert w_calls0.get("put", 0) >= 1 and writes0 == {"through": len(ranks.WRITTEN)}, got[0]["w"]
+    r0 = got[0]["r"]
+    assert r0[0] == (0, 0, 10) and r0[1] == (13, 0, 0), r0  # 10 pages from L3, then all 13 from L1
+    assert r0[2].get("lookup", 0) >= 1 and r0[2].get("get", 0) >= 1
+    i0 = got[0]["i"]
+    assert i0[0] == 10 and 0 < i0[1] < 10 and i0[2] == i0[1], i0  # cut by the timeout policy
+    assert i0[6] == 1
+    for r in (1, 2):
+        w_calls, writes = got[r]["w"]
+        assert w_calls == {} and writes == {}, f"rank {r} called L3 while writing: {w_calls}"
+        rr = got[r]["r"]
+        assert rr[:2] == r0[:2] and rr[3] == r0[3], f"rank {r}: {rr} vs rank 0: {r0}"  # hits and digest
+        assert rr[2] == {}, f"rank {r} called L3: {rr[2]}"
+        ir = got[r]["i"]
+        assert ir[:3] == i0[:3] and ir[4] == i0[4], f"rank {r}: {ir} vs rank 0: {i0}"  # same shorter prefix
+        assert ir[3] == {}, f"rank {r} called L3: {ir[3]}"
+    for r in range(3):
+        assert got[r]["r"][4] == (0, 0) and got[r]["i"][5] == (0, 0), f"rank {r} holds pages: {got[r]}"
+
+
+def test_other_ranks_fail_soon_after_rank0_dies_mid_prefetch(
+    mooncake_master: MasterServer, store: MooncakeStore
+) -> None:
+    tenant = uuid.uuid4().hex
+    w = Engine(store=store, tenant=tenant)  # the pages the group will prefetch, written by a plain cache
+    try:
+        w.run("w", ranks.WRITTEN)
+        w.cache.flush()
+    finally:
+        w.close()
+    got, killed_at, left = _spawn("rank0_dies", 3, mooncake_master, tenant, kill_rank0=True)
+    assert killed_at is not None
+    assert not left, f"segments leaked: {left}"
+    assert sorted(got) == [1, 2]
+    for r, (msg, at) in got.items():
+        assert "rank 0 (pid" in msg and "died before publishing the L3 prefetch" in msg, f"rank {r}: {msg}"
+        assert at - killed_at < 5.0, f"rank {r} noticed after {at - killed_at:.1f} s"
