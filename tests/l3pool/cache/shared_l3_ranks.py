@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from l3pool.cache import CacheConfig
@@ -18,12 +19,14 @@ WRITTEN = chain(1, 12)  # what the write phase (or the parent) puts into L3
 QUERY = chain(3, 3, prefix=WRITTEN[:10])  # 10 of its pages hit L3, 3 more are computed
 
 
-def main(scenario: str, name: str, rank: int, size: int, q: Any, rpc: str, meta: str, tenant: str) -> None:
+def main(scenario: str, name: str, rank: int, size: int, q: Any, rpc: str, meta: str, tenant: str, sig: str) -> None:
+    """`sig`: a file rank 0 writes its pid to when its get started (rank0_dies). Not the queue: a
+    process killed while its queue feeder holds the queue's lock would leave the lock held."""
     try:
         os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # the test is the application: stay on loopback
         store = MooncakeStore(StoreConfig(master=rpc, metadata=meta))
         try:
-            out = SCENARIOS[scenario](name, rank, q, store, tenant, size)
+            out = SCENARIOS[scenario](name, rank, sig, store, tenant, size)
             q.put((rank, "result", out))
         finally:
             store.close()
@@ -50,7 +53,7 @@ def _engine(group: str, rank: int, size: int, store: MooncakeStore, tenant: str,
     return eng, calls
 
 
-def _write_then_read(name: str, rank: int, q: Any, store: MooncakeStore, tenant: str, size: int) -> dict[str, Any]:
+def _write_then_read(name: str, rank: int, sig: str, store: MooncakeStore, tenant: str, size: int) -> dict[str, Any]:
     """Group 1 computes WRITTEN (rank 0 writes it to L3); a fresh group 2 loads QUERY from L3 by
     wait_complete, then again from L1; then group 3 loads it by a prefetch interrupted by the
     timeout policy while rank 0's gets are slow (2 pages per 0.25 s)."""
@@ -100,7 +103,7 @@ def _write_then_read(name: str, rank: int, q: Any, store: MooncakeStore, tenant:
     return out
 
 
-def _rank0_dies(name: str, rank: int, q: Any, store: MooncakeStore, tenant: str, size: int) -> tuple[str, float]:
+def _rank0_dies(name: str, rank: int, sig: str, store: MooncakeStore, tenant: str, size: int) -> tuple[str, float]:
     """Rank 0's get never returns (it tells the parent, which kills it); the others' load() must
     fail with a clear error soon after."""
     eng, _ = _engine(f"{name}-k", rank, size, store, tenant, load_timeout_s=20.0)
@@ -108,7 +111,8 @@ def _rank0_dies(name: str, rank: int, q: Any, store: MooncakeStore, tenant: str,
         if rank == 0:
 
             def hang(k: Any, p: Any) -> Any:
-                q.put((0, "fetching", os.getpid()))
+                Path(sig + ".tmp").write_text(str(os.getpid()))
+                os.replace(sig + ".tmp", sig)
                 time.sleep(120)
 
             eng.l3.get = hang  # type: ignore[method-assign,union-attr]
