@@ -204,12 +204,11 @@ class SharedTransferEngine:
 
     def submit_backup(self, slots: Any, pages: np.ndarray | Sequence[int]) -> int:
         p = np.asarray(pages, dtype=np.int64).reshape(-1)
+        self._before_write(p)
         self.want[p] += 1  # every rank: the bookkeeping is identical (the SPMD invariant)
         if not self.writer:
             self.skipped_backups += 1
             return self._fake_job("backup", p, True)
-        if self.before_write is not None:
-            self.before_write(p)
         self.seg.invalidate(p)  # before any new byte lands: readers of the old bytes fail their check
         fence_release()  # ... and seen before any of them, on every CPU
         jid = self.inner.submit_backup(slots, p)
@@ -224,13 +223,18 @@ class SharedTransferEngine:
         their next generation (returned); rank 0 invalidates them before any byte lands. Publish
         with `publish_external` once their bytes are complete."""
         p = np.asarray(pages, dtype=np.int64).reshape(-1)
+        self._before_write(p)
         self.want[p] += 1
         if self.writer:
-            if self.before_write is not None:
-                self.before_write(p)
             self.seg.invalidate(p)
             fence_release()
         return self.want[p].copy()
+
+    def _before_write(self, p: np.ndarray) -> None:
+        # before the new generation: whoever still reads the old bytes (an L3 put) waits for
+        # the old one, which stays this rank's expectation until then
+        if self.writer and self.before_write is not None:
+            self.before_write(p)
 
     def publish_external(self, pages: np.ndarray, gens: np.ndarray) -> None:
         """Rank 0: the bytes of `pages` (generations `gens` from begin_external) are complete."""

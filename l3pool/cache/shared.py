@@ -219,6 +219,9 @@ class SharedTieredCache(TieredCache):
             while self._done_puts:
                 hs, pages, res, err, s = self._done_puts.popleft()
                 self._written_locked(hs, pages, res, err, s, None, unpin=False)
+                moved = self.t2.pages_of(hs) != pages  # evicted since (maybe holding another page now)
+                if moved.any():
+                    self._in_l3[pages[moved]] = False
         finally:
             self._mu.release()
 
@@ -302,6 +305,7 @@ class SharedTieredCache(TieredCache):
             "whole_loads": self.split.whole_jobs if self.split else None,
             "split_h2d_bytes": self.split.h2d_bytes if self.split else 0,
             "fetch_quarantined": self.fetcher.quarantined if self.fetcher else 0,
+            "rewrite_waits": self.reading.waits if self.writer is not None else 0,
         }  # fmt: skip
         return d
 

@@ -232,6 +232,7 @@ class Reading:
         self.n = np.zeros(num_pages, dtype=np.int32)
         self.cv = threading.Condition()
         self.timeout_s = timeout_s
+        self.waits = 0  # rewrites that waited for a put
 
     def add(self, pages: np.ndarray) -> None:
         with self.cv:
@@ -245,6 +246,8 @@ class Reading:
     def wait_unread(self, pages: np.ndarray) -> None:
         """Before new bytes go into `pages` (the engine's before_write)."""
         with self.cv:
+            if self.n[pages].any():
+                self.waits += 1
             if not self.cv.wait_for(lambda: not self.n[pages].any(), self.timeout_s):
                 raise CacheError(f"L2 pages still read by an L3 put after {self.timeout_s} s: not rewritten")
 

@@ -34,11 +34,17 @@ def main(scenario: str, name: str, rank: int, size: int, q: Any, rpc: str, meta:
         q.put((rank, "error", f"{type(e).__name__}: {e}"))
 
 
-def _engine(group: str, rank: int, size: int, store: MooncakeStore, tenant: str, **cfg: Any) -> tuple[Engine, Counter]:
+def _engine(
+    group: str, rank: int, size: int, store: MooncakeStore, tenant: str, l2_pages: int = 48, **cfg: Any
+) -> tuple[Engine, Counter]:
     cfg.setdefault("load_timeout_s", 30.0)
     c = CacheConfig(tp_shared=True, tp_group=group, tp_rank=rank, tp_size=size, writer_linger_ms=20, **cfg)
-    eng = Engine(c, l1_pages=16, l2_pages=48, store=store, tenant=tenant)
+    eng = Engine(c, l1_pages=16, l2_pages=l2_pages, store=store, tenant=tenant)
     eng.poison_free_l2 = lambda: None  # type: ignore[method-assign]  # the pool is shared (shared_ranks.py)
+    # every rank attached before any goes on (a rank 0 far ahead could otherwise finish, and the
+    # group's segment go, before a slow rank even opened it); also the digests of the empty caches
+    seen = eng.cache.tp_check(15, timeout=120.0)
+    assert len(seen) == size, f"only ranks {seen} attached within 120 s"
     calls: Counter = Counter()
     l3 = eng.l3
     assert l3 is not None
@@ -128,4 +134,32 @@ def _rank0_dies(name: str, rank: int, sig: str, store: MooncakeStore, tenant: st
         eng.close()
 
 
-SCENARIOS = {"write_then_read": _write_then_read, "rank0_dies": _rank0_dies}
+def _slow_puts(name: str, rank: int, sig: str, store: MooncakeStore, tenant: str, size: int) -> list[Any]:
+    """Rank 0's puts are slow (0.3 s each) and L2 holds 16 pages: 4 requests of 8 new pages each
+    evict L2 pages still queued for the writer, which rank 0 must not rewrite before their put
+    read them. A fresh group then loads every chain from L3 (bytes checked by Engine.run)."""
+    chains = [chain(40 + i, 8) for i in range(4)]
+    eng, _ = _engine(f"{name}-w", rank, size, store, tenant, l2_pages=16)
+    try:
+        if rank == 0:
+            put = eng.l3.put  # type: ignore[union-attr]
+            eng.l3.put = lambda k, p: (time.sleep(0.3), put(k, p))[1]  # type: ignore[method-assign,union-attr]
+        for i, hs in enumerate(chains):
+            eng.run(f"w{i}", hs)
+            eng.cache.tp_check(i, timeout=30.0)
+        eng.cache.flush()
+        st = eng.cache.stats()
+        writes = (st["l2_to_l3_writes"], st["backup_skips"], st["l3_put_failed"], st["l1_to_l2_writes"], st["errors"])
+        waits = st["tp_shared"]["rewrite_waits"]
+    finally:
+        eng.close()
+    eng, calls = _engine(f"{name}-r", rank, size, store, tenant, prefetch_policy="wait_complete")
+    try:
+        hits = [eng.run(f"r{i}", hs).l3 for i, hs in enumerate(chains)]  # asserts the bytes
+        eng.cache.tp_check(0, timeout=30.0)
+        return [writes, hits, dict(calls), eng.cache.tp_digest(), waits]
+    finally:
+        eng.close()
+
+
+SCENARIOS = {"write_then_read": _write_then_read, "rank0_dies": _rank0_dies, "slow_puts": _slow_puts}

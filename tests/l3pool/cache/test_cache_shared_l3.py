@@ -111,3 +111,18 @@ def test_other_ranks_fail_soon_after_rank0_dies_mid_prefetch(
     for r, (msg, at) in got.items():
         assert "rank 0 (pid" in msg and "died before publishing the L3 prefetch" in msg, f"rank {r}: {msg}"
         assert at - killed_at < 5.0, f"rank {r} noticed after {at - killed_at:.1f} s"
+
+
+def test_rank0_never_rewrites_a_page_an_l3_put_still_reads(
+    mooncake_master: MasterServer, store: MooncakeStore, tmp_path: Path
+) -> None:
+    got, _, left = _spawn("slow_puts", 2, mooncake_master, uuid.uuid4().hex, tmp_path / "sig")
+    assert not left, f"segments leaked: {left}"
+    writes0, hits0, calls0, digest0, waits0 = got[0]
+    assert waits0 > 0, "no rewrite waited for a put: the test did not exercise it"
+    # every page backed up and put (a page reused for another while its put was applied late is
+    # not taken for one already in L3), no skips, no failures
+    assert writes0 == ({"through": 32}, {"l3_slow": 0, "l2_pinned": 0}, 0, {"through": 32}, 0), writes0
+    assert hits0 == [8, 8, 8, 8] and calls0.get("get", 0) >= 4, got[0]
+    writes1, hits1, calls1, digest1, _ = got[1]
+    assert (writes1[0], hits1, calls1, digest1) == ({}, hits0, {}, digest0), got[1]
