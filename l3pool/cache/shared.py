@@ -238,8 +238,9 @@ class SharedTieredCache(TieredCache):
         try:
             super().close()
         finally:
-            if self.fetcher is not None:
-                self.fetcher.close()
+            fetcher = getattr(self, "fetcher", None)  # absent when __init__ failed before it
+            if fetcher is not None:
+                fetcher.close()
 
     # -- deterministic backups ---------------------------------------------------------------------
     def _backup(self, hs: list[bytes], l1p: np.ndarray, reason: str) -> None:

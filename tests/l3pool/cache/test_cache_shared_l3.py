@@ -126,3 +126,32 @@ def test_rank0_never_rewrites_a_page_an_l3_put_still_reads(
     assert hits0 == [8, 8, 8, 8] and calls0.get("get", 0) >= 4, got[0]
     writes1, hits1, calls1, digest1, _ = got[1]
     assert (writes1[0], hits1, calls1, digest1) == ({}, hits0, {}, digest0), got[1]
+
+
+def test_handshake_rows(tmp_path: Path) -> None:
+    """The table alone (in process: rank 0's writer side and a rank 1 reader over one segment):
+    values arrive, a missing one times out, a reused row and a dead rank 0 are named."""
+    from l2core.shm_segment import TABLE_SLOTS, Segment
+    from l3pool.cache.shared_l3 import Handshake
+    from l3pool.cache.types import CacheError
+
+    seg = Segment.create(f"hs-{uuid.uuid4().hex[:8]}", 2, 1 << 20, 4, directory=str(tmp_path), janitor=False)
+    try:
+        w, r = Handshake(seg, 0), Handshake(seg, 1)
+        w.publish_lookup(7, 0)
+        assert r.wait(7, 1, 1.0, "x") == 0  # a published 0 is a value, not "not yet"
+        with pytest.raises(CacheError, match=r"rank 0 did not publish the count within 0.2 s"):
+            r.wait(7, 2, 0.2, "the count")
+        w.publish_count(7, 5, "req")
+        assert r.wait(7, 2, 1.0, "x") == 5
+        w.publish_lookup(7 + TABLE_SLOTS, 3)
+        with pytest.raises(CacheError, match="reused the handshake row"):
+            r.wait(7, 2, 1.0, "the count")
+        with pytest.raises(CacheError, match="was reused"):
+            w.publish_count(7, 1, "req")
+        seg.creator_pid, seg._creator_start = 2**22 + 12345, 1  # a rank 0 that is gone
+        with pytest.raises(CacheError, match=r"rank 0 \(pid \d+\) died before publishing the count"):
+            r.wait(8, 1, 5.0, "the count")
+    finally:
+        seg.close()
+    assert not list(tmp_path.iterdir())
