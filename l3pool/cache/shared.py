@@ -178,6 +178,7 @@ class SharedTieredCache(TieredCache):
         publishes its length; the others wait for it), then the base load uses it."""
         self._check_open()
         r = self._req(m.request_id)
+        waited = 0.0
         if self.fetcher is not None and r.n_hit < 0 and r.n3 > r.n2:
             if r.prefetch is None:
                 self._start_fetch(r, wait_all=True)
@@ -187,8 +188,11 @@ class SharedTieredCache(TieredCache):
                 try:
                     self.fetcher.finish(h, self.cfg.prefetch_policy, self.cfg.prefetch_timeout_s)
                 finally:
-                    self._add_wait("l3", time.perf_counter() - t0)
-        return _BASE_LOAD(self, m, total_pages)
+                    waited = time.perf_counter() - t0
+                    self._add_wait("l3", waited)
+        lh: LoadHandle = _BASE_LOAD(self, m, total_pages)
+        lh.l3_wait_s += waited  # the base waited for a result that was already there
+        return lh
 
     def release(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)

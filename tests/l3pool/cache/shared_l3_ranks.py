@@ -103,7 +103,16 @@ def _write_then_read(name: str, rank: int, sig: str, store: MooncakeStore, tenan
         eng.cache.release("i")
         eng.cache.tp_check(3, timeout=30.0)
         st = eng.cache.stats()
-        out["i"] = (m.l3, hit, h.l3, dict(calls), eng.cache.tp_digest(), eng.used(), st["prefetch_interrupted"])
+        out["i"] = (
+            m.l3,
+            hit,
+            h.l3,
+            dict(calls),
+            eng.cache.tp_digest(),
+            eng.used(),
+            st["prefetch_interrupted"],
+            h.l3_wait_s,
+        )
     finally:
         eng.close()
     return out
