@@ -128,9 +128,10 @@ def stride_policy(spec: str | StridePolicy) -> StridePolicy:
     head, _, arg = s.partition(":")
     if head == "fixed" and arg:
         try:
-            return FixedStride(int(arg))
+            k = int(arg)
         except ValueError:
             raise ConfigError(f"fixed stride needs an integer number of pages, got {arg!r}") from None
+        return FixedStride(k)
     if head == "dynamic" and arg:
         breaks, tail = [], None
         for part in arg.split(","):
