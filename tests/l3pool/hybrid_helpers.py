@@ -25,8 +25,18 @@ def model(attention: str = "mha", window: int = W, swa_per_full: int = 2) -> Hyb
 class HEngine:
     """One instance: the model, its full-layer L1 and a HybridCache over L1 + L2 (+ L3)."""
 
-    def __init__(self, m: HybridModel, stride: str, *, l1_pages: int = 96, l2_pages: int = 256,
-                 ckpt_l1: int = 48, ckpt_l2: int = 96, cfg: CacheConfig | None = None, **kw: object) -> None:  # fmt: skip
+    def __init__(
+        self,
+        m: HybridModel,
+        stride: str,
+        *,
+        l1_pages: int = 96,
+        l2_pages: int = 256,
+        ckpt_l1: int = 48,
+        ckpt_l2: int = 96,
+        cfg: CacheConfig | None = None,
+        **kw: object,
+    ) -> None:
         self.model = m
         fs = m.spec.full_spec
         self.bufs = [

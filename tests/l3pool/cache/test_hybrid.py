@@ -15,7 +15,7 @@ from l3pool.cache.stride import stride_policy
 from l3pool.demo.model import RefModel
 from l3pool.pool.keys import page_hashes
 
-from ..hybrid_helpers import P, HEngine, agentic, model, reference
+from ..hybrid_helpers import HEngine, P, agentic, model, reference
 
 POLICIES = ["none", "every", "fixed:1", "fixed:3", "fixed:8", "dynamic:16/1,40/2,*/4"]
 
