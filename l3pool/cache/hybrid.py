@@ -23,12 +23,14 @@ checkpoint therefore only lowers later resume positions: no prefix ever claims t
 without its checkpoint (a checkpoint found missing after the probe makes the request resume at 0).
 A checkpoint of another group structure lives in another namespace: a miss, never foreign bytes.
 
-**Pipeline stages** agree through the two caches' stage locks. Stage 0 probes its tiers for the
-best p, then locks the full pages `[:p]`; if the lock is shorter than p it tries no checkpoint.
-It then locks the checkpoint list headed by ck(p) (or by nothing: length 0). Every other stage
-joins the full lock (length L) and then the checkpoint lock headed by ck(L): the checkpoint lock
-has length 1 only when stage 0 locked ck(p) with p == L, so all stages resume at L or all at 0.
-Under PP a resume needs the chosen checkpoint and its full pages on every stage (in L3).
+**Pipeline stages** agree through the two caches' stage locks. Stage 0 probes L3 for the largest
+saved position p whose full pages and checkpoint exist for every stage, then locks the full pages
+`[:p]`; if that lock comes out shorter than p it tries no checkpoint. It then locks the checkpoint
+list headed by ck(p) (or by nothing: length 0). Every other stage joins the full lock (length L)
+and then the checkpoint lock, heading its list by ck(L): the checkpoint lock has length 1 only
+when stage 0 locked ck(p) with p == L, so all stages resume at L or all at 0 (the full match is
+shortened to that on every stage). A stage whose checkpoint then fails to arrive raises
+PPShortLoad from load, as for pages.
 
 Which checkpoints a request saves: the stride policy's positions in (p_try, full pages] that are
 not already in its L1/L2, plus p_try itself when it did not hit.
@@ -59,6 +61,11 @@ from l3pool.pool.protocols import PageStore
 
 log = logging.getLogger(__name__)
 _EMPTY = np.empty(0, dtype=np.int64)
+
+
+def _ck_rid(request_id: str) -> str:
+    """The request's id in the checkpoint cache: its own stage-lock key beside the pages' lock."""
+    return f"{request_id}+swa-ckpt"
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,30 @@ class HybridCache:
         i = np.flatnonzero(have)
         return int(cand[i[0]]) if i.size else 0
 
+    def _pp_best(self, hs: list[bytes], limit: int) -> int:
+        """Stage 0's choice under PP: the largest saved position whose full pages and checkpoint are
+        in L3 for every stage (what the two stage locks will check; a failed probe is a miss)."""
+        fl, cl = self.full.locks, self.ckpt.locks if self.ckpt is not None else None
+        store = getattr(fl, "store", None)
+        fns, cns = getattr(fl, "namespaces", None), getattr(cl, "namespaces", None)  # StageLocks'
+        if fl is None or store is None or fns is None or cns is None or limit < 1 or not hasattr(store, "present"):
+            return 0
+        try:
+            n = fl.stages
+            full = store.present([k for ns in fns for k in ns.keys(hs[:limit])]).reshape(n, limit)
+            miss = ~full.all(axis=0)
+            avail = int(np.argmax(miss)) if miss.any() else limit
+            cand = self.stride.saved(avail, self.page_size)[::-1]
+            if not cand.size:
+                return 0
+            ck = checkpoint_hashes(hs, cand, self.spec.signature)
+            have = store.present([k for ns in cns for k in ns.keys(ck)]).reshape(n, len(ck)).all(axis=0)
+        except Exception as e:
+            log.warning("PP checkpoint probe failed (treated as a miss): %s", e)
+            return 0
+        i = np.flatnonzero(have)
+        return int(cand[i[0]]) if i.size else 0
+
     def match(self, request_id: str, page_hashes: Sequence[bytes], max_hit: int | None = None) -> HybridMatch:
         hs = page_hashes if isinstance(page_hashes, list) else list(page_hashes)
         limit = len(hs) if max_hit is None else max(0, min(int(max_hit), len(hs)))
@@ -173,10 +204,7 @@ class HybridCache:
         full = self.full
         stage = full.locks.stage if full.pp and full.locks is not None else None
         if stage == 0:  # choose p first: the full lock must be exactly [:p] for the others to know p
-            l3 = full.l3
-            assert l3 is not None
-            avail = l3.lookup(l3.ns.keys(hs[:limit])) if limit else 0
-            p = self._best(hs, avail)
+            p = self._pp_best(hs, limit)
             m = full.match(request_id, hs, p)
             p_try = p if m.hit_pages == p else 0
         elif stage is not None:
@@ -192,7 +220,7 @@ class HybridCache:
                 saves = saves[~self._present_ckpts(hs, saves, l3=False)]
             positions = ([p_try] if p_try else []) + saves.tolist()
             ck = checkpoint_hashes(hs, np.asarray(positions, dtype=np.int64), self.spec.signature)
-            cm = self.ckpt.match(request_id, ck, 1 if p_try else 0)
+            cm = self.ckpt.match(_ck_rid(request_id), ck, 1 if p_try else 0)
         except BaseException:
             full.release(request_id)
             raise
@@ -205,7 +233,7 @@ class HybridCache:
                 m = full.shorten(request_id, resume)
         except BaseException:
             full.release(request_id)
-            self.ckpt.release(request_id)
+            self.ckpt.release(_ck_rid(request_id))
             raise
         self._reqs[request_id] = _HReq(resume, p_try, hit, positions, ck)
         return HybridMatch(request_id, len(hs), resume, m, cm, hit, tuple(saves.tolist()))
@@ -265,7 +293,7 @@ class HybridCache:
         if k > lo:
             n = gather_windows(swa, page_table, pos[lo:k], self.ckpt_l1, ck_pages[lo:k], self.page_size, self.wpages)
             self.counters["ckpt_bytes_copied"] += n
-        new = self.ckpt.commit(request_id, r.ck_hashes[:k], ck_pages[:k])
+        new = self.ckpt.commit(_ck_rid(request_id), r.ck_hashes[:k], ck_pages[:k])
         self.counters["ckpts_saved"] += new
         r.committed = k
         return new
@@ -278,7 +306,7 @@ class HybridCache:
             self.full.release(request_id)
         finally:
             if self.ckpt is not None:
-                self.ckpt.release(request_id)
+                self.ckpt.release(_ck_rid(request_id))
 
     def _req(self, rid: str) -> _HReq:
         r = self._reqs.get(rid)

@@ -135,14 +135,14 @@ def stride_policy(spec: str | StridePolicy) -> StridePolicy:
     if head == "dynamic" and arg:
         breaks, tail = [], None
         for part in arg.split(","):
-            t, sep, k = part.strip().partition("/")
+            t, sep, ks = part.strip().partition("/")
             try:
                 if not sep:
                     raise ValueError
                 if t == "*":
-                    tail = int(k)
+                    tail = int(ks)
                 else:
-                    breaks.append((int(t), int(k)))
+                    breaks.append((int(t), int(ks)))
             except ValueError:
                 raise ConfigError(f"dynamic stride part {part!r}: expected TOKENS/STRIDE or */STRIDE") from None
         if tail is None:
