@@ -163,7 +163,7 @@ class HybridCache:
 
     def _best(self, hs: Sequence[bytes], upto: int) -> int:
         """The largest saved position <= upto whose checkpoint exists (0: none)."""
-        cand = self.stride.saved(upto, self.page_size)[::-1]
+        cand = self.stride.candidates(upto, self.page_size)[::-1]
         if not cand.size:
             return 0
         have = self._present_ckpts(hs, cand)
@@ -183,7 +183,7 @@ class HybridCache:
             full = store.present([k for ns in fns for k in ns.keys(hs[:limit])]).reshape(n, limit)
             miss = ~full.all(axis=0)
             avail = int(np.argmax(miss)) if miss.any() else limit
-            cand = self.stride.saved(avail, self.page_size)[::-1]
+            cand = self.stride.candidates(avail, self.page_size)[::-1]
             if not cand.size:
                 return 0
             ck = checkpoint_hashes(hs, cand, self.spec.signature)
@@ -209,12 +209,12 @@ class HybridCache:
             p_try = p if m.hit_pages == p else 0
         elif stage is not None:
             m = full.match(request_id, hs, limit)
-            p_try = m.hit_pages if self.stride.is_saved(m.hit_pages, self.page_size) else 0
+            p_try = m.hit_pages if self.stride.may_hold(m.hit_pages, self.page_size) else 0
         else:
             m = full.match(request_id, hs, limit)
             p_try = self._best(hs, m.hit_pages)
         try:
-            saves = self.stride.saved(len(hs), self.page_size)
+            saves = self.stride.to_save(len(hs), self.page_size)
             saves = saves[saves > p_try]
             if saves.size:  # skip checkpoints this instance already holds (L1/L2)
                 saves = saves[~self._present_ckpts(hs, saves, l3=False)]

@@ -11,6 +11,7 @@ KV of a whole window. The policy trades the two: `saved(n)` gives the saved posi
 | `fixed:k`       | p % k == 0                                                    |
 | `dynamic`       | p % k(p) == 0 with k = 1 up to 4K tokens, 8 up to 32K, 32 beyond |
 | `dynamic:T/k,..,*/k` | the same with other breakpoints (T tokens, inclusive; `*` the tail) |
+| `<policy>+end`  | the policy's positions, and the prompt's last full page       |
 
 The dynamic stride is Baidu's production rule: system prompts and tool definitions (short) hit
 at page granularity while long histories stay cheap.
@@ -50,6 +51,50 @@ class StridePolicy:
             return False
         k = int(self.strides(np.array([p], dtype=np.int64), page_size)[0])
         return k > 0 and p % k == 0
+
+    def to_save(self, n_pages: int, page_size: int) -> np.ndarray:
+        """The positions a request of `n_pages` full pages saves (ascending)."""
+        return self.saved(n_pages, page_size)
+
+    def candidates(self, upto: int, page_size: int) -> np.ndarray:
+        """Positions in [1, upto] where some request may have saved a checkpoint (ascending)."""
+        return self.saved(upto, page_size)
+
+    def may_hold(self, p: int, page_size: int) -> bool:
+        return self.is_saved(p, page_size)
+
+
+class WithEnd(StridePolicy):
+    """`base`, plus a checkpoint at the prompt's last full page: where the session's next turn
+    resumes (its prompt extends this one), so growing histories hit up to the previous prompt's
+    end at the cost of one checkpoint per request. Any position may then hold a checkpoint."""
+
+    def __init__(self, base: StridePolicy) -> None:
+        if isinstance(base, (WithEnd, NoSave)):
+            raise ConfigError(f"'+end' applies to every, fixed:K and dynamic policies, not {base.name!r}")
+        self.base = base
+        self.name = f"{base.name}+end"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WithEnd) and other.base == self.base
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def strides(self, p: np.ndarray, page_size: int) -> np.ndarray:
+        return self.base.strides(p, page_size)
+
+    def to_save(self, n_pages: int, page_size: int) -> np.ndarray:
+        s = self.base.saved(n_pages, page_size)
+        if n_pages >= 1 and (not s.size or s[-1] != n_pages):
+            s = np.append(s, np.int64(n_pages))
+        return s
+
+    def candidates(self, upto: int, page_size: int) -> np.ndarray:
+        return np.arange(1, max(0, int(upto)) + 1, dtype=np.int64)
+
+    def may_hold(self, p: int, page_size: int) -> bool:
+        return p >= 1
 
 
 class NoSave(StridePolicy):
@@ -119,6 +164,8 @@ def stride_policy(spec: str | StridePolicy) -> StridePolicy:
     if not isinstance(spec, str):
         raise ConfigError(f"stride policy must be a name, got {spec!r}")
     s = spec.strip()
+    if s.endswith("+end"):
+        return WithEnd(stride_policy(s[: -len("+end")]))
     if s == "none":
         return NoSave()
     if s == "every":
@@ -150,5 +197,5 @@ def stride_policy(spec: str | StridePolicy) -> StridePolicy:
         return DynamicStride(tuple(breaks), tail)
     raise ConfigError(
         f"unknown stride policy {spec!r}; choose one of 'none', 'every', 'fixed:K', 'dynamic', "
-        "'dynamic:T1/K1,T2/K2,*/K'"
+        "'dynamic:T1/K1,T2/K2,*/K', each optionally with '+end'"
     )

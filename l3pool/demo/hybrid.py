@@ -127,6 +127,8 @@ class HybridRun:
     resume: int  # pages not computed
     pages: int  # full pages of the prompt
     saved: int  # checkpoints this request committed
+    slots: torch.Tensor  # the full layers' L1 token slots of the request
+    swa: torch.Tensor  # the request's SWA KV after prefill (window restored + computed)
 
 
 def run_request(
@@ -152,4 +154,4 @@ def run_request(
         saved = hc.commit(rid, hs, h.full.l1_pages[: len(hs)], swa, table)
     finally:
         hc.release(rid)
-    return HybridRun(logits, h.resume, len(hs), saved)
+    return HybridRun(logits, h.resume, len(hs), saved, h.full.slots, swa)

@@ -42,6 +42,18 @@ def test_dynamic_custom_and_name_round_trip() -> None:
         assert np.isin(stride_policy(name).saved(300, 16), every).all()
 
 
+def test_with_end() -> None:
+    d = stride_policy("fixed:4+end")
+    assert d.name == "fixed:4+end" and stride_policy(d.name) == d
+    assert d.to_save(10, 16).tolist() == [4, 8, 10]
+    assert d.to_save(8, 16).tolist() == [4, 8]
+    assert d.saved(10, 16).tolist() == [4, 8]  # the stride's own positions
+    assert d.candidates(5, 16).tolist() == [1, 2, 3, 4, 5]  # any earlier prompt may have ended anywhere
+    assert d.may_hold(3, 16) and not d.may_hold(0, 16)
+    assert stride_policy("fixed:4").candidates(10, 16).tolist() == [4, 8]
+    assert stride_policy("dynamic+end").to_save(3, 64).tolist() == [1, 2, 3]
+
+
 @pytest.mark.parametrize(
     ("name", "msg"),
     [
@@ -55,6 +67,9 @@ def test_dynamic_custom_and_name_round_trip() -> None:
         ("dynamic:4096/0,*/4", ">= 1"),
         ("dynamic:*/0", "tail stride"),
         (7, "must be a name"),
+        ("none+end", "'\\+end' applies"),
+        ("every+end+end", "'\\+end' applies"),
+        ("fixed:x+end", "integer"),
     ],
 )
 def test_bad_policies(name: object, msg: str) -> None:
