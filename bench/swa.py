@@ -58,7 +58,7 @@ def _time(fn: Callable[[], None], dev: torch.device) -> float:
 
 def bench_one(
     tokens: int, window: int, layers: int, kv_heads: int, head_dim: int, iters: int, dev: torch.device
-) -> dict[str, Any]:  # noqa: E501
+) -> dict[str, Any]:
     kv = KVSpec.mha(layers + 1, kv_heads, head_dim, page_size=P)
     spec = HybridSpec.pattern(kv, layers, window)  # `layers` SWA layers + one full layer
     cs = spec.ckpt_spec
