@@ -49,7 +49,7 @@ import torch
 from l2core.groups import HybridSpec, checkpoint_hashes
 from l2core.pool import PinMode
 from l2core.spec import ConfigError
-from l2core.window import gather_windows, scatter_window
+from l2core.window import gather_windows, layer_views, scatter_window
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.controller import TieredCache
 from l3pool.cache.stack import CacheStack, build
@@ -135,6 +135,7 @@ class HybridCache:
             raise ConfigError("a model with an swa group needs the checkpoint cache and its L1 (and only then)")
         if ckpt is not None and ckpt.page_size != spec.window:
             raise ConfigError(f"checkpoint cache page size {ckpt.page_size} != the window {spec.window}")
+        self._kv = spec.ckpt_spec if spec.swa is not None else None  # the SWA group: native CPU window copies
         self._reqs: dict[str, _HReq] = {}
         self.counters = {"requests": 0, "resumed": 0, "resume_pages": 0, "full_hit_pages": 0, "ckpt_lost": 0,
                          "ckpts_saved": 0, "ckpt_bytes_copied": 0}  # fmt: skip
@@ -261,7 +262,8 @@ class HybridCache:
             return 0
         h.ckpt.wait()
         n = scatter_window(
-            self.ckpt_l1, h.ckpt.l1_pages[:1], np.array([h.resume]), swa, page_table, self.page_size, self.wpages
+            self.ckpt_l1, h.ckpt.l1_pages[:1], np.array([h.resume]), swa, page_table, self.page_size, self.wpages,
+            self._kv,
         )
         self.counters["ckpt_bytes_copied"] += n
         return n
@@ -291,7 +293,9 @@ class HybridCache:
         ck_pages = r.load.ckpt.l1_pages
         lo = max(r.committed, int(r.hit))  # the hit checkpoint is already indexed
         if k > lo:
-            n = gather_windows(swa, page_table, pos[lo:k], self.ckpt_l1, ck_pages[lo:k], self.page_size, self.wpages)
+            n = gather_windows(
+                swa, page_table, pos[lo:k], self.ckpt_l1, ck_pages[lo:k], self.page_size, self.wpages, self._kv
+            )
             self.counters["ckpt_bytes_copied"] += n
         new = self.ckpt.commit(_ck_rid(request_id), r.ck_hashes[:k], ck_pages[:k])
         self.counters["ckpts_saved"] += new
@@ -442,7 +446,7 @@ def build_hybrid(
             dev = l1.bufs[0].device
             buf = torch.zeros(ks.num_layers * ks.num_kv, ckpt_l1 * ks.page_size, ks.heads, ks.dim,
                               dtype=ks.torch_dtype, device=dev)  # fmt: skip
-            cl1 = L1(list(buf.unbind(0)), ks.page_size)
+            cl1 = L1(layer_views(buf, ks.num_kv), ks.page_size)  # kv-major stack, ops-order views
             cs = build(cl1, ks, l2_tokens=ckpt_l2 * ks.page_size, store=store, namespace=nc, locks=lc, **kw)
         hc = HybridCache(spec, fs.cache, cs.cache if cs is not None else None, buf, stride)
     except BaseException:

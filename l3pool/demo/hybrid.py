@@ -9,7 +9,8 @@ last-token logits stay bit-identical with and without cache (RefModel's determin
 
 KV buffers (l2core.ops order inside each group):
 - full layers: per-layer L1 buffers of `spec.full_spec` (the full cache's L1), token slots `slots`;
-- SWA layers: one stacked tensor `swa` `[N, slots, H, D]` (N = SWA layers x kv), the request's own
+- SWA layers: one stacked tensor `swa` `[N, slots, H, D]` (N = kv x SWA layers, kv-major as
+  l2core.window wants it), the request's own
   (an engine keeps the SWA KV apart from the shared full-attention pages), token slots
   `swa_slots`. `run_request` shows the whole lifecycle through `HybridCache`.
 """
@@ -109,8 +110,8 @@ class HybridModel(RefModel):
                 bv = bufs[2 * j + 1] if cfg.attention == "mha" else None
             else:
                 ks, ns, mask = swa_slots[lo:], swa_slots[c0:], win_mask
-                bk = swa[2 * j] if cfg.attention == "mha" else swa[j]
-                bv = swa[2 * j + 1] if cfg.attention == "mha" else None
+                bk = swa[j]  # kv-major (l2core.window): K of every SWA layer, then V
+                bv = swa[len(self.swa_layers) + j] if cfg.attention == "mha" else None
             if cfg.attention == "mla":
                 a = self._mla(h, pos, p, bk, ns, ks, mask)
             else:

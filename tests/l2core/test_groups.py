@@ -8,7 +8,7 @@ import torch
 
 from l2core.groups import HybridSpec, LayerGroup, checkpoint_hashes
 from l2core.spec import ConfigError, KVSpec
-from l2core.window import gather_windows, scatter_window, window_rows
+from l2core.window import gather_windows, layer_views, scatter_window, window_rows
 
 KV = KVSpec.mha(12, 2, 8, page_size=4)
 
@@ -118,6 +118,28 @@ def test_gather_scatter_match_a_reference_and_leave_the_rest(dtype: torch.dtype)
     for r in range(20):
         s = slice(r * P, (r + 1) * P)
         assert torch.equal(out[:, s], swa[:, s] if r in rows else torch.zeros_like(swa[:, s]))
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_native_cpu_copy_equals_the_torch_path(attention: str) -> None:
+    P, w = 4, 3
+    kv = KVSpec.mha(6, 2, 8, page_size=P) if attention == "mha" else KVSpec.mla(6, 24, 8, page_size=P)
+    cs = HybridSpec.pattern(kv, 2, w * P).ckpt_spec  # 4 SWA layers
+    n = cs.num_layers * cs.num_kv
+    swa = torch.randn(n, 16 * P, cs.heads, cs.dim, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    table = np.random.default_rng(3).permutation(16)[:10]
+    pos, cks = np.array([10, 2, 6]), np.array([2, 0, 4])
+    a = torch.full((n, 5 * w * P, cs.heads, cs.dim), 3.0, dtype=torch.bfloat16)
+    b = a.clone()
+    na = gather_windows(swa, table, pos, a, cks, P, w)  # torch
+    nb = gather_windows(swa, table, pos, b, cks, P, w, cs)  # native (CPU)
+    assert na == nb and torch.equal(a, b)
+    x, y = torch.zeros_like(swa), torch.zeros_like(swa)
+    scatter_window(a, np.array([0, 2]), np.array([2, 10]), x, table, P, w)
+    scatter_window(a, np.array([0, 2]), np.array([2, 10]), y, table, P, w, cs)
+    assert torch.equal(x, y) and x.abs().sum() > 0
+    views = layer_views(swa, cs.num_kv)  # ops order: K_0, V_0, K_1, ... of a kv-major stack
+    assert len(views) == n and views[1].data_ptr() == swa[cs.num_layers if attention == "mha" else 1].data_ptr()
 
 
 def test_window_copy_checks() -> None:
