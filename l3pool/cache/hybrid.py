@@ -262,7 +262,13 @@ class HybridCache:
             return 0
         h.ckpt.wait()
         n = scatter_window(
-            self.ckpt_l1, h.ckpt.l1_pages[:1], np.array([h.resume]), swa, page_table, self.page_size, self.wpages,
+            self.ckpt_l1,
+            h.ckpt.l1_pages[:1],
+            np.array([h.resume]),
+            swa,
+            page_table,
+            self.page_size,
+            self.wpages,
             self._kv,
         )
         self.counters["ckpt_bytes_copied"] += n
