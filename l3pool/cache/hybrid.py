@@ -39,6 +39,7 @@ not already in its L1/L2, plus p_try itself when it did not hit.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,8 +138,9 @@ class HybridCache:
             raise ConfigError(f"checkpoint cache page size {ckpt.page_size} != the window {spec.window}")
         self._kv = spec.ckpt_spec if spec.swa is not None else None  # the SWA group: native CPU window copies
         self._reqs: dict[str, _HReq] = {}
-        self.counters = {"requests": 0, "resumed": 0, "resume_pages": 0, "full_hit_pages": 0, "ckpt_lost": 0,
-                         "ckpts_saved": 0, "ckpt_bytes_copied": 0}  # fmt: skip
+        self.counters = {"requests": 0, "resumed": 0, "resume_pages": 0, "ckpt_lost": 0, "ckpts_saved": 0,
+                         "ckpt_bytes_copied": 0}  # fmt: skip
+        self._mu = threading.Lock()  # the request table and counters (calls come from many threads)
 
     # -- match ----------------------------------------------------------------------------------
     def _present_ckpts(self, hs: Sequence[bytes], positions: np.ndarray, l3: bool = True) -> np.ndarray:
@@ -200,7 +202,8 @@ class HybridCache:
         limit = len(hs) if max_hit is None else max(0, min(int(max_hit), len(hs)))
         if self.ckpt is None:
             m = self.full.match(request_id, hs, limit)
-            self._reqs[request_id] = _HReq(m.hit_pages, 0, False, [], [])
+            with self._mu:
+                self._reqs[request_id] = _HReq(m.hit_pages, 0, False, [], [])
             return HybridMatch(request_id, len(hs), m.hit_pages, m, None, False, ())
         full = self.full
         stage = full.locks.stage if full.pp and full.locks is not None else None
@@ -228,7 +231,7 @@ class HybridCache:
         hit = p_try > 0 and cm.hit_pages == 1
         resume = p_try if hit else 0
         if p_try and not hit:
-            self.counters["ckpt_lost"] += 1
+            self._count("ckpt_lost", 1)
         try:
             if resume < m.hit_pages:
                 m = full.shorten(request_id, resume)
@@ -236,7 +239,8 @@ class HybridCache:
             full.release(request_id)
             self.ckpt.release(_ck_rid(request_id))
             raise
-        self._reqs[request_id] = _HReq(resume, p_try, hit, positions, ck)
+        with self._mu:
+            self._reqs[request_id] = _HReq(resume, p_try, hit, positions, ck)
         return HybridMatch(request_id, len(hs), resume, m, cm, hit, tuple(saves.tolist()))
 
     # -- prefetch / load ------------------------------------------------------------------------
@@ -252,9 +256,9 @@ class HybridCache:
         if self.ckpt is not None and m.ckpt is not None:
             ch = self.ckpt.load(m.ckpt, total_pages=len(r.positions))
         r.load = HybridLoad(m.request_id, r.resume, fh, ch, self)
-        self.counters["requests"] += 1
-        self.counters["resumed"] += int(r.resume > 0)
-        self.counters["resume_pages"] += r.resume
+        self._count("requests", 1)
+        self._count("resumed", int(r.resume > 0))
+        self._count("resume_pages", r.resume)
         return r.load
 
     def _restore(self, h: HybridLoad, swa: torch.Tensor, page_table: np.ndarray) -> int:
@@ -271,7 +275,7 @@ class HybridCache:
             self.wpages,
             self._kv,
         )
-        self.counters["ckpt_bytes_copied"] += n
+        self._count("ckpt_bytes_copied", n)
         return n
 
     # -- commit / release -----------------------------------------------------------------------
@@ -302,14 +306,15 @@ class HybridCache:
             n = gather_windows(
                 swa, page_table, pos[lo:k], self.ckpt_l1, ck_pages[lo:k], self.page_size, self.wpages, self._kv
             )
-            self.counters["ckpt_bytes_copied"] += n
+            self._count("ckpt_bytes_copied", n)
         new = self.ckpt.commit(_ck_rid(request_id), r.ck_hashes[:k], ck_pages[:k])
-        self.counters["ckpts_saved"] += new
+        self._count("ckpts_saved", new)
         r.committed = k
         return new
 
     def release(self, request_id: str) -> None:
-        r = self._reqs.pop(request_id, None)
+        with self._mu:
+            r = self._reqs.pop(request_id, None)
         if r is None:
             raise UnknownRequest(f"unknown request id {request_id!r}: never matched or already released")
         try:
@@ -318,8 +323,13 @@ class HybridCache:
             if self.ckpt is not None:
                 self.ckpt.release(_ck_rid(request_id))
 
+    def _count(self, name: str, n: int) -> None:
+        with self._mu:
+            self.counters[name] += n
+
     def _req(self, rid: str) -> _HReq:
-        r = self._reqs.get(rid)
+        with self._mu:
+            r = self._reqs.get(rid)
         if r is None:
             raise UnknownRequest(f"unknown request id {rid!r}: match() it first (or it was released)")
         return r
@@ -343,10 +353,14 @@ class HybridCache:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "hybrid": dict(self.counters),
+            "hybrid": self._snapshot(),
             "full": self.full.stats(),
             "ckpt": self.ckpt.stats() if self.ckpt is not None else None,
         }
+
+    def _snapshot(self) -> dict[str, int]:
+        with self._mu:
+            return dict(self.counters)
 
     def flush(self, timeout: float | None = 30.0) -> None:
         self.full.flush(timeout)
@@ -355,7 +369,9 @@ class HybridCache:
 
     def close(self) -> None:
         """Release what is still active, then close both caches (the stacks close their pools)."""
-        for rid in list(self._reqs):
+        with self._mu:
+            active = list(self._reqs)
+        for rid in active:
             try:
                 self.release(rid)
             except Exception as e:  # close() goes on: the caches' close releases what is left

@@ -21,7 +21,7 @@ CFG = ModelConfig(attention="mha", layers=3, hidden=32, heads=2, head_dim=8, kv_
 
 def test_swa_section_small() -> None:
     wl = WorkloadConfig(sessions=2, turns=3, min_context=192, max_context=512, vocab=256)
-    opts = SwaOptions(model=CFG, swa_per_full=2, window=32, workload=wl, rounds=2,
+    opts = SwaOptions(model=CFG, swa_per_full=2, window=32, workload=wl, rounds=2, warmup=False,
                       strides=("none", "fixed:1", "fixed:8", "dynamic:64/1,256/4,*/8", "fixed:8+end"))  # fmt: skip
     sec = run_swa(opts)
     rows = {r["stride"]: r for r in sec["rows"]}
