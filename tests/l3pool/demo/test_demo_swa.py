@@ -4,6 +4,7 @@ no-cache reference, no wrong pages, and the rows order as the policies promise."
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,3 +59,13 @@ def test_bad_options() -> None:
         SwaOptions(strides=("none", "sometimes"))
     with pytest.raises(ConfigError, match="rounds"):
         dataclasses.replace(SwaOptions(), rounds=0)
+
+
+def test_cli_bad_stride_fails_before_starting_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from l3pool.cli import main
+
+    rc = main(["demo", "--attention", "hybrid", "--strides", "none;sometimes", "--out", str(tmp_path / "o")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "unknown stride policy 'sometimes'" in err
+    assert not (tmp_path / "o" / "report.json").exists()
