@@ -1,7 +1,7 @@
 """Window-checkpoint gather/scatter benchmark against a raw copy of the same bytes.
 
     PYTHONPATH=. python -m bench.swa [--device cpu|cuda|auto] [--tokens 8192,16384,32768]
-        [--window 1024] [--layers 10] [--kv-heads 2] [--head-dim 128] [--iters 9] [--json] [--out FILE]
+        [--window 1024] [--layers 4] [--kv-heads 8] [--head-dim 128] [--iters 15] [--json] [--out FILE]
 
 A hybrid model's SWA layers (`--layers`, MHA, bf16, 64-token pages) hold a request of `tokens`
 tokens whose pages sit at random places of a 1.5x larger buffer. Checkpoints of `--window` tokens
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -154,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--tokens", default="8192,16384,32768")
     ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=10, help="SWA layers")
-    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4, help="SWA layers")
+    ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--json", action="store_true")
@@ -165,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "date": time.strftime("%Y-%m-%d"),
+        "threads": torch.get_num_threads(),
+        "loadavg_before": list(os.getloadavg()),
         "results": [],
     }
     for t in (int(x) for x in a.tokens.split(",")):
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"({v['ratio_range'][0]:.2f}-{v['ratio_range'][1]:.2f}, best {v['ratio_best']:.2f})  "
                       f"raw {r['raw_GBps']:.2f} GB/s  "
                       f"correct {v['correct']}")  # fmt: skip
+    res["loadavg_after"] = list(os.getloadavg())
     if a.json:
         print(json.dumps(res, indent=2))
     if a.out:
