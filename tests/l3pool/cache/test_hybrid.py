@@ -79,6 +79,7 @@ def _drop_ckpt(e: HEngine, hs: list[bytes], p: int) -> None:
     """Remove the checkpoint at p from the instance's checkpoint tiers (as an eviction would)."""
     ck = e.cache.ckpt
     assert ck is not None
+    e.cache.flush()  # a backup still in flight would put the checkpoint back into L2 after the drop
     key = checkpoint_hashes(hs, [p], e.model.spec.signature)
     for t in (ck.t1, ck.t2):
         pages = t.pages_of(key)
