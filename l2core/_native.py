@@ -1,4 +1,4 @@
-"""Builds and loads the native extension (l2core/native/) against the torch already installed.
+"""Builds and loads the native extension (the repository's native/) against the torch already installed.
 
 The build happens at first use and is cached on disk (default `~/.cache/l2core/<torch>-<cuda>`,
 override with the L2CORE_BUILD_DIR environment variable), so `pip` never needs an isolated
@@ -21,7 +21,20 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_ROOT = Path(__file__).resolve().parent / "native"  # shipped as package data (pyproject.toml)
+
+def _find_sources(package: Path) -> Path:
+    """The kernels' sources (csrc/, include/): inside the installed package, where a wheel puts the
+    repository's top-level native/ (pyproject.toml maps it to `l2core.native`), else native/ beside
+    the package (a checkout on PYTHONPATH, or an editable install). The first of those two when
+    neither holds them (`load` then says so)."""
+    inside, beside = package / "native", package.parent / "native"
+    if (inside / "csrc").is_dir() or not (beside / "csrc").is_dir():
+        return inside
+    return beside
+
+
+_PACKAGE = Path(__file__).resolve().parent
+_ROOT = _find_sources(_PACKAGE)
 _lock = threading.Lock()
 _module: ModuleType | None = None
 
@@ -63,6 +76,9 @@ def load() -> ModuleType:
     with _lock:
         if _module is not None:
             return _module
+        if not (_ROOT / "csrc").is_dir():
+            where = f"{_PACKAGE / 'native'} (installed) nor {_PACKAGE.parent / 'native'} (checkout)"
+            raise NativeBuildError(f"l2core's native sources are missing: neither {where} holds csrc/: reinstall")
         from torch.utils import cpp_extension
 
         cuda = _want_cuda()
