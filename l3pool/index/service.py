@@ -1,10 +1,14 @@
 """`IndexService`: keeps a `GlobalIndex` in step with every instance's KV events and answers
 queries from other processes (`IndexClient`, l3pool/index/client.py).
 
-Threads: one loop thread owns every ZeroMQ socket (a SUB connected to each instance's event
-endpoint, one DEALER per snapshot in flight, the ROUTER serving queries) and is the only writer of
-the index; a membership thread polls etcd (`{prefix}/kv_events/` for the sources, `{prefix}/
-members/` for the pool) every `poll_s` and hands changes to the loop.
+Threads: one loop thread owns the event side's ZeroMQ sockets (a SUB connected to each instance's
+event endpoint, one DEALER per snapshot in flight) and is the only writer of the index; a query
+thread serves queries (and status requests) on plain TCP (l3pool/index/queries.py: no ZeroMQ I/O
+threads on the way), so a query never waits behind event ingestion in the loop: the kernel wakes
+that thread, it takes the table's lock for one native call and answers with plain lists (no
+object per instance);
+a membership thread polls etcd (`{prefix}/kv_events/` for the sources, `{prefix}/members/` for the
+pool) every `poll_s` and hands changes to the loop.
 
 Per instance: unknown -> resync (the SUB is connected first, then a snapshot is asked for; events
 arriving meanwhile are buffered) -> live once the snapshot is applied and the buffered events
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from l3pool import metrics
+from l3pool.index.queries import QueryServer
 from l3pool.index.table import GlobalIndex, IndexFull
 from l3pool.pool.kv_events import (
     EventBatch,
@@ -44,7 +49,6 @@ from l3pool.pool.kv_events import (
     decode_snapshot,
     encode_error,
     encode_request,
-    keys64,
 )
 
 if TYPE_CHECKING:
@@ -101,6 +105,8 @@ class IndexService:
         if not poll_s > 0 or not snapshot_timeout_s > 0 or not retry_s > 0 or not silent_s > 0:
             raise ValueError("poll_s, snapshot_timeout_s, retry_s and silent_s must be > 0")
         zmq = _zmq()
+        self._queries = QueryServer(listen, self._answer)  # first: a bad endpoint leaves nothing open
+        self.endpoint: str = self._queries.endpoint
         self.index, self.metadata = index, metadata
         self.poll_s, self.snapshot_timeout_s, self.retry_s = poll_s, snapshot_timeout_s, retry_s
         self.silent_s = silent_s
@@ -110,15 +116,6 @@ class IndexService:
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
-        self._rtr = self._ctx.socket(zmq.ROUTER)
-        self._rtr.setsockopt(zmq.LINGER, 0)
-        try:
-            self._rtr.bind(listen.replace(":0", ":*") if listen.endswith(":0") else listen)
-        except zmq.ZMQError as e:
-            self._sub.close()
-            self._rtr.close()
-            raise ValueError(f"cannot listen on {listen}: {e}") from None
-        self.endpoint: str = self._rtr.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._src: dict[str, _Source] = {}
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._rfd, self._wfd = os.pipe()
@@ -126,6 +123,7 @@ class IndexService:
         self._stop = threading.Event()
         self._lag: collections.deque[float] = collections.deque(maxlen=10_000)
         self.bad_messages = self.unknown_messages = self.refused_keys = 0
+        self.bad_requests = 0  # the query thread's own count (bad_messages in status() is the sum)
         self.etcd_errors = self.loop_errors = 0
         self.etcd_ok = metadata is None
         self._members: set[str] | None = None
@@ -138,6 +136,7 @@ class IndexService:
         t = threading.Thread(target=self._loop, name="l3pool-index", daemon=True)
         t.start()
         self._threads.append(t)
+        self._queries.start()
         if self.metadata is not None:
             m = threading.Thread(target=self._membership, name="l3pool-index-members", daemon=True)
             m.start()
@@ -149,13 +148,13 @@ class IndexService:
             return
         self._stop.set()
         self._wake()
+        self._queries.close()
         for t in self._threads:
             t.join(5)
         for s in self._src.values():
             if s.dealer is not None:
                 s.dealer.close()
         self._sub.close()
-        self._rtr.close()
         os.close(self._rfd)
         os.close(self._wfd)
 
@@ -205,7 +204,6 @@ class IndexService:
         zmq = _zmq()
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
-        poller.register(self._rtr, zmq.POLLIN)
         poller.register(self._rfd, zmq.POLLIN)
         next_age = time.monotonic() + self.age_s
         while not self._stop.is_set():
@@ -241,8 +239,6 @@ class IndexService:
         for iid, s in list(self._src.items()):
             if s.dealer is not None and s.dealer in ready:
                 self._snapshot_reply(iid, s, poller)
-        if self._rtr in ready:
-            self._queries()
         now = time.monotonic()
         for iid, s in list(self._src.items()):
             if s.dealer is not None and now > s.deadline:
@@ -415,36 +411,23 @@ class IndexService:
                     s.duplicates += 1
                 self._resync(b.instance, s)
 
-    def _queries(self) -> None:
-        zmq = _zmq()
-        for _ in range(1000):
-            try:
-                frames = self._rtr.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            route, body = frames[:-1], frames[-1]
-            try:
-                req = decode_request(body)
-                if req[0] == "query" and len(req) == 3 and isinstance(req[1], str) and isinstance(req[2], bytes):
-                    h = self.index.query(keys64(req[2]), req[1])
-                    names = list(h.per_instance)
-                    reply = encode_request(
-                        "ok", h.pages, h.pool_l3, names,
-                        [h.per_instance[n].l1 for n in names], [h.per_instance[n].l2 for n in names],
-                        [h.per_instance[n].l3 for n in names],
-                    )  # fmt: skip
-                elif req[0] == "status" and len(req) == 1:
-                    reply = encode_request("ok", self.status())
-                else:
-                    raise WireError(f"unknown request {req[0]!r} with {len(req) - 1} arguments")
-            except (WireError, ValueError) as e:
-                self.bad_messages += 1
-                metrics.INDEX_BAD_MESSAGES.inc()
-                reply = encode_error(str(e))
-            try:
-                self._rtr.send_multipart([*route, reply], zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                log.debug("index: reply not sent: %s", e)
+    # -- queries (their own thread) -------------------------------------------------------------
+    def _answer(self, body: bytes) -> bytes:
+        """One request's answer (on the query server's thread)."""
+        try:
+            req = decode_request(body)
+            if req[0] == "query" and len(req) == 3 and isinstance(req[1], str) and isinstance(req[2], bytes):
+                return encode_request("ok", *self.index.query_lists(req[2], req[1]))
+            if req[0] == "status" and len(req) == 1:
+                return encode_request("ok", self.status())
+            raise WireError(f"unknown request {req[0]!r} with {len(req) - 1} arguments")
+        except (WireError, ValueError) as e:
+            self.bad_requests += 1
+            metrics.INDEX_BAD_MESSAGES.inc()
+            return encode_error(str(e))
+        except Exception as e:  # a bug answers an error; the query thread keeps serving
+            log.exception("index: answering a request failed")
+            return encode_error(f"index error: {type(e).__name__}: {e}")
 
     # -- status ---------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -462,7 +445,7 @@ class IndexService:
             "endpoint": self.endpoint,
             "etcd_ok": self.etcd_ok,
             "etcd_errors": self.etcd_errors,
-            "bad_messages": self.bad_messages,
+            "bad_messages": self.bad_messages + self.bad_requests,
             "loop_errors": self.loop_errors,
             "unknown_messages": self.unknown_messages,
             "refused_keys": self.refused_keys,
