@@ -39,7 +39,7 @@ import numpy as np
 
 from l3pool import metrics
 from l3pool.index.queries import QueryServer
-from l3pool.index.table import GlobalIndex, IndexFull
+from l3pool.index.table import GlobalIndex, IndexFull, checked
 from l3pool.pool.kv_events import (
     EventBatch,
     SourceInfo,
@@ -50,6 +50,7 @@ from l3pool.pool.kv_events import (
     encode_error,
     encode_request,
 )
+from l3pool.values import number_at_least
 
 if TYPE_CHECKING:
     from l3pool.pool.metadata import Metadata
@@ -102,8 +103,9 @@ class IndexService:
         """`silent_s`: a live instance from which nothing (not even a heartbeat, every 1 s by
         default) came for this long stops being answered for and is resynchronised (its entries
         stay until its registration ends: it may only be partitioned)."""
-        if not poll_s > 0 or not snapshot_timeout_s > 0 or not retry_s > 0 or not silent_s > 0:
-            raise ValueError("poll_s, snapshot_timeout_s, retry_s and silent_s must be > 0")
+        for name, v in (("poll_s", poll_s), ("snapshot_timeout_s", snapshot_timeout_s), ("retry_s", retry_s),
+                        ("silent_s", silent_s), ("age_s", 1.0 if age_s is None else age_s)):  # fmt: skip
+            checked(name, number_at_least(1e-3), v)
         zmq = _zmq()
         self._queries = QueryServer(listen, self._answer)  # first: a bad endpoint leaves nothing open
         self.endpoint: str = self._queries.endpoint

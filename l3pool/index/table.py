@@ -35,6 +35,7 @@ import numpy as np
 from l2core import _native
 from l3pool.index.types import PrefixHits, TierPrefix
 from l3pool.pool.kv_events import TIER_NAMES, keys64
+from l3pool.values import BadValue, int_in, number_at_least
 
 
 class IndexFull(RuntimeError):
@@ -48,14 +49,19 @@ def salt(namespace: str) -> int:
     return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
 
 
+def checked(name: str, conv: Callable[[Any], Any], v: Any) -> Any:
+    """conv(v), its BadValue (a ValueError) naming the setting."""
+    try:
+        return conv(v)
+    except BadValue as e:
+        raise BadValue(f"{name}: {e}") from None
+
+
 def check_config(capacity_pages: int, max_instances: int, l3_ttl_s: float) -> None:
     """ValueError naming the first bad setting (before anything is allocated or built)."""
-    if not isinstance(capacity_pages, int) or capacity_pages < 1:
-        raise ValueError(f"capacity_pages must be a positive integer, got {capacity_pages!r}")
-    if not isinstance(max_instances, int) or not 1 <= max_instances <= 4096:
-        raise ValueError(f"max_instances must be an integer in [1, 4096], got {max_instances!r}")
-    if not l3_ttl_s > 0:
-        raise ValueError(f"l3_ttl_s must be > 0, got {l3_ttl_s!r}")
+    checked("capacity_pages", int_in(1), capacity_pages)
+    checked("max_instances", int_in(1, 4096), max_instances)
+    checked("l3_ttl_s", number_at_least(1e-3), l3_ttl_s)
 
 
 class GlobalIndex:

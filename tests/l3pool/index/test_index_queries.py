@@ -154,3 +154,13 @@ def test_endpoints(endpoint: str, ok: tuple[str, int] | None) -> None:
 def test_a_taken_port_is_one_value_error(svc: IndexService) -> None:
     with pytest.raises(ValueError, match="cannot listen"):
         IndexService(GlobalIndex(100), listen=svc.endpoint)
+
+
+@pytest.mark.parametrize(
+    ("kw", "name"),
+    [({"poll_s": 0}, "poll_s"), ({"retry_s": -1.0}, "retry_s"), ({"silent_s": float("nan")}, "silent_s"),
+     ({"snapshot_timeout_s": "1"}, "snapshot_timeout_s"), ({"age_s": True}, "age_s")],
+)  # fmt: skip
+def test_bad_service_settings_name_the_setting(kw: dict[str, object], name: str) -> None:
+    with pytest.raises(ValueError, match=f"^{name}: expected a number >= 0.001"):
+        IndexService(GlobalIndex(100), **kw)  # type: ignore[arg-type]
