@@ -189,7 +189,7 @@ def stage_namespaces(model: str, stages: int, page_bytes: int, *, tenant: str = 
             head_dim=0,
             kv_lora_rank=512,
             rope_dim=64,
-        )  # fmt: skip
+        )
         for s in range(stages)
     ]
 
