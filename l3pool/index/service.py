@@ -40,6 +40,7 @@ import numpy as np
 from l3pool import metrics
 from l3pool.index.queries import QueryServer
 from l3pool.index.table import GlobalIndex, IndexFull, checked
+from l3pool.index.watch import PrefixWatch
 from l3pool.pool.kv_events import (
     EventBatch,
     SourceInfo,
@@ -99,19 +100,28 @@ class IndexService:
         retry_s: float = 0.5,
         age_s: float | None = None,
         silent_s: float = 3.0,
+        watch: bool = True,
+        resync_s: float = 10.0,
     ) -> None:
         """`silent_s`: a live instance from which nothing (not even a heartbeat, every 1 s by
         default) came for this long stops being answered for and is resynchronised (its entries
-        stay until its registration ends: it may only be partitioned)."""
+        stay until its registration ends: it may only be partitioned). `watch`: learn membership
+        changes from etcd watches on `kv_events/` and `members/` (index/watch.py), re-reading the
+        lists on every change and every `resync_s` while both watches are open, every `poll_s`
+        while they are not (or with `watch=False`)."""
         for name, v in (("poll_s", poll_s), ("snapshot_timeout_s", snapshot_timeout_s), ("retry_s", retry_s),
-                        ("silent_s", silent_s), ("age_s", 1.0 if age_s is None else age_s)):  # fmt: skip
+                        ("silent_s", silent_s), ("age_s", 1.0 if age_s is None else age_s),
+                        ("resync_s", resync_s)):  # fmt: skip
             checked(name, number_at_least(1e-3), v)
         zmq = _zmq()
         self._queries = QueryServer(listen, self._answer)  # first: a bad endpoint leaves nothing open
         self.endpoint: str = self._queries.endpoint
         self.index, self.metadata = index, metadata
         self.poll_s, self.snapshot_timeout_s, self.retry_s = poll_s, snapshot_timeout_s, retry_s
-        self.silent_s = silent_s
+        self.silent_s, self.watch, self.resync_s = silent_s, watch, resync_s
+        self._changed = threading.Event()  # a watch saw membership change: read the lists now
+        self._watch: PrefixWatch | None = None
+        self.membership_reads = 0
         self.age_s = age_s if age_s is not None else index.l3_ttl_s / 4
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -149,6 +159,7 @@ class IndexService:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._changed.set()
         self._wake()
         self._queries.close()
         for t in self._threads:
@@ -183,23 +194,38 @@ class IndexService:
 
     # -- membership (etcd) ----------------------------------------------------------------------
     def _membership(self) -> None:
+        md = self.metadata
+        assert md is not None
+        if self.watch:
+            prefixes = [f"{md.prefix}/kv_events/", f"{md.prefix}/members/"]
+            self._watch = PrefixWatch(md.etcd, prefixes, self._changed.set).start()
+        try:
+            while not self._stop.is_set():
+                self._changed.clear()
+                self._read_membership()
+                w = self._watch
+                self._changed.wait(self.resync_s if w is not None and w.live else self.poll_s)
+        finally:
+            if self._watch is not None:
+                self._watch.close()
+
+    def _read_membership(self) -> None:
         assert self.metadata is not None
-        while not self._stop.is_set():
-            try:
-                sources = self.metadata.kv_sources()
-                members = self.metadata.member_ids()
-                self.etcd_ok = True
-            except Exception as e:  # etcd down: keep what is known
-                self.etcd_errors += 1
-                if self.etcd_ok:
-                    log.warning("index: etcd unreachable, keeping the last known sources: %s", e)
-                self.etcd_ok = False
-            else:
-                self.set_sources(sources)
-                if self._members is not None and self._members - members:
-                    self.pool_member_left()
-                self._members = members
-            self._stop.wait(self.poll_s)
+        self.membership_reads += 1
+        try:
+            sources = self.metadata.kv_sources()
+            members = self.metadata.member_ids()
+            self.etcd_ok = True
+        except Exception as e:  # etcd down: keep what is known
+            self.etcd_errors += 1
+            if self.etcd_ok:
+                log.warning("index: etcd unreachable, keeping the last known sources: %s", e)
+            self.etcd_ok = False
+        else:
+            self.set_sources(sources)
+            if self._members is not None and self._members - members:
+                self.pool_member_left()
+            self._members = members
 
     # -- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -447,6 +473,7 @@ class IndexService:
             "endpoint": self.endpoint,
             "etcd_ok": self.etcd_ok,
             "etcd_errors": self.etcd_errors,
+            "membership": self._membership_status(),
             "bad_messages": self.bad_messages + self.bad_requests,
             "loop_errors": self.loop_errors,
             "unknown_messages": self.unknown_messages,
@@ -458,6 +485,16 @@ class IndexService:
             },
             "index": st,
             "instances": inst,
+        }
+
+    def _membership_status(self) -> dict[str, Any]:
+        w = self._watch
+        return {
+            "via": "none" if self.metadata is None else "watch" if w is not None and w.live else "poll",
+            "reads": self.membership_reads,
+            "watch_events": w.events if w is not None else 0,
+            "watch_failures": w.failures if w is not None else 0,
+            "watch_error": w.last_error if w is not None else "",
         }
 
     def wait_live(self, ids: list[str] | set[str], timeout: float = 10.0) -> bool:
