@@ -6,7 +6,8 @@ the `bench` package's torch check is not paid per process; nothing here needs to
 
 `query`: `rounds` rounds of `queries` requests (the page keys of `requests`, an .npy file of
 uint64 rows), one IndexClient round trip each, paced open-loop at `rate` per second (0: back to
-back; a late query goes at once). Prints {"rounds": [[seconds, ...], ...], "pages": ..., "instances": ...}.
+back; a late query goes at once). Prints {"rounds": [[seconds, ...], ...], "cpu_per_query_s": [per round:
+this process's CPU seconds / queries, all its threads], "pages": ..., "instances": ...}.
 
 `events`: a `KvEventPublisher` (instance `instance`) that sends about `rate` event messages per
 second of `keys` page keys each (half stores of fresh keys into L2, half removals of the keys
@@ -31,12 +32,14 @@ def run_queries(cfg: dict) -> dict:
     reqs = np.load(cfg["requests"])
     rate, n, rounds = float(cfg["rate"]), int(cfg["queries"]), int(cfg["rounds"])
     out: list[list[float]] = []
+    cpu: list[float] = []  # this process's CPU seconds per query, per round (all its threads)
     instances = 0
     with IndexClient(cfg["endpoint"], timeout_s=5.0) as c:
         for k in range(3):  # connect and warm the path (not measured)
             c.query(reqs[k % len(reqs)], namespace=cfg["namespace"])
         for r in range(rounds):
             lat = []
+            c0 = time.process_time()
             t_start = time.perf_counter()
             for q in range(n):
                 if rate > 0:
@@ -48,9 +51,10 @@ def run_queries(cfg: dict) -> dict:
                 h = c.query(req, namespace=cfg["namespace"])
                 lat.append(time.perf_counter() - t0)
                 instances = len(h.per_instance)
+            cpu.append((time.process_time() - c0) / n)
             out.append(lat)
             time.sleep(float(cfg.get("pause_s", 0.2)))
-    return {"rounds": out, "pages": int(reqs.shape[1]), "instances": instances}
+    return {"rounds": out, "cpu_per_query_s": cpu, "pages": int(reqs.shape[1]), "instances": instances}
 
 
 def run_events(cfg: dict) -> int:

@@ -21,7 +21,10 @@ client   over the wire, as a router asks: the IndexService serves this table; a 
          process, a KV-event source, sends `--event-rate` event messages per second of
          `--event-keys` keys (so queries meet event ingestion, as in a cluster).
          `client_query_p50_ms`/`client_query_p99_ms`: the median over the rounds of each round's
-         percentile, `client_query_rounds_ms` every round's [p50, p99] (the spread).
+         percentile, `client_query_rounds_ms` every round's [p50, p99] (the spread);
+         `client_cpu_us_per_query` the client process's CPU per query (its I/O threads included),
+         `service_cpu_us_per_query_with_ingestion` the service's (this process's CPU over the
+         phase / queries: the concurrent event ingestion included, the same for any query path).
 memory   `bytes_per_page`: the table's bytes over the pages indexed at the end (and over capacity).
 Answers are checked against the stored state for a sample of requests (`correct`).
 """
@@ -115,13 +118,13 @@ def over_the_wire(gi: Any, reqs: list[np.ndarray], args: argparse.Namespace) -> 
                 if not svc.wait_live([load], timeout=30):
                     raise RuntimeError("the index did not synchronise the event source within 30 s")
             applied0 = svc.status()["instances"].get(load, {}).get("events", 0)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             query = _worker("query", {"endpoint": svc.endpoint, "requests": str(work / "requests.npy"),
                                       "rate": args.client_rate, "queries": args.client_queries,
                                       "rounds": args.client_rounds, "namespace": ""}, work)  # fmt: skip
             budget = 60 + args.client_rounds * (0.5 + args.client_queries / (args.client_rate or 1000) * 3)
             res = json.loads(_line(query, budget))
-            wall = time.perf_counter() - t0
+            wall, service_cpu = time.perf_counter() - t0, time.process_time() - c0
             _stop(query)
             applied = svc.status()["instances"].get(load, {}).get("events", 0) - applied0
         finally:
@@ -140,6 +143,15 @@ def over_the_wire(gi: Any, reqs: list[np.ndarray], args: argparse.Namespace) -> 
         "client_answered_instances": res["instances"],
         "event_messages_during_queries_per_s": round(applied / wall, 1),
         "client_correct": bool(correct),
+        # CPU per query (what load on a shared machine does not inflate much): the client process
+        # (its I/O threads included) per round, and this process (the service: queries and the
+        # event ingestion meanwhile, which costs the same with either query path) over the phase
+        "client_cpu_us_per_query": round(statistics.median(res["cpu_per_query_s"]) * 1e6, 1),
+        "client_cpu_us_per_query_spread": [
+            round(min(res["cpu_per_query_s"]) * 1e6, 1),
+            round(max(res["cpu_per_query_s"]) * 1e6, 1),
+        ],
+        "service_cpu_us_per_query_with_ingestion": round(service_cpu / max(1, len(p50) * args.client_queries) * 1e6, 1),
     }
 
 

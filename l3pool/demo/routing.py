@@ -17,14 +17,27 @@ pyzmq, and the reference each decision's index answer is compared with (`index_s
 answer for the chosen instance lagged its cache's state, e.g. events still in flight).
 
 Per policy the report gives `prefill_s` (median total prefill time over the repeats, with its
-min/max), `prefill_cpu_s` (this process's CPU seconds inside the prefill calls; it leaves out
-what the pool's agents spend serving L3 reads, and it is no shield against other load: on the
-shared 2-core CI machine it tracked the wall time, torch's threads spinning while descheduled),
+min/max), `prefill_cpu_s` (this process's CPU seconds inside the prefill calls: a diagnostic, not
+a verdict metric - it counts every thread of the process, so a concurrent backup or prefetch of
+another request is charged to the one computing, it leaves out what the pool's agents spend
+serving L3 reads, torch's spinning threads charge descheduled time to it on a loaded CPU (on the
+shared 2-core CI machine it tracked the wall time), and on a GPU a synchronising host thread spins
+too),
 `ttft_mean_s` (virtual time, see run_routed), `hit_rate` per tier (of all tokens), `l3_bytes`
 (bytes fetched from L3), `load_imbalance` (max / mean prompt tokens routed per instance), the
 decisions' reasons, how many prefetch orders were given and how many landed (every page the
 instance's match found in L3 arrived in L2 before the request's L1 load started), and the
-checks: logits identical to the no-cache run, 0 wrong pages.
+checks: logits identical to the no-cache run, 0 wrong pages. `verdict` compares the spreads
+(cache_aware's slowest repeat against the other's fastest); `paired` compares repeat by repeat
+(every policy's run k happened back to back), which survives drift of the machine between repeats.
+
+What can differ between policies on this trace: with L3 written through, a session's earlier
+turns are a hit everywhere, so routing decides the tier (L1 on its home instance, L3 -> L2 -> L1
+elsewhere) and the queueing, not hit vs compute. Total prefill time therefore separates
+cache_aware from round_robin by the L3/L2 fetches it avoids (large where compute is fast, i.e. on
+a GPU; within the noise of a CPU's compute); cache_aware and dynamo_like both keep sessions home
+and should tie on it unless the load terms differ, and the mean TTFT (which includes queueing) is
+where a load-aware price can show against fixed tier weights.
 """
 
 from __future__ import annotations
