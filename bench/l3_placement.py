@@ -8,7 +8,10 @@ trailer row, one `batch_put_from_multi_buffers` call), the variants' order rotat
 round's objects are removed before the next, so every round allocates the same memory. Variants:
 the binding's default (what L3Client passes), an explicit default ReplicateConfig, one preferred
 segment, all agents as preferred segments, `prefer_alloc_in_same_node`, two replicas, hard pin,
-and the page alone (one fragment: what the trailer costs). `vs_default` is the default's time /
+`group_ids` (one group id per object, as SGLang passes with `enable_group_semantics`), the page
+alone (one fragment, no trailer: what the trailer costs; SGLang's MLA object) and the page with
+its trailer as ONE contiguous fragment (page + 32 bytes from a buffer whose page stride has room
+for the trailer: what a trailer inside the L2 page stride would give). `vs_default` is the default's time /
 the variant's paired per round (> 1: faster), median with min/max. A variant whose puts did not all
 succeed says so (`outcomes`). Uses the running local cluster, else starts one (2 agents).
 """
@@ -24,6 +27,8 @@ import urllib.request
 import uuid
 from collections import Counter
 from typing import Any
+
+import torch
 
 from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
 from bench._transfer_report import _loadavg
@@ -66,8 +71,14 @@ def run(store: MooncakeStore, agents: list[str], args: argparse.Namespace) -> di
     trailer_base = int(pool.page_runs(pages[n:])[0][0, 0])  # one spare page holds the trailer rows
     frags = [[int(a), trailer_base + TRAILER_BYTES * i] for i, a in enumerate(addrs[:, 0])]
     lens = [[int(s), TRAILER_BYTES] for s in sizes[:, 0]]
+    # the same pages in a buffer whose stride leaves room for the trailer: one fragment per object
+    stride = spec.page_bytes + TRAILER_BYTES
+    strided = torch.empty(n * stride, dtype=torch.uint8)
+    strided.view(n, stride)[:, : spec.page_bytes].copy_(pool.read_pages(pages[:n]))
+    store.register(strided.data_ptr(), strided.numel())
+    s_addrs = [strided.data_ptr() + i * stride for i in range(n)]
     plan = variants(agents)
-    names = [*plan, "page_only"]
+    names = [*plan, "group_ids", "page_only", "one_fragment_with_trailer"]
     t: dict[str, list[float]] = {k: [] for k in names}
     outcomes: dict[str, Counter[str]] = {k: Counter() for k in names}
     prefix = f"placement-{uuid.uuid4().hex[:10]}/"
@@ -79,6 +90,10 @@ def run(store: MooncakeStore, agents: list[str], args: argparse.Namespace) -> di
                 t0 = time.perf_counter()
                 if name == "page_only":
                     res = store.put(keys, addrs[:, 0].tolist(), sizes[:, 0].tolist())
+                elif name == "one_fragment_with_trailer":
+                    res = store.put(keys, s_addrs, [stride] * n)
+                elif name == "group_ids":
+                    res = store.put_multi(keys, frags, lens, replicate={"group_ids": [f"g:{k}" for k in keys]})
                 else:
                     res = store.put_multi(keys, frags, lens, replicate=plan[name])
                 t[name].append(time.perf_counter() - t0)
@@ -87,6 +102,7 @@ def run(store: MooncakeStore, agents: list[str], args: argparse.Namespace) -> di
     finally:
         store.remove_prefix(prefix, force=True)
         store.unregister(pool.buffer.data_ptr())
+        store.unregister(strided.data_ptr())
         pool.close()
     gb = n * spec.page_bytes / 1e9
     rows = []
@@ -94,7 +110,7 @@ def run(store: MooncakeStore, agents: list[str], args: argparse.Namespace) -> di
         vs = [d / x for d, x in zip(t["default"], t[name], strict=True)]
         rows.append({
             "variant": name,
-            "replicate": None if name == "page_only" else plan[name],
+            "replicate": plan.get(name),
             "put_GBps": round(gb / statistics.median(t[name]), 3),
             "vs_default": round(statistics.median(vs), 4),
             "vs_default_spread": spread(vs, 4),

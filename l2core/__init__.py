@@ -20,6 +20,7 @@ _EXPORTS = {
     "HostKVPool": "pool",
     "SharedHostMemory": "shm",
     "SharedTransferEngine": "shm",
+    "SplitRead": "split_read",
     "TPGroup": "shm_segment",
     "L2Config": "pool",
     "KVSpec": "spec",

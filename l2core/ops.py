@@ -203,3 +203,16 @@ def scatter_to_device(
 def cpu_memcpy(dst: torch.Tensor, src: torch.Tensor, num_threads: int | None = None) -> None:
     """Multi-threaded memcpy between CPU tensors of equal byte size (benchmark baseline)."""
     _native.load().cpu_memcpy(dst, src, int(num_threads or torch.get_num_threads()))
+
+
+def fence_release() -> None:
+    """Release fence for this thread (std::atomic_thread_fence(memory_order_release)): its earlier
+    loads and stores are ordered before its later stores, as every other CPU (and process mapping
+    the same memory) observes them. x86-64 (TSO): a compiler barrier; aarch64: `dmb ish`."""
+    _native.load().fence_release()
+
+
+def fence_acquire() -> None:
+    """Acquire fence for this thread: its earlier loads are ordered before its later loads and
+    stores (pairs with `fence_release` in the writer). x86-64: a compiler barrier; aarch64: `dmb ishld`."""
+    _native.load().fence_acquire()

@@ -20,6 +20,15 @@ shared generation to 0 before the copy and to the new one after it completed. `s
 waits (bounded) until every source page shows the generation this rank expects, and the job
 fails (ok=False) if any of them changed while it copied: a torn page is never served, also when
 rank 0 died mid-copy (its pages stay at 0; the load times out and fails).
+
+**Ordering.** The generation words are plain stores and loads in the shared mapping; native
+fences (`l2core.ops.fence_release` / `fence_acquire`, std::atomic_thread_fence) order them against
+the page bytes, as a seqlock does: rank 0 fences after `invalidate` (0 is seen before any new
+byte) and before `publish` (every byte before the new generation); a reader fences after seeing
+the expected generations (before its copy reads a byte) and after its copy (before it reads the
+generations again). x86-64 keeps these orders anyway (TSO; the fences compile to nothing there);
+aarch64 needs them (`dmb`). The copy threads' and the CUDA event's completion reach the fencing
+thread through their own synchronisation (join, event wait) first.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import numpy as np
 import torch
 
 from .memory import HostMemory, PinMode, _mbind, mbind_interleave
+from .ops import fence_acquire, fence_release
 from .shm_segment import Divergence, Segment, SegmentError, ShmTooSmall, TPGroup
 from .spec import ConfigError, parse_size
 from .transfer import JobResult, TransferEngine, TransferError
@@ -196,6 +206,7 @@ class SharedTransferEngine:
             self.skipped_backups += 1
             return self._fake_job("backup", p, True)
         self.seg.invalidate(p)  # before any new byte lands: readers of the old bytes fail their check
+        fence_release()  # ... and seen before any of them, on every CPU
         jid = self.inner.submit_backup(slots, p)
         with self._lock:
             self._mine[jid] = ("backup", p, self.want[p].copy())
@@ -217,6 +228,7 @@ class SharedTransferEngine:
                 return False
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+        fence_acquire()  # the generations read before any byte of the pages (pairs with publish's)
         return True
 
     def _publish_done(self) -> bool:
@@ -236,6 +248,7 @@ class SharedTransferEngine:
             cur = self.want[pages] == gens
             fresh = cur & ~self.seg.ready(pages, gens)
             if fresh.any():
+                fence_release()  # the copy's bytes before the generations that make them loadable
                 self.seg.publish(pages[fresh], gens[fresh])
                 new = True
         return new
@@ -259,8 +272,10 @@ class SharedTransferEngine:
         if kind == "backup":
             if res.ok:
                 cur = self.want[pages] == gens  # a page reallocated since keeps its 0 (a newer copy is queued)
+                fence_release()  # the copy's bytes before the generations that make them loadable
                 self.seg.publish(pages[cur], gens[cur])
             return res
+        fence_acquire()  # the load's reads of the bytes before the generations are read again
         if res.ok and not self.seg.ready(pages, gens).all():
             bad = pages[~self.seg.ready(pages, gens)][:8].tolist()
             return JobResult(res.job_id, res.kind, False, res.num_pages, 0, res.seconds,

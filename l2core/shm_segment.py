@@ -31,10 +31,10 @@ assigned it (`publish`); a reader loads a page only when the generation equals i
 expectation and re-checks after the copy (`unchanged`), so a page being rewritten, or one whose
 writer died mid-copy (its generation stays 0), is never served.
 
-Ordering: the generation stores follow the byte copies in program order (the copy threads joined);
-x86-64 keeps stores in order for other processes (TSO). On aarch64 the same holds only with a
-barrier between them, which this module does not issue yet (the TP-shared pool is x86-only
-tested).
+Ordering: this module stores and loads the generation words plainly; the caller fences them
+against the page bytes (`l2core.shm.SharedTransferEngine` with `l2core.ops.fence_release` /
+`fence_acquire`: after invalidate and before publish on rank 0, after `ready` and before the
+re-check on readers). The module stays torch-free, so the fences live with the caller.
 """
 
 from __future__ import annotations

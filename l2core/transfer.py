@@ -9,6 +9,9 @@ Lifecycle:
     eng.wait([jid]) / eng.pop_finished()      # JobResult per job (ok, error, bytes, seconds)
     eng.close()                               # drains queued jobs, stops the threads
 
+With `split=SplitRead(group)` (MLA, TP ranks; l2core.split_read) a load copies only this rank's
+byte slice of every page and an all-gather per layer completes it; `wait_layer` waits for both.
+
 Each thread owns a stream of the device's provider (`l2core.devices`; CUDA: a CUDA stream; on
 CPU the copies are synchronous in the thread). A job that
 fails (bad slots, CUDA error, ...) completes with ok=False and its error text, the failure is
@@ -32,6 +35,7 @@ import torch
 from . import ops
 from .devices import provider_for
 from .layout import HostKV
+from .split_read import SplitRead
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +88,7 @@ class TransferEngine:
         method: ops.Method = "auto",
         max_sms: int = ops.DEFAULT_MAX_SMS,
         layers_per_step: int = 1,
+        split: SplitRead | None = None,
     ) -> None:
         spec = pool.spec
         if len(bufs) != spec.num_layers * spec.num_kv:
@@ -94,6 +99,9 @@ class TransferEngine:
         self.pool, self.bufs = pool, list(bufs)
         self.device = self.bufs[0].device
         self.provider = provider_for(self.device)  # copies, streams, events of this device type
+        if split is not None:
+            split.bind(pool.layout, self.device, self.provider)  # MLA only (ConfigError otherwise)
+        self.split = split  # MLA split reads across TP ranks (l2core.split_read), or None
         self.method, self.max_sms, self.layers_per_step = method, max_sms, layers_per_step
         self.stats = EngineStats()
         self._ids = itertools.count(1)
@@ -170,6 +178,13 @@ class TransferEngine:
                 ops.transfer(self.bufs, job.slots, self.pool.buffer, job.pages, self.pool.layout, to_host=True, **kw)
                 self._sync(stream, flag)
                 return
+            if self.split is not None and self.split.active(int(job.pages.numel())):
+                self.split.load(
+                    self.bufs, job.slots, self.pool.buffer, job.pages, provider=prov, stream=stream,
+                    publish=lambda i, ev: self._publish(job, i, i + 1, ev), method=self.method, max_sms=self.max_sms,
+                )  # fmt: skip
+                self._sync(stream, flag)
+                return
             for lb in range(0, spec.num_layers, self.layers_per_step):
                 le = min(spec.num_layers, lb + self.layers_per_step)
                 ops.transfer(
@@ -182,12 +197,16 @@ class TransferEngine:
                     layers=(lb, le),
                     **kw,
                 )
-                ev = prov.record(stream, self.device) if stream is not None else None
-                with job.cond:
-                    job.layer_events.extend([ev] * (le - lb))
-                    job.layers_done = le
-                    job.cond.notify_all()
+                self._publish(job, lb, le, prov.record(stream, self.device) if stream is not None else None)
             self._sync(stream, flag)
+
+    @staticmethod
+    def _publish(job: _Job, lb: int, le: int, ev: Any) -> None:
+        """Layers [lb, le) of a load may be read once `ev` completed (None: now)."""
+        with job.cond:
+            job.layer_events.extend([ev] * (le - lb))
+            job.layers_done = le
+            job.cond.notify_all()
 
     def _sync(self, stream: Any, flag: torch.Tensor | None) -> None:
         if stream is None or flag is None:

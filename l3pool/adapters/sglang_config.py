@@ -28,7 +28,7 @@ Extra-config keys (unknown keys are refused with a ConfigError naming them):
 | client_id | str | generated | id under which stats are published (suffixes -r/-w) |
 | clear_force | bool | true | `clear()` also removes pages under a read lease (see `clear`) |
 | tp_shared | bool | false | MLA: the TP group keeps one shared host copy (l2core.shm); needs tp_group |
-| tp_group | str | none | the instance's TP-group name, the same on its ranks (each PP stage gets `-pp<rank>`) |
+| tp_group | str | none | the instance's TP-group name, the same on its ranks (segment `<tp_group>[-dp<k>]-pp0`) |
 | tp_placement | "interleave"/"socket" | "interleave" | NUMA placement of the shared copy |
 
 SGLang's Mooncake backend names are accepted too, so a user switching backends keeps their
@@ -252,14 +252,25 @@ class BackendConfig:
             **{k: v for k, v in s.items() if v is not None},
         )
 
-    def tp_shared_group(self, tp_rank: int, tp_size: int, pp_rank: int, is_mla: bool) -> TPGroup | None:
+    def tp_shared_group(
+        self, tp_rank: int, tp_size: int, pp_rank: int, is_mla: bool, *, pp_size: int = 1, dp_rank: int = 0
+    ) -> TPGroup | None:
         """This rank's TP group for a shared L2 copy (None without `tp_shared`): MLA only (MHA
-        ranks hold different heads), one group per PP stage."""
+        ranks hold different heads); one group per attention-DP group (`-dp<rank>` when > 0) and
+        PP stage (`-pp<rank>`). Pipeline parallelism is refused: SGLang hands stages > 0 stage 0's
+        write completions (its `_all_reduce` forwards PP0's MIN), so a later stage's ranks > 0
+        would not wait for their own rank 0's copy."""
         if not self.tp_shared:
             return None
         if not is_mla:
             raise ConfigError("extra-config 'tp_shared' needs an MLA model: MHA TP ranks hold different KV heads")
-        return TPGroup(f"{self.tp_group}-pp{int(pp_rank)}", int(tp_rank), int(tp_size), placement=self.tp_placement)
+        if int(pp_size) > 1:
+            raise ConfigError(
+                "extra-config 'tp_shared' does not support pipeline parallelism: SGLang takes every stage's "
+                "write completions from stage 0, so a stage's ranks > 0 would not wait for their rank 0's copy"
+            )
+        dp = f"-dp{int(dp_rank)}" if int(dp_rank) else ""
+        return TPGroup(f"{self.tp_group}{dp}-pp{int(pp_rank)}", int(tp_rank), int(tp_size), placement=self.tp_placement)
 
     def rank_segment_bytes(self, tp_size: int, pp_size: int) -> int:
         """What one rank donates: `segment_size // (tp_size * pp_size)`, as SGLang's Mooncake

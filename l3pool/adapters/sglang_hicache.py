@@ -28,6 +28,10 @@ Semantics SGLang relies on (sglang 0.5.23, `managers/cache_controller.py`):
   `storage_config.is_storage_writer` ranks write; SGLang already skips backups on the others and a
   set there is a no-op reporting True. MHA: each TP rank stores its own head shard (its own keys).
 - PP: every stage has its own layer range, hence its own namespace and keys.
+- MLA + `"tp_shared": true, "tp_group": ...`: `register_mem_pool_host` rebinds SGLang's host buffer
+  onto the TP group's one /dev/shm copy (`l3pool.adapters.sglang_shared_pool`): rank 0 alone copies
+  D2H and reads L3, the other ranks answer exists/get for it and SGLang's MIN all-reduce makes rank
+  0's answer everyone's.
 Unsupported configurations (DCP, attention context parallelism, heterogeneous-TP head splitting,
 page_head/page_unified layouts, hybrid side pools, dtypes outside bf16/fp16/fp8_e4m3) are refused
 with a ConfigError at construction or registration, never silently mis-keyed.
@@ -69,6 +73,7 @@ class AdapterStats:
     get_calls: int = 0
     set_calls: int = 0
     set_skipped_not_writer: int = 0  # pages a non-writer MLA rank was asked to set (no-op)
+    shared_skipped: int = 0  # pages a tp_shared rank > 0 answered for rank 0 (exists/get, no L3 call)
     bad_indices: int = 0  # pages refused because their host slots were not one aligned page
     errors: int = 0  # exceptions caught on the data path (reported as misses/failures)
     cleared_pages: int = 0  # pages removed by clear()
@@ -103,7 +108,14 @@ class L3PoolStorage(HiCacheStorage):
         self.is_writer = bool(cfg.is_storage_writer)
         # MLA + tp_shared: the TP group's one host copy (l2core.shm); validated here, before any
         # connection. Only the storage writer rank writes L3 (below); rank 0 alone fills the copy.
-        self.tp_group = self.config.tp_shared_group(cfg.tp_rank, cfg.tp_size, cfg.pp_rank, bool(cfg.is_mla_model))
+        self.tp_group = self.config.tp_shared_group(
+            cfg.tp_rank, cfg.tp_size, cfg.pp_rank, bool(cfg.is_mla_model), pp_size=cfg.pp_size,
+            dp_rank=getattr(cfg, "dp_rank", 0),
+        )  # fmt: skip
+        self.shared: Any = None  # the SharedHostPool once registered (tp_shared)
+        # tp_shared ranks > 0 neither read L3 nor copy: rank 0 fills the one host copy, and SGLang's
+        # MIN all-reduce over the ranks' answers makes rank 0's the group's (sglang_shared_pool).
+        self.l3_reader = self.tp_group is None or self.tp_group.rank == 0
         self.stats = AdapterStats()
         self._stats_lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -156,6 +168,13 @@ class L3PoolStorage(HiCacheStorage):
         if self.pool is not None:
             raise ConfigError("the l3pool backend already has a host pool registered")
         spec, layout = self._spec_of(mem_pool_host)
+        if self.tp_group is not None and self.shared is None:
+            # tp_shared: SGLang allocated this rank's buffer already; rebind it onto the group's
+            # one /dev/shm copy (same addresses) before anything registers it with Mooncake.
+            from l3pool.adapters.sglang_shared_pool import check_sglang_modes, share_host_pool
+
+            check_sglang_modes(*_sglang_hicache_modes())
+            self.shared = share_host_pool(mem_pool_host, self.tp_group)
         buf = mem_pool_host.kv_buffer
         pool = HostKVPool(
             L2Config(kv=spec, layout=layout, tokens=mem_pool_host.size, pin="never"),
@@ -285,6 +304,10 @@ class L3PoolStorage(HiCacheStorage):
         """How many leading `keys` are in the pool (0 when the pool cannot be reached)."""
         if not keys or not self._ready():
             return 0
+        if not self.l3_reader:
+            with self._stats_lock:
+                self.stats.shared_skipped += len(keys)
+            return len(keys)  # rank 0's count is the MIN SGLang takes
         assert self._reader is not None
         with self._stats_lock:
             self.stats.exists_calls += 1
@@ -305,7 +328,13 @@ class L3PoolStorage(HiCacheStorage):
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        """Copy each page's object straight into its host slots; one bool per page."""
+        """Copy each page's object straight into its host slots; one bool per page. A tp_shared rank
+        > 0 copies nothing and reports True: rank 0 fills the shared pages, and SGLang takes the MIN
+        of the ranks' completed counts after rank 0's get returned."""
+        if not self.l3_reader:
+            with self._stats_lock:
+                self.stats.shared_skipped += len(keys)
+            return [True] * len(keys)
         return self._io(list(keys), host_indices, write=False)
 
     def batch_set_v1(
@@ -451,6 +480,20 @@ class L3PoolStorage(HiCacheStorage):
         if self.metadata is not None:
             self.metadata.etcd.close()
             self.metadata = None
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+
+
+def _sglang_hicache_modes() -> tuple[str | None, str | None]:
+    """(write policy, host memory mode) of the running SGLang server; (None, None) outside one."""
+    try:
+        from sglang.srt.runtime_context import get_memory
+
+        mem = get_memory()
+    except (ImportError, ValueError, RuntimeError):
+        return None, None
+    return getattr(mem, "hicache_write_policy", None), getattr(mem, "hicache_host_memory_mode", None)
 
 
 class _BorrowedMemory:

@@ -18,9 +18,23 @@ same arguments, same order on every rank: the TP ranks run one scheduler), never
 counts) and the page generations in the shared segment and raises `Divergence` when another
 rank's digest for the same step differs. Call it at the same point of every step.
 
-Not supported yet (ConfigError): an L3 tier and PP stage locks (the prefetcher allocates L2
-pages on its own thread at times that differ per rank, and L3 writes would read pages before
-rank 0's copy completed).
+**Split reads (MLA, l2core.split_read).** Given a torch.distributed `process_group` of the TP
+ranks (used by nothing else: its collectives run on the load thread), each rank copies only its
+1/TP byte slice of every loaded page host -> device and an all-gather per layer completes the
+pages on every rank; `wait_layer(i)` covers both. Small loads read whole pages
+(`split_min_rank_bytes`, default `l2core.split_read.SPLIT_MIN_RANK_BYTES`). The loads are
+already SPMD (same calls in the same order on every rank), which the collectives need.
+
+Not supported yet (ConfigError `L3_REFUSED`): an L3 tier and PP stage locks. The prefetcher
+allocates L2 pages on its own thread and `load()` keeps whatever prefix had arrived when it
+interrupts the prefetch: both depend on timing, so the ranks' L2 allocators and indexes would
+split; every rank would also get the same objects into the shared pages, and the L3 writer could
+read a page before rank 0's copy completed. What it would take (what SGLang's HiCache does, see
+l3pool.adapters.sglang_shared_pool): L2 pages for a prefetch allocated on the calling thread at
+`prefetch()`, the same on every rank; rank 0 alone getting from L3 and publishing the number of
+pages that arrived (the segment's generations); the other ranks' `load()` waiting for that
+number instead of cutting the prefetch themselves — a cross-rank handshake this controller has
+no channel for yet besides the segment.
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ from l2core.allocator import PageAllocator
 from l2core.pool import HostKVPool
 from l2core.shm import Divergence, SharedHostMemory, SharedTransferEngine, state_digest
 from l2core.spec import ConfigError
+from l2core.split_read import SPLIT_MIN_RANK_BYTES, SplitRead
 from l3pool.cache._internal import _EMPTY, _Backup
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.controller import TieredCache
@@ -41,13 +56,21 @@ from l3pool.cache.types import L1
 from l3pool.pool.client import L3Client
 from l3pool.pool.pplock import StageLocks
 
+# One home for the refusal (stack.build refuses first, the class again when built by hand).
+L3_REFUSED = (
+    "tp_shared works with L1 + L2 only: with an L3 tier (or PP stage locks) each rank's prefetcher would "
+    "allocate L2 pages and cut prefetches on its own thread, at times that differ per rank, and every rank "
+    'would write the shared pages from L3 (l3pool/README.md, "TP-shared L2")'
+)
+
 
 class SharedTieredCache(TieredCache):
     _tp_shared = True
 
     def __init__(
-        self, cfg: CacheConfig, l1: L1, l2: HostKVPool, l3: L3Client | None = None, locks: StageLocks | None = None
-    ) -> None:
+        self, cfg: CacheConfig, l1: L1, l2: HostKVPool, l3: L3Client | None = None, locks: StageLocks | None = None,
+        *, process_group: Any = None, split_min_rank_bytes: int = SPLIT_MIN_RANK_BYTES,
+    ) -> None:  # fmt: skip
         if not isinstance(cfg, CacheConfig) or not cfg.tp_shared:
             raise ConfigError("SharedTieredCache needs a CacheConfig with tp_shared = true")
         mem = getattr(l2, "memory", None)
@@ -60,12 +83,20 @@ class SharedTieredCache(TieredCache):
                 f"{cfg.tp_group!r} rank {cfg.tp_rank}/{cfg.tp_size}"
             )
         if l3 is not None or locks is not None:
-            raise ConfigError("tp_shared supports L1 + L2 only for now (no L3 tier, no PP stage locks)")
+            raise ConfigError(L3_REFUSED)
+        split = None
+        if process_group is not None:  # checked before the base class starts its threads
+            split = SplitRead(process_group, tp_size=g.size, rank=g.rank, min_rank_bytes=split_min_rank_bytes)
         super().__init__(cfg, l1, l2, l3, locks)
         self._engine.close()  # the base engine copies on every rank: replaced by the shared one
-        self._engine: SharedTransferEngine = SharedTransferEngine(  # type: ignore[assignment]
-            l2, l1.bufs, ready_timeout_s=cfg.load_timeout_s
-        )
+        try:
+            self._engine: SharedTransferEngine = SharedTransferEngine(  # type: ignore[assignment]
+                l2, l1.bufs, ready_timeout_s=cfg.load_timeout_s, split=split
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.split = split
         self._loads.wait_layer = self._engine.wait_layer  # the handles' per-layer waits go to it too
         self.rank, self.tp_size = g.rank, g.size
         self.shared = mem
@@ -128,6 +159,9 @@ class SharedTieredCache(TieredCache):
         d["tp_shared"] = {
             "group": self.shared.group.name, "rank": self.rank, "size": self.tp_size,
             "d2h_submissions": e.submissions, "d2h_bytes": e.d2h_bytes, "skipped_backups": e.skipped_backups,
+            "split_loads": self.split.split_jobs if self.split else 0,
+            "whole_loads": self.split.whole_jobs if self.split else None,
+            "split_h2d_bytes": self.split.h2d_bytes if self.split else 0,
         }  # fmt: skip
         return d
 

@@ -15,7 +15,10 @@ caller's: a stack never closes them. Rules checked here, at construction, with o
   writer batch is one put (the client still cuts it to Mooncake's transfer limit);
 - a store needs a namespace, a namespace a store; PP stage locks need an L3 client;
 - `cache.tp_shared`: the pool is the TP group's shared segment (l2core.shm) and the controller a
-  `SharedTieredCache` (L1 + L2 only for now).
+  `SharedTieredCache` (L1 + L2 only for now); with `tp_process_group` (a torch.distributed group
+  of the TP ranks, used by nothing else) its loads are MLA split reads (l2core.split_read): each
+  rank copies 1/TP of every page and an all-gather completes them. A group without tp_shared is
+  refused.
 `events` (`EventOptions`): the stack's `KvEventPublisher` (l3pool/cache/events.py), attached to the
 cache (it reports every tier change) and, with a registry, registered in etcd for the global index;
 `stack.events`, closed (deregistered) first.
@@ -24,6 +27,7 @@ cache (it reports every tier change) and, with a registry, registered in etcd fo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from l2core.pool import HostKVPool, L2Config, PinMode
 from l2core.shm_segment import TPGroup
@@ -31,7 +35,7 @@ from l2core.spec import ConfigError, KVSpec
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.controller import TieredCache
 from l3pool.cache.events import EventOptions, KvEventPublisher
-from l3pool.cache.shared import SharedTieredCache
+from l3pool.cache.shared import L3_REFUSED, SharedTieredCache
 from l3pool.cache.types import L1
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace
@@ -84,6 +88,8 @@ def build(
     batch_pages: int | None = None,
     max_concurrency: int | None = None,
     locks: StageLocks | None = None,
+    tp_process_group: Any = None,
+    tp_split_min_rank_bytes: int | None = None,
     events: EventOptions | None = None,
 ) -> CacheStack:
     """An engine's cache over its L1 buffers: a new L2 pool of `l2_tokens`, an L3 client when a
@@ -108,8 +114,10 @@ def build(
                 f"max_concurrency {conc} < the cache's writer_parallel {cfg.writer_parallel}: "
                 "the writer's parallel puts would wait for each other's buffer slots"
             )
+    if tp_process_group is not None and not cfg.tp_shared:
+        raise ConfigError("tp_process_group is for split reads over a TP-shared pool: set cache.tp_shared too")
     if cfg.tp_shared and (store is not None or locks is not None):
-        raise ConfigError("tp_shared supports L1 + L2 only for now (no L3 tier, no PP stage locks)")
+        raise ConfigError(L3_REFUSED)
     shared = TPGroup(cfg.tp_group, cfg.tp_rank, cfg.tp_size) if cfg.tp_shared else None
     pool = HostKVPool(L2Config(kv=spec, layout=l2_layout, tokens=l2_tokens, pin=pin, shared=shared))  # type: ignore[arg-type]
     l3: L3Client | None = None
@@ -119,7 +127,13 @@ def build(
                 pool, store, namespace, metadata=metadata, client_id=client_id, batch_pages=batch,
                 max_concurrency=conc,
             )  # fmt: skip
-        tc = (SharedTieredCache if cfg.tp_shared else TieredCache)(cfg, l1, pool, l3, locks)
+        if cfg.tp_shared:
+            split_kw: dict[str, Any] = {"process_group": tp_process_group}
+            if tp_split_min_rank_bytes is not None:
+                split_kw["split_min_rank_bytes"] = tp_split_min_rank_bytes
+            tc: TieredCache = SharedTieredCache(cfg, l1, pool, l3, locks, **split_kw)
+        else:
+            tc = TieredCache(cfg, l1, pool, l3, locks)
     except BaseException:
         if l3 is not None:
             l3.close()

@@ -31,6 +31,7 @@ from l3pool.pool.protocols import NamespaceRegistry
 from l3pool.pool.store import MooncakeStore
 
 log = logging.getLogger(__name__)
+MAX_MISMATCHES = 20  # logits mismatches kept for the report (all are counted)
 
 SHORT_PAGES = (1, 2, 4, 8, 16)  # short prompts (pages + 1 token) measured for the break-even
 
@@ -153,35 +154,57 @@ class Verifier:
         self.logits: dict[int, torch.Tensor] = {}
         self.digests: dict[bytes, bytes] = {}
         self.compared = self.mismatched_logits = self.pages_checked = self.wrong_pages = 0
-        self.pending: list[tuple[int, str, torch.Tensor, list[tuple[bytes, bytes]]]] = []
+        self.pending: list[tuple[int, str, torch.Tensor, list[tuple[bytes, bytes]], dict[str, int]]] = []
+        self.mismatches: list[dict[str, Any]] = []  # the first MAX_MISMATCHES, for the report
 
     def record(self, i: int, inst: PrefillInstance, rec: Record, tokens: np.ndarray) -> None:
         assert rec.logits is not None
         self.logits[i] = rec.logits.cpu()
+        self.record_pages(inst, rec, tokens)
+
+    def record_pages(self, inst: PrefillInstance, rec: Record, tokens: np.ndarray) -> None:
+        """Reference digests of the committable pages of a no-cache record (still held)."""
         hs = page_hashes(tokens, inst.P)[: inst.committable(int(tokens.size))]
         new = [k for k, h in enumerate(hs) if h not in self.digests]
         if new:
             dig = inst.page_digests(rec, max(new) + 1)
             self.digests.update((hs[k], dig[k]) for k in new)
 
+    def check_pages(self, inst: PrefillInstance, rec: Record, what: str) -> None:
+        """The hit pages of a held record against the reference digests (every page that has one:
+        all of them once record_pages saw the same prompt without cache)."""
+        if not rec.hit_pages:
+            return
+        bad = 0
+        for h, d in zip(rec.hashes[: rec.hit_pages], inst.page_digests(rec, rec.hit_pages), strict=True):
+            ref = self.digests.get(h)
+            if ref is not None:
+                self.pages_checked += 1
+                bad += ref != d
+        if bad:
+            self.wrong_pages += bad
+            log.error("%s on %s: %d of %d hit pages have wrong bytes", what, inst.name, bad, rec.hit_pages)
+
     def check(self, i: int, inst: PrefillInstance, rec: Record, pages: bool) -> None:
         """Compare with the no-cache references; when the no-cache run has not reached request i
         yet (interleaved rounds), the logits and page digests wait for resolve()."""
         assert rec.logits is not None
         dig = inst.page_digests(rec, rec.hit_pages) if pages and rec.hit_pages else []
-        self.pending.append((i, inst.name, rec.logits.cpu(), list(zip(rec.hashes[: rec.hit_pages], dig, strict=False))))
+        hits = {"L1": rec.hit_l1, "L2": rec.hit_l2, "L3": rec.hit_l3, "tokens": rec.tokens}
+        self.pending.append(
+            (i, inst.name, rec.logits.cpu(), list(zip(rec.hashes[: rec.hit_pages], dig, strict=False)), hits)
+        )
         self.resolve(final=False)
 
     def resolve(self, final: bool = True) -> None:
         keep = []
-        for i, name, logits, pages in self.pending:
+        for i, name, logits, pages, hits in self.pending:
             if i not in self.logits:
-                keep.append((i, name, logits, pages))
+                keep.append((i, name, logits, pages, hits))
                 continue
             self.compared += 1
             if not torch.equal(self.logits[i], logits):
-                self.mismatched_logits += 1
-                log.error("request %d on %s: logits differ from the no-cache run", i, name)
+                self._mismatch(f"request {i}", name, self.logits[i], logits, hits)
             for h, d in pages:
                 self.pages_checked += 1
                 if self.digests.get(h) != d:
@@ -190,11 +213,26 @@ class Verifier:
         if final and keep:
             raise RuntimeError(f"{len(keep)} cached requests have no no-cache reference")
 
-    def compare(self, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+    def compare(self, a: torch.Tensor | None, b: torch.Tensor | None, what: str = "", where: str = "") -> None:
         assert a is not None and b is not None
         self.compared += 1
         if not torch.equal(a.cpu(), b.cpu()):
-            self.mismatched_logits += 1
+            self._mismatch(what, where, a.cpu(), b.cpu(), {})
+
+    def _mismatch(self, what: str, where: str, ref: torch.Tensor, got: torch.Tensor, hits: dict[str, int]) -> None:
+        """Counts a logits mismatch; logs it and keeps the first MAX_MISMATCHES for the report
+        (which request, where, its hit pages per tier, how far the logits are apart)."""
+        self.mismatched_logits += 1
+        r, g = ref.float(), got.float()
+        diff = (r - g).abs()
+        fin = torch.isfinite(diff)
+        row = {"what": what, "where": where, **hits,
+               "max_abs_diff": float(diff[fin].max()) if bool(fin.any()) else None,  # JSON has no NaN
+               "elements_differ": int((r != g).sum()), "nonfinite": int((~torch.isfinite(g)).sum()),
+               "argmax_equal": bool(r.argmax() == g.argmax())}  # fmt: skip
+        log.error("%s on %s: logits differ from the no-cache run (%s)", what, where, row)
+        if len(self.mismatches) < MAX_MISMATCHES:
+            self.mismatches.append(row)
 
 
 class QueueReplay:
@@ -376,7 +414,7 @@ class Demo:
                             raise RuntimeError("a cold request hit the cache: the miss-path measurement is invalid")
                         self.tick("cold")
                     for c in CONFIGS[1:]:
-                        self.verifier.compare(recs["no_cache"].logits, recs[c].logits)
+                        self.verifier.compare(recs["no_cache"].logits, recs[c].logits, f"cold prompt {ci}", c)
                     for c in CONFIGS:
                         recs[c].logits = None
                         colds[c].append([]) if ci == 0 else None
@@ -421,7 +459,12 @@ class Demo:
             P = self.opts.model.page_size  # the reader holds this prompt alone: a small L2
             reader = self.instance("fit-reader", "l1_l2_l3", ns, l2_tokens=max(-(-toks.size // P) * P + P, 4 * P))
             try:
-                recs.append(reader.prefill(toks))
+                rec = reader.prefill(toks, hold=True)
+                try:
+                    self.verifier.check_pages(reader, rec, f"all-hit prompt of {toks.size} tokens")
+                finally:
+                    reader.release(rec)
+                recs.append(rec)
             finally:
                 reader.close()
         recs.sort(key=lambda r: r.total_s)
@@ -444,11 +487,14 @@ class Demo:
                 writer.prefill(toks)
                 writer.flush()
                 refs, hits = [], []
-                for _ in range(tries):
-                    refs.append(nc.prefill(toks))
+                for t in range(tries):
+                    refs.append(nc.prefill(toks, hold=True))
+                    if t == 0:
+                        self.verifier.record_pages(nc, refs[-1], toks)
+                    nc.release(refs[-1])
                     hits.append(self._all_hit(toks, ns, 1)[0])
                 for r, h in zip(refs, hits, strict=True):
-                    self.verifier.compare(r.logits, h.logits)
+                    self.verifier.compare(r.logits, h.logits, f"short prompt of {toks.size} tokens", "all-hit reader")
                 ref_ms = [r.total_s * 1e3 for r in refs]
                 hit_ms = [h.total_s * 1e3 for h in hits]
                 points.append({

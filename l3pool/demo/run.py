@@ -133,10 +133,12 @@ def run(
             } if opts.side else None,
             "logits_identical": v.mismatched_logits == 0 and v.compared > 0,
             "logits_compared": v.compared,
+            "logits_mismatches": v.mismatches,
             "wrong_pages": v.wrong_pages,
             "pages_verified": v.pages_checked,
             "setup": {
                 "device": str(dev),
+                "deterministic_kernels": torch.are_deterministic_algorithms_enabled(),
                 "model": opts.model.describe() if isinstance(opts.model, HFConfig) else asdict(opts.model),
                 "model_flops_per_token": opts.model.flops_per_token(),
                 "kv_bytes_per_token": spec.token_bytes,

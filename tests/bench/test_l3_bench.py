@@ -15,7 +15,7 @@ from bench import l3
 from l3pool.pool.client import L3Client
 from l3pool.pool.protocols import Outcome
 
-TINY = ["--pages", "4", "--rounds", "2", "--models", "mla", "--segment-size", "256MB"]
+TINY = ["--pages", "4", "--rounds", "2", "--reps", "1", "--models", "mla", "--segment-size", "256MB"]
 
 
 def test_l3_bench_json_contract(tmp_path: Path) -> None:
@@ -37,8 +37,9 @@ def test_l3_bench_json_contract(tmp_path: Path) -> None:
         if has_sglang:
             assert report["set_vs_sglang"] == r["set_vs_sglang"] == r["set_vs_sglang_spread"]["median"]
             assert r["get_vs_sglang_spread"]["min"] <= r["get_vs_sglang"] <= r["get_vs_sglang_spread"]["max"]
-        sides = 3 if has_sglang else 2  # every side's get is byte-checked
-        assert r["wrong_pages"] == 0 and r["pages_checked"] == sides * 4 * 2 and r["lookup_correct"] is True
+        sides = 3 if has_sglang else 2  # every side's get is byte-checked, the warm-up's too
+        assert r["wrong_pages"] == 0 and r["pages_checked"] == sides * 4 * (2 + 1) and r["lookup_correct"] is True
+        assert all(len(v) == 2 for v in r["round_s"].values()) and r["reps"] == 1
         for op in ("put", "get"):  # the headline ratio is the median of the paired per-round ratios
             sp = r[f"{op}_ratio_spread"]
             assert sp["min"] <= r[f"{op}_ratio"] == sp["median"] <= sp["max"]
@@ -49,6 +50,16 @@ def test_l3_bench_json_contract(tmp_path: Path) -> None:
     assert set(report["targets"]) == {
         "put_ratio>=0.90", "get_ratio>=0.90", "lookup_ms_512<=2", "set_vs_sglang>=1.0", "get_vs_sglang>=1.0",
     }  # fmt: skip
+    # two rounds decide nothing: a verdict needs >= 3 rounds whose spreads do not overlap
+    assert report["set_verdict"] == report["get_verdict"] == "inconclusive"
+    assert report["targets"]["set_vs_sglang>=1.0"] == "inconclusive"
+
+
+def test_verdict_needs_three_rounds_apart() -> None:
+    assert l3.verdict([1.0, 1.1, 1.2], [1.3, 1.5, 1.4]) == "ours"
+    assert l3.verdict([1.3, 1.5, 1.4], [1.0, 1.1, 1.2]) == "sglang"
+    assert l3.verdict([1.0, 1.1, 1.35], [1.3, 1.5, 1.4]) == "inconclusive"  # the spreads overlap
+    assert l3.verdict([1.0, 1.1], [2.0, 2.1]) == "inconclusive"  # fewer than 3 rounds
 
 
 def test_l3_bench_without_sglang_has_no_third_column(tmp_path: Path) -> None:
@@ -77,7 +88,7 @@ def test_sglang_get_that_writes_the_wrong_bytes_fails_the_row(tmp_path: Path, mo
     rc = l3.main([*TINY, "--rounds", "1", "--layouts", "page_first_direct", "--out", str(out),
                   "--state-dir", str(tmp_path)])  # fmt: skip
     row = json.loads(out.read_text())["rows"][0]
-    assert rc == 1 and row["correct"] is False and row["wrong_pages"] == 1  # 1 round: one SGLang get
+    assert rc == 1 and row["correct"] is False and row["wrong_pages"] == 2  # warm-up + 1 round: two SGLang gets
 
 
 def _writes_nothing(self: L3Client, keys: list[str], pages: np.ndarray) -> list[Outcome]:
@@ -115,7 +126,7 @@ def test_l3_bench_correct_can_become_false(
         assert row["lookup_correct"] is False and row["wrong_pages"] == 0
     else:
         assert row["lookup_correct"] is True
-        assert row["wrong_pages"] == (4 if what == "get_writes_nothing" else 1)
+        assert row["wrong_pages"] == 2 * (4 if what == "get_writes_nothing" else 1)  # warm-up + 1 round
 
 
 def test_l3_placement_bench_json_contract(tmp_path: Path) -> None:
@@ -128,7 +139,8 @@ def test_l3_placement_bench_json_contract(tmp_path: Path) -> None:
     rows = {r["variant"]: r for r in report["rows"]}
     assert rc == 0 and len(report["segments"]) == 2  # the local cluster's two agents
     assert set(rows) == {"default", "explicit_default", "preferred_segment", "preferred_segments",
-                         "prefer_alloc_in_same_node", "replica_num_2", "with_hard_pin", "page_only"}  # fmt: skip
+                         "prefer_alloc_in_same_node", "replica_num_2", "with_hard_pin", "group_ids", "page_only",
+                         "one_fragment_with_trailer"}  # fmt: skip
     assert rows["default"]["vs_default"] == 1.0 and rows["default"]["replicate"] is None
     assert rows["preferred_segment"]["replicate"] == {"preferred_segment": report["segments"][0]}
     for r in rows.values():

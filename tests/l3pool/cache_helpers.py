@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,12 +48,13 @@ class Engine:
         layout: str = "page_first_direct",
         layers: tuple[int, int] | None = None,
         locks: object | None = None,
+        **build_kw: Any,
     ) -> None:
         self.bufs = [torch.zeros(l1_pages * P, 1, D, dtype=torch.bfloat16) for _ in range(LAYERS)]
         ns = None if store is None else Namespace.for_pool(SPEC, layout, "cachetest", layers=layers, tenant=tenant)
         self.stack = build(
             L1(self.bufs, P), SPEC, l2_tokens=l2_pages * P, l2_layout=layout, pin="never", cache=cfg,
-            store=store, namespace=ns, batch_pages=512, locks=locks,  # type: ignore[arg-type]
+            store=store, namespace=ns, batch_pages=512, locks=locks, **build_kw,  # type: ignore[arg-type]
         )  # fmt: skip
         self.pool, self.l3, self.cache = self.stack.pool, self.stack.l3, self.stack.cache
 

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -646,6 +647,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("with_cuda", &l2core::with_cuda);
   m.def("cuda_clear_error", &l2core::cuda_clear_error, "Return and clear the CUDA runtime's last error");
   m.def("max_buffers", [] { return l2core::kMaxBuffers; });
+  // TP-shared pool readiness (l2core.shm): the generation words are plain stores/loads in a shared
+  // mapping, ordered against the page bytes by these fences (x86-64: compiler barriers only; aarch64: dmb).
+  m.def("fence_release", [] { std::atomic_thread_fence(std::memory_order_release); },
+        "Order this thread's earlier loads/stores before its later stores");
+  m.def("fence_acquire", [] { std::atomic_thread_fence(std::memory_order_acquire); },
+        "Order this thread's earlier loads before its later loads/stores");
   l2core::bind_page_index(m);
   l2core::bind_kv_index(m);
 }

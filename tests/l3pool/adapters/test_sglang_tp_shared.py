@@ -45,3 +45,10 @@ def test_tp_shared_needs_mla_and_a_valid_rank() -> None:
         c.tp_shared_group(0, 2, 0, is_mla=False)
     with pytest.raises(ConfigError, match="tp_rank must be in"):
         c.tp_shared_group(2, 2, 0, is_mla=True)
+
+
+def test_tp_shared_group_per_dp_group_and_no_pp() -> None:
+    c = parse(tp_shared=True, tp_group="x")
+    assert c.tp_shared_group(1, 4, 0, True, dp_rank=2) == TPGroup("x-dp2-pp0", 1, 4)  # own copy per DP group
+    with pytest.raises(ConfigError, match="does not support pipeline parallelism"):
+        c.tp_shared_group(0, 4, 0, True, pp_size=2)

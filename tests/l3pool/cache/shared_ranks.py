@@ -13,16 +13,34 @@ from ..cache_helpers import Engine, chain
 STEPS = 16
 
 
-def main(name: str, rank: int, size: int, q: Any, diverge: tuple[int, int] | None, every: int = 1) -> None:
+def main(
+    name: str, rank: int, size: int, q: Any, diverge: tuple[int, int] | None, every: int = 1, split: str | None = None
+) -> None:
+    """`split`: a file-store path: the ranks join a gloo group there and load by split reads."""
     try:
-        _run(name, rank, size, q, diverge, every)
+        _run(name, rank, size, q, diverge, every, split)
     except BaseException as e:
         q.put((rank, "error", f"{type(e).__name__}: {e}"))
 
 
-def _run(name: str, rank: int, size: int, q: Any, diverge: tuple[int, int] | None, every: int) -> None:
+def _group(store: str, rank: int, size: int) -> Any:
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=20)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size, timeout=timeout)
+    return dist.new_group(list(range(size)), backend="gloo", timeout=timeout)
+
+
+def _run(
+    name: str, rank: int, size: int, q: Any, diverge: tuple[int, int] | None, every: int, split: str | None
+) -> None:
     cfg = CacheConfig(tp_shared=True, tp_group=name, tp_rank=rank, tp_size=size, load_timeout_s=30.0)
-    eng = Engine(cfg, l1_pages=16, l2_pages=48)
+    kw: dict[str, Any] = {}
+    if split is not None:  # every load split, however small (the default threshold would read whole pages)
+        kw = {"tp_process_group": _group(split, rank, size), "tp_split_min_rank_bytes": 0}
+    eng = Engine(cfg, l1_pages=16, l2_pages=48, **kw)
     # L2 poison is per-process test scaffolding: on a shared pool a rank would poison pages another
     # rank (ahead or behind in time) still uses, so it is off here; L1 is per rank and stays poisoned
     eng.poison_free_l2 = lambda: None  # type: ignore[method-assign]

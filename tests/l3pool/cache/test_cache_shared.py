@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,11 +24,14 @@ from . import shared_ranks
 CTX = mp.get_context("spawn")
 
 
-def _ranks(size: int, diverge: tuple[int, int] | None = None, every: int = 1, timeout: float = 120.0) -> dict[int, Any]:
+def _ranks(
+    size: int, diverge: tuple[int, int] | None = None, every: int = 1, timeout: float = 120.0, split: str | None = None
+) -> dict[int, Any]:
     name = f"c-{uuid.uuid4().hex[:10]}"
     q = CTX.Queue()
     procs = [
-        CTX.Process(target=shared_ranks.main, args=(name, r, size, q, diverge, every), daemon=True) for r in range(size)
+        CTX.Process(target=shared_ranks.main, args=(name, r, size, q, diverge, every, split), daemon=True)
+        for r in range(size)
     ]
     for p in procs:
         p.start()
@@ -68,6 +72,25 @@ def test_ranks_share_one_l2_copy_with_identical_bookkeeping(every: int) -> None:
         assert tp["skipped_backups"] == tp0["d2h_submissions"]
 
 
+def test_split_reads_serve_the_same_hits(tmp_path: Path) -> None:
+    """With a process group every L2 hit is loaded by split reads (each rank copies its slice, an
+    all-gather completes the pages); Engine.run asserts every hit page's bytes on every rank."""
+    got = _ranks(2, every=1, split=str(tmp_path / "store"))
+    steps0, hits0, *_ = got[0]
+    assert steps0 == ["ok"] * shared_ranks.STEPS and hits0 > 0
+    for r in (0, 1):
+        steps, hits, tp, _, _ = got[r]
+        assert steps == steps0 and hits == hits0
+        assert tp["split_loads"] > 0 and tp["whole_loads"] == 0, f"rank {r}: {tp}"
+        assert tp["split_h2d_bytes"] == hits * SPEC.page_bytes // 2  # half of every hit page per rank
+
+
+def test_a_process_group_needs_tp_shared() -> None:
+    bufs = [torch.zeros(64, 1, SPEC.dim, dtype=torch.bfloat16) for _ in range(SPEC.num_layers)]
+    with pytest.raises(ConfigError, match=r"set cache\.tp_shared too"):
+        build(L1(bufs, SPEC.page_size), SPEC, l2_tokens=64, pin="never", tp_process_group=object())
+
+
 def test_a_diverged_rank_is_caught() -> None:
     got = _ranks(2, diverge=(1, 5))
     for r in (0, 1):
@@ -104,7 +127,7 @@ def test_shared_cache_needs_a_shared_pool_and_no_l3() -> None:
     with pytest.raises(ConfigError, match="use SharedTieredCache"):
         TieredCache(cfg, L1(bufs, SPEC.page_size), pool)  # the plain controller would copy on every rank
     pool.close()
-    with pytest.raises(ConfigError, match="L1 \\+ L2 only"):
+    with pytest.raises(ConfigError, match=r"L1 \+ L2 only: .*prefetcher .* differ per rank"):
         build(L1(bufs, SPEC.page_size), SPEC, l2_tokens=64, cache=cfg, store=object(), namespace=object())  # type: ignore[arg-type]
     assert not segment_path(cfg.tp_group).exists()
 

@@ -303,6 +303,7 @@ def test_demo_detects_corrupted_pages(
     rep = json.loads(capsys.readouterr().out)
     assert rc == 1
     assert rep["wrong_pages"] > 0 and rep["logits_identical"] is False and rep["ok"] is False
+    assert rep["logits_mismatches"] and all(m["elements_differ"] > 0 for m in rep["logits_mismatches"])
 
 
 @pytest.mark.parametrize(

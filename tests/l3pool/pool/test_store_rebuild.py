@@ -2,7 +2,7 @@
 Mooncake's binding, with a listening socket as the master's port: a failing client is replaced with
 every buffer registered again, the old one is closed only after the call still inside it returns
 (and that call's failure does not trip the breaker of the new client), and a donor never rebuilds.
-The real-cluster cases are in test_store_recover.py."""
+The real-cluster cases are in test_store_recover.py; dead-donor marks in test_donors.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from l3pool.pool import store as store_mod
+from l3pool.pool import connection
+from l3pool.pool.connection import Connection
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 
 from ..fake_store import FakeBinding
@@ -27,8 +28,8 @@ def master(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     srv.bind(("127.0.0.1", 0))
     srv.listen(64)
     FakeBinding.instances, FakeBinding.fail_new = [], False
-    monkeypatch.setattr(store_mod, "_import_mooncake", lambda: FakeBinding)
-    monkeypatch.setattr(MooncakeStore, "_master_answers", lambda self: True)
+    monkeypatch.setattr(connection, "import_mooncake", lambda: FakeBinding)
+    monkeypatch.setattr(Connection, "master_answers", lambda self: True)
     yield f"127.0.0.1:{srv.getsockname()[1]}"
     srv.close()
 
@@ -62,7 +63,7 @@ def test_failing_client_is_rebuilt_and_closed_after_its_last_call(master: str) -
         _until(lambda: len(FakeBinding.instances) == 2 and st.healthy())
         new = FakeBinding.instances[1]
         assert new.registered == {0x1000: 4096, 0x9000: 512}
-        assert st.stats()["rebuilds"] == 1 and st._c.s is new
+        assert st.stats()["rebuilds"] == 1 and st.conn.current.s is new
         assert not old.closed  # a call is still inside it
         old.hold.set()
         th.join(5)
@@ -89,7 +90,7 @@ def test_a_rebuild_that_fails_keeps_the_old_client(master: str) -> None:
             _until(lambda: st.stats()["rebuild_failures"] >= 1)
         finally:
             FakeBinding.register_buffer = real  # type: ignore[method-assign]
-        assert st._c.s is FakeBinding.instances[0] and st.stats()["rebuilds"] == 0
+        assert st.conn.current.s is FakeBinding.instances[0] and st.stats()["rebuilds"] == 0
         _until(lambda: FakeBinding.instances[1].closed)  # the half-built client is closed
     finally:
         st.close()
@@ -102,34 +103,5 @@ def test_a_donor_never_rebuilds(master: str) -> None:
         assert st.exists(["a"]) == [Outcome.UNAVAILABLE]
         time.sleep(0.6)  # three rebuild_after_s
         assert st.breaker.is_open and len(FakeBinding.instances) == 1 and st.stats()["rebuilds"] == 0
-    finally:
-        st.close()
-
-
-def test_dead_endpoint_marks_are_rechecked_and_forgotten(master: str) -> None:
-    """A marked endpoint stays dead while it refuses connections, is tried again once it accepts
-    them (re-checked every dead_retry_s), and is forgotten after dead_forget_s."""
-    st = MooncakeStore(_cfg(master, dead_retry_s=0.05, dead_forget_s=0.5))
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()  # nothing listens there now: connections are refused
-    ep, other = f"127.0.0.1:{port}", "127.0.0.1:1"
-    try:
-        now = time.monotonic()
-        st._dead.update({ep: (now, now), other: (now, now)})
-        time.sleep(0.1)
-        assert st._dead_now() == {ep, other}  # re-checked: still refused
-        srv = socket.socket()
-        srv.bind(("127.0.0.1", port))
-        srv.listen(4)
-        try:
-            time.sleep(0.1)
-            assert st._dead_now() == {other}  # accepts again: its objects are tried for real
-        finally:
-            srv.close()
-        assert st.stats()["dead_endpoints"] == 1
-        time.sleep(0.5)
-        assert st._dead_now() == frozenset() and st.stats()["dead_endpoints"] == 0
     finally:
         st.close()

@@ -292,12 +292,12 @@ def test_failed_constructors_do_not_exhaust_the_real_client(store: MooncakeStore
     spec = KVSpec.mla(4, page_size=4)
     pool = random_pool(spec, "page_first", 64, 5)
     ns = Namespace.for_pool(spec, "page_first", "leak", tenant=uuid.uuid4().hex)
-    before = len(store._registered)
+    before = store.conn.registered
     try:
         for _ in range(200):
             with pytest.raises(EtcdUnavailable):
                 L3Client(pool, store, ns, metadata=_FailingRegistry())  # type: ignore[arg-type]
-        assert len(store._registered) == before
+        assert store.conn.registered == before
         keys = random_keys(ns, 8, seed=9)
         for i in range(50):
             c = L3Client(pool, store, ns)
@@ -307,7 +307,7 @@ def test_failed_constructors_do_not_exhaust_the_real_client(store: MooncakeStore
                 assert c.get(keys, range(8, 16)) == [Outcome.OK] * 8
             finally:
                 c.close()
-        assert len(store._registered) == before
+        assert store.conn.registered == before
         assert bool((pool.read_pages(list(range(8))) == pool.read_pages(list(range(8, 16)))).all())
     finally:
         pool.close()

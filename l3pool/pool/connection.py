@@ -1,0 +1,364 @@
+"""The one module that imports `mooncake`: the Mooncake client behind a `MooncakeStore`, the
+buffers registered through it, the calls inside it, and its rebuild.
+
+Setup: the master's RPC port must accept a TCP connect within 2 s (else `StoreUnavailable` naming
+the address, instead of Mooncake's ~90 s of setup retries); a failed setup names the likely cause
+(a segment larger than this host can allocate) and where Mooncake's own log went.
+
+Rebuild: a client whose calls keep failing while its master is back is replaced. When the calls
+have failed (UNAVAILABLE, or a failed probe) for `rebuild_after_s` with no success in between,
+the master's port accepts TCP and its embedded HTTP metadata server answers (proof that the master
+process runs; a frozen master accepts TCP but answers nothing, and Mooncake's setup against it
+would hold the GIL for minutes, so nothing is set up without that proof), the store's probe
+creates a new MooncakeDistributedStore with the same config, registers every buffer registered
+here again, and swaps it in under a lock; the old client is closed on a thread of its own once no
+call uses it. Counted as `rebuilds` / `rebuild_failures`. Donors (segment_bytes > 0, the agent)
+never rebuild: a new client would mount a second segment under another name than the one the
+member record in etcd names, and Mooncake's own heartbeat re-mounts a donor's segment on a
+restarted master by itself (measured: ~1 s). Without an http:// metadata URL on the master's
+host there is no such proof: no rebuild.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from l2core.units import format_size
+from l3pool.pool.addr import split_host_port
+
+
+class ClientSettings(Protocol):
+    """What a connection reads of its store's config (l3pool.pool.store.StoreConfig, frozen, plays it)."""
+
+    @property
+    def master(self) -> str: ...
+
+    @property
+    def metadata(self) -> str: ...
+
+    @property
+    def local_hostname(self) -> str: ...
+
+    @property
+    def protocol(self) -> str: ...
+
+    @property
+    def rdma_devices(self) -> str: ...
+
+    @property
+    def segment_bytes(self) -> int: ...
+
+    @property
+    def local_buffer_bytes(self) -> int: ...
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def probe_timeout_s(self) -> float: ...
+
+    @property
+    def rebuild(self) -> bool: ...
+
+    @property
+    def rebuild_after_s(self) -> float: ...
+
+
+log = logging.getLogger(__name__)
+
+PROBE_KEY = "__l3pool_probe__"  # never stored: a probe's batch_is_exist answers 0 when the master is up
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class StoreUnavailable(StoreError):
+    """The master or the metadata server could not be reached at setup."""
+
+
+def mooncake_store_module() -> Any:
+    """`mooncake.store` (MooncakeDistributedStore, ReplicateConfig); StoreError naming the wheels
+    to install when it cannot be imported."""
+    try:
+        import mooncake.store
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise StoreError(
+            f"the mooncake package is not importable ({e}); install mooncake-transfer-engine-non-cuda "
+            "(CPU hosts) or mooncake-transfer-engine (CUDA hosts) and the system library libibverbs1"
+        ) from e
+    return mooncake.store
+
+
+def import_mooncake() -> Any:
+    """The binding's client class (tests put a fake binding here)."""
+    return mooncake_store_module().MooncakeDistributedStore
+
+
+def replicate_config(fields: Mapping[str, Any]) -> Any:
+    """A Mooncake ReplicateConfig with `fields` set; StoreError naming an unknown field."""
+    cfg = mooncake_store_module().ReplicateConfig()
+    for name, value in fields.items():
+        if name.startswith("_") or not hasattr(cfg, name):
+            known = sorted(a for a in dir(cfg) if not a.startswith("_"))
+            raise StoreError(f"ReplicateConfig has no field {name!r}; known: {known}")
+        setattr(cfg, name, value)
+    return cfg
+
+
+def check_reachable(master: str, timeout: float = 2.0) -> None:
+    """Fail in seconds, with the address named, instead of Mooncake's ~90 s of setup retries."""
+    try:
+        host, port = split_host_port(master, "mooncake master address")
+    except ValueError as e:
+        raise StoreError(str(e)) from None
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        raise StoreUnavailable(f"mooncake master {master} unreachable: {e}") from None
+
+
+def _mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _setup_cause(rc: int, segment_bytes: int) -> str:
+    """The tail of a failed setup's message: the likely cause, and where Mooncake's own log went.
+    Measured on 0.3.13: a segment the host cannot allocate returns -600 after "Failed to allocate
+    segment memory" in Mooncake's log (4 TiB on a 23 GiB host)."""
+    from l3pool import logs
+
+    cause = ""
+    avail = _mem_available()
+    if rc == -600 and avail is not None and segment_bytes > avail:
+        cause = (f"; the segment ({format_size(segment_bytes)}) is larger than this host can allocate "
+                 f"({format_size(avail)} available): lower --segment-size")  # fmt: skip
+    where = logs.native_log()
+    return cause + (f"; Mooncake's own log: {where}" if where else "; Mooncake's own log lines went to stderr")
+
+
+def setup(cfg: ClientSettings) -> Any:
+    """A new, set-up MooncakeDistributedStore of `cfg`; StoreUnavailable when setup fails."""
+    s = import_mooncake()()
+    # Mooncake reads MC_* variables from the environment; we never write os.environ.
+    tenant = {"tenant_id": cfg.tenant} if cfg.tenant else {}  # older wheels lack the keyword
+    rc = s.setup(
+        cfg.local_hostname,
+        cfg.metadata,
+        int(cfg.segment_bytes),
+        int(cfg.local_buffer_bytes),
+        cfg.protocol,
+        cfg.rdma_devices,
+        cfg.master,
+        **tenant,
+    )
+    if rc != 0:
+        raise StoreUnavailable(
+            f"mooncake setup failed (code {rc}): master {cfg.master}, metadata {cfg.metadata}, "
+            f"host {cfg.local_hostname}, protocol {cfg.protocol}"
+            + (f", tenant {cfg.tenant} (is it in the master's tenant quota policy?)" if cfg.tenant else "")
+            + _setup_cause(rc, int(cfg.segment_bytes))
+        )
+    return s
+
+
+def _close_later(s: Any, what: str) -> None:
+    """Close a Mooncake client on a daemon thread (its teardown may retry an unreachable master)."""
+
+    def run() -> None:
+        try:
+            s.close()
+        except Exception as e:  # pragma: no cover - binding errors
+            log.debug("closing %s: %s", what, e)
+
+    threading.Thread(target=run, name="l3pool-store-close", daemon=True).start()
+
+
+class Client:
+    """One MooncakeDistributedStore and the calls using it (a rebuilt store retires it; the last
+    call out closes it)."""
+
+    __slots__ = ("gen", "retired", "s", "users")
+
+    def __init__(self, s: Any, gen: int) -> None:
+        self.s, self.gen, self.users, self.retired = s, gen, 0, False
+
+
+class Connection:
+    """The current Mooncake client of one store, the buffers registered through it, how long its
+    calls have been failing, and its rebuild (module docstring). Thread-safe."""
+
+    def __init__(self, cfg: ClientSettings) -> None:
+        self.cfg = cfg
+        check_reachable(cfg.master)
+        self.current = Client(setup(cfg), 0)
+        self._lock = threading.Lock()  # the current client, its users, the registrations
+        self._registered: dict[tuple[int, int], int] = {}  # (ptr, size) -> references
+        self.failing_since: float | None = None  # first failure (call or probe) with no call success since
+        self.last_call_fail = 0.0
+        self.last_probe = (True, 0.0)  # (succeeded, when)
+        self._rebuild_tried = 0.0
+        self._rebuild_lock = threading.Lock()
+        self.counts = {"rebuilds": 0, "rebuild_failures": 0}
+
+    # -- registrations -------------------------------------------------------------------------
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Register memory for zero-copy put/get. Registering the same buffer again (several
+        clients over one pool) only counts a reference; `unregister` drops one. A rebuilt client
+        registers every buffer registered here again."""
+        key = (int(ptr), int(nbytes))
+        with self._lock:
+            if key in self._registered:
+                self._registered[key] += 1
+                return
+            rc = self.current.s.register_buffer(key[0], key[1])
+            if rc != 0:
+                raise StoreError(f"mooncake register_buffer(0x{ptr:x}, {nbytes}) failed with code {rc}")
+            self._registered[key] = 1
+
+    @property
+    def registered(self) -> int:
+        """Buffers registered now (each counted once, however many references)."""
+        return len(self._registered)
+
+    def unregister(self, ptr: int) -> None:
+        with self._lock:
+            for key, refs in self._registered.items():
+                if key[0] == int(ptr):
+                    if refs > 1:
+                        self._registered[key] = refs - 1
+                        return
+                    del self._registered[key]
+                    rc = self.current.s.unregister_buffer(key[0])
+                    if rc != 0:
+                        log.warning("mooncake unregister_buffer(0x%x) returned %d", ptr, rc)
+                    return
+
+    # -- the calls inside a client -------------------------------------------------------------
+    def acquire(self) -> Client:
+        with self._lock:
+            c = self.current
+            c.users += 1
+            return c
+
+    def release(self, c: Client) -> None:
+        with self._lock:
+            c.users -= 1
+            done = c.retired and c.users == 0
+        if done:
+            _close_later(c.s, f"retired mooncake client {c.gen}")
+
+    # -- failing and recovering ----------------------------------------------------------------
+    def failed(self, call: bool = False) -> None:
+        """A call (or a probe) failed."""
+        now = time.monotonic()
+        if self.failing_since is None:
+            self.failing_since = now
+        if call:
+            self.last_call_fail = now
+
+    def succeeded(self) -> None:
+        """A call of the current client succeeded."""
+        self.failing_since = None
+
+    def stuck(self, probe_ok: bool) -> bool:
+        """Whether the probe that answered `probe_ok` should rebuild the client: it may (a pure
+        client), its calls have failed for rebuild_after_s with no success (nor a rebuild tried)
+        in between, and either its probes keep succeeding while every call through it since the
+        previous successful probe failed, or its probe fails too while the master's HTTP server
+        answers."""
+        now = time.monotonic()
+        if not (
+            self.cfg.rebuild
+            and self.cfg.segment_bytes == 0
+            and self.failing_since is not None
+            and now - self.failing_since >= self.cfg.rebuild_after_s
+            and now - self._rebuild_tried >= self.cfg.rebuild_after_s
+        ):
+            return False
+        if probe_ok:
+            return self.last_probe[0] and self.last_call_fail > self.last_probe[1]
+        return self.master_answers()
+
+    def master_answers(self) -> bool:
+        """The master process answers (not only its kernel): its embedded HTTP metadata server
+        replies to a request within probe_timeout_s. False without an http:// metadata URL on
+        the master's host (nothing else proves it without a Mooncake call)."""
+        host = self.cfg.master.rpartition(":")[0].strip("[]")
+        url = self.cfg.metadata
+        if not url.startswith("http://") or urllib.parse.urlsplit(url).hostname != host:
+            return False
+        try:
+            with urllib.request.urlopen(url + "?key=" + PROBE_KEY, timeout=self.cfg.probe_timeout_s):
+                return True
+        except urllib.error.HTTPError:
+            return True  # an answer (e.g. 404 for the unknown key) is what we asked for
+        except OSError:
+            return False
+
+    def rebuild(self) -> bool:
+        """Replace the client (module docstring); True when the new one is in place. One at a
+        time (a concurrent caller returns False at once)."""
+        if not self._rebuild_lock.acquire(blocking=False):
+            return False
+        try:
+            return self._rebuild_locked()
+        finally:
+            self._rebuild_lock.release()
+
+    def _rebuild_locked(self) -> bool:
+        now = time.monotonic()
+        self._rebuild_tried = now
+        try:
+            new = setup(self.cfg)
+        except StoreError as e:
+            self.counts["rebuild_failures"] += 1
+            log.warning("mooncake client rebuild failed: %s", e)
+            return False
+        with self._lock:
+            for ptr, size in self._registered:
+                rc = new.register_buffer(ptr, size)
+                if rc != 0:
+                    self.counts["rebuild_failures"] += 1
+                    log.warning("mooncake client rebuild: register_buffer(0x%x, %d) failed with %d", ptr, size, rc)
+                    _close_later(new, "a failed rebuild's client")
+                    return False
+            old, self.current = self.current, Client(new, self.current.gen + 1)
+            old.retired = True
+            idle = old.users == 0
+            self.counts["rebuilds"] += 1
+        if idle:
+            _close_later(old.s, f"retired mooncake client {old.gen}")
+        log.warning(
+            "mooncake client rebuilt (master %s answers, the old client failed for %.1f s; %d buffer(s) "
+            "registered again)", self.cfg.master, now - (self.failing_since or now), len(self._registered),
+        )  # fmt: skip
+        return True
+
+    def close(self) -> None:
+        """Unregister every buffer and close the current client."""
+        with self._lock:
+            s = self.current.s
+            for ptr, _ in list(self._registered):
+                try:
+                    s.unregister_buffer(ptr)
+                except Exception as e:
+                    log.debug("unregister_buffer(0x%x): %s", ptr, e)
+            self._registered.clear()
+        s.close()
