@@ -24,6 +24,7 @@ from bench._scale_client import _namespaces as scale_namespaces
 from l3pool.cli import guarded
 from l3pool.cluster.local import LocalCluster
 from l3pool.pool.pplock import StageLocks
+from tests.conftest import default_sigint
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--agents", "2", "--seconds", "2", "--idle-seconds", "1", "--clients", "2", "--rate", "10", "--sessions", "8"]
@@ -255,7 +256,7 @@ def test_ctrl_c_or_sigterm_tears_everything_down(tmp_path: Path, sig: int, code:
     p = subprocess.Popen(
         [sys.executable, "-m", "bench.scale", "--agents", "2", "--seconds", "60", "--idle-seconds", "1",
          "--clients", "1", "--state-dir", str(state)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
     )  # fmt: skip
     try:
         assert p.stderr is not None
