@@ -8,9 +8,9 @@ line, so nothing is downloaded; l2core/l3pool themselves come only from the whee
 No step needs a package index when this interpreter has the build backend (`[build-system]
 requires`): every pip call runs with `--no-index`. When it lacks the backend, `_backend` probes
 (bounded) for it: local wheels (pip's configured find-links, `--no-index`) first, then the index;
-with neither, the tests skip and say so. The installed wheel builds its kernels in a build dir of
-its own: its sources lie elsewhere than the tree's, so sharing `~/.cache/l2core` with the tree's
-tests (other xdist workers) would rebuild the extension there at every switch."""
+with neither, the tests skip and say so. The installed wheel's kernels load from the build dir its
+own sources' bytes select (l2core/_native.py): the tree's when the wheel carries the same sources, so
+the round trip reuses the build the other tests made; a broken source gets a dir of its own."""
 
 from __future__ import annotations
 
@@ -143,11 +143,13 @@ def venv(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
     yield root
 
 
-def _venv_env(venv: Path, build: Path) -> dict[str, str]:
-    """The installed package's environment: its bin/ first on PATH, its kernels built in `build`."""
+def _venv_env(venv: Path, build: Path | None = None) -> dict[str, str]:
+    """The installed package's environment: its bin/ first on PATH, its kernels built under `build`
+    (None: the default base, shared with the tree's tests)."""
     env = _clean_env()
     env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
-    env["L2CORE_BUILD_DIR"] = str(build)
+    if build is not None:
+        env["L2CORE_BUILD_DIR"] = str(build)
     return env
 
 
@@ -209,7 +211,7 @@ def test_backend_probe_takes_local_wheels_with_no_index(tmp_path: Path) -> None:
 
 
 def test_installed_wheel_info_and_round_trip(venv: Path, tmp_path: Path) -> None:
-    env = _venv_env(venv, tmp_path / "build")
+    env = _venv_env(venv)
     r = _run([str(venv / "bin" / "l3pool"), "info", "--json"], cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     info = json.loads(r.stdout)
@@ -223,14 +225,16 @@ def test_installed_wheel_info_and_round_trip(venv: Path, tmp_path: Path) -> None
 
 
 def test_info_fails_when_kernels_are_unusable(venv: Path, tmp_path: Path) -> None:
-    """A broken native source in the installed package: `info` says so and exits 1."""
-    env = _venv_env(venv, tmp_path / "build")
+    """A broken native source in the installed package: `info` says so and exits 1. The first
+    source ninja compiles is the broken one, at its first line, and ninja runs one job: the build
+    fails at once instead of after compiling the other sources."""
+    env = {**_venv_env(venv, tmp_path / "build"), "MAX_JOBS": "1"}
     site = Path(_run([str(venv / "bin" / "python"), "-c", "import l2core, os; print(os.path.dirname(l2core.__file__))"],
                      cwd=tmp_path, env=env).stdout.strip())  # fmt: skip
-    src = site / "native" / "csrc" / "cpu_kernels.cpp"
+    src = site / "native" / "csrc" / "bindings.cpp"
     good = src.read_text()
     try:
-        src.write_text(good + "\n#error broken on purpose\n")
+        src.write_text('#include "l2core_missing_on_purpose.h"\n' + good)
         r = _run([str(venv / "bin" / "l3pool"), "info"], cwd=tmp_path, env=env)
     finally:
         src.write_text(good)

@@ -60,6 +60,10 @@ def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "1",
         "--routing",
         "all",
+        "--rounds",  # the routing comparison has its own >= 3 repeats; the main replay's timings are not asserted
+        "1",
+        "--no-side",
+        "--no-interference",
         "--json",
         "--no-progress",
         "--no-plots",
