@@ -21,7 +21,7 @@ import numpy as np
 
 from l3pool.measure import percentile
 from l3pool.pool.etcd import EtcdClient, EtcdError
-from l3pool.pool.keys import Namespace
+from l3pool.pool.keys import stage_namespaces
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata
 from l3pool.pool.pplock import LockError, StageLocks
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
@@ -115,24 +115,7 @@ def measure_lock_latencies(
             store = MooncakeStore(StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host))
             own_store = True
     tag = os.urandom(4).hex()
-    nss = [
-        Namespace(
-            "bench-" + tag,
-            "mla",
-            "page_first",
-            "bf16",
-            64,
-            page_bytes,
-            s,
-            s + 1,
-            tenant=tag,
-            num_kv_heads=0,
-            head_dim=0,
-            kv_lora_rank=512,
-            rope_dim=64,
-        )
-        for s in range(stages)
-    ]
+    nss = stage_namespaces("bench-" + tag, stages, page_bytes, tenant=tag)
     hashes = [os.urandom(16) for _ in range(pages)]
     buf = np.random.default_rng(0).integers(0, 256, page_bytes, dtype=np.uint8)
     store.register(buf.ctypes.data, buf.nbytes)

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from l3pool.pool.etcd import EtcdClient
-from l3pool.pool.keys import Namespace
+from l3pool.pool.keys import Namespace, stage_namespaces
 from l3pool.pool.metadata import Metadata
 from l3pool.pool.pplock import StageLocks
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
@@ -207,24 +207,7 @@ class L2Ring:
 
 
 def _namespaces(stages: int, tag: str, page_bytes: int) -> list[Namespace]:
-    return [
-        Namespace(
-            f"scale-{tag}",
-            "mla",
-            "page_first",
-            "bf16",
-            64,
-            page_bytes,
-            s,
-            s + 1,
-            tenant=tag,
-            num_kv_heads=0,
-            head_dim=0,
-            kv_lora_rank=512,
-            rope_dim=64,
-        )
-        for s in range(stages)
-    ]
+    return stage_namespaces(f"scale-{tag}", stages, page_bytes, tenant=tag)
 
 
 class Client:

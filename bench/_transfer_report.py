@@ -155,7 +155,7 @@ def format_table(report: dict[str, Any]) -> str:
     git = report.get("git")
     if git:
         dirty = ", ".join(git["uncommitted_l2core_native"]) or "none"
-        summary.append(f"git {git['commit'][:12]}, uncommitted in l2core/native: {dirty}")
+        summary.append(f"git {git['commit'][:12]}, uncommitted in l2core/ and native/: {dirty}")
     inter = report.get("interference")
     if inter:
         summary.append(
@@ -211,14 +211,14 @@ def _interference(t0: tuple[float, float, float] | None, wall_s: float) -> dict[
 
 
 def _git_state() -> dict[str, Any] | None:
-    """The commit measured, and which files of l2core/ (its native/ sources included) differ from it."""
+    """The commit measured, and which files of l2core/ and of its kernels' sources (native/) differ from it."""
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "l2core"],
+            ["git", "status", "--porcelain", "--", "l2core", "native"],
             cwd=root,
             capture_output=True,
             text=True,

@@ -298,10 +298,14 @@ def run_row(agents: int, args: argparse.Namespace, base: Path) -> dict[str, Any]
             time.sleep(max(0.0, start - time.time()))
             pids["clients"] = [p.pid for p in clients]
             a = snapshot(time.monotonic(), pids, c.admin_url, c.etcd_endpoints)
-            time.sleep(args.seconds)
+            t_end = time.monotonic() + args.seconds
+            # the index's status while the clients still run: a client deregisters its KV-event
+            # source when its window ends, and the index's etcd watch forgets it at once
+            time.sleep(max(0.0, args.seconds - min(0.5, args.seconds / 4)))
+            ist = index.status() if index is not None else {}
+            time.sleep(max(0.0, t_end - time.monotonic()))
             b = snapshot(time.monotonic(), pids, c.admin_url, c.etcd_endpoints)
             loaded = window(a, b, cores)
-            ist = index.status() if index is not None else {}
             deadline = time.monotonic() + 60.0
             for k, p in enumerate(clients):
                 _expect_line(p, "done", deadline, work / f"client-{k}.log")

@@ -106,7 +106,7 @@ class DeviceProvider:
 
 
 class _NativeProvider(DeviceProvider):
-    """The copy of l2core's native extension (l2core/native/): one call with the layout's strides."""
+    """The copy of l2core's native extension (native/): one call with the layout's strides."""
 
     def transfer(
         self,

@@ -6,4 +6,6 @@ source scripts/sysdeps.sh
 source scripts/env.sh
 echo "[test] ruff"; ruff check . && ruff format --check .
 echo "[test] mypy"; mypy
-echo "[test] pytest"; python -m pytest -q -ra "$@"
+# two pytest-xdist workers (CI has 2 cores; a later -n N in "$@" wins), one test file per worker at a
+# time so a module's cluster fixture starts once; each worker caps its OpenMP threads (tests/conftest.py)
+echo "[test] pytest"; python -m pytest -q -ra -n 2 --dist loadfile "$@"

@@ -8,6 +8,7 @@ deselects it. Tests marked `gpu` skip cleanly (with a reason) on machines withou
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -54,6 +55,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("gpu") is not None and not cuda_available():
         pytest.skip("needs CUDA: torch.cuda.is_available() is False on this machine")
+
+
+def default_sigint() -> None:
+    """`preexec_fn` for a child the test interrupts with SIGINT: a runner started in the background
+    without job control (`cmd &` in a script, nohup) ignores SIGINT, its children inherit that and
+    Python then installs no KeyboardInterrupt handler, so the child would never see the Ctrl-C
+    (seen: both SIGINT teardown tests failing only in such runs)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(name="devices")

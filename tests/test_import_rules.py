@@ -67,6 +67,8 @@ TORCH_FREE_ROOTS = (
     "l3pool.pool.admin",
     "l3pool.values",
     "l3pool.pool.kv_events",
+    "l3pool.pool.keys",
+    "l3pool.cache.events",
     "l3pool.index.client",
     "l3pool.index.cli",
     "l3pool.router",

@@ -20,23 +20,47 @@ Everything else stays behind these calls: per-tier indexes with LRU and referenc
 (index.py), hit counts per distinct request, the ghost list, PP stage locks, the writer thread
 (writer.py), stats. Errors of background threads are recorded and raised by flush()/close().
 See README.md for the policies and their measured costs.
+
+The names load lazily (on first use), so `from l3pool.cache.events import KvEventPublisher` (and
+`from l3pool.cache import KvEventPublisher`) stays torch-free: a process that only publishes KV
+events, or a tool, does not import the controller.
 """
 
-from l3pool.cache.config import CacheConfig, PrefetchPolicy, WritePolicy
-from l3pool.cache.controller import LoadHandle, TieredCache
-from l3pool.cache.index import GhostList, TierIndex
-from l3pool.cache.shared import SharedTieredCache
-from l3pool.cache.stack import CacheStack, build
-from l3pool.cache.types import (
-    L1,
-    BackgroundError,
-    CacheError,
-    CacheFull,
-    CacheStats,
-    Match,
-    PPShortLoad,
-    UnknownRequest,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from l3pool.cache.config import CacheConfig, PrefetchPolicy, WritePolicy
+    from l3pool.cache.controller import LoadHandle, TieredCache
+    from l3pool.cache.events import EventOptions, KvEventPublisher
+    from l3pool.cache.index import GhostList, TierIndex
+    from l3pool.cache.shared import SharedTieredCache
+    from l3pool.cache.stack import CacheStack, build
+    from l3pool.cache.types import (
+        L1,
+        BackgroundError,
+        CacheError,
+        CacheFull,
+        CacheStats,
+        Match,
+        PPShortLoad,
+        UnknownRequest,
+    )
+
+_LAZY = {
+    **dict.fromkeys(("CacheConfig", "PrefetchPolicy", "WritePolicy"), "l3pool.cache.config"),
+    **dict.fromkeys(("LoadHandle", "TieredCache"), "l3pool.cache.controller"),
+    **dict.fromkeys(("EventOptions", "KvEventPublisher"), "l3pool.cache.events"),
+    **dict.fromkeys(("GhostList", "TierIndex"), "l3pool.cache.index"),
+    "SharedTieredCache": "l3pool.cache.shared",
+    **dict.fromkeys(("CacheStack", "build"), "l3pool.cache.stack"),
+    **dict.fromkeys(
+        ("L1", "BackgroundError", "CacheError", "CacheFull", "CacheStats", "Match", "PPShortLoad", "UnknownRequest"),
+        "l3pool.cache.types",
+    ),
+}
 
 __all__ = [
     "L1",
@@ -46,7 +70,9 @@ __all__ = [
     "CacheFull",
     "CacheStack",
     "CacheStats",
+    "EventOptions",
     "GhostList",
+    "KvEventPublisher",
     "LoadHandle",
     "Match",
     "PPShortLoad",
@@ -58,3 +84,15 @@ __all__ = [
     "WritePolicy",
     "build",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'l3pool.cache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value  # once: later lookups skip this function
+    return value
+
+
+assert set(__all__) == set(_LAZY)

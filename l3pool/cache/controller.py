@@ -214,6 +214,17 @@ class TieredCache:
         r.pp_held = True
         return n
 
+    def shorten(self, request_id: str, n: int) -> Match:
+        """Cut a matched request's hit to its first `n` pages (unpinning the rest) before prefetch and
+        load: a hybrid model resumes only at a saved window checkpoint (l3pool.cache.hybrid)."""
+        with self._mu:
+            r = self._req(request_id)
+            if r.n_hit >= 0 or r.prefetch is not None:
+                raise CacheError(f"request {request_id!r}: shorten() must come before prefetch() and load()")
+            self._truncate(r, n := max(0, min(int(n), r.n3)))
+            r.n3, r.limit = n, min(r.limit, n)
+            return Match(request_id, len(r.hashes), r.n1, r.n2 - r.n1, r.n3 - r.n2)
+
     def _truncate(self, r: _Req, n: int) -> None:
         k1 = min(r.n1, n)
         self.t1.unpin(r.l1_hit[k1:])

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -76,6 +77,29 @@ def cache_contents(cache: TieredCache) -> Contents:
             return out
 
     return contents
+
+
+@dataclass(frozen=True)
+class EventOptions:
+    """The KV-event publisher `l3pool.cache.build(events=...)` makes for a stack: the instance id
+    the index knows it by, where its two sockets bind (port 0: any free one), and `registry` (a
+    `Metadata`: the publisher registers `{prefix}/kv_events/{instance_id}` there under a lease of
+    `ttl` s, which is how an index finds it; None: the caller hands `publisher.info()` over)."""
+
+    instance_id: str
+    host: str = "127.0.0.1"
+    events_port: int = 0
+    snapshot_port: int = 0
+    registry: Metadata | None = None
+    ttl: int = 10
+    linger_ms: float = 2.0
+    heartbeat_s: float = 1.0
+
+    def publisher(self, namespace: str = "") -> KvEventPublisher:
+        return KvEventPublisher(
+            self.instance_id, namespace, host=self.host, events_port=self.events_port,
+            snapshot_port=self.snapshot_port, linger_ms=self.linger_ms, heartbeat_s=self.heartbeat_s,
+        )  # fmt: skip
 
 
 class KvEventPublisher:

@@ -1,7 +1,7 @@
 """Per-tier page index (hash -> page, LRU order, reference counts, hit counts) and the ghost list.
 
 Both live in compiled code (l2core's native extension, `PageIndex` / `GhostSet` in
-l2core/native/csrc/page_index.cpp); the classes here are thin wrappers that name them for the
+native/csrc/page_index.cpp); the classes here are thin wrappers that name them for the
 controller and the tests.
 
 One `TierIndex` per tier over that tier's one allocator (L2: the HostKVPool's; L1: the cache's

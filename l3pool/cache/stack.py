@@ -2,9 +2,10 @@
 checks the rules between their settings, and owns the close order.
 
     stack = build(L1(bufs, page_size), spec, l2_tokens=..., cache=CacheConfig(...),
-                  store=store, namespace=ns, metadata=md, locks=locks)
+                  store=store, namespace=ns, metadata=md, locks=locks,
+                  events=EventOptions("prefill-0", registry=md))   # optional: KV events for the index
     m = stack.cache.match(...); ...            # the lifecycle (l3pool/cache/__init__.py)
-    stack.close()                              # cache, then L3 client, then the L2 pool
+    stack.close()                              # events, cache, then L3 client, then the L2 pool
 
 The store (a `MooncakeStore`, shared by every stack of a process) and the stage locks are the
 caller's: a stack never closes them. Rules checked here, at construction, with one ConfigError:
@@ -18,6 +19,9 @@ caller's: a stack never closes them. Rules checked here, at construction, with o
   `tp_process_group` (a torch.distributed group of the TP ranks, used by nothing else) its loads
   are MLA split reads (l2core.split_read): each rank copies 1/TP of every page and an all-gather
   completes them. A group without tp_shared is refused.
+`events` (`EventOptions`): the stack's `KvEventPublisher` (l3pool/cache/events.py), attached to the
+cache (it reports every tier change) and, with a registry, registered in etcd for the global index;
+`stack.events`, closed (deregistered) first.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from l2core.shm_segment import TPGroup
 from l2core.spec import ConfigError, KVSpec
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.controller import TieredCache
+from l3pool.cache.events import EventOptions, KvEventPublisher
 from l3pool.cache.shared import PP_REFUSED, SharedTieredCache
 from l3pool.cache.types import L1
 from l3pool.pool.client import L3Client
@@ -45,16 +50,21 @@ class CacheStack:
     pool: HostKVPool
     l3: L3Client | None
     cache: TieredCache
+    events: KvEventPublisher | None = None
 
     def close(self) -> None:
         try:
-            self.cache.close()
+            if self.events is not None:
+                self.events.close()
         finally:
             try:
-                if self.l3 is not None:
-                    self.l3.close()
+                self.cache.close()
             finally:
-                self.pool.close()
+                try:
+                    if self.l3 is not None:
+                        self.l3.close()
+                finally:
+                    self.pool.close()
 
     def __enter__(self) -> CacheStack:
         return self
@@ -80,6 +90,7 @@ def build(
     locks: StageLocks | None = None,
     tp_process_group: Any = None,
     tp_split_min_rank_bytes: int | None = None,
+    events: EventOptions | None = None,
 ) -> CacheStack:
     """An engine's cache over its L1 buffers: a new L2 pool of `l2_tokens`, an L3 client when a
     store is given, and the controller. `batch_pages` / `max_concurrency` default to what the
@@ -128,4 +139,14 @@ def build(
             l3.close()
         pool.close()
         raise
-    return CacheStack(pool, l3, tc)
+    stack = CacheStack(pool, l3, tc)
+    if events is not None:
+        try:
+            stack.events = pub = events.publisher(namespace.ns_id if namespace is not None else "")
+            pub.attach(tc)
+            if events.registry is not None:
+                pub.register(events.registry, events.ttl)
+        except BaseException:
+            stack.close()
+            raise
+    return stack

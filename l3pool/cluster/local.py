@@ -1,10 +1,7 @@
 """A whole L3 pool on one machine: etcd + mooncake_master + N decode agents, for tests and demos.
 
-Size: just over 800 lines; process and network helpers already live in `_os.py`, the running
-cluster in `running.py`; what remains is one class's lifecycle.
-
 When running as root with iproute2, every agent runs in its own network namespace `{name}-a{K}`
-with its own IP, so the pool sees N distinct "nodes":
+with its own IP (`l3pool.cluster.network` creates them), so the pool sees N distinct "nodes":
 
     root namespace                                    namespace {name}-a{K}
     etcd, mooncake_master, prefill clients            l3pool agent (donates DRAM)
@@ -34,7 +31,9 @@ signalled), process groups, ports, namespaces and links; it is rewritten after e
 start(), so `down` can clean up even after the launching process was killed. Logs go to
 `state_dir/{etcd,master,agent-K}.log` (an agent's Mooncake lines: `state_dir/mooncake-agent-<pid>.log`).
 
-CLI: `l3pool cluster up|down|status` (`l3pool.cluster.cli`).
+CLI: `l3pool cluster up|down|status` (`l3pool.cluster.cli`). Beside this module: `_os` (processes,
+ports, iproute2 calls), `network` (the bridge, namespaces and veths), `running` (a running cluster
+as tools see it).
 """
 
 from __future__ import annotations
@@ -64,10 +63,7 @@ from l3pool.cluster._os import (
     ClusterError,
     _alive,
     _delete_network,
-    _existing_links,
-    _existing_netns,
     _free_ports,
-    _ip,
     _listening,
     _netns_unavailable,
     _Proc,
@@ -76,9 +72,9 @@ from l3pool.cluster._os import (
     _signal,
     _signals_deferred,
     _stop,
-    _subnet_user,
     _wait_dead,
 )
+from l3pool.cluster.network import ClusterNetwork, NetworkTaken
 from l3pool.paths import open_log, runtime_dir
 from l3pool.pool.etcd import EtcdClient, EtcdError
 from l3pool.pool.metadata import DEFAULT_PREFIX
@@ -176,10 +172,6 @@ def master_binary() -> str:
 
 class _ProcessExited(ClusterError):
     """A process of the cluster exited while start() waited for it."""
-
-
-class _NetworkTaken(ClusterError):
-    """Names or addresses of the network are already in use (never a reason to fall back)."""
 
 
 def default_state_dir(name: str = DEFAULT_NAME) -> Path:
@@ -339,7 +331,7 @@ class LocalCluster:
         self.put_discard_s, self.put_release_s = put_start_discard_timeout_sec, put_start_release_timeout_sec
         self.state_dir = Path(state_dir or default_state_dir(name)).resolve()
         self.netns_mode, self.lease_ttl, self.client_ttl, self.name = netns, lease_ttl, client_ttl, name
-        self.subnet, self._subnet_auto = net, subnet is None
+        self._net = ClusterNetwork(name, self.agent_count, net, subnet is None, self._save_state)
         self.key_prefix = "/" + key_prefix.strip("/")
         self.agent_cmd = list(agent_cmd) if agent_cmd else [sys.executable, "-m", "l3pool.cli", "agent"]
         self.ready_timeout = float(ready_timeout)
@@ -352,12 +344,15 @@ class LocalCluster:
         self.ports: dict[str, int] = {}
         self._host = "127.0.0.1"
         self._procs: dict[str, _Proc] = {}
-        self._links: list[str] = []
-        self._netns: list[str] = []
         self._data_dir: str | None = None
         self._started = self._closed = self._detached = False
 
     # -- endpoints -------------------------------------------------------------------------
+    @property
+    def subnet(self) -> ipaddress.IPv4Network:
+        """The agents' subnet (in netns mode: the one taken, when none was given)."""
+        return self._net.subnet
+
     @property
     def client_host(self) -> str:
         """The IP a root-namespace Mooncake client must advertise (bridge IP, or 127.0.0.1)."""
@@ -432,7 +427,7 @@ class LocalCluster:
         if self._closed or self._detached or not self._started:
             return
         self._closed = True
-        result = _teardown(list(self._procs.values()), self._links, self._netns, self._data_dir)
+        result = _teardown(list(self._procs.values()), self._net.links, self._net.netns, self._data_dir)
         for a in self.agents:
             a.pid = None
         if not result["survivors"]:
@@ -486,8 +481,8 @@ class LocalCluster:
                 for a in self.agents
             ],
             "processes": [p.to_json() for p in self._procs.values()],
-            "netns": self._netns,
-            "links": self._links,
+            "netns": self._net.netns,
+            "links": self._net.links,
             "etcd_data_dir": self._data_dir,
             "launcher": {"pid": os.getpid(), "start_time": (_proc_stat(os.getpid()) or ("", 0))[1]},
             "detached": self._detached,
@@ -503,15 +498,13 @@ class LocalCluster:
     def _setup_network(self) -> None:
         reason = _netns_unavailable(self.netns_mode)
         if reason is None:
-            self._check_names_free()
             try:
-                self._create_network_in_free_subnet()
-                self.mode = "netns"
+                self._net.create()
+                self.mode, self._host = "netns", self._net.bridge_ip
             except ClusterError as e:
-                if self.netns_mode == "on" or isinstance(e, _NetworkTaken):
+                if self.netns_mode == "on" or isinstance(e, NetworkTaken):
                     raise
-                _delete_network(self._links, self._netns)
-                self._links, self._netns = [], []
+                self._net.delete()
                 reason = str(e)
         if reason is not None:
             if self.netns_mode == "on":
@@ -520,68 +513,11 @@ class LocalCluster:
             self.mode, self.fallback_reason, self._host = "loopback", reason, "127.0.0.1"
         netns = self.mode == "netns"
         self.agents = [
-            AgentInfo(k, f"{self.name}-a{k}", f"{self.name}-a{k}" if netns else None,
-                      str(self.subnet.network_address + 10 + k) if netns else "127.0.0.1",
-                      self.state_dir / f"agent-{k}.log")
+            AgentInfo(k, f"{self.name}-a{k}", self._net.namespace(k) if netns else None,
+                      self._net.agent_ip(k) if netns else "127.0.0.1", self.state_dir / f"agent-{k}.log")
             for k in range(self.agent_count)
         ]  # fmt: skip
         self._save_state()
-
-    def _check_names_free(self) -> None:
-        """Refuse to touch link or namespace names that already exist."""
-        mine = {f"{self.name}-br0", *(f"{self.name}-v{k}" for k in range(self.agent_count))}
-        taken = sorted(mine & _existing_links())
-        taken += sorted({f"{self.name}-a{k}" for k in range(self.agent_count)} & _existing_netns())
-        if taken:
-            raise _NetworkTaken(
-                f"network names already in use: {', '.join(taken)} (another cluster named {self.name!r} is up? "
-                "stop it with `l3pool cluster down --name NAME`, or pick another name)"
-            )
-
-    def _create_network_in_free_subnet(self) -> None:
-        """The given subnet, or (none given) the first 10.77.N.0/24 no interface overlaps."""
-        candidates = [ipaddress.IPv4Network(f"10.77.{n}.0/24") for n in range(256)] if self._subnet_auto else []
-        for net in candidates or [self.subnet]:
-            user = _subnet_user(net)
-            if user is not None and not self._subnet_auto:
-                raise _NetworkTaken(f"subnet {net} overlaps {user}; pick another subnet")
-            if user is not None:
-                continue
-            self.subnet = net
-            self._create_network()
-            if self._subnet_auto and _subnet_user(net, ignore=self._links[0]) is not None:
-                _delete_network(self._links, self._netns)  # a concurrent cluster took it meanwhile
-                self._links, self._netns = [], []
-                continue
-            return
-        raise _NetworkTaken("no free subnet among 10.77.0.0/24 ... 10.77.255.0/24; give one with subnet=")
-
-    def _create_network(self) -> None:
-        br, plen = f"{self.name}-br0", self.subnet.prefixlen
-        self._host = str(self.subnet.network_address + 1)
-        _ip("link", "add", br, "type", "bridge")
-        self._links.append(br)
-        self._save_state()
-        # addrgenmode none: no IPv6 link-local addresses, so no DAD/router solicitations either;
-        # the only traffic on these links is IPv4 inside the subnet.
-        _ip("link", "set", br, "addrgenmode", "none")
-        _ip("addr", "add", f"{self._host}/{plen}", "dev", br)
-        _ip("link", "set", br, "up")
-        for k in range(self.agent_count):
-            ns, veth = f"{self.name}-a{k}", f"{self.name}-v{k}"
-            _ip("netns", "add", ns)
-            self._netns.append(ns)
-            self._save_state()
-            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            self._links.append(veth)
-            self._save_state()
-            _ip("link", "set", veth, "addrgenmode", "none")
-            _ip("-n", ns, "link", "set", "eth0", "addrgenmode", "none")
-            _ip("link", "set", veth, "master", br, "up")
-            _ip("-n", ns, "addr", "add", f"{self.subnet.network_address + 10 + k}/{plen}", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "route", "add", "default", "via", self._host)
 
     # -- processes -------------------------------------------------------------------------
     def _spawn(

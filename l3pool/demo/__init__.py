@@ -76,7 +76,20 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-side", action="store_true", help="skip the savings/policies comparisons (real: always)")
     p.add_argument("--no-interference", action="store_true", help="skip the interference measurement")
     p.add_argument("--hf-reference", action="store_true", help="also time HF transformers' own prefill (real models)")
-    p.add_argument("--attention", choices=["mla", "mha"], default="mla")
+    p.add_argument(
+        "--attention",
+        choices=["mla", "mha", "hybrid"],
+        default="mla",
+        help="hybrid: the `swa` section only (MHA full + sliding-window layers, one row per save-stride policy)",
+    )
+    p.add_argument("--swa-window", type=positive_int, default=128, help="hybrid: SWA window in tokens (default 128)")
+    p.add_argument("--swa-per-full", type=nonneg_int, default=5, help="hybrid: SWA layers per full layer (default 5)")
+    p.add_argument("--swa-page", type=positive_int, default=16, help="hybrid: tokens per page (default 16)")
+    p.add_argument(
+        "--strides",
+        default="none;fixed:1;fixed:8;fixed:32;dynamic:256/1,4096/8,*/32;dynamic:256/1,4096/8,*/32+end",
+        help="hybrid: save-stride policies, ';'-separated (l3pool.cache.stride)",
+    )
     p.add_argument("--layers", type=positive_int, help="layers (reference default 8; real models: the shape's own)")
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="auto", help="L1 device (auto: cuda if present)"
@@ -192,6 +205,10 @@ def _cmd(a: argparse.Namespace) -> int:
     from l3pool.pool.store import StoreError
 
     output_dir(a.out, "--out")  # before the run: a path it cannot write fails now, not after minutes
+    if a.attention == "hybrid":
+        from l3pool.demo.swa_cli import run_cli
+
+        return run_cli(a, _endpoints)
     try:
         opts = _options(a)
         report = _run(a, opts)

@@ -17,14 +17,27 @@ pyzmq, and the reference each decision's index answer is compared with (`index_s
 answer for the chosen instance lagged its cache's state, e.g. events still in flight).
 
 Per policy the report gives `prefill_s` (median total prefill time over the repeats, with its
-min/max), `prefill_cpu_s` (this process's CPU seconds inside the prefill calls; it leaves out
-what the pool's agents spend serving L3 reads, and it is no shield against other load: on the
-shared 2-core CI machine it tracked the wall time, torch's threads spinning while descheduled),
+min/max), `prefill_cpu_s` (this process's CPU seconds inside the prefill calls: a diagnostic, not
+a verdict metric - it counts every thread of the process, so a concurrent backup or prefetch of
+another request is charged to the one computing, it leaves out what the pool's agents spend
+serving L3 reads, torch's spinning threads charge descheduled time to it on a loaded CPU (on the
+shared 2-core CI machine it tracked the wall time), and on a GPU a synchronising host thread spins
+too),
 `ttft_mean_s` (virtual time, see run_routed), `hit_rate` per tier (of all tokens), `l3_bytes`
 (bytes fetched from L3), `load_imbalance` (max / mean prompt tokens routed per instance), the
 decisions' reasons, how many prefetch orders were given and how many landed (every page the
 instance's match found in L3 arrived in L2 before the request's L1 load started), and the
-checks: logits identical to the no-cache run, 0 wrong pages.
+checks: logits identical to the no-cache run, 0 wrong pages. `verdict` compares the spreads
+(cache_aware's slowest repeat against the other's fastest); `paired` compares repeat by repeat
+(every policy's run k happened back to back), which survives drift of the machine between repeats.
+
+What can differ between policies on this trace: with L3 written through, a session's earlier
+turns are a hit everywhere, so routing decides the tier (L1 on its home instance, L3 -> L2 -> L1
+elsewhere) and the queueing, not hit vs compute. Total prefill time therefore separates
+cache_aware from round_robin by the L3/L2 fetches it avoids (large where compute is fast, i.e. on
+a GPU; within the noise of a CPU's compute); cache_aware and dynamo_like both keep sessions home
+and should tie on it unless the load terms differ, and the mean TTFT (which includes queueing) is
+where a load-aware price can show against fixed tier weights.
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ from l3pool.router import POLICIES, Policy, RoundRobin, Router
 
 if TYPE_CHECKING:
     from l3pool.demo.replay import Demo
+    from l3pool.pool.metadata import Metadata
 
 MIN_INSTANCES = 3
 
@@ -91,12 +105,21 @@ class LocalIndex:
 
 class ServiceIndex:
     """The router's view through l3pool.index, as a cluster runs it: every instance's cache
-    publishes its KV events (KvEventPublisher, ZeroMQ), an IndexService keeps a GlobalIndex from
-    them (resync from the instances' snapshots at start), and each query is one IndexClient round
-    trip. The sources are handed to the service directly (a cluster registers them in etcd)."""
+    publishes its KV events (a KvEventPublisher made from `EventOptions`, as `l3pool.cache.build`
+    makes one, ZeroMQ), an IndexService keeps a GlobalIndex from them (resync from the instances'
+    snapshots at start), and each query is one IndexClient round trip. With a `registry` (the
+    demo's etcd, under a key prefix of this run's own) the instances register their endpoints
+    there and the index learns them through its etcd watch, as in a deployment; without one
+    (no etcd) the sources are handed to the service directly."""
 
-    def __init__(self, insts: dict[str, PrefillInstance], ns: Namespace, timeout_s: float = 20.0) -> None:
-        from l3pool.cache.events import KvEventPublisher
+    def __init__(
+        self,
+        insts: dict[str, PrefillInstance],
+        ns: Namespace,
+        registry: Metadata | None = None,
+        timeout_s: float = 20.0,
+    ) -> None:
+        from l3pool.cache.events import EventOptions
         from l3pool.index.client import IndexClient
         from l3pool.index.service import IndexService
         from l3pool.index.table import GlobalIndex
@@ -105,13 +128,18 @@ class ServiceIndex:
         self.pubs: dict[str, Any] = {}
         self.svc: Any = None
         self.client: Any = None
+        self.via_etcd = registry is not None
         try:
             for name, inst in insts.items():
-                pub = self.pubs[name] = KvEventPublisher(name, namespace=ns.ns_id)
+                pub = self.pubs[name] = EventOptions(name, registry=registry).publisher(ns.ns_id)
                 assert inst.cache is not None
                 pub.attach(inst.cache)
-            self.svc = IndexService(GlobalIndex(1 << 20), snapshot_timeout_s=1.0, retry_s=0.1).start()
-            self.svc.set_sources({n: p.info() for n, p in self.pubs.items()})
+                if registry is not None:
+                    pub.register(registry, ttl=10)
+            self.svc = IndexService(GlobalIndex(1 << 20), metadata=registry, snapshot_timeout_s=1.0, retry_s=0.1)
+            self.svc.start()
+            if registry is None:
+                self.svc.set_sources({n: p.info() for n, p in self.pubs.items()})
             self.client = IndexClient(self.svc.endpoint, timeout_s=5.0)
             deadline = time.monotonic() + timeout_s
             while set(self.svc.index.instances()) < set(insts):
@@ -129,10 +157,22 @@ class ServiceIndex:
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+        for p in self.pubs.values():  # deregisters first: the index sees them leave
+            p.close()
         if self.svc is not None:
             self.svc.close()
-        for p in self.pubs.values():
-            p.close()
+
+
+def run_registry(demo: Demo, tag: str) -> Metadata | None:
+    """Where a routed run's instances register their KV-event sources: the demo's etcd under
+    `{prefix}/demo-{run id}-{tag}` (each run its own membership, as its own cluster), or None
+    without etcd."""
+    from l3pool.pool.metadata import Metadata
+
+    md = demo.metadata
+    if not isinstance(md, Metadata):
+        return None
+    return Metadata(md.etcd, f"{md.prefix}/demo-{demo.run_id}-{tag}")
 
 
 def _leading(mask: np.ndarray) -> int:
@@ -200,7 +240,7 @@ def run_routed(
     nxt = 0
     try:
         if use_service:
-            index = ServiceIndex(insts, ns)
+            index = ServiceIndex(insts, ns, run_registry(demo, tag))
         while nxt < len(trace) or queued:
             while nxt < len(trace) and len(queued) < o.queue_depth:  # arrivals: index, route, match + prefetch
                 i, r = trace[nxt]
@@ -285,6 +325,7 @@ def summarize(runs: list[RoutedRun], P: int) -> dict[str, Any]:
         "prefill_s": round(statistics.median(tot), 4),
         "prefill_s_spread": [round(min(tot), 4), round(max(tot), 4)],
         "prefill_s_runs": [round(t, 4) for t in tot],
+        "ttft_mean_s_runs": [round(t, 4) for t in ttft],
         "prefill_cpu_s": round(statistics.median(cpu), 4),
         "prefill_cpu_s_spread": [round(min(cpu), 4), round(max(cpu), 4)],
         "ttft_mean_s": round(statistics.median(ttft), 4),
@@ -332,7 +373,14 @@ def compare(
         "instances": n,
         "repeats": reps,
         "arrival_gap_s": round(gap, 6),
-        "index": "l3pool.index: KV events over ZeroMQ -> IndexService (GlobalIndex) -> IndexClient queries"
+        "index": (
+            "l3pool.index: KV events over ZeroMQ -> IndexService (GlobalIndex) -> IndexClient queries; "
+            + (
+                "sources registered in etcd, learned by the index's watch"
+                if demo.metadata is not None
+                else "sources handed to the index directly (no etcd)"
+            )
+        )
         if service
         else "in-process LocalIndex (pyzmq missing): the instances' cache indexes + one pool lookup per request",
         "round_robin": "per session: a session's turn t goes to instance (session + t) mod n, as the main replay",
@@ -340,6 +388,36 @@ def compare(
         "policies": {p: summarize(rs, P) for p, rs in runs.items()},
     }
     out["verdict"] = verdict(out["policies"])
+    out["paired"] = paired(out["policies"])
+    return out
+
+
+def paired(pol: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """cache_aware against each other policy repeat by repeat: in repeat k every policy ran
+    back to back (order rotated), so the ratio cache_aware_k / other_k cancels what drifts between
+    repeats (other load on the machine, clocks, caches). Per metric (total prefill time, mean
+    TTFT): the ratios' median and range, and `faster` when every repeat's ratio is < 1, `slower`
+    when every one is > 1, else `inconclusive` (with n repeats a chance ordering gives `faster`
+    with probability 2^-n: use >= 5)."""
+    ca = pol.get("cache_aware")
+    out: dict[str, dict[str, Any]] = {}
+    if ca is None:
+        return out
+    for metric in ("prefill_s", "ttft_mean_s"):
+        mine = ca.get(f"{metric}_runs")
+        if not mine:
+            continue
+        row_out = out[metric] = {}
+        for name, row in pol.items():
+            theirs = row.get(f"{metric}_runs")
+            if name == "cache_aware" or not theirs or len(theirs) != len(mine):
+                continue
+            r = [a / b for a, b in zip(mine, theirs, strict=True) if b > 0]
+            if not r:
+                continue
+            v = "faster" if max(r) < 1 else "slower" if min(r) > 1 else "inconclusive"
+            row_out[name] = {"ratio": round(statistics.median(r), 4), "range": [round(min(r), 4), round(max(r), 4)],
+                             "repeats": len(r), "verdict": v}  # fmt: skip
     return out
 
 
@@ -392,4 +470,11 @@ def table(section: dict[str, Any]) -> str:
     for metric, vs in section.get("verdict", {}).items():
         for name, v in vs.items():
             lines.append(f"  cache_aware vs {name} on {metric}: {v}")
+    for metric, vs in section.get("paired", {}).items():
+        for name, d in vs.items():
+            lo, hi = d["range"]
+            lines.append(
+                f"  cache_aware / {name} on {metric}, paired per repeat: {d['ratio']:.3f} [{lo:.3f}, {hi:.3f}] over "
+                f"{d['repeats']} repeats: {d['verdict']}"
+            )
     return "\n".join(lines)

@@ -28,7 +28,8 @@ def _render(st: dict[str, Any]) -> str:
         f"index {st['endpoint']}: {ix['entries']} pages of {ix['capacity_pages']} ({ix['nbytes'] / 2**20:.1f} MiB, "
         f"{ix['bytes_per_page']} B/page), {ix['pool_hints']} L3 hints, {ix['rejected']} refused (full), "
         f"{ix['queries']} queries",
-        f"etcd {'ok' if st['etcd_ok'] else 'UNREACHABLE'}; bad messages {st['bad_messages']}; "
+        f"etcd {'ok' if st['etcd_ok'] else 'UNREACHABLE'} (membership by {st.get('membership', {}).get('via', '?')}); "
+        f"bad messages {st['bad_messages']}; "
         f"event lag p50 {lag['p50']} ms, p99 {lag['p99']} ms ({lag['samples']} samples)",
         f"{'INSTANCE':24s} {'LIVE':5s} {'L1':>9s} {'L2':>9s} {'SEQ':>8s} {'RESYNCS':>7s} {'GAPS':>5s}  ERROR",
     ]
@@ -75,7 +76,8 @@ def run_index(args: argparse.Namespace) -> int:
     etcd.status()  # unreachable etcd: one line (cli.guarded's operational errors)
     index = GlobalIndex(args.capacity_pages, args.max_instances, args.l3_ttl)  # builds the native table
     try:
-        svc = IndexService(index, metadata=Metadata(etcd, args.key_prefix), listen=args.listen, poll_s=args.poll)
+        svc = IndexService(index, metadata=Metadata(etcd, args.key_prefix), listen=args.listen, poll_s=args.poll,
+                           watch=args.watch, resync_s=args.resync)  # fmt: skip
     except ValueError as e:
         etcd.close()
         raise UserError(str(e), "another process may be listening there; choose --listen tcp://HOST:PORT") from None
@@ -110,7 +112,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="distinct pages the index holds at most (memory: ~40 B each at 64 instances)")  # fmt: skip
     p.add_argument("--max-instances", type=positive_int, default=64, help="instances indexed at once (default 64)")
     p.add_argument("--l3-ttl", type=positive_float, default=600.0, help="seconds an L3 hint lives (default 600)")
-    p.add_argument("--poll", type=positive_float, default=0.5, help="etcd membership poll interval, s")
+    p.add_argument("--poll", type=positive_float, default=0.5,
+                   help="etcd membership poll interval while no watch is open (or with --no-watch), s")  # fmt: skip
+    p.add_argument("--watch", action=argparse.BooleanOptionalAction, default=True,
+                   help="learn membership changes from etcd watches (default on)")  # fmt: skip
+    p.add_argument("--resync", type=positive_float, default=10.0,
+                   help="with the watches open: read the membership lists anyway every this many s")  # fmt: skip
     p.add_argument("--duration", type=positive_float, default=None, help="serve this many seconds, then exit")
     p.add_argument("--status", action="store_true", help="print the status of the index at --listen and exit")
     p.add_argument("--timeout", type=positive_float, default=2.0, help="--status: seconds to wait for the answer")

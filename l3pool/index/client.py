@@ -1,19 +1,26 @@
-"""`IndexClient`: the global index's answers in another process (a router, a tool), over ZeroMQ.
+"""`IndexClient`: the global index's answers in another process (a router, a tool), over TCP.
 
     c = IndexClient("tcp://127.0.0.1:5757", timeout_s=1.0)
     hits = c.query(page_hashes, namespace=ns_id)     # types.PrefixHits, one round trip
     c.status()                                       # the service's status dict
     c.close()
 
-A request that gets no answer within `timeout_s` raises `IndexUnavailable` (the socket is then
-rebuilt, so the next call starts clean); an error the service answered raises `IndexRequestError`.
-Not thread-safe: one client per thread. Torch-free (imports neither the index table nor l2core).
+One TCP connection, kept open (l3pool/index/queries.py: length-prefixed msgpack frames); a
+connection the service closed meanwhile (it restarted) is opened again once per call. A request
+that gets no answer within `timeout_s`, or an index that refuses the connection, raises
+`IndexUnavailable` (the connection is then dropped, so the next call starts clean); an error the
+service answered raises `IndexRequestError`. Not thread-safe: one client per thread. Torch-free
+(imports neither the index table nor l2core).
 """
 
 from __future__ import annotations
 
+import socket
+import struct
+import time
 from typing import Any
 
+from l3pool.index.queries import frame, parse_endpoint
 from l3pool.index.types import PrefixHits, TierPrefix
 from l3pool.pool.kv_events import WireError, decode_request, encode_request, keys64
 
@@ -26,42 +33,64 @@ class IndexRequestError(RuntimeError):
     """The index refused the request (malformed input)."""
 
 
+class _Closed(Exception):
+    """The service closed the connection."""
+
+
 class IndexClient:
     def __init__(self, endpoint: str, timeout_s: float = 1.0) -> None:
-        if not isinstance(endpoint, str) or "://" not in endpoint:
-            raise ValueError(f"index endpoint must look like tcp://host:port, got {endpoint!r}")
+        self.address = parse_endpoint(endpoint)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        import zmq
+        self.endpoint, self.timeout_s = endpoint, float(timeout_s)
+        self.timeout_ms = max(1, int(timeout_s * 1e3))
+        self._sock: socket.socket | None = None
 
-        self._zmq, self.endpoint, self.timeout_ms = zmq, endpoint, max(1, int(timeout_s * 1e3))
-        self._ctx: Any = zmq.Context.instance()
-        self._sock: Any = None
-
-    def _socket(self) -> Any:
+    def _connect(self, deadline: float) -> socket.socket:
         if self._sock is None:
-            zmq = self._zmq
-            s = self._ctx.socket(zmq.REQ)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
-            s.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
             try:
-                s.connect(self.endpoint)
-            except zmq.ZMQError as e:
-                s.close()
-                raise ValueError(f"bad index endpoint {self.endpoint!r}: {e}") from None
+                s = socket.create_connection(self.address, timeout=max(1e-3, deadline - time.monotonic()))
+            except OSError as e:
+                raise IndexUnavailable(f"the index at {self.endpoint} did not answer: {e}") from None
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = s
         return self._sock
 
+    def _recv(self, s: socket.socket, n: int, deadline: float) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            s.settimeout(max(1e-3, deadline - time.monotonic()))
+            k = s.recv_into(view[got:])
+            if k == 0:
+                raise _Closed
+            got += k
+        return bytes(buf)
+
+    def _roundtrip(self, body: bytes) -> bytes:
+        """Send one request body, return the answer's body (IndexUnavailable on no answer)."""
+        deadline = time.monotonic() + self.timeout_s
+        for attempt in range(2):
+            fresh = self._sock is None
+            s = self._connect(deadline)
+            try:
+                s.settimeout(max(1e-3, deadline - time.monotonic()))
+                s.sendall(frame(body))
+                (n,) = struct.unpack("<I", self._recv(s, 4, deadline))
+                return self._recv(s, n, deadline)
+            except (_Closed, ConnectionError) as e:
+                self.close()
+                if fresh or attempt:  # not a stale kept connection: the index is gone
+                    raise IndexUnavailable(f"the index at {self.endpoint} did not answer: {e or 'closed'}") from None
+            except OSError as e:  # timeout and the rest: the connection is in an unknown state
+                self.close()
+                raise IndexUnavailable(
+                    f"the index at {self.endpoint} did not answer within {self.timeout_ms} ms ({e or 'timed out'})"
+                ) from None
+        raise AssertionError("unreachable")
+
     def _call(self, kind: str, *args: Any) -> list[Any]:
-        zmq = self._zmq
-        s = self._socket()
-        try:
-            s.send(encode_request(kind, *args))
-            body = s.recv()
-        except zmq.Again:
-            self.close()  # a REQ socket that missed its reply cannot send again
-            raise IndexUnavailable(f"the index at {self.endpoint} did not answer within {self.timeout_ms} ms") from None
+        body = self._roundtrip(encode_request(kind, *args))
         try:
             rep = decode_request(body)
         except WireError as e:

@@ -1,10 +1,14 @@
 """`IndexService`: keeps a `GlobalIndex` in step with every instance's KV events and answers
 queries from other processes (`IndexClient`, l3pool/index/client.py).
 
-Threads: one loop thread owns every ZeroMQ socket (a SUB connected to each instance's event
-endpoint, one DEALER per snapshot in flight, the ROUTER serving queries) and is the only writer of
-the index; a membership thread polls etcd (`{prefix}/kv_events/` for the sources, `{prefix}/
-members/` for the pool) every `poll_s` and hands changes to the loop.
+Threads: one loop thread owns the event side's ZeroMQ sockets (a SUB connected to each instance's
+event endpoint, one DEALER per snapshot in flight) and is the only writer of the index; a query
+thread serves queries (and status requests) on plain TCP (l3pool/index/queries.py: no ZeroMQ I/O
+threads on the way), so a query never waits behind event ingestion in the loop: the kernel wakes
+that thread, it takes the table's lock for one native call and answers with plain lists (no
+object per instance);
+a membership thread polls etcd (`{prefix}/kv_events/` for the sources, `{prefix}/members/` for the
+pool) every `poll_s` and hands changes to the loop.
 
 Per instance: unknown -> resync (the SUB is connected first, then a snapshot is asked for; events
 arriving meanwhile are buffered) -> live once the snapshot is applied and the buffered events
@@ -34,7 +38,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from l3pool import metrics
-from l3pool.index.table import GlobalIndex, IndexFull
+from l3pool.index.queries import QueryServer
+from l3pool.index.table import GlobalIndex, IndexFull, checked
+from l3pool.index.watch import PrefixWatch
 from l3pool.pool.kv_events import (
     EventBatch,
     SourceInfo,
@@ -44,8 +50,8 @@ from l3pool.pool.kv_events import (
     decode_snapshot,
     encode_error,
     encode_request,
-    keys64,
 )
+from l3pool.values import number_at_least
 
 if TYPE_CHECKING:
     from l3pool.pool.metadata import Metadata
@@ -94,31 +100,34 @@ class IndexService:
         retry_s: float = 0.5,
         age_s: float | None = None,
         silent_s: float = 3.0,
+        watch: bool = True,
+        resync_s: float = 10.0,
     ) -> None:
         """`silent_s`: a live instance from which nothing (not even a heartbeat, every 1 s by
         default) came for this long stops being answered for and is resynchronised (its entries
-        stay until its registration ends: it may only be partitioned)."""
-        if not poll_s > 0 or not snapshot_timeout_s > 0 or not retry_s > 0 or not silent_s > 0:
-            raise ValueError("poll_s, snapshot_timeout_s, retry_s and silent_s must be > 0")
+        stay until its registration ends: it may only be partitioned). `watch`: learn membership
+        changes from etcd watches on `kv_events/` and `members/` (index/watch.py), re-reading the
+        lists on every change and every `resync_s` while both watches are open, every `poll_s`
+        while they are not (or with `watch=False`)."""
+        for name, v in (("poll_s", poll_s), ("snapshot_timeout_s", snapshot_timeout_s), ("retry_s", retry_s),
+                        ("silent_s", silent_s), ("age_s", 1.0 if age_s is None else age_s),
+                        ("resync_s", resync_s)):  # fmt: skip
+            checked(name, number_at_least(1e-3), v)
         zmq = _zmq()
+        self._queries = QueryServer(listen, self._answer)  # first: a bad endpoint leaves nothing open
+        self.endpoint: str = self._queries.endpoint
         self.index, self.metadata = index, metadata
         self.poll_s, self.snapshot_timeout_s, self.retry_s = poll_s, snapshot_timeout_s, retry_s
-        self.silent_s = silent_s
+        self.silent_s, self.watch, self.resync_s = silent_s, watch, resync_s
+        self._changed = threading.Event()  # a watch saw membership change: read the lists now
+        self._watch: PrefixWatch | None = None
+        self.membership_reads = 0
         self.age_s = age_s if age_s is not None else index.l3_ttl_s / 4
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
-        self._rtr = self._ctx.socket(zmq.ROUTER)
-        self._rtr.setsockopt(zmq.LINGER, 0)
-        try:
-            self._rtr.bind(listen.replace(":0", ":*") if listen.endswith(":0") else listen)
-        except zmq.ZMQError as e:
-            self._sub.close()
-            self._rtr.close()
-            raise ValueError(f"cannot listen on {listen}: {e}") from None
-        self.endpoint: str = self._rtr.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._src: dict[str, _Source] = {}
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._rfd, self._wfd = os.pipe()
@@ -126,6 +135,7 @@ class IndexService:
         self._stop = threading.Event()
         self._lag: collections.deque[float] = collections.deque(maxlen=10_000)
         self.bad_messages = self.unknown_messages = self.refused_keys = 0
+        self.bad_requests = 0  # the query thread's own count (bad_messages in status() is the sum)
         self.etcd_errors = self.loop_errors = 0
         self.etcd_ok = metadata is None
         self._members: set[str] | None = None
@@ -138,6 +148,7 @@ class IndexService:
         t = threading.Thread(target=self._loop, name="l3pool-index", daemon=True)
         t.start()
         self._threads.append(t)
+        self._queries.start()
         if self.metadata is not None:
             m = threading.Thread(target=self._membership, name="l3pool-index-members", daemon=True)
             m.start()
@@ -148,14 +159,15 @@ class IndexService:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._changed.set()
         self._wake()
+        self._queries.close()
         for t in self._threads:
             t.join(5)
         for s in self._src.values():
             if s.dealer is not None:
                 s.dealer.close()
         self._sub.close()
-        self._rtr.close()
         os.close(self._rfd)
         os.close(self._wfd)
 
@@ -182,30 +194,44 @@ class IndexService:
 
     # -- membership (etcd) ----------------------------------------------------------------------
     def _membership(self) -> None:
+        md = self.metadata
+        assert md is not None
+        if self.watch:
+            prefixes = [f"{md.prefix}/kv_events/", f"{md.prefix}/members/"]
+            self._watch = PrefixWatch(md.etcd, prefixes, self._changed.set).start()
+        try:
+            while not self._stop.is_set():
+                self._changed.clear()
+                self._read_membership()
+                w = self._watch
+                self._changed.wait(self.resync_s if w is not None and w.live else self.poll_s)
+        finally:
+            if self._watch is not None:
+                self._watch.close()
+
+    def _read_membership(self) -> None:
         assert self.metadata is not None
-        while not self._stop.is_set():
-            try:
-                sources = self.metadata.kv_sources()
-                members = self.metadata.member_ids()
-                self.etcd_ok = True
-            except Exception as e:  # etcd down: keep what is known
-                self.etcd_errors += 1
-                if self.etcd_ok:
-                    log.warning("index: etcd unreachable, keeping the last known sources: %s", e)
-                self.etcd_ok = False
-            else:
-                self.set_sources(sources)
-                if self._members is not None and self._members - members:
-                    self.pool_member_left()
-                self._members = members
-            self._stop.wait(self.poll_s)
+        self.membership_reads += 1
+        try:
+            sources = self.metadata.kv_sources()
+            members = self.metadata.member_ids()
+            self.etcd_ok = True
+        except Exception as e:  # etcd down: keep what is known
+            self.etcd_errors += 1
+            if self.etcd_ok:
+                log.warning("index: etcd unreachable, keeping the last known sources: %s", e)
+            self.etcd_ok = False
+        else:
+            self.set_sources(sources)
+            if self._members is not None and self._members - members:
+                self.pool_member_left()
+            self._members = members
 
     # -- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
         zmq = _zmq()
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
-        poller.register(self._rtr, zmq.POLLIN)
         poller.register(self._rfd, zmq.POLLIN)
         next_age = time.monotonic() + self.age_s
         while not self._stop.is_set():
@@ -241,8 +267,6 @@ class IndexService:
         for iid, s in list(self._src.items()):
             if s.dealer is not None and s.dealer in ready:
                 self._snapshot_reply(iid, s, poller)
-        if self._rtr in ready:
-            self._queries()
         now = time.monotonic()
         for iid, s in list(self._src.items()):
             if s.dealer is not None and now > s.deadline:
@@ -415,36 +439,23 @@ class IndexService:
                     s.duplicates += 1
                 self._resync(b.instance, s)
 
-    def _queries(self) -> None:
-        zmq = _zmq()
-        for _ in range(1000):
-            try:
-                frames = self._rtr.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            route, body = frames[:-1], frames[-1]
-            try:
-                req = decode_request(body)
-                if req[0] == "query" and len(req) == 3 and isinstance(req[1], str) and isinstance(req[2], bytes):
-                    h = self.index.query(keys64(req[2]), req[1])
-                    names = list(h.per_instance)
-                    reply = encode_request(
-                        "ok", h.pages, h.pool_l3, names,
-                        [h.per_instance[n].l1 for n in names], [h.per_instance[n].l2 for n in names],
-                        [h.per_instance[n].l3 for n in names],
-                    )  # fmt: skip
-                elif req[0] == "status" and len(req) == 1:
-                    reply = encode_request("ok", self.status())
-                else:
-                    raise WireError(f"unknown request {req[0]!r} with {len(req) - 1} arguments")
-            except (WireError, ValueError) as e:
-                self.bad_messages += 1
-                metrics.INDEX_BAD_MESSAGES.inc()
-                reply = encode_error(str(e))
-            try:
-                self._rtr.send_multipart([*route, reply], zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                log.debug("index: reply not sent: %s", e)
+    # -- queries (their own thread) -------------------------------------------------------------
+    def _answer(self, body: bytes) -> bytes:
+        """One request's answer (on the query server's thread)."""
+        try:
+            req = decode_request(body)
+            if req[0] == "query" and len(req) == 3 and isinstance(req[1], str) and isinstance(req[2], bytes):
+                return encode_request("ok", *self.index.query_lists(req[2], req[1]))
+            if req[0] == "status" and len(req) == 1:
+                return encode_request("ok", self.status())
+            raise WireError(f"unknown request {req[0]!r} with {len(req) - 1} arguments")
+        except (WireError, ValueError) as e:
+            self.bad_requests += 1
+            metrics.INDEX_BAD_MESSAGES.inc()
+            return encode_error(str(e))
+        except Exception as e:  # a bug answers an error; the query thread keeps serving
+            log.exception("index: answering a request failed")
+            return encode_error(f"index error: {type(e).__name__}: {e}")
 
     # -- status ---------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -462,7 +473,8 @@ class IndexService:
             "endpoint": self.endpoint,
             "etcd_ok": self.etcd_ok,
             "etcd_errors": self.etcd_errors,
-            "bad_messages": self.bad_messages,
+            "membership": self._membership_status(),
+            "bad_messages": self.bad_messages + self.bad_requests,
             "loop_errors": self.loop_errors,
             "unknown_messages": self.unknown_messages,
             "refused_keys": self.refused_keys,
@@ -473,6 +485,16 @@ class IndexService:
             },
             "index": st,
             "instances": inst,
+        }
+
+    def _membership_status(self) -> dict[str, Any]:
+        w = self._watch
+        return {
+            "via": "none" if self.metadata is None else "watch" if w is not None and w.live else "poll",
+            "reads": self.membership_reads,
+            "watch_events": w.events if w is not None else 0,
+            "watch_failures": w.failures if w is not None else 0,
+            "watch_error": w.last_error if w is not None else "",
         }
 
     def wait_live(self, ids: list[str] | set[str], timeout: float = 10.0) -> bool:

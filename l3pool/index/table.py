@@ -35,6 +35,7 @@ import numpy as np
 from l2core import _native
 from l3pool.index.types import PrefixHits, TierPrefix
 from l3pool.pool.kv_events import TIER_NAMES, keys64
+from l3pool.values import BadValue, int_in, number_at_least
 
 
 class IndexFull(RuntimeError):
@@ -48,14 +49,19 @@ def salt(namespace: str) -> int:
     return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
 
 
+def checked(name: str, conv: Callable[[Any], Any], v: Any) -> Any:
+    """conv(v), its BadValue (a ValueError) naming the setting."""
+    try:
+        return conv(v)
+    except BadValue as e:
+        raise BadValue(f"{name}: {e}") from None
+
+
 def check_config(capacity_pages: int, max_instances: int, l3_ttl_s: float) -> None:
     """ValueError naming the first bad setting (before anything is allocated or built)."""
-    if not isinstance(capacity_pages, int) or capacity_pages < 1:
-        raise ValueError(f"capacity_pages must be a positive integer, got {capacity_pages!r}")
-    if not isinstance(max_instances, int) or not 1 <= max_instances <= 4096:
-        raise ValueError(f"max_instances must be an integer in [1, 4096], got {max_instances!r}")
-    if not l3_ttl_s > 0:
-        raise ValueError(f"l3_ttl_s must be > 0, got {l3_ttl_s!r}")
+    checked("capacity_pages", int_in(1), capacity_pages)
+    checked("max_instances", int_in(1, 4096), max_instances)
+    checked("l3_ttl_s", number_at_least(1e-3), l3_ttl_s)
 
 
 class GlobalIndex:
@@ -76,7 +82,7 @@ class GlobalIndex:
         self._free = list(range(max_instances - 1, -1, -1))
         self._live = np.zeros(int(self.native.max_instances) // 64, dtype=np.uint64)
         self._salts: dict[str, int] = {}
-        self._answered: list[tuple[str, int]] = []  # (name, slot) of the live instances, for queries
+        self._answered: tuple[list[str], np.ndarray] = ([], np.empty(0, np.int64))  # live names, their slots
         self.queries = self.applied_keys = self.pool_clears = 0
 
     # -- instances ------------------------------------------------------------------------------
@@ -112,7 +118,8 @@ class GlobalIndex:
         w, b = divmod(s, 64)
         bit = np.uint64(1 << b)
         self._live[w] = (self._live[w] | bit) if live else (self._live[w] & ~bit)
-        self._answered = [(n, x) for n, x in self._slot.items() if self._is_live(x)]
+        on = [(n, x) for n, x in self._slot.items() if self._is_live(x)]
+        self._answered = ([n for n, _ in on], np.array([x for _, x in on], dtype=np.int64))
 
     def _need(self, instance: str) -> int:
         s = self._slot.get(instance)
@@ -176,14 +183,22 @@ class GlobalIndex:
     def query(self, page_hashes: Any, namespace: str = "") -> PrefixHits:
         """Per live instance its cumulative L1 / L2 / L3 prefix of the request (page hashes in
         order: 16-byte hashes, or uint64 keys), and the pool's own prefix; one native call."""
+        pages, pool, names, a1, a2, a3 = self.query_lists(page_hashes, namespace)
+        per = {n: TierPrefix(x, y, z) for n, x, y, z in zip(names, a1, a2, a3, strict=True)}
+        return PrefixHits(pages, pool, per)
+
+    def query_lists(
+        self, page_hashes: Any, namespace: str = ""
+    ) -> tuple[int, int, list[str], list[int], list[int], list[int]]:
+        """`query`'s answer as plain lists, no object per instance (what the service sends):
+        (pages, pool prefix, live instance names, their l1, l2, l3 prefixes in the same order)."""
         keys = keys64(page_hashes)
+        salt_ = self._salt(namespace)
         with self._mu:
-            pool, l1, l2, l3 = self.native.query(keys, self._salt(namespace), max(1, self._stamp() - 4), self._live)
+            pool, l1, l2, l3 = self.native.query(keys, salt_, max(1, self._stamp() - 4), self._live)
             self.queries += 1
-            names = self._answered
-        a1, a2, a3 = l1.tolist(), l2.tolist(), l3.tolist()
-        per = {n: TierPrefix(a1[s], a2[s], a3[s]) for n, s in names}
-        return PrefixHits(len(keys), int(pool), per)
+            names, slots = self._answered
+        return len(keys), int(pool), names, l1[slots].tolist(), l2[slots].tolist(), l3[slots].tolist()
 
     # -- state ----------------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -29,13 +29,48 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from l2core.units import format_size
 from l3pool.pool.addr import split_host_port
 
-if TYPE_CHECKING:
-    from l3pool.pool.store import StoreConfig
+
+class ClientSettings(Protocol):
+    """What a connection reads of its store's config (l3pool.pool.store.StoreConfig, frozen, plays it)."""
+
+    @property
+    def master(self) -> str: ...
+
+    @property
+    def metadata(self) -> str: ...
+
+    @property
+    def local_hostname(self) -> str: ...
+
+    @property
+    def protocol(self) -> str: ...
+
+    @property
+    def rdma_devices(self) -> str: ...
+
+    @property
+    def segment_bytes(self) -> int: ...
+
+    @property
+    def local_buffer_bytes(self) -> int: ...
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def probe_timeout_s(self) -> float: ...
+
+    @property
+    def rebuild(self) -> bool: ...
+
+    @property
+    def rebuild_after_s(self) -> float: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +153,7 @@ def _setup_cause(rc: int, segment_bytes: int) -> str:
     return cause + (f"; Mooncake's own log: {where}" if where else "; Mooncake's own log lines went to stderr")
 
 
-def setup(cfg: StoreConfig) -> Any:
+def setup(cfg: ClientSettings) -> Any:
     """A new, set-up MooncakeDistributedStore of `cfg`; StoreUnavailable when setup fails."""
     s = import_mooncake()()
     # Mooncake reads MC_* variables from the environment; we never write os.environ.
@@ -169,7 +204,7 @@ class Connection:
     """The current Mooncake client of one store, the buffers registered through it, how long its
     calls have been failing, and its rebuild (module docstring). Thread-safe."""
 
-    def __init__(self, cfg: StoreConfig) -> None:
+    def __init__(self, cfg: ClientSettings) -> None:
         self.cfg = cfg
         check_reachable(cfg.master)
         self.current = Client(setup(cfg), 0)

@@ -22,12 +22,15 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from l2core.layout import LAYOUTS
-from l2core.spec import ConfigError, KVSpec
-from l2core.units import check_int
+from l2core.names import LAYOUTS
+from l2core.units import ConfigError, check_int
+
+if TYPE_CHECKING:
+    from l2core.spec import KVSpec
 
 HASH_BYTES = 16
 # The stored object's format: 1 = the bare page (+ an optional CRC32); 2 = page + the 32-byte
@@ -164,6 +167,31 @@ def geometry_of(spec: KVSpec) -> dict[str, int]:
     if spec.attention == "mha":
         return {"num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "kv_lora_rank": 0, "rope_dim": 0}
     return {"num_kv_heads": 0, "head_dim": 0, "kv_lora_rank": spec.kv_lora_rank, "rope_dim": spec.rope_dim}
+
+
+def stage_namespaces(model: str, stages: int, page_bytes: int, *, tenant: str = "") -> list[Namespace]:
+    """One namespace per pipeline stage s of an MLA model (layers [s, s + 1), bf16 pages of 64
+    tokens in `page_first` layout, latent 512 + rope 64), `page_bytes` each: what the benchmarks
+    that move opaque pages through the pool's metadata path (bench/_locks.py, bench/_scale_client.py)
+    key their pages with. Torch-free."""
+    return [
+        Namespace(
+            model,
+            "mla",
+            "page_first",
+            "bf16",
+            64,
+            page_bytes,
+            s,
+            s + 1,
+            tenant=tenant,
+            num_kv_heads=0,
+            head_dim=0,
+            kv_lora_rank=512,
+            rope_dim=64,
+        )
+        for s in range(stages)
+    ]
 
 
 def page_hashes(token_ids: Sequence[int] | np.ndarray, page_size: int, parent: bytes = b"") -> list[bytes]:

@@ -21,8 +21,14 @@ def test_index_bench_json_contract(tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert r["correct"] is True and r["device"] == "cpu" and r["entries"] == 4 * 2000 + 4 * 512
     for key in ("ingest_pages_per_s", "ingest_thread_cpu_pages_per_s", "query_p50_ms", "query_p99_ms",
-                "native_query_p99_ms", "client_query_p99_ms", "bytes_per_page"):  # fmt: skip
+                "native_query_p99_ms", "client_query_p99_ms", "bytes_per_page", "client_cpu_us_per_query",
+                "service_cpu_us_per_query_with_ingestion"):  # fmt: skip
         assert r[key] > 0, key
+    # over the wire: rounds of queries from another process while a third sends KV events
+    assert len(r["client_query_rounds_ms"]) == 5 and r["client_queries"] == 50 and r["client_correct"] is True
+    assert r["client_answered_instances"] == 4 and r["event_messages_during_queries_per_s"] > 0
+    lo, hi = r["client_query_p99_ms_spread"]
+    assert lo <= r["client_query_p99_ms"] <= hi
     assert 40.0 <= r["bytes_per_page"] < 41 and set(r["targets"]) >= {"ingest_pages_per_s>=5e6", "query_p99_ms<=1"}
 
 

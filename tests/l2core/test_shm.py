@@ -5,7 +5,6 @@ also after SIGKILL of any rank."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -22,69 +21,27 @@ from l2core.shm import SharedHostMemory, SharedTransferEngine, ShmTooSmall, TPGr
 from l2core.shm_segment import Segment, SegmentError, cleanup_stale, segment_path
 from l2core.spec import ConfigError
 
+from ..support.ranks import CTX, Ranks, collect, no_leaked_segment, segment_gone
+from ..support.ranks import join as _join
 from . import shm_ranks
 from .shm_ranks import PAGES, SPEC
 
-CTX = mp.get_context("spawn")
 SHM = Path("/dev/shm")
-_PROCS: list[Any] = []
+_RANKS = Ranks()
 
 
 @pytest.fixture
 def group() -> Iterator[str]:
-    name = f"t-{uuid.uuid4().hex[:10]}"
-    yield name
-    while _PROCS:  # a failed test's ranks: killed, so the janitor cleans up
-        p = _PROCS.pop()
-        if p.is_alive():
-            p.kill()
-        p.join(5)
-    path = segment_path(name)
-    deadline = time.monotonic() + 5
-    while path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    leaked = path.exists()
-    if leaked:
-        path.unlink()
-    assert not leaked, f"segment {path} leaked"
+    with no_leaked_segment(f"t-{uuid.uuid4().hex[:10]}", _RANKS) as name:
+        yield name
 
 
 def _start(scenario: str, name: str, size: int, ranks: list[int] | None = None, arg: Any = None):
-    q = CTX.Queue()
-    procs = {}
-    for r in ranks if ranks is not None else range(size):
-        p = CTX.Process(target=shm_ranks.main, args=(scenario, name, r, size, q, arg), daemon=True)
-        p.start()
-        procs[r] = p
-        _PROCS.append(p)
-    return q, procs
+    return _RANKS.start(shm_ranks.main, scenario, name, size, ranks=ranks, arg=arg)
 
 
 def _collect(q: Any, want: int, timeout: float = 90.0) -> dict[tuple[int, str], Any]:
-    got: dict[tuple[int, str], Any] = {}
-    deadline = time.monotonic() + timeout
-    while len(got) < want:
-        left = deadline - time.monotonic()
-        assert left > 0, f"ranks reported only {sorted(got)} of {want} events in {timeout} s"
-        r, ev, val = q.get(timeout=left)
-        assert ev != "error", f"rank {r}: {val}"
-        got[(r, ev)] = val
-    return got
-
-
-def _join(procs: dict[int, Any], timeout: float = 30.0) -> None:
-    for p in procs.values():
-        p.join(timeout)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-
-
-def _gone(path: Path, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not path.exists()
+    return collect(q, want, timeout)
 
 
 def test_rank0_writes_every_rank_reads_identical_bytes(group: str) -> None:
@@ -100,7 +57,7 @@ def test_rank0_writes_every_rank_reads_identical_bytes(group: str) -> None:
         assert subs == 0 and nbytes == 0  # no D2H on ranks > 0
     assert subs0 == 1 and bytes0 == 5 * SPEC.page_bytes
     assert all(p.exitcode == 0 for p in procs.values())
-    assert _gone(segment_path(group))
+    assert segment_gone(group)
 
 
 def test_determinism_check_catches_a_diverged_rank(group: str) -> None:
@@ -126,7 +83,7 @@ def test_sigkilled_rank_leaves_no_segment(group: str) -> None:
     for r in (0, 2):
         os.kill(procs[r].pid, signal.SIGKILL)
     _join(procs)
-    assert _gone(path), "the janitor did not remove the segment after every rank was killed"
+    assert segment_gone(group), "the janitor did not remove the segment after every rank was killed"
 
 
 def test_sigkilled_rank0_mid_backup_serves_no_torn_page(group: str) -> None:
@@ -147,7 +104,7 @@ def test_sigkilled_rank0_mid_backup_serves_no_torn_page(group: str) -> None:
     p0[0].join(10)
     assert _collect(q1, 1)[(1, "closed")] is None
     _join(p1)
-    assert _gone(segment_path(group))
+    assert segment_gone(group)
 
 
 def test_shm_too_small_is_one_clear_error(group: str) -> None:
@@ -211,7 +168,7 @@ def test_mismatched_ranks_and_live_duplicate_rank0(group: str) -> None:
             p0.fill_pages([5], 0x3C)
             assert bytes(p1.read_pages([5])[0][:4].tolist()) == b"\x3c" * 4
             assert p0.memory.segment.live_ranks() == [0, 1]  # type: ignore[attr-defined]
-    assert _gone(segment_path(group), 2.0)  # the last closer unlinked it
+    assert segment_gone(group, 2.0)  # the last closer unlinked it
 
 
 def test_stale_segment_of_a_dead_group_is_recreated(group: str) -> None:
@@ -227,7 +184,7 @@ def test_stale_segment_of_a_dead_group_is_recreated(group: str) -> None:
     with SharedHostMemory(PAGES * SPEC.page_bytes, TPGroup(group, 0, 2), PAGES, pin="never") as m:
         assert path.stat().st_ino != old and m.segment.generation
         assert np.all(m.segment.gens == 0)
-    assert _gone(path, 2.0)
+    assert segment_gone(group, 2.0)
     # and the explicit cleanup
     q, procs = _start("create_no_janitor", group, 2, ranks=[0])
     _collect(q, 1)

@@ -5,8 +5,6 @@ no rank process is left; the TP-shared one also that no /dev/shm segment is left
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,40 +14,24 @@ import pytest
 import torch
 
 from l2core.pool import HostKVPool, L2Config
-from l2core.shm_segment import segment_path
 from l2core.spec import ConfigError, KVSpec
 from l2core.split_read import SplitRead, all_gather_bytes, byte_pieces, slice_bounds
 from l2core.transfer import TransferEngine
 
+from ..support.ranks import Ranks, collect, join, no_leaked_segment
 from . import split_ranks
-
-CTX = mp.get_context("spawn")
 
 
 def _run(tmp_path: Path, scenario: str, size: int, arg: Any, want: dict[str, int], timeout: float = 240.0):
     """Start `size` ranks; collect the events named in `want` (event -> ranks that report it)."""
-    q = CTX.Queue()
-    store = tmp_path / f"store-{uuid.uuid4().hex[:8]}"
-    procs = [CTX.Process(target=split_ranks.main, args=(scenario, str(store), r, size, q, arg), daemon=True)
-             for r in range(size)]  # fmt: skip
-    for p in procs:
-        p.start()
-    got: dict[tuple[int, str], Any] = {}
+    ranks = Ranks()
+    q, procs = ranks.start(split_ranks.main, scenario, str(tmp_path / f"store-{uuid.uuid4().hex[:8]}"), size,
+                           arg=arg)  # fmt: skip
     try:
-        deadline = time.monotonic() + timeout
-        while sum(1 for _, ev in got if ev in want) < sum(want.values()):
-            left = deadline - time.monotonic()
-            assert left > 0, f"ranks reported only {sorted(got)} in {timeout} s"
-            r, ev, val = q.get(timeout=left)
-            assert ev != "error", f"rank {r}: {val}"
-            got[(r, ev)] = val
+        got = collect(q, want, timeout)
     finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert not any(p.is_alive() for p in procs), "a rank process was left running"
+        join(procs)
+    assert not any(p.is_alive() for p in procs.values()), "a rank process was left running"
     return got, procs
 
 
@@ -146,7 +128,7 @@ def test_split_reads_on_two_gpus_are_bit_identical(tmp_path: Path) -> None:
 
 
 def _check_matrix(got: dict[tuple[int, str], Any], procs: list[Any], size: int, page_sizes: list[int]) -> None:
-    assert all(p.exitcode == 0 for p in procs)
+    assert all(p.exitcode == 0 for p in procs.values())
     digests = {}
     for r in range(size):
         rows = got[(r, "matrix")]
@@ -186,7 +168,7 @@ def test_a_rank_failing_mid_layer_fails_every_rank(tmp_path: Path, who: int) -> 
         assert untouched == [False, True, True]  # ... layers 1 and 2 never written, not even partly
         assert not broken  # the group is fine: a copy failed, not a collective
         assert ("injected copy failure" in error) == (r == who)
-    assert all(p.exitcode == 0 for p in procs)
+    assert all(p.exitcode == 0 for p in procs.values())
 
 
 def test_a_rank_dying_mid_layer_fails_the_others_in_bounded_time(tmp_path: Path) -> None:
@@ -203,22 +185,12 @@ def test_a_rank_dying_mid_layer_fails_the_others_in_bounded_time(tmp_path: Path)
 
 
 def test_split_reads_over_the_tp_shared_pool(tmp_path: Path) -> None:
-    name = f"t-{uuid.uuid4().hex[:10]}"
-    try:
+    with no_leaked_segment(f"t-{uuid.uuid4().hex[:10]}") as name:
         got, _ = _run(tmp_path, "shared", 2, name, {"shared": 2, "done": 2})
         for r in range(2):
             backed, ok, error, same, split_jobs = got[(r, "shared")]
             assert backed and ok, error
             assert same and split_jobs == 1
-    finally:
-        path = segment_path(name)
-        deadline = time.monotonic() + 5
-        while path.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        leaked = path.exists()
-        if leaked:
-            path.unlink()
-    assert not leaked, f"segment {path} leaked"
 
 
 def test_group_checks_and_all_gather_bytes_single_process(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import torch
 
 import l2core
 import l3pool
-from l2core import HostKVPool, KVSpec, L2Config, ops
+from l2core import HostKVPool, KVSpec, L2Config, _native, ops
 from l3pool.cluster.local import LocalCluster
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
@@ -24,6 +24,7 @@ from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
 def main() -> int:
     spec = KVSpec.mla(2, kv_lora_rank=32, rope_dim=0, page_size=16)
     out: dict[str, object] = {"l3pool": l3pool.__file__, "l2core": l2core.__file__}
+    out["native_sources"] = str(_native._ROOT)  # what the kernels below are built from
     with LocalCluster(agents=1, segment_size="64MB", netns="off", name=f"pkg{uuid.uuid4().hex[:6]}") as c:
         os.environ.update(c.client_env())  # this script is the application
         store = MooncakeStore(StoreConfig(master=c.master, metadata=c.metadata_url, local_hostname=c.client_host))

@@ -8,9 +8,9 @@ line, so nothing is downloaded; l2core/l3pool themselves come only from the whee
 No step needs a package index when this interpreter has the build backend (`[build-system]
 requires`): every pip call runs with `--no-index`. When it lacks the backend, `_backend` probes
 (bounded) for it: local wheels (pip's configured find-links, `--no-index`) first, then the index;
-with neither, the tests skip and say so. The installed wheel builds its kernels in a build dir of
-its own: its sources lie elsewhere than the tree's, so sharing `~/.cache/l2core` with the tree's
-tests (other xdist workers) would rebuild the extension there at every switch."""
+with neither, the tests skip and say so. The installed wheel's kernels load from the build dir its
+own sources' bytes select (l2core/_native.py): the tree's when the wheel carries the same sources, so
+the round trip reuses the build the other tests made; a broken source gets a dir of its own."""
 
 from __future__ import annotations
 
@@ -30,10 +30,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-NATIVE = ("l2core/native/csrc/bindings.cpp", "l2core/native/csrc/cpu_kernels.cpp", "l2core/native/csrc/cuda_kernels.cu",
-          "l2core/native/csrc/page_index.cpp", "l2core/native/include/page_index.h",
-          "l2core/native/csrc/kv_index.cpp", "l2core/native/include/kv_index.h",
-          "l2core/native/include/l2core_kernels.h", "l2core/py.typed", "l3pool/py.typed")  # fmt: skip
+# the kernels' sources: the repository's top-level native/, shipped inside the package as l2core/native/
+NATIVE_SRC = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "native").rglob("*") if p.is_file())
+TYPED = ("l2core/py.typed", "l3pool/py.typed")
 
 
 def _clean_env() -> dict[str, str]:
@@ -144,23 +143,29 @@ def venv(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
     yield root
 
 
-def _venv_env(venv: Path, build: Path) -> dict[str, str]:
-    """The installed package's environment: its bin/ first on PATH, its kernels built in `build`."""
+def _venv_env(venv: Path, build: Path | None = None) -> dict[str, str]:
+    """The installed package's environment: its bin/ first on PATH, its kernels built under `build`
+    (None: the default base, shared with the tree's tests)."""
     env = _clean_env()
     env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
-    env["L2CORE_BUILD_DIR"] = str(build)
+    if build is not None:
+        env["L2CORE_BUILD_DIR"] = str(build)
     return env
 
 
 def test_wheel_and_sdist_carry_the_native_sources_and_license(dist: Path) -> None:
+    assert {"native/csrc/bindings.cpp", "native/csrc/cuda_kernels.cu", "native/include/l2core_kernels.h"} <= set(
+        NATIVE_SRC
+    ), NATIVE_SRC
     names = set(zipfile.ZipFile(next(dist.glob("l3pool-*.whl"))).namelist())
-    missing = [n for n in NATIVE if n not in names]
+    missing = [n for n in (*(f"l2core/{n}" for n in NATIVE_SRC), *TYPED) if n not in names]
     assert not missing, f"wheel lacks {missing}"
+    assert not [n for n in names if n.startswith("l2core/native/") and n.removeprefix("l2core/") not in NATIVE_SRC]
     assert any(n.endswith("licenses/LICENSE") for n in names)
-    assert not any(n.startswith(("tests/", "bench/")) for n in names)
+    assert not any(n.startswith(("tests/", "bench/", "native/")) for n in names)
     with tarfile.open(next(dist.glob("l3pool-*.tar.gz"))) as t:
         snames = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    assert not [n for n in (*NATIVE, "LICENSE", "pyproject.toml") if n not in snames]
+    assert not [n for n in (*NATIVE_SRC, *TYPED, "LICENSE", "pyproject.toml", "setup.py") if n not in snames]
 
 
 def _offline_pip_env(find_links: Path) -> dict[str, str]:
@@ -206,7 +211,7 @@ def test_backend_probe_takes_local_wheels_with_no_index(tmp_path: Path) -> None:
 
 
 def test_installed_wheel_info_and_round_trip(venv: Path, tmp_path: Path) -> None:
-    env = _venv_env(venv, tmp_path / "build")
+    env = _venv_env(venv)
     r = _run([str(venv / "bin" / "l3pool"), "info", "--json"], cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     info = json.loads(r.stdout)
@@ -215,20 +220,41 @@ def test_installed_wheel_info_and_round_trip(venv: Path, tmp_path: Path) -> None
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert str(venv) in res["l3pool"] and str(venv) in res["l2core"], res
+    assert res["native_sources"] == str(Path(res["l2core"]).resolve().parent / "native"), res  # the wheel's copy
     assert res["put_ok"] == 4 and res["get_ok"] == 4 and res["bytes_equal"] == [True] * 4, res
 
 
 def test_info_fails_when_kernels_are_unusable(venv: Path, tmp_path: Path) -> None:
-    """A broken native source in the installed package: `info` says so and exits 1."""
-    env = _venv_env(venv, tmp_path / "build")
+    """A broken native source in the installed package: `info` says so and exits 1. The first
+    source ninja compiles is the broken one, at its first line, and ninja runs one job: the build
+    fails at once instead of after compiling the other sources."""
+    env = {**_venv_env(venv, tmp_path / "build"), "MAX_JOBS": "1"}
     site = Path(_run([str(venv / "bin" / "python"), "-c", "import l2core, os; print(os.path.dirname(l2core.__file__))"],
                      cwd=tmp_path, env=env).stdout.strip())  # fmt: skip
-    src = site / "native" / "csrc" / "cpu_kernels.cpp"
+    src = site / "native" / "csrc" / "bindings.cpp"
     good = src.read_text()
     try:
-        src.write_text(good + "\n#error broken on purpose\n")
+        src.write_text('#include "l2core_missing_on_purpose.h"\n' + good)
         r = _run([str(venv / "bin" / "l3pool"), "info"], cwd=tmp_path, env=env)
     finally:
         src.write_text(good)
     assert r.returncode == 1
     assert "native kernels could not be built" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_info_says_so_when_the_native_sources_are_missing(venv: Path, tmp_path: Path) -> None:
+    """An install without the kernels' sources (l2core/native/ gone): one line naming where they
+    were looked for, exit 1, no traceback, nothing built."""
+    env = _venv_env(venv, tmp_path / "build")
+    site = Path(_run([str(venv / "bin" / "python"), "-c", "import l2core, os; print(os.path.dirname(l2core.__file__))"],
+                     cwd=tmp_path, env=env).stdout.strip())  # fmt: skip
+    (site / "native").rename(site / "native.off")
+    try:
+        r = _run([str(venv / "bin" / "l3pool"), "info"], cwd=tmp_path, env=env)
+    finally:
+        (site / "native.off").rename(site / "native")
+    assert r.returncode == 1
+    said = "l3pool info: the native kernels could not be built: l2core's native sources are missing: neither "
+    assert r.stderr.startswith(f"{said}{site.resolve() / 'native'} (installed) nor "), r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "build").exists()

@@ -8,14 +8,11 @@ test with a group name checks that no segment is left behind, also after SIGKILL
 from __future__ import annotations
 
 import mmap
-import multiprocessing as mp
 import os
 import signal
 import threading
-import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,67 +27,28 @@ from l2core.shm_segment import SegmentError, TPGroup, segment_path
 from l2core.spec import ConfigError
 from l3pool.adapters.sglang_shared_pool import SharedHostPool, check_sglang_modes, share_host_pool
 
+from ...support.ranks import CTX, Ranks, collect, no_leaked_segment, segment_gone
+from ...support.ranks import join as _join
 from . import sglang_shared_ranks
 from . import test_sglang_hicache as _base
 from .test_sglang_hicache import FakeMLAHostPool, extra_config, hexkeys, slots
 
-CTX = mp.get_context("spawn")
 donor, adapters = _base.donor, _base.adapters  # the backend tests' cluster and adapter fixtures
-_PROCS: list[Any] = []
+_RANKS = Ranks()
 
 
 @pytest.fixture
 def group() -> Iterator[str]:
-    name = f"t-sg-{uuid.uuid4().hex[:10]}"
-    yield name
-    while _PROCS:  # a failed test's ranks: killed, so the janitor cleans up
-        p = _PROCS.pop()
-        if p.is_alive():
-            p.kill()
-        p.join(5)
-    path = segment_path(name)
-    leaked = not _gone(path)
-    if leaked:
-        path.unlink()
-    assert not leaked, f"segment {path} leaked"
-
-
-def _gone(path: Path, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not path.exists()
+    with no_leaked_segment(f"t-sg-{uuid.uuid4().hex[:10]}", _RANKS) as name:
+        yield name
 
 
 def _start(scenario: str, name: str, size: int, arg: Any = None) -> tuple[Any, dict[int, Any]]:
-    q = CTX.Queue()
-    procs = {}
-    for r in range(size):
-        p = CTX.Process(target=sglang_shared_ranks.main, args=(scenario, name, r, size, q, arg), daemon=True)
-        p.start()
-        procs[r] = p
-        _PROCS.append(p)
-    return q, procs
+    return _RANKS.start(sglang_shared_ranks.main, scenario, name, size, arg=arg)
 
 
 def _collect(q: Any, want: int, timeout: float = 180.0) -> dict[tuple[int, str], Any]:
-    got: dict[tuple[int, str], Any] = {}
-    deadline = time.monotonic() + timeout
-    while len(got) < want:
-        left = deadline - time.monotonic()
-        assert left > 0, f"ranks reported only {sorted(got)} of {want} events in {timeout} s"
-        r, ev, val = q.get(timeout=left)
-        assert ev != "error", f"rank {r}: {val}"
-        got[(r, ev)] = val
-    return got
-
-
-def _join(procs: dict[int, Any], timeout: float = 30.0) -> None:
-    for p in procs.values():
-        p.join(timeout)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    return collect(q, want, timeout)
 
 
 def test_rank0_writes_every_rank_reads_identical_bytes(group: str) -> None:
@@ -111,7 +69,7 @@ def test_rank0_writes_every_rank_reads_identical_bytes(group: str) -> None:
             # only rank 0 runs SGLang's D2H (its CPU build stops at the missing CUDA kernel)
             assert copied.startswith("ran: ") if r == 0 else copied == "skipped", (layout, r, copied)
             assert skipped == (0 if r == 0 else 1)
-        assert _gone(segment_path(f"{group}{i}"))
+        assert segment_gone(f"{group}{i}")
     # the SPMD check: the last rank's different allocation is caught there, in one line
     assert got[(0, "result")][1] == got[(1, "result")][1] == "ok"
     msg = got[(2, "result")][1]
@@ -129,7 +87,7 @@ def test_sigkilled_ranks_leave_no_segment(group: str) -> None:
     assert path.exists()  # rank 0 still maps it
     os.kill(procs[0].pid, signal.SIGKILL)
     _join(procs)
-    assert _gone(path), "the janitor did not remove the segment after every rank was killed"
+    assert segment_gone(group), "the janitor did not remove the segment after every rank was killed"
 
 
 # -- refusals, in process, with a stand-in for SGLang's host pool -------------------------------------
@@ -170,7 +128,7 @@ def test_size_mismatch_between_ranks_is_one_clear_error(group: str) -> None:
         s1.close()
     finally:
         s0.close()
-    assert _gone(segment_path(group), 2.0)
+    assert segment_gone(group, 2.0)
 
 
 def test_rank_without_rank0_times_out_clearly(group: str) -> None:
@@ -266,7 +224,7 @@ def test_backend_shares_the_host_pool_and_reads_l3_on_rank0_only(
     assert r1.client_stats() == before and r1.stats.shared_skipped == 7  # no L3 call on rank 1
     r1.close()
     r0.close()
-    assert _gone(shared, 5.0)
+    assert segment_gone(f"{group}-pp0")
 
 
 def test_backend_refuses_write_back_before_sharing(

@@ -227,3 +227,21 @@ def test_keys64_refuses_wrong_hash_lengths() -> None:
     for bad in ([b"\1" * 16, b"\2" * 8], [b"\1" * 5], ["str"], np.arange(3), b"\0" * 7):
         with pytest.raises(ValueError):
             kv.keys64(bad)  # type: ignore[arg-type]
+
+
+def test_the_publisher_imports_without_torch() -> None:
+    """A process that only publishes KV events (or a tool) does not pay for torch: l3pool.cache
+    loads its names lazily."""
+    import subprocess
+    import sys
+
+    from l3pool.procenv import python_env
+
+    code = (
+        "import sys; from l3pool.cache.events import KvEventPublisher, EventOptions; "
+        "from l3pool.cache import KvEventPublisher as K; assert K is KvEventPublisher; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "from l3pool.cache import TieredCache; assert 'torch' in sys.modules; print('ok')"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from l2core import ConfigError
-from l3pool.cache import L1, CacheConfig, build
+from l3pool.cache import L1, CacheConfig, EventOptions, build
+from l3pool.cache.index import hash64
+from l3pool.pool import kv_events as kv
 from l3pool.pool.keys import Namespace
+from l3pool.pool.metadata import Metadata
 
 from ..cache_helpers import LAYERS, SPEC, D, P, chain
 from ..fake_store import FakePageStore
@@ -72,3 +75,59 @@ def test_a_failed_build_leaves_nothing_registered() -> None:
     with pytest.raises(ConfigError, match="L1 buffers do not match"):
         build(bad, SPEC, l2_tokens=16 * P, pin="never", store=store, namespace=_ns())
     assert store.registered == {}
+
+
+def _snapshot(endpoint: str) -> kv.Snapshot:
+    import zmq
+
+    d = zmq.Context.instance().socket(zmq.DEALER)
+    d.setsockopt(zmq.RCVTIMEO, 3000)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(endpoint)
+    try:
+        d.send(kv.encode_request("snapshot"))
+        return kv.decode_snapshot(bytes(d.recv()))
+    finally:
+        d.close()
+
+
+@pytest.mark.usefixtures("native")
+def test_build_makes_the_stacks_event_publisher() -> None:
+    """events=EventOptions(...): the publisher is attached to the cache (its snapshot is the
+    cache's L1), speaks for the stack's namespace, and closes with the stack."""
+    store = FakePageStore()
+    ns = _ns()
+    stack = build(_l1(), SPEC, l2_tokens=16 * P, pin="never", store=store, namespace=ns,
+                  events=EventOptions("stack-0", linger_ms=0.0))  # fmt: skip
+    try:
+        pub = stack.events
+        assert pub is not None and stack.cache.events is pub
+        assert pub.info().namespace == ns.ns_id and pub.info().id == "stack-0"
+        hs = chain(21, 3)
+        m = stack.cache.match("r", hs)
+        h = stack.cache.load(m, total_pages=3)
+        stack.cache.commit("r", hs, h.l1_pages)
+        stack.cache.release("r")
+        snap = _snapshot(pub.snapshot_endpoint)
+        assert sorted(snap.tiers["l1"].tolist()) == sorted(hash64(hs).tolist()) and snap.seq >= 1
+    finally:
+        stack.close()
+    assert pub._stop  # closed with the stack
+
+
+def test_build_registers_the_publisher_in_etcd(etcd_server: Any, prefix: str) -> None:
+    c = etcd_server.client()
+    md = Metadata(c, prefix)
+    try:
+        stack = build(_l1(), SPEC, l2_tokens=16 * P, pin="never", events=EventOptions("stack-1", registry=md, ttl=5))
+        try:
+            assert stack.events is not None
+            (got,) = md.kv_sources().values()  # how an index finds it
+            mine = stack.events.info()
+            assert (got.id, got.events, got.snapshot, got.epoch) == ("stack-1", mine.events, mine.snapshot, mine.epoch)
+        finally:
+            stack.close()
+        assert md.kv_sources() == {}  # deregistered on close
+    finally:
+        c.delete_prefix(prefix + "/")
+        c.close()

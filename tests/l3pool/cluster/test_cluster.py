@@ -33,6 +33,7 @@ from l3pool.paths import runtime_dir
 from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.store import RPC_TIMEOUT_MS, MooncakeStore, Outcome, StoreConfig
 from l3pool.procenv import python_env
+from tests.conftest import default_sigint
 
 REPO = Path(__file__).resolve().parents[3]
 HAVE_NETNS = os.geteuid() == 0 and subprocess.run(["which", "ip"], capture_output=True).returncode == 0
@@ -271,7 +272,8 @@ def test_sigint_during_up_cleans_up(state_dir: Path) -> None:
     hang = f"{sys.executable} -c 'import time; time.sleep(120)'"
     p = subprocess.Popen([sys.executable, "-m", "l3pool.cli", "cluster", "up", "--agents", "2", "--state-dir",
                           str(state_dir), "--name", name, "--subnet", "10.77.103.0/24", "--agent-cmd", hang],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=default_sigint)  # fmt: skip
     try:
         deadline = time.monotonic() + 30
         state = None

@@ -264,7 +264,8 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_demo_sweep_l2_stops_at_the_plateau(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = [*TINY, "--repeats", "1", "--sweep-l2", "--json", "--no-progress", "--no-plots", "--out", str(tmp_path)]
+    lean = ["--rounds", "1", "--no-interference", "--repeats", "1"]  # the sweep and the savings verdict are asserted
+    args = [*TINY, *lean, "--sweep-l2", "--json", "--no-progress", "--no-plots", "--out", str(tmp_path)]
     rc = main(["demo", *args])
     rep = json.loads(capsys.readouterr().out)
     assert rc == 0, rep
@@ -299,7 +300,8 @@ def test_demo_detects_corrupted_pages(
         return res
 
     monkeypatch.setattr(L3Client, "get", corrupting_get)
-    rc = main(["demo", *TINY, "--json", "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    lean = ["--rounds", "1", "--no-side", "--no-interference"]  # the main replay's checks are the ones asserted
+    rc = main(["demo", *TINY, *lean, "--json", "--no-progress", "--no-plots", "--out", str(tmp_path)])
     rep = json.loads(capsys.readouterr().out)
     assert rc == 1
     assert rep["wrong_pages"] > 0 and rep["logits_identical"] is False and rep["ok"] is False
@@ -380,7 +382,8 @@ def test_demo_against_a_running_pool(tmp_path: Path, capsys: pytest.CaptureFixtu
 
     with LocalCluster(agents=2, segment_size="256MB", name=f"dm{uuid.uuid4().hex[:6]}") as c:
         args = ["--master", c.master, "--metadata", c.metadata_url, "--host", c.client_host, "--etcd", c.etcd_endpoints]
-        rc = main(["demo", *TINY, "--json", "--no-progress", "--no-plots", "--out", str(tmp_path), *args])
+        lean = ["--rounds", "1", "--no-side", "--no-interference"]  # what is asserted: the pool used, checked bytes
+        rc = main(["demo", *TINY, *lean, "--json", "--no-progress", "--no-plots", "--out", str(tmp_path), *args])
         rep = json.loads(capsys.readouterr().out)
         assert rc == 0 and rep["setup"]["pool"] == f"running pool at {c.master}"
         assert rep["hit_rate"]["L3"] > 0 and rep["wrong_pages"] == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from l3pool.cli import main
-from l3pool.demo.routing import parse_policies, verdict
+from l3pool.demo.routing import paired, parse_policies, verdict
 
 TINY = ["--quick", "--layers", "2", "--sessions", "3", "--turns", "3", "--min-context", "256", "--max-context", "640"]
 
@@ -37,6 +37,22 @@ def test_verdict_needs_the_spreads_apart() -> None:
     assert verdict({"round_robin": row}) == {}
 
 
+def test_paired_ratios_cancel_drift_between_repeats() -> None:
+    """The machine slows down over the repeats (every policy's later runs are slower): the spreads
+    overlap, the per-repeat pairs still say which policy is faster."""
+    pol = {
+        "cache_aware": {"prefill_s_runs": [1.0, 2.0, 4.0, 8.0, 16.0], "ttft_mean_s_runs": [1.0, 2.0, 1.0, 2.0, 1.0]},
+        "round_robin": {"prefill_s_runs": [1.2, 2.2, 4.4, 8.8, 17.0], "ttft_mean_s_runs": [2.0, 1.0, 2.0, 1.0, 2.0]},
+        "dynamo_like": {"prefill_s_runs": [0.9, 1.9, 3.9, 7.9, 15.9]},
+    }
+    p = paired(pol)
+    assert p["prefill_s"]["round_robin"]["verdict"] == "faster" and p["prefill_s"]["round_robin"]["repeats"] == 5
+    assert p["prefill_s"]["dynamo_like"]["verdict"] == "slower"
+    assert p["ttft_mean_s"]["round_robin"]["verdict"] == "inconclusive"
+    assert p["ttft_mean_s"]["round_robin"]["range"] == [0.5, 2.0] and "dynamo_like" not in p["ttft_mean_s"]
+    assert paired({"round_robin": pol["round_robin"]}) == {}
+
+
 def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = [
         *TINY,
@@ -44,6 +60,10 @@ def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "1",
         "--routing",
         "all",
+        "--rounds",  # the routing comparison has its own >= 3 repeats; the main replay's timings are not asserted
+        "1",
+        "--no-side",
+        "--no-interference",
         "--json",
         "--no-progress",
         "--no-plots",
@@ -79,12 +99,14 @@ def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert set(rt["policies"]["dynamo_like"]["reasons"]) == {"lowest_cost"}
     assert set(rt["policies"]["cache_aware"]["reasons"]) <= {"lowest_ttft", "affinity", "spill"}
     assert set(rt["verdict"]) == {"prefill_s", "prefill_cpu_s", "ttft_mean_s"}
+    assert set(rt["paired"]) == {"prefill_s", "ttft_mean_s"}
+    assert set(rt["paired"]["prefill_s"]) == {"round_robin", "dynamo_like"}
     # the router queried H1's global index (events over ZeroMQ) when pyzmq is there; its answers
     # for the chosen instance lag the caches' own state at most for a few requests (events in flight)
     try:
         import zmq  # noqa: F401
 
-        assert rt["index"].startswith("l3pool.index")
+        assert rt["index"].startswith("l3pool.index") and "registered in etcd" in rt["index"]
     except ModuleNotFoundError:
         assert rt["index"].startswith("in-process LocalIndex")
     for row in rt["policies"].values():

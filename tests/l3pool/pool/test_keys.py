@@ -115,3 +115,13 @@ def test_key_formatting_in_one_place() -> None:
     ns = _base(MLA)
     hs = page_hashes(list(range(64)), 16)
     assert ns.keys(hs) == [ns.key(h) for h in hs] == [f"{ns.ns_id}/{h.hex()}" for h in hs]
+
+
+def test_stage_namespaces_one_per_stage() -> None:
+    from l3pool.pool.keys import stage_namespaces
+
+    nss = stage_namespaces("bench-x", 3, 4096, tenant="x")
+    assert [(n.layer_begin, n.layer_end) for n in nss] == [(0, 1), (1, 2), (2, 3)]
+    assert all(n.attention == "mla" and n.page_bytes == 4096 and n.tenant == "x" for n in nss)
+    assert len({n.ns_id for n in nss}) == 3  # a stage never reads another stage's pages
+    assert stage_namespaces("bench-x", 3, 4096, tenant="x") == nss  # the same for every caller

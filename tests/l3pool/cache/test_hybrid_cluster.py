@@ -1,0 +1,111 @@
+"""HybridCache against real mooncake_master + etcd: checkpoints and pages through L3 into a fresh
+instance (bit-identical logits), a checkpoint of another group structure or one removed from L3 is
+a miss, and PP stages resume at the same position."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from l2core.groups import checkpoint_hashes
+from l3pool.cache import CacheConfig
+from l3pool.cache.hybrid import hybrid_namespaces
+from l3pool.pool.etcd import EtcdClient
+from l3pool.pool.keys import page_hashes
+from l3pool.pool.metadata import Metadata
+from l3pool.pool.pplock import StageLocks
+from l3pool.pool.store import MooncakeStore, Outcome
+
+from ..conftest import EtcdServer
+from ..hybrid_helpers import HEngine, P, model, reference
+
+pytestmark = pytest.mark.usefixtures("native")
+LAYOUT = "page_first_direct"
+
+
+def test_l3_round_trip_foreign_and_removed_checkpoints(store: MooncakeStore, engines: list[HEngine]) -> None:
+    tenant = uuid.uuid4().hex
+    m = model()
+    kw = {"store": store, "fingerprint": "hybtest", "tenant": tenant}
+    w = HEngine(m, "fixed:2", cfg=CacheConfig(writer_linger_ms=20), **kw)  # type: ignore[arg-type]
+    engines.append(w)
+    toks = np.random.default_rng(11).integers(0, 512, 11 * P + 3)
+    w.run("w", toks)
+    w.cache.flush()
+    sb = w.cache.stored_bytes()
+    ks = m.spec.ckpt_spec
+    assert sb["swa"]["l3"] == 5 * ks.page_bytes  # checkpoints at 2, 4, 6, 8, 10
+    assert sb["full"]["l3"] == 11 * m.spec.full_spec.page_bytes
+    q = np.concatenate([toks[: 11 * P], [1, 2, 3, 4, 5]])
+    r = HEngine(m, "fixed:2", cfg=CacheConfig(prefetch_policy="wait_complete"), **kw)  # type: ignore[arg-type]
+    engines.append(r)
+    run = r.run("r", q)
+    assert run.resume == 10  # 11 full pages in L3; the last checkpoint at or below them: 10
+    assert torch.equal(run.logits, reference(m, q))
+    st = r.cache.stats()
+    assert st["ckpt"]["hit_pages"]["l3"] == 1 and st["full"]["hit_pages"]["l3"] == 10
+    # another window: another group structure, another namespace: a miss, never these bytes
+    m2 = model(window=2 * P)
+    o = HEngine(m2, "fixed:2", **kw)  # type: ignore[arg-type]
+    engines.append(o)
+    run2 = o.run("o", q)
+    assert run2.resume == 0 and torch.equal(run2.logits, reference(m2, q))
+    # r wrote what it computed back (pages 10, 11, checkpoint 12): remove checkpoints 12 and 10
+    r.cache.flush()
+    _, nc = hybrid_namespaces(m.spec, LAYOUT, "hybtest", tenant=tenant)
+    assert nc is not None
+    for k in checkpoint_hashes(page_hashes(q, P), [10, 12], m.spec.signature):
+        assert store.remove(nc.key(k), force=True) is Outcome.OK
+    f = HEngine(m, "fixed:2", cfg=CacheConfig(prefetch_policy="wait_complete"), **kw)  # type: ignore[arg-type]
+    engines.append(f)
+    run3 = f.run("f", q)
+    assert run3.resume == 8 and run3.pages == 12 and torch.equal(run3.logits, reference(m, q))
+
+
+def test_pp_stages_agree_on_the_resume_position(
+    store: MooncakeStore, etcd_server: EtcdServer, prefix: str, engines: list[HEngine]
+) -> None:
+    tenant = uuid.uuid4().hex
+    m = model()
+    nf, ns = m.spec.full_spec.num_layers, m.spec.ckpt_spec.num_layers
+    lay = [((0, nf), (0, ns)), ((nf, 2 * nf), (ns, 2 * ns))]  # each stage: its own range of both groups
+    nss = [hybrid_namespaces(m.spec, LAYOUT, "hybpp", tenant=tenant, full_layers=a, swa_layers=b) for a, b in lay]
+    kw = {"store": store, "fingerprint": "hybpp", "tenant": tenant}
+    toks = np.random.default_rng(12).integers(0, 512, 9 * P + 2)
+    for s in range(2):  # writers: every stage's pages and checkpoints in L3
+        w = HEngine(m, "every", layers=lay[s], **kw)  # type: ignore[arg-type]
+        engines.append(w)
+        w.run(f"w{s}", toks)
+        w.cache.flush()
+    hs_key = checkpoint_hashes(page_hashes(toks, P), [9], m.spec.signature)
+    nc1 = nss[1][1]
+    assert nc1 is not None
+    assert store.remove(nc1.key(hs_key[0]), force=True) is Outcome.OK  # stage 1 lost checkpoint 9
+    md = Metadata(EtcdClient(etcd_server.endpoints), prefix)
+    fl = [StageLocks(md, store, [n[0] for n in nss], s, ttl=5, refresh_s=1.0) for s in range(2)]
+    cl = [StageLocks(md, store, [n[1] for n in nss], s, ttl=5, refresh_s=1.0) for s in range(2)]  # type: ignore[misc]
+    try:
+        rd = [HEngine(m, "every", layers=lay[s], locks=(fl[s], cl[s]), **kw) for s in range(2)]  # type: ignore[arg-type]
+        engines.extend(rd)
+        q = np.concatenate([toks[: 9 * P], [7, 7, 7]])
+        runs = [e.run("q", q) for e in rd]  # stage 0 locks first, stage 1 joins
+        # stage 0 alone holds checkpoint 9; both stages resume at 8
+        assert [x.resume for x in runs] == [8, 8], runs
+        for x in runs:
+            assert torch.equal(x.logits, reference(m, q))
+        # stage 1 loses every checkpoint: both stages miss together
+        for e in rd:
+            e.cache.flush()  # stage 1 wrote checkpoint 9 back
+        for p in range(1, 10):
+            k = checkpoint_hashes(page_hashes(q, P), [p], m.spec.signature)
+            store.remove(nc1.key(k[0]), force=True)
+        fresh = [HEngine(m, "every", layers=lay[s], locks=(fl[s], cl[s]), **kw) for s in range(2)]  # type: ignore[arg-type]
+        engines.extend(fresh)
+        runs = [e.run("q2", q) for e in fresh]
+        assert [x.resume for x in runs] == [0, 0], runs
+    finally:
+        for lk in (*fl, *cl):
+            lk.close()
