@@ -9,15 +9,41 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
 from l2core import _native
+from l2core.spec import ConfigError
+from l3pool.cache.config import CacheConfig
+from l3pool.cache.types import L1
 from l3pool.pool.keys import HASH_BYTES
 from l3pool.pool.prefetch import PrefetchHandle
+from l3pool.pool.protocols import HostPages, L3Pages, StageLockService, check_roles
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def check_parts(cfg: Any, l1: Any, l2: Any, l3: Any, locks: Any, tp_shared: bool) -> None:
+    """What a TieredCache is built from, checked before anything starts (ConfigError, one line);
+    `tp_shared`: the caller is the TP-shared controller."""
+    if not isinstance(cfg, CacheConfig):
+        raise ConfigError(f"cfg must be a CacheConfig, got {type(cfg).__name__}")
+    if cfg.tp_shared and not tp_shared:  # the TP-shared controller is l3pool.cache.shared's
+        raise ConfigError("tp_shared = true: use SharedTieredCache (l3pool.cache.build() picks it)")
+    check_roles(("l2", l2, HostPages, "l2core's HostKVPool"), ("l3", l3, L3Pages, "L3Client"),
+                ("locks", locks, StageLockService, "StageLocks"))  # fmt: skip
+    if not isinstance(l1, L1) or not l1.bufs or not isinstance(l1.bufs[0], torch.Tensor):
+        raise ConfigError("l1 must be an L1(bufs=[per-layer device tensors], page_size)")
+    if l1.page_size != l2.spec.page_size:
+        raise ConfigError(f"L1 page_size {l1.page_size} != L2 page_size {l2.spec.page_size}")
+    if l1.num_pages < 1 or l1.bufs[0].shape[0] % l1.page_size:
+        raise ConfigError(f"L1 has {l1.bufs[0].shape[0]} slots: need a positive multiple of {l1.page_size}")
+    if l3 is not None and l3.pool is not l2:
+        raise ConfigError("the L3Client must be built over the same HostKVPool as L2")
+    if locks is not None and locks.stages > 1 and l3 is None:
+        raise ConfigError("pipeline-stage locks need an L3Client")
 
 
 def _timed(name: str) -> Callable[[_F], _F]:

@@ -22,7 +22,7 @@ from l2core.spec import ConfigError
 from l2core.transfer import TransferEngine, TransferError
 from l2core.units import check_int
 from l3pool import metrics
-from l3pool.cache._internal import _Backup, _emit, _join, _Loads, _member, _Req, _select, _timed
+from l3pool.cache._internal import _Backup, _emit, _join, _Loads, _member, _Req, _select, _timed, check_parts
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.index import GhostList, TierIndex, split
 from l3pool.cache.policy import WaitComplete, prefetch_policy, write_policy
@@ -40,7 +40,7 @@ from l3pool.cache.types import (
 from l3pool.cache.writer import L3Writer
 from l3pool.pool.keys import HASH_BYTES
 from l3pool.pool.prefetch import Prefetcher, PrefetchResult
-from l3pool.pool.protocols import HostPages, L3Pages, Outcome, StageLockService, check_roles
+from l3pool.pool.protocols import HostPages, L3Pages, Outcome, StageLockService
 
 log = logging.getLogger(__name__)
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -58,22 +58,7 @@ class TieredCache:
         l3: L3Pages | None = None,
         locks: StageLockService | None = None,
     ) -> None:
-        if not isinstance(cfg, CacheConfig):
-            raise ConfigError(f"cfg must be a CacheConfig, got {type(cfg).__name__}")
-        if cfg.tp_shared and not self._tp_shared:  # the TP-shared controller is l3pool.cache.shared's
-            raise ConfigError("tp_shared = true: use SharedTieredCache (l3pool.cache.build() picks it)")
-        check_roles(("l2", l2, HostPages, "l2core's HostKVPool"), ("l3", l3, L3Pages, "L3Client"),
-                    ("locks", locks, StageLockService, "StageLocks"))  # fmt: skip
-        if not isinstance(l1, L1) or not l1.bufs or not isinstance(l1.bufs[0], torch.Tensor):
-            raise ConfigError("l1 must be an L1(bufs=[per-layer device tensors], page_size)")
-        if l1.page_size != l2.spec.page_size:
-            raise ConfigError(f"L1 page_size {l1.page_size} != L2 page_size {l2.spec.page_size}")
-        if l1.num_pages < 1 or l1.bufs[0].shape[0] % l1.page_size:
-            raise ConfigError(f"L1 has {l1.bufs[0].shape[0]} slots: need a positive multiple of {l1.page_size}")
-        if l3 is not None and l3.pool is not l2:
-            raise ConfigError("the L3Client must be built over the same HostKVPool as L2")
-        if locks is not None and locks.stages > 1 and l3 is None:
-            raise ConfigError("pipeline-stage locks need an L3Client")
+        check_parts(cfg, l1, l2, l3, locks, self._tp_shared)
         try:
             self._engine = TransferEngine(l2, l1.bufs)
         except (ValueError, TypeError) as e:
@@ -767,13 +752,7 @@ class TieredCache:
     def stats(self) -> dict[str, Any]:
         with self._mu, self._api_mu:
             d = self._stats.as_dict()
-            for name, t, a in (("l1", self.t1, self._l1_alloc), ("l2", self.t2, self.l2.allocator)):
-                d[f"{name}_pages"] = {
-                    "total": a.num_pages,
-                    "free": a.free_pages,
-                    "cached": int(t.cached.sum()),
-                    "pinned": int(np.count_nonzero(t.ref)),
-                }
+            d["l1_pages"], d["l2_pages"] = self.t1.page_counts(), self.t2.page_counts()
             d["ghost_entries"] = len(self.ghost)
             d["active_requests"] = len(self._reqs)
         d["writer_pending"] = self.writer.pending() if self.writer is not None else 0

@@ -93,6 +93,13 @@ class TierIndex:
         self.key64_of: Any = x.key64_of  # cached pages -> the first 8 bytes of their hashes (uint64)
 
     # -- lookups ------------------------------------------------------------------------------
+
+    def page_counts(self) -> dict[str, int]:
+        """stats(): the tier's pages in all, free in its allocator, cached here, pinned (ref > 0)."""
+        a = self.alloc
+        return {"total": a.num_pages, "free": a.free_pages, "cached": int(self.cached.sum()),
+                "pinned": int(np.count_nonzero(self.ref))}  # fmt: skip
+
     def pages_of(self, hashes: Hashes) -> np.ndarray:
         """Page of each hash, -1 where absent."""
         out: np.ndarray = self.native.lookup(joined(hashes))
