@@ -27,7 +27,10 @@ from l3pool.pool.pplock import StageLocks
 from tests.conftest import default_sigint
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--agents", "2", "--seconds", "2", "--idle-seconds", "1", "--clients", "2", "--rate", "10", "--sessions", "8"]
+# the idle window (3 s) outlasts the agents' lease keep-alive period (lease TTL 5 s / 3): since the
+# index watches etcd instead of polling it, those keep-alives are the only idle etcd traffic, and a
+# 1 s window saw none of them once (idle_etcd_rps 0.0, under load)
+TINY = ["--agents", "2", "--seconds", "2", "--idle-seconds", "3", "--clients", "2", "--rate", "10", "--sessions", "8"]
 ROW_KEYS = {
     "agents", "index_query_p99_ms", "event_lag_p99_ms", "index_memory_mib", "lookup_p50_ms", "lookup_p99_ms",
     "lock_p50_ms", "lock_p99_ms", "members_p99_ms", "master_cpu_s", "etcd_cpu_s", "master_rps", "etcd_rps",
