@@ -26,17 +26,24 @@ class Ranks:
 
     def start(self, target: Callable[..., Any], scenario: str, name: str, size: int, *, arg: Any = None,
               ranks: Iterable[int] | None = None) -> tuple[Any, dict[int, Any]]:  # fmt: skip
-        """Start ranks (`ranks`, default all of `size`) running `target`; one queue for them all.
+        """Start ranks (`ranks`, default all of `size`) running `target(scenario, name, rank, size,
+        queue, arg)`; one queue for them all.
         The native extension is built here first (cached on disk), so no rank builds it inside a
         test while the others time out waiting for it (seen: a load on ranks > 0 timed out while the
         first import after a change of the native sources rebuilt it)."""
+        which = range(size) if ranks is None else ranks
+        return self.spawn(target, lambda r, q: (scenario, name, r, size, q, arg), which)
+
+    def spawn(self, target: Callable[..., Any], args: Callable[[int, Any], tuple[Any, ...]],
+              ranks: Iterable[int]) -> tuple[Any, dict[int, Any]]:  # fmt: skip
+        """Start `ranks` running `target(*args(rank, queue))` (entry points of any signature)."""
         from l2core import _native
 
         _native.load()
         q = CTX.Queue()
         procs = {}
-        for r in ranks if ranks is not None else range(size):
-            p = CTX.Process(target=target, args=(scenario, name, r, size, q, arg), daemon=True)
+        for r in ranks:
+            p = CTX.Process(target=target, args=args(r, q), daemon=True)
             p.start()
             procs[r] = p
         self.procs.update(procs)

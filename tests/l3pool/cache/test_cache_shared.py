@@ -4,8 +4,6 @@ on rank 0, a diverged rank caught by tp_check; bad configurations refused."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import time
 import types
 import uuid
 from pathlib import Path
@@ -19,42 +17,21 @@ from l2core.shm_segment import segment_path
 from l2core.spec import ConfigError
 from l3pool.cache import L1, CacheConfig, SharedTieredCache, TieredCache, build
 
+from ...support.ranks import Ranks, collect, join, no_leaked_segment
 from ..cache_helpers import SPEC, Engine
 from . import shared_ranks
-
-CTX = mp.get_context("spawn")
 
 
 def _ranks(
     size: int, diverge: tuple[int, int] | None = None, every: int = 1, timeout: float = 120.0, split: str | None = None
 ) -> dict[int, Any]:
-    name = f"c-{uuid.uuid4().hex[:10]}"
-    q = CTX.Queue()
-    procs = [
-        CTX.Process(target=shared_ranks.main, args=(name, r, size, q, diverge, every, split), daemon=True)
-        for r in range(size)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < size:
-            r, ev, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert ev != "error", f"rank {r}: {val}"
-            got[r] = val
-    finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        path = segment_path(name)
-        end = time.monotonic() + 5
-        while path.exists() and time.monotonic() < end:
-            time.sleep(0.05)
-        assert not path.exists(), f"{path} leaked"
-    return got
+    with no_leaked_segment(f"c-{uuid.uuid4().hex[:10]}") as name:
+        q, procs = Ranks().spawn(shared_ranks.main, lambda r, q: (name, r, size, q, diverge, every, split), range(size))
+        try:
+            got = collect(q, size, timeout)
+        finally:
+            join(procs, 20)
+    return {r: val for (r, _), val in got.items()}
 
 
 @pytest.mark.parametrize("every", [1, shared_ranks.STEPS])
