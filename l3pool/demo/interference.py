@@ -73,8 +73,9 @@ def measure(inst: PrefillInstance, toks: np.ndarray, tries: int) -> dict[str, An
         "tokens": int(toks.size),
         "compute_alone_ms": a,
         "compute_with_l2_traffic_ms": b,
-        "slowdown": round(float(np.median(slow)), 4),
+        "slowdown": round(float(np.median(slow)), 4),  # per-try pairs: not (median with) / (median alone)
         "slowdown_spread": [round(min(slow), 4), round(max(slow), 4)],
+        "slowdown_verdict": "within noise" if min(slow) <= 0 <= max(slow) else "measured",
         "copy_GBps": med_spread(gbps),
         "copy_buffer_bytes": tr.host.numel(),
         "how": "host<->device copies of one request's KV on a side stream/thread during the same prefill",

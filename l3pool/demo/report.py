@@ -10,6 +10,18 @@ log = logging.getLogger(__name__)
 _NAMES = {"no_cache": "no cache", "l1_l2": "L1+L2", "l1_l2_l3": "L1+L2+L3"}
 
 
+def interference_line(x: dict[str, Any]) -> str:
+    """The interference row: both medians, then the slowdown of the paired tries with its range (the
+    headline; the two medians come from different tries and may even disagree with it in sign, as on
+    a loaded CPU), "within noise" when the range includes 0."""
+    lo, hi = x["slowdown_spread"]
+    noise = ": within noise" if lo <= 0 <= hi else ""
+    return (f"interfere  forward {x['compute_alone_ms']['median']:.1f} ms alone, "
+            f"{x['compute_with_l2_traffic_ms']['median']:.1f} ms with L2 traffic (medians); paired slowdown "
+            f"{x['slowdown']:+.1%} (tries {lo:+.1%}..{hi:+.1%}{noise}), "
+            f"{x['copy_GBps']['median']:.1f} GB/s copied")  # fmt: skip
+
+
 def table(rep: dict[str, Any]) -> str:
     tr, hr, fit, t, tt = rep["trace"], rep["hit_rate"], rep["fit"], rep["tiers"], rep["ttft_ms"]
     be = fit["break_even_tokens"]
@@ -53,11 +65,7 @@ def table(rep: dict[str, Any]) -> str:
     ]
     if rep.get("interference"):
         x = rep["interference"]
-        lines.append(
-            f"interfere  forward {x['compute_alone_ms']['median']:.1f} ms alone, "
-            f"{x['compute_with_l2_traffic_ms']['median']:.1f} ms with L2 traffic ({x['slowdown']:+.1%}, "
-            f"{x['copy_GBps']['median']:.1f} GB/s copied)"
-        )
+        lines.append(interference_line(x))
     if rep.get("hf_reference"):
         for p in rep["hf_reference"]["points"]:
             lines.append(

@@ -12,6 +12,7 @@ import torch
 from l3pool.demo import deterministic_cuda
 from l3pool.demo.engine import Record
 from l3pool.demo.replay import MAX_MISMATCHES, Verifier
+from l3pool.demo.report import interference_line
 
 
 class _Inst:
@@ -79,3 +80,14 @@ def test_deterministic_cuda_sets_the_kernels_and_keeps_an_operators_workspace(
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def test_interference_row_heads_with_the_paired_slowdown_and_its_range() -> None:
+    """Seen on a loaded CPU: medians 9696.8 ms alone and 9197.8 ms with traffic beside a paired
+    +15.4 %: the row says which is which, and 'within noise' when the tries straddle 0."""
+    x = {"compute_alone_ms": {"median": 9696.8}, "compute_with_l2_traffic_ms": {"median": 9197.8},
+         "slowdown": 0.154, "slowdown_spread": [-0.05, 0.31], "copy_GBps": {"median": 11.3}}  # fmt: skip
+    line = interference_line(x)
+    assert "(medians); paired slowdown +15.4% (tries -5.0%..+31.0%: within noise)" in line
+    x["slowdown_spread"] = [0.02, 0.31]
+    assert "within noise" not in interference_line(x) and "(tries +2.0%..+31.0%)" in interference_line(x)
