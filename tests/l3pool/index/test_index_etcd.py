@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -27,27 +27,10 @@ from l3pool.pool.store import MooncakeStore
 from l3pool.procenv import python_env
 
 from ..cache_helpers import Engine, chain
-from ..conftest import EtcdServer, MasterServer
+from ..conftest import EtcdServer, MasterServer, wait_for
 from ..pool_helpers import master_store
 
 pytestmark = pytest.mark.usefixtures("native")
-
-
-def eventually(fn: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if fn():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout} s")
-
-
-@pytest.fixture
-def md(etcd_server: EtcdServer, prefix: str) -> Iterator[Metadata]:
-    c = etcd_server.client()
-    yield Metadata(c, prefix)
-    c.delete_prefix(prefix + "/")
-    c.close()
 
 
 def _service(md: Metadata) -> IndexService:
@@ -82,7 +65,7 @@ def test_a_killed_instance_vanishes_when_its_lease_ends(md: Metadata, etcd_serve
         t0 = time.monotonic()
         os.killpg(child.pid, signal.SIGKILL)  # no deregistration: only the lease ends it
         child.wait(10)
-        eventually(lambda: "child" not in svc.status()["instances"], 15)
+        wait_for(lambda: "child" not in svc.status()["instances"], 15, "the index to agree")
         gone = time.monotonic() - t0
         assert svc.index.query(keys, "ns").per_instance == {} and svc.index.stats()["entries"] == 0
         assert gone < 6, f"entries outlived the 2 s lease by {gone:.1f} s"
@@ -106,7 +89,7 @@ def test_index_restart_rebuilds_from_snapshots_and_member_loss_clears_l3(md: Met
             assert svc.wait_live(["p0", "p1"], 15)
             time.sleep(0.3)
             pubs[0].stored("l3", keys[:25])  # wrote pages to the pool
-            eventually(lambda: svc.index.query(keys, "ns").pool_l3 == 25)
+            wait_for(lambda: svc.index.query(keys, "ns").pool_l3 == 25, 15, "the index to agree")
             before = svc.index.query(keys, "ns")
         finally:
             svc.close()
@@ -123,7 +106,7 @@ def test_index_restart_rebuilds_from_snapshots_and_member_loss_clears_l3(md: Met
             md.etcd.put(md.member_key("agent-0"), "{}", lease=lease)
             time.sleep(0.6)  # seen by a membership poll
             md.etcd.lease_revoke(lease)
-            eventually(lambda: svc.index.query(keys, "ns").pool_l3 == 0)
+            wait_for(lambda: svc.index.query(keys, "ns").pool_l3 == 0, 15, "the index to agree")
             assert svc.index.query(keys, "ns").of("p0") == TierPrefix(0, 20, 20)
         finally:
             svc.close()
@@ -187,8 +170,9 @@ def test_two_caches_publish_and_the_index_answers_their_prefixes(md: Metadata, s
                 h = svc.index.query(hs, ns)
                 return all((h.of(n).l1, h.of(n).l2) == w for n, w in want.items())
 
-            eventually(agrees, 10)
-        eventually(lambda: svc.index.query(a, ns).pool_l3 == 10, 10)  # the writer's puts are reported after flush
+            wait_for(agrees, 10, "the index to agree")
+        # the writer's puts are reported after flush
+        wait_for(lambda: svc.index.query(a, ns).pool_l3 == 10, 10, "the index to agree")
         h = svc.index.query(a, ns)
         assert (h.of("e0").l1, h.of("e0").l2) == (10, 10)
         assert h.of("e1").l2 == 3
@@ -196,7 +180,11 @@ def test_two_caches_publish_and_the_index_answers_their_prefixes(md: Metadata, s
         # e1 now needs room: its 16-page L1 evicts b's pages, and the index follows
         engines[1].run("c", chain(15, 12))
         engines[1].cache.flush()
-        eventually(lambda: svc.index.query(b, ns).of("e1").l1 == _prefix_in(engines[1], hash64(b).tolist())[0], 10)
+        wait_for(
+            lambda: svc.index.query(b, ns).of("e1").l1 == _prefix_in(engines[1], hash64(b).tolist())[0],
+            10,
+            "the index to agree",
+        )
         st = svc.status()
         assert st["bad_messages"] == 0 and all(st["instances"][f"e{i}"]["live"] for i in range(2))
         lag = st["event_lag_ms"]
@@ -266,7 +254,7 @@ def test_concurrent_requests_leave_the_index_equal_to_the_cache() -> None:
         def drained() -> bool:
             return pub.stats()["queued_pages"] == 0 and svc.status()["instances"]["conc"]["seq"] == pub.stats()["seq"]
 
-        eventually(lambda: drained() and (time.sleep(0.3) or drained()), 10)
+        wait_for(lambda: drained() and (time.sleep(0.3) or drained()), 10, "the index to agree")
         counts = svc.index.stats()["instances"]["conc"]
         assert (counts["l1_pages"], counts["l2_pages"]) == (len(held["l1"]), len(held["l2"]))
         for tier, keys in held.items():

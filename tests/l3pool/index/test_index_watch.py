@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -19,26 +18,9 @@ from l3pool.index.watch import PrefixWatch
 from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.metadata import Metadata
 
-from ..conftest import EtcdServer, free_ports
+from ..conftest import EtcdServer, free_ports, wait_for
 
 pytestmark = pytest.mark.usefixtures("native")
-
-
-def eventually(fn: Callable[[], bool], timeout: float) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if fn():
-            return time.monotonic() - t0
-        time.sleep(0.02)
-    raise AssertionError(f"not within {timeout} s")
-
-
-@pytest.fixture
-def md(etcd_server: EtcdServer, prefix: str) -> Iterator[Metadata]:
-    c = etcd_server.client()
-    yield Metadata(c, prefix)
-    c.delete_prefix(prefix + "/")
-    c.close()
 
 
 def test_the_watch_brings_sources_in_and_out_without_polling(md: Metadata) -> None:
@@ -46,14 +28,14 @@ def test_the_watch_brings_sources_in_and_out_without_polling(md: Metadata) -> No
                        retry_s=0.2).start()  # fmt: skip
     pub = KvEventPublisher("w-inst", "ns", heartbeat_s=0.2)
     try:
-        eventually(lambda: svc.status()["membership"]["via"] == "watch", 10)
+        wait_for(lambda: svc.status()["membership"]["via"] == "watch", 10, "the index to agree")
         reads = svc.status()["membership"]["reads"]
         pub.bind(lambda under_lock: (under_lock(), {"l1": np.arange(1, 6, dtype=np.uint64)})[1])
         pub.register(md, ttl=5)
-        took = eventually(lambda: "w-inst" in svc.index.instances(), 5)
+        took = wait_for(lambda: "w-inst" in svc.index.instances(), 5, "the index to agree")
         assert svc.index.query(np.arange(1, 9, dtype=np.uint64), "ns").of("w-inst").l1 == 5
         pub.close()  # deregisters: the key is deleted
-        eventually(lambda: "w-inst" not in svc.status()["instances"], 5)
+        wait_for(lambda: "w-inst" not in svc.status()["instances"], 5, "the index to agree")
         st = svc.status()["membership"]
         assert st["watch_events"] >= 2 and st["reads"] - reads <= 6, st  # one read per change, not a poll loop
         assert took < 5
@@ -68,9 +50,9 @@ def test_a_member_leaving_is_seen_through_the_watch(md: Metadata, etcd_server: E
     try:
         lease = c.lease_grant(30)
         c.put(f"{md.prefix}/members/agent-x", "{}", lease=lease)
-        eventually(lambda: svc._members == {"agent-x"}, 5)
+        wait_for(lambda: svc._members == {"agent-x"}, 5, "the index to agree")
         c.lease_revoke(lease)  # the agent's lease ends: its member key goes
-        eventually(lambda: svc.index.pool_clears == 1, 5)
+        wait_for(lambda: svc.index.pool_clears == 1, 5, "the index to agree")
     finally:
         c.close()
         svc.close()
@@ -82,7 +64,7 @@ def test_a_watch_that_cannot_open_wakes_its_caller_and_closes_promptly() -> None
     w = PrefixWatch(EtcdClient(f"127.0.0.1:{port}", timeout=0.3), ["/x/kv_events/"], woken.set, retry_s=0.05).start()
     try:
         assert woken.wait(5) and not w.live
-        eventually(lambda: w.failures >= 2, 5)
+        wait_for(lambda: w.failures >= 2, 5, "the index to agree")
         assert "watch /x/kv_events/" in w.last_error
     finally:
         t0 = time.monotonic()
