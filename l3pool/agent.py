@@ -324,9 +324,11 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
             ev = stop
 
             def on_signal(signum: int, frame: object) -> None:
+                # No logging here: a handler runs between two bytecodes of the main thread, and a
+                # log write that lands inside the main thread's own write to stderr raises
+                # "reentrant call inside BufferedWriter" (seen in CI). The main flow logs the stop.
                 if not ev.is_set():
                     ev.set()
-                    log.info("agent %s: stopping; exiting anyway if shutdown takes over %.0f s", s.id, s.stop_timeout)
                     faulthandler.dump_traceback_later(s.stop_timeout, exit=True)
 
             handlers = {sig: on_signal for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -366,7 +368,7 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
         rc = 0
         try:
             if not stop.is_set():
-                rc = _register_and_serve(agent, stop, t0)
+                rc = _register_and_serve(agent, stop, t0, watchdog=bool(handlers))
         except BaseException:
             agent.close()
             raise
@@ -384,7 +386,7 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
         etcd.close()
 
 
-def _register_and_serve(agent: Agent, stop: threading.Event, t0: float) -> int:
+def _register_and_serve(agent: Agent, stop: threading.Event, t0: float, *, watchdog: bool = False) -> int:
     s = agent.settings
     try:
         agent.register()
@@ -400,7 +402,10 @@ def _register_and_serve(agent: Agent, stop: threading.Event, t0: float) -> int:
         time.monotonic() - t0,
     )
     agent.serve(stop)
-    log.info("agent %s stopping", s.id)
+    if watchdog:
+        log.info("agent %s stopping; exiting anyway if shutdown takes over %.0f s", s.id, s.stop_timeout)
+    else:
+        log.info("agent %s stopping", s.id)
     return 0
 
 
