@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU-host evidence runs the open issues wait for, grouped so that each group fits one device
+# call (< 10 min on one H200 with 16 cores, first native build included). Run from the repository
+# root on the GPU host:
+#
+#   bash bench/gpu-runs.sh GROUP OUTDIR [DATE]
+#
+# GROUP      what it runs                                                        issue  ~minutes
+# suite      the whole test suite with 8 workers (0 failures expected; wall time)    17     5-7
+# l3         bench.l3 with SGLang's column (needs ./sglang-bundle:
+#            `bash scripts/gpu-sglang-bundle.sh sglang-bundle` on a machine with sglang)   17     3
+# index      bench.index (64 instances x 100K pages) + bench.scale at 32 and 64 agents      19     6
+# swa        bench.swa on CUDA (window gather/scatter vs the PCIe limit) + the hybrid demo   21     6
+# routing    demo --routing all: 3 instances, 6 sessions x 3 turns of 4-8K tokens   19     7
+# llama      the real-scale demo, llama-8b shape (deterministic kernels)             23     5
+# mla        the real-scale demo, DeepSeek MLA shape, 12 of 61 layers                23     5
+# split      bench.split_read + the NCCL byte check (needs 2 GPUs: nvidia-h200-x2)   22     3
+#
+# Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle (carried with the call).
+# Results land in OUTDIR (copy the JSON files to bench/results/ with the date and device);
+# each step's exit code is printed and collected in OUTDIR/exit-codes.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|llama|mla|split OUTDIR [DATE]}
+out=${2:?usage: bench/gpu-runs.sh GROUP OUTDIR [DATE]}
+day=${3:-$(date +%F)}
+mkdir -p "$out"
+if [ -f gpu-bundle/activate.sh ]; then
+  # shellcheck disable=SC1091
+  source gpu-bundle/activate.sh
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export L2CORE_BUILD_DIR=${L2CORE_BUILD_DIR:-/tmp/l2core-build}
+
+step() {  # step NAME SECONDS CMD...: one bounded step, its output in OUTDIR/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$out/exit-codes.txt"
+  tail -n 5 "$out/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$out/gpu.txt" 2>&1
+step native-build 240 python3 -c "from l2core import _native; _native.load(); print('native extension loaded')"
+
+case $group in
+  suite)
+    step suite 540 python3 -m pytest -q -n 8 -p no:cacheprovider --durations=15 tests ;;
+  l3)
+    [ -d sglang-bundle ] || { echo "no ./sglang-bundle: run scripts/gpu-sglang-bundle.sh first" >&2; exit 2; }
+    PYTHONPATH=$PWD/sglang-bundle:$PYTHONPATH step l3 420 \
+      python3 -m bench.l3 --json --out "$out/$day-h200-l3.json" ;;
+  index)
+    step index 200 python3 -m bench.index --json --out "$out/$day-h200-index.json"
+    step scale 330 python3 -m bench.scale --agents 32,64 --seconds 10 --idle-seconds 5 --clients 2 --rate 20 \
+      --json --out "$out/$day-h200-scale.json" ;;
+  swa)
+    step swa 240 python3 -m bench.swa --device cuda --json --out "$out/$day-h200-swa.json"
+    step swa-demo 300 python3 -m l3pool demo --attention hybrid --device cuda --rounds 3 --no-progress \
+      --out "$out/demo-swa" ;;
+  routing)
+    step routing 480 python3 -m l3pool demo --routing all --instances 3 --sessions 6 --turns 3 \
+      --min-context 4096 --max-context 8192 --repeats 5 --rounds 1 --no-side --no-interference --no-progress \
+      --json --out "$out/routing" ;;
+  llama)
+    step llama 540 bash scripts/demo-real.sh llama-8b "$out/demo-llama-8b" ;;
+  mla)
+    step mla 540 bash scripts/demo-real.sh deepseek-mla "$out/demo-deepseek-mla-12l" ;;
+  split)
+    step split 300 python3 -m bench.split_read --json --out "$out/$day-h200x2-split-read.json"
+    step split-test 200 python3 -m pytest -q -p no:cacheprovider tests/l2core/test_split_read.py -k two_gpus ;;
+  *)
+    echo "unknown group '$group': suite|l3|index|swa|routing|llama|mla|split" >&2
+    exit 2 ;;
+esac
