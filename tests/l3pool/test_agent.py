@@ -270,3 +270,50 @@ def test_agent_and_cli_import_without_torch() -> None:
     code = "import sys, l3pool.cli, l3pool.agent, l3pool.tools.inspect; sys.exit(1 if 'torch' in sys.modules else 0)"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=python_env(), timeout=30)
     assert r.returncode == 0, "importing the agent pulled in torch (slow start on decode nodes)"
+
+
+def test_stop_signal_handler_only_sets_the_event(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SIGTERM/SIGINT handler must not write a log line: it runs between two bytecodes of the
+    main thread, and a write landing inside the main thread's own stderr write raised "reentrant
+    call inside BufferedWriter" (CI, test_agent_reregisters_after_etcd_outage). The main flow logs."""
+    import argparse
+    import faulthandler
+    import logging
+
+    from l3pool import agent as agent_mod
+
+    parser = argparse.ArgumentParser()
+    agent_mod.add_parser(parser.add_subparsers())
+    port = free_ports(1)[0]  # nothing listens there: run_agent returns at its reachability check
+    args = parser.parse_args(
+        [
+            "agent",
+            "--master",
+            f"127.0.0.1:{port}",
+            "--etcd",
+            f"http://127.0.0.1:{port}",
+            "--key-prefix",
+            "/l3t-sig",
+            "--segment-size",
+            "16MiB",
+        ]
+    )
+    installed: dict[int, object] = {}
+
+    def record(sig: int, handler: object) -> object:  # record, install nothing
+        if callable(handler):
+            installed.setdefault(sig, handler)
+        return signal.SIG_DFL
+
+    monkeypatch.setattr(agent_mod.signal, "signal", record)
+    assert agent_mod.run_agent(args) == 2
+    assert set(installed) == {signal.SIGTERM, signal.SIGINT}
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        try:
+            installed[signal.SIGTERM](signal.SIGTERM, None)  # type: ignore[operator]
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    assert caplog.records == []
