@@ -355,6 +355,7 @@ def _run_here(argv: tuple[str, ...], cwd: Path, env: dict[str, str]) -> subproce
     a root logger without handlers (the command installs its own on stderr, as in a fresh process),
     stdout and stderr captured. SystemExit gives the exit code; an exception that escapes prints its
     traceback and exits 1, as the interpreter does. Not thread-safe (sys.stdout, the environment)."""
+    from l3pool import cli
     from l3pool.cli import guarded
 
     target, *rest = argv
@@ -374,6 +375,7 @@ def _run_here(argv: tuple[str, ...], cwd: Path, env: dict[str, str]) -> subproce
                 mp.setenv(k, v)
         mp.chdir(cwd)
         mp.setattr(sys, "argv", [argv0, *rest])
+        mp.setattr(cli, "_json_errors", cli._json_errors)  # set by main()/guarded(): restored after
         for h in handlers:
             root.removeHandler(h)
         try:
