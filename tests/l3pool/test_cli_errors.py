@@ -1,4 +1,4 @@
-"""No traceback for a user mistake: every entry point, run as a real subprocess with bad input.
+"""No traceback for a user mistake: every entry point, run with bad input.
 
 Each case runs `python -m l3pool ...` or `python -m bench.X ...` with one kind of mistake (a path
 that cannot be written, a missing or malformed config, an unreachable endpoint, a too-small or
@@ -6,18 +6,32 @@ unparsable size, a writer subprocess that fails) and must exit non-zero with no 
 anywhere, its error as the last stderr line (or the one before a `hint:` line) with the
 `<prog>: error: ` prefix, and under `--json` the same error as a JSON object on stdout. The
 `notorch` cases run where `import torch` fails (a decode node's `l3pool[agent]` install): the
-commands that need torch must say so before they start a cluster or write anything. The cases run
-concurrently from one module fixture (about 1-4 s of interpreter start each) so the sweep stays
-well under a minute; the parametrised tests only judge the results.
+commands that need torch must say so before they start a cluster or write anything.
+
+Most cases run in this process (`_run_here`): what `python -m` would run (`l3pool.cli.main()`, or
+the bench module's `guarded(prog, main)`), with sys.argv, the environment, the cwd, the root
+logger and stdout/stderr as a fresh interpreter has them, SystemExit as the exit code and an
+escaping exception as the interpreter's traceback and exit 1. Interpreter starts (1-4 s each, most
+of it importing torch) made the sweep cost minutes of CPU in CI. The cases with `proc` set still
+run as real `python -m` processes: the `notorch` ones (an interpreter where torch cannot be
+imported), a few through the real entry points (their exit codes, `--json` output and hints from a
+process), and those that start a local cluster or an agent (child processes, signal handlers). The
+fixture runs them concurrently with the in-process ones; the parametrised tests only judge the
+results.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
+import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +57,17 @@ class Case:
     hint: bool = False  # a `hint:` line must follow the error line
     error_last: bool = True  # False: a report (doctor's FAIL lines), not a one-line error
     notorch: bool = False  # run where torch cannot be imported, with a $TMPDIR that must stay empty
+    proc: str = ""  # why it runs as a real process (else in this one; notorch cases always do)
+
+    @property
+    def in_process(self) -> bool:
+        return not (self.proc or self.notorch)
+
+
+# why a case runs as a real process (Case.proc)
+ENTRY = "through the real entry point: exit code, --json and hint from a `python -m` process"
+CLUSTER = "starts a local cluster (etcd, master, agents as children; its own SIGINT/SIGTERM handlers)"
+AGENT = "the agent (its SIGTERM/SIGINT handlers, Mooncake's setup in the agent process)"
 
 
 def _cases(tmp: Path) -> list[Case]:
@@ -72,6 +97,7 @@ def _cases(tmp: Path) -> list[Case]:
             "prefetch-zero-pages-json",
             (*L, "prefetch-check", "--pages", "0", "--json"),
             "argument --pages: must be >= 1, got '0'",
+            proc=ENTRY,
         ),
         Case(
             "cluster-up-zero-agents",
@@ -92,7 +118,11 @@ def _cases(tmp: Path) -> list[Case]:
         ),
         # --json: the error as a JSON object on stdout too
         Case(
-            "inspect-no-cluster-json", (*L, "inspect", "--state-dir", str(empty), "--json"), "no pool to inspect", True
+            "inspect-no-cluster-json",
+            (*L, "inspect", "--state-dir", str(empty), "--json"),
+            "no pool to inspect",
+            True,
+            proc=ENTRY,
         ),
         Case(
             "deploy-render-unknown-node-json",
@@ -148,6 +178,7 @@ def _cases(tmp: Path) -> list[Case]:
             ),
             "the test set (36 MiB) does not fit the local cluster's pool (2 x 16 MiB; Mooncake evicts above 90 %)",
             True,
+            proc=CLUSTER,
         ),
         Case(
             "prefetch-master-without-metadata",
@@ -161,7 +192,7 @@ def _cases(tmp: Path) -> list[Case]:
         ),
         # deploy
         Case("deploy-check-missing", (*L, "deploy", "check", str(tmp / "missing.toml")), "No such file"),
-        Case("deploy-check-malformed", (*L, "deploy", "check", str(bad_toml)), "is not valid TOML"),
+        Case("deploy-check-malformed", (*L, "deploy", "check", str(bad_toml)), "is not valid TOML", proc=ENTRY),
         Case("deploy-check-unknown-key", (*L, "deploy", "check", str(unknown)), "bogus_key: unknown key"),
         Case("deploy-check-directory", (*L, "deploy", "check", str(tmp)), "Is a directory"),
         Case(
@@ -222,6 +253,7 @@ def _cases(tmp: Path) -> list[Case]:
             ),
             "exited (code 3) while waiting for registration",
             True,
+            proc=CLUSTER,
         ),
         # inspect
         Case("inspect-etcd-unreachable", (*L, "inspect", "--etcd", etcd), "etcd unreachable"),
@@ -231,6 +263,7 @@ def _cases(tmp: Path) -> list[Case]:
             "agent-etcd-unreachable",
             (*L, "agent", "--master", f"127.0.0.1:{port}", "--etcd", etcd, "--segment-size", "16MiB"),
             "etcd unreachable",
+            proc=AGENT,
         ),
         Case("chaos-unknown-scenario", (*L, "chaos", "--scenarios", "bogus"), "unknown scenario(s) bogus", True),
         Case("purge-etcd-unreachable", (*L, "purge", "--etcd", etcd, "--model", "m", "--dry-run"), "etcd unreachable"),
@@ -245,6 +278,7 @@ def _cases(tmp: Path) -> list[Case]:
             "agent-segment-too-small",
             (*L, "agent", "--master", f"127.0.0.1:{port}", "--etcd", etcd, "--segment-size", "2MiB"),
             "--segment-size 2 MiB is below Mooncake's minimum segment of 16 MiB",
+            proc=AGENT,
         ),
         # benchmarks
         Case(
@@ -272,7 +306,7 @@ def _cases(tmp: Path) -> list[Case]:
             ("bench.prefetch", "--segment-size", "lots", "--state-dir", str(empty)),
             "--segment-size: cannot parse 'lots'",
         ),
-        Case("bench-prefetch-bad-pages", ("bench.prefetch", "--pages", "0"), "--pages must be >= 1"),
+        Case("bench-prefetch-bad-pages", ("bench.prefetch", "--pages", "0"), "--pages must be >= 1", proc=ENTRY),
         Case(
             "bench-transfer-out-under-file",
             ("bench.transfer", "--quick", "--out", str(afile / "r.json")),
@@ -295,11 +329,16 @@ def _cases(tmp: Path) -> list[Case]:
     ]
 
 
-def _run(argv: tuple[str, ...], cwd: Path, notorch: Path | None = None, tmpdir: Path | None = None
-         ) -> subprocess.CompletedProcess[str]:  # fmt: skip
-    """`python -m argv` without our L3POOL_/MC_ variables; `notorch`: a directory whose `torch`
-    package fails to import, first on PYTHONPATH; `tmpdir`: the child's $TMPDIR."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("L3POOL_", "MC_"))}
+def _base_env() -> dict[str, str]:
+    """This environment without our L3POOL_/MC_ variables: what every case runs with."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("L3POOL_", "MC_"))}
+
+
+def _run(argv: tuple[str, ...], cwd: Path, notorch: Path | None = None, tmpdir: Path | None = None,
+         base: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """`python -m argv` without our L3POOL_/MC_ variables (or in `base`); `notorch`: a directory
+    whose `torch` package fails to import, first on PYTHONPATH; `tmpdir`: the child's $TMPDIR."""
+    base = dict(_base_env() if base is None else base)
     if notorch is not None:
         base["PYTHONPATH"] = os.pathsep.join(p for p in (str(notorch), base.get("PYTHONPATH")) if p)
     if tmpdir is not None:
@@ -307,6 +346,63 @@ def _run(argv: tuple[str, ...], cwd: Path, notorch: Path | None = None, tmpdir: 
     env = python_env(base=base)
     return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
+
+
+def _run_here(argv: tuple[str, ...], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`python -m argv` run in this process, as the interpreter would run it: `l3pool.__main__`'s
+    `sys.exit(main())`, or a bench module's `__main__` block, `sys.exit(guarded(prog, main))`; with
+    sys.argv as `python -m` sets it, the environment `env` (python_env's, as a child gets), `cwd`,
+    a root logger without handlers (the command installs its own on stderr, as in a fresh process),
+    stdout and stderr captured. SystemExit gives the exit code; an exception that escapes prints its
+    traceback and exits 1, as the interpreter does. Not thread-safe (sys.stdout, the environment)."""
+    from l3pool import cli
+    from l3pool.cli import guarded
+
+    target, *rest = argv
+    if target == "l3pool":  # its __main__ runs the command when imported: named, not imported
+        mod, argv0 = None, str(Path(importlib.import_module("l3pool").__file__ or "").parent / "__main__.py")
+    else:
+        mod = importlib.import_module(target)
+        argv0 = str(mod.__file__)
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    with pytest.MonkeyPatch.context() as mp:
+        for k in set(os.environ) - set(env):
+            mp.delenv(k)
+        for k, v in env.items():
+            if os.environ.get(k) != v:
+                mp.setenv(k, v)
+        mp.chdir(cwd)
+        mp.setattr(sys, "argv", [argv0, *rest])
+        mp.setattr(cli, "_json_errors", cli._json_errors)  # set by main()/guarded(): restored after
+        for h in handlers:
+            root.removeHandler(h)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    if mod is None:
+                        from l3pool.cli import main
+
+                        code: object = main()
+                    else:
+                        code = guarded(f"python -m {target}", mod.main)
+                except SystemExit as e:
+                    code = e.code
+                    if code is not None and not isinstance(code, int):  # sys.exit("message")
+                        print(code, file=sys.stderr)
+                except Exception:
+                    traceback.print_exc()
+                    code = 1
+                sys.stdout.flush()
+        finally:
+            for h in root.handlers[:]:
+                root.removeHandler(h)
+            for h in handlers:
+                root.addHandler(h)
+            root.setLevel(level)
+    rc = code if isinstance(code, int) else 0 if code is None else 1
+    return subprocess.CompletedProcess([sys.executable, "-m", *argv], rc, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -330,13 +426,18 @@ def results(cli_tmp: Path) -> dict[str, tuple[Case, subprocess.CompletedProcess[
     for c in cases:
         if c.notorch:
             (tmp / f"tmp-{c.id}").mkdir()
+    base = _base_env()
 
     def one(c: Case) -> subprocess.CompletedProcess[str]:
-        return _run(c.argv, REPO, notorch if c.notorch else None, tmp / f"tmp-{c.id}" if c.notorch else None)
+        return _run(c.argv, REPO, notorch if c.notorch else None, tmp / f"tmp-{c.id}" if c.notorch else None, base)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:  # a start costs ~0.3 s (3 s with torch) of one core
-        done = list(pool.map(one, cases))
-    return {c.id: (c, r) for c, r in zip(cases, done, strict=True)}
+    # the processes on one worker thread (a start costs ~0.3 s, 3 s with torch, of one core) while
+    # this thread runs the others one after the other (each imports nothing new after the first)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        procs = {c.id: pool.submit(one, c) for c in cases if not c.in_process}
+        here = {c.id: _run_here(c.argv, REPO, python_env(base=base)) for c in cases if c.in_process}
+        done = {i: f.result() for i, f in procs.items()} | here
+    return {c.id: (c, done[c.id]) for c in cases}
 
 
 CASE_IDS = [c.id for c in _cases(Path("/nonexistent"))]
@@ -373,6 +474,17 @@ def test_one_clear_line_no_traceback(case_id: str, results: dict[str, tuple[Case
         assert "pip install 'l3pool[prefill]'" in lines[-1], shown
         assert list((cli_tmp / f"tmp-{case.id}").iterdir()) == [], shown
         assert not (cli_tmp / "nt-demo").exists(), shown
+
+
+def test_in_process_runs_match_a_real_process(
+    results: dict[str, tuple[Case, subprocess.CompletedProcess[str]]],
+) -> None:
+    """The in-process runner stays honest: a case it ran gives a real `python -m` process's exit
+    code, stdout and stderr to the byte (checked once for every case when the runner was written)."""
+    case, here = results["deploy-render-unknown-node-json"]
+    assert case.in_process
+    real = _run(case.argv, REPO)
+    assert (here.returncode, here.stdout, here.stderr) == (real.returncode, real.stdout, real.stderr)
 
 
 # -- with a running local cluster (one, shared) ---------------------------------------------------
