@@ -31,6 +31,11 @@ Extra-config keys (unknown keys are refused with a ConfigError naming them):
 | tp_group | str | none | the instance's TP-group name, the same on its ranks (segment `<tp_group>[-dp<k>]-pp0`) |
 | tp_placement | "interleave"/"socket" | "interleave" | NUMA placement of the shared copy |
 
+`batch_pages`, `layer_first_mode` and `stats_interval` are the L3 clients' settings: checked by the
+cache builder's rules (`l3pool.cache.config.l3_settings`, errors prefixed "extra-config: ") and
+given to the clients it makes (`BackendConfig.l3_settings()`); `BackendConfig.store_config()` is a
+rank's Mooncake client config (its RDMA devices and its share of the segment).
+
 SGLang's Mooncake backend names are accepted too, so a user switching backends keeps their
 config: `master_server_address` (= master), `global_segment_size` (= segment_size), `device_name`
 (= rdma_devices; also its JSON form mapping TP ranks to devices, '{"0": "mlx5_0", ...}') and
