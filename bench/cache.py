@@ -457,15 +457,13 @@ def main(argv: list[str] | None = None) -> int:
     report["bookkeeping"], report["overlap"] = bk, ov
     correct = bool(bk["ok"] and ov["correct"])
     if not args.no_l3:
-        from l3pool.pool.store import MooncakeStore, StoreConfig
-
         with contextlib.ExitStack() as stack:
             # the given pool, the local cluster `l3pool cluster up` left running, or one started here
             ep = stack.enter_context(pool_endpoints(args.master, args.metadata, args.host,
                                                     segment_size=args.segment_size,
                                                     name=f"l3bc{uuid.uuid4().hex[:4]}",
                                                     state_dir=args.state_dir))  # fmt: skip
-            store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
+            store = ep.store()
             stack.callback(store.close)
             bu = backup(args, dev, store)
         report["backup_put_ratio"] = bu["backup_put_ratio"]

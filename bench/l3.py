@@ -54,7 +54,7 @@ from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import spread
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
-from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.store import MooncakeStore, Outcome
 
 LAYOUTS = ("page_first_direct", "page_first", "layer_first")
 MODELS = {"mla": lambda: KVSpec.mla(78), "mha": lambda: KVSpec.mha(32, 8, 128)}
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                     ep = stack.enter_context(pool_endpoints(args.master, args.metadata, args.host,
                                                             segment_size=args.segment_size,
                                                             state_dir=args.state_dir))  # fmt: skip
-                    store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
+                    store = ep.store()
                     stack.callback(store.close)
                     row = bench_model(model, layout, store, args, mode, ep if sglang == "on" else None)
                     rows.append({**row, "transport": store.cfg.protocol, "pool": ep.mode})

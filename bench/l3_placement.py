@@ -37,7 +37,7 @@ from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.cli import guarded
 from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import spread
-from l3pool.pool.store import MooncakeStore, Outcome, Placement, StoreConfig
+from l3pool.pool.store import MooncakeStore, Outcome, Placement
 from l3pool.pool.trailer import TRAILER_BYTES
 
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = _loadavg()
     with pool_endpoints(args.master, args.metadata, args.host, segment_size=args.segment_size,
                         state_dir=args.state_dir) as ep:  # fmt: skip
-        store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
+        store = ep.store()
         try:
             result = run(store, _segments(ep.admin), args)
         finally:

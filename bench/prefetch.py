@@ -59,7 +59,7 @@ from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import percentile
 from l3pool.pool.client import L3Client
 from l3pool.pool.prefetch import Prefetcher, batch_schedule
-from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.store import Outcome
 from l3pool.pool.trailer import TRAILER_BYTES
 from l3pool.tools.prefetch_check import LAYOUT, Endpoints, PrefixSet, check_fits, remove_test_set, run_writer
 
@@ -80,7 +80,7 @@ def _lock_latencies(ep: Endpoints, requests: int, pages: int) -> tuple[dict[str,
     if ep.cluster is not None:
         got = measure_lock_latencies(ep.cluster, requests, pages=pages, stages=4)
     elif ep.etcd is not None:  # a running pool with its etcd (the local cluster of `l3pool cluster up`, or --etcd)
-        store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
+        store = ep.store()
         try:
             got = measure_lock_latencies(ep.etcd, requests, pages=pages, stages=4, store=store,
                                          key_prefix=ep.key_prefix)  # fmt: skip
@@ -96,7 +96,7 @@ def bench(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace) -> dict[str, A
     pb = spec.page_bytes
     pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=3 * ps.pages * ps.page_size, pin="never"))
     pool.buffer.fill_(POISON)  # faults every page in before timing; no page holds expected bytes
-    store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
+    store = ep.store()
     transport = store.cfg.protocol
     client = L3Client(pool, store, ps.namespace(), batch_pages=max(64, args.batch, args.max_batch))
     pf = Prefetcher(

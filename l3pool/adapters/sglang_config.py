@@ -31,6 +31,11 @@ Extra-config keys (unknown keys are refused with a ConfigError naming them):
 | tp_group | str | none | the instance's TP-group name, the same on its ranks (segment `<tp_group>[-dp<k>]-pp0`) |
 | tp_placement | "interleave"/"socket" | "interleave" | NUMA placement of the shared copy |
 
+`batch_pages`, `layer_first_mode` and `stats_interval` are the L3 clients' settings: checked by the
+cache builder's rules (`l3pool.cache.config.l3_settings`, errors prefixed "extra-config: ") and
+given to the clients it makes (`BackendConfig.l3_settings()`); `BackendConfig.store_config()` is a
+rank's Mooncake client config (its RDMA devices and its share of the segment).
+
 SGLang's Mooncake backend names are accepted too, so a user switching backends keeps their
 config: `master_server_address` (= master), `global_segment_size` (= segment_size), `device_name`
 (= rdma_devices; also its JSON form mapping TP ranks to devices, '{"0": "mlx5_0", ...}') and
@@ -77,8 +82,10 @@ from typing import Any
 from l2core.shm_segment import TPGroup, check_group
 from l2core.spec import ConfigError
 from l2core.units import parse_size
+from l3pool.cache.config import L3Settings, l3_settings
 from l3pool.pool.etcd import security_mapping
 from l3pool.pool.metadata import DEFAULT_PREFIX
+from l3pool.pool.store import MIN_SEGMENT_BYTES, StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -202,14 +209,9 @@ class BackendConfig:
         s |= {"tp_group": _typed(extra, "tp_group", (str,), None)}
         s |= {"etcd": _typed(extra, "etcd", (str,), None), "model": _typed(extra, "model", (str,), None)}
         mode = _typed(extra, "layer_first_mode", (str,), "multi")
-        if mode not in ("multi", "staging"):
-            raise ConfigError(f"extra-config 'layer_first_mode' must be 'multi' or 'staging', got {mode!r}")
         batch = _typed(extra, "batch_pages", (int,), 128)
-        if batch < 1:
-            raise ConfigError(f"extra-config 'batch_pages' must be >= 1, got {batch}")
         interval = float(_typed(extra, "stats_interval", (int, float), 5.0))
-        if interval <= 0:
-            raise ConfigError(f"extra-config 'stats_interval' must be > 0, got {interval}")
+        _l3_settings(batch, mode, interval)  # the cache builder's rules for L3 client settings
         sec = _typed(extra, "etcd_security", (dict,), {})
         try:
             etcd_security = security_mapping(sec, "extra-config 'etcd_security'")
@@ -252,6 +254,24 @@ class BackendConfig:
             **{k: v for k, v in s.items() if v is not None},
         )
 
+    def l3_settings(self) -> L3Settings:
+        """The L3 clients' settings (`l3pool.cache.config.l3_settings`, checked when parsed)."""
+        return _l3_settings(self.batch_pages, self.layer_first_mode, self.stats_interval)
+
+    def store_config(self, tp_rank: int, tp_size: int, pp_size: int) -> StoreConfig:
+        """The Mooncake client of TP rank `tp_rank`: its RDMA devices (`_devices_for_rank`) and
+        its share of the instance's segment (`rank_segment_bytes`)."""
+        return StoreConfig(
+            master=self.master,
+            metadata=self.metadata_server,
+            local_hostname=self.local_hostname,
+            protocol=self.protocol,
+            rdma_devices=_devices_for_rank(self.rdma_devices, tp_rank),
+            segment_bytes=self.rank_segment_bytes(tp_size, pp_size),
+            local_buffer_bytes=self.local_buffer_size,
+            tenant=self.tenant,
+        )
+
     def tp_shared_group(
         self, tp_rank: int, tp_size: int, pp_rank: int, is_mla: bool, *, pp_size: int = 1, dp_rank: int = 0
     ) -> TPGroup | None:
@@ -276,8 +296,6 @@ class BackendConfig:
         """What one rank donates: `segment_size // (tp_size * pp_size)`, as SGLang's Mooncake
         backend splits `global_segment_size` (0 stays 0: a pure client). ConfigError when the
         share of a non-zero size is below Mooncake's 16 MiB minimum segment."""
-        from l3pool.pool.store import MIN_SEGMENT_BYTES
-
         ranks = max(1, int(tp_size)) * max(1, int(pp_size))
         share = self.segment_size // ranks
         if self.segment_size and share < MIN_SEGMENT_BYTES:
@@ -287,6 +305,16 @@ class BackendConfig:
                 f"give at least {MIN_SEGMENT_BYTES * ranks} bytes, or 0 for a pure client"
             )
         return share
+
+
+def _l3_settings(batch_pages: int, layer_first_mode: str, stats_interval: float) -> L3Settings:
+    """The cache builder's L3 client settings for SGLang's writer: its backup thread hands the
+    backend one batch at a time (under `_write_lock`), of up to its own STORAGE_BATCH_SIZE (128)
+    pages; a smaller `batch_pages` splits them into several puts, which is allowed (writer 1 / 1)."""
+    try:
+        return l3_settings(batch_pages=batch_pages, layer_first_mode=layer_first_mode, stats_interval=stats_interval)
+    except ConfigError as e:
+        raise ConfigError(f"extra-config: {e}") from None
 
 
 def _normalize_mooncake(

@@ -32,6 +32,10 @@ Semantics SGLang relies on (sglang 0.5.23, `managers/cache_controller.py`):
   onto the TP group's one /dev/shm copy (`l3pool.adapters.sglang_shared_pool`): rank 0 alone copies
   D2H and reads L3, the other ranks answer exists/get for it and SGLang's MIN all-reduce makes rank
   0's answer everyone's.
+Wiring: SGLang's own controller drives the tiers, so the backend takes only the L3 part of the
+cache builder (`l3pool.cache.stack.l3_tier`, the place every engine's L3 clients are made and
+their settings checked) over SGLang's borrowed host buffer; its Mooncake store and etcd client
+are the backend's own (one per rank, made in `__init__` so a bad pool address fails there).
 Unsupported configurations (DCP, attention context parallelism, heterogeneous-TP head splitting,
 page_head/page_unified layouts, hybrid side pools, dtypes outside bf16/fp16/fp8_e4m3) are refused
 with a ConfigError at construction or registration, never silently mis-keyed.
@@ -57,10 +61,11 @@ from l2core.memory import HostMemory
 from l2core.pool import HostKVPool, L2Config
 from l2core.spec import ConfigError, KVSpec, dtype_name
 from l3pool import metrics
-from l3pool.adapters.sglang_config import BackendConfig, _devices_for_rank, _sglang_model_fingerprint
+from l3pool.adapters.sglang_config import BackendConfig, _sglang_model_fingerprint
+from l3pool.cache.stack import L3Tier, l3_tier
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace
-from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+from l3pool.pool.store import MooncakeStore, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +91,13 @@ class AdapterStats:
 class L3PoolStorage(HiCacheStorage):
     """`HiCacheStorage` whose pages live in the l3pool L3 tier (Mooncake + etcd).
 
-    Lifecycle (SGLang's): `__init__(storage_config, kwargs)` connects to Mooncake (and etcd);
-    `register_mem_pool_host(host_pool)` wraps SGLang's host buffer as an l2core pool, registers
-    it with Mooncake once and opens the L3 clients; then `batch_exists` / `batch_get_v1` /
-    `batch_set_v1` run on SGLang's prefetch and backup threads; `close()` on detach.
+    Lifecycle (SGLang's): `__init__(storage_config, kwargs)` checks the extra-config (the L3
+    client settings by the cache builder's rules, `l3pool.cache.config.l3_settings`) and connects
+    to Mooncake (`BackendConfig.store_config`) and etcd; `register_mem_pool_host(host_pool)` wraps
+    SGLang's host buffer as an l2core pool and opens the L3 clients over it through the cache
+    builder's L3 part (`l3pool.cache.stack.l3_tier`: a reader, and a writer on writer ranks),
+    which register it with Mooncake; then `batch_exists` / `batch_get_v1` / `batch_set_v1` run on
+    SGLang's prefetch and backup threads; `close()` on detach (the writer, the reader, the store).
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None) -> None:
@@ -122,22 +130,10 @@ class L3PoolStorage(HiCacheStorage):
         self._metrics_warned = False
         self.namespace: Namespace | None = None
         self.pool: HostKVPool | None = None
-        self._reader: L3Client | None = None
-        self._writer: L3Client | None = None
+        self.tier: L3Tier | None = None  # the reader and writer L3 clients, once registered
         self.metadata: Any = None
         c = self.config
-        self.store = MooncakeStore(
-            StoreConfig(
-                master=c.master,
-                metadata=c.metadata_server,
-                local_hostname=c.local_hostname,
-                protocol=c.protocol,
-                rdma_devices=_devices_for_rank(c.rdma_devices, cfg.tp_rank),
-                segment_bytes=c.rank_segment_bytes(cfg.tp_size, cfg.pp_size),
-                local_buffer_bytes=c.local_buffer_size,
-                tenant=c.tenant,
-            )
-        )
+        self.store = MooncakeStore(c.store_config(cfg.tp_rank, cfg.tp_size, cfg.pp_size))
         if c.etcd is not None:
             from l3pool.pool.etcd import EtcdClient, EtcdSecurity
             from l3pool.pool.metadata import Metadata, check_prefix
@@ -202,18 +198,13 @@ class L3PoolStorage(HiCacheStorage):
             checksum=self.config.checksum,
             tenant=self.config.tenant,
         )
-        base_id = self.config.client_id or f"sglang-{uuid.uuid4().hex[:10]}"
-        kw: dict[str, Any] = {
-            "metadata": self.metadata,
-            "batch_pages": self.config.batch_pages,
-            "layer_first_mode": self.config.layer_first_mode,
-            "stats_interval": self.config.stats_interval,
-        }
-        # Two clients (an L3Client is thread-safe; this keeps reader and writer stats apart);
-        # both register the same pool buffer (refcounted).
-        self._reader = L3Client(pool, self.store, self.namespace, client_id=f"{base_id}-r", **kw)
-        if self.is_writer:
-            self._writer = L3Client(pool, self.store, self.namespace, client_id=f"{base_id}-w", **kw)
+        # The cache builder's L3 part, as every engine's: two clients (an L3Client is thread-safe;
+        # this keeps reader and writer stats apart, published as <client_id>-r / -w), both
+        # registering the same pool buffer (refcounted); a rank that never writes gets no writer.
+        self.tier = l3_tier(
+            pool, self.store, self.namespace, self.config.l3_settings(), metadata=self.metadata,
+            client_id=self.config.client_id or f"sglang-{uuid.uuid4().hex[:10]}", split=True, writes=self.is_writer,
+        )  # fmt: skip
         self.pool = pool
         log.info(
             "l3pool namespace %s: %s %s %s page %d (%d bytes), layers %s, tp %d/%d",
@@ -227,6 +218,14 @@ class L3PoolStorage(HiCacheStorage):
             self.namespace.tp_rank,
             self.namespace.tp_size,
         )
+
+    @property
+    def _reader(self) -> L3Client | None:
+        return self.tier.reader if self.tier is not None else None
+
+    @property
+    def _writer(self) -> L3Client | None:
+        return self.tier.writer if self.tier is not None else None
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         if str(host_pool_name) == "kv" and host_pool is getattr(self, "mem_pool_host", None):
@@ -467,10 +466,9 @@ class L3PoolStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Close the L3 clients (stats publication, buffer registrations) and the Mooncake client."""
-        for c in (self._writer, self._reader):
-            if c is not None:
-                c.close()
-        self._writer = self._reader = None
+        if self.tier is not None:
+            self.tier.close()  # the writer, then the reader
+            self.tier = None
         if self.pool is not None:
             self.pool.close()
             self.pool = None

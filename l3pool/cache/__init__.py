@@ -32,12 +32,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from l3pool.cache.config import CacheConfig, PrefetchPolicy, WritePolicy
+    from l3pool.cache.config import CacheConfig, L3Settings, PrefetchPolicy, WritePolicy, l3_settings
     from l3pool.cache.controller import LoadHandle, TieredCache
     from l3pool.cache.events import EventOptions, KvEventPublisher
     from l3pool.cache.index import GhostList, TierIndex
     from l3pool.cache.shared import SharedTieredCache
-    from l3pool.cache.stack import CacheStack, build
+    from l3pool.cache.stack import CacheStack, L3Tier, build, l3_tier
     from l3pool.cache.types import (
         L1,
         BackgroundError,
@@ -50,12 +50,14 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
-    **dict.fromkeys(("CacheConfig", "PrefetchPolicy", "WritePolicy"), "l3pool.cache.config"),
+    **dict.fromkeys(
+        ("CacheConfig", "L3Settings", "PrefetchPolicy", "WritePolicy", "l3_settings"), "l3pool.cache.config"
+    ),
     **dict.fromkeys(("LoadHandle", "TieredCache"), "l3pool.cache.controller"),
     **dict.fromkeys(("EventOptions", "KvEventPublisher"), "l3pool.cache.events"),
     **dict.fromkeys(("GhostList", "TierIndex"), "l3pool.cache.index"),
     "SharedTieredCache": "l3pool.cache.shared",
-    **dict.fromkeys(("CacheStack", "build"), "l3pool.cache.stack"),
+    **dict.fromkeys(("CacheStack", "L3Tier", "build", "l3_tier"), "l3pool.cache.stack"),
     **dict.fromkeys(
         ("L1", "BackgroundError", "CacheError", "CacheFull", "CacheStats", "Match", "PPShortLoad", "UnknownRequest"),
         "l3pool.cache.types",
@@ -73,6 +75,8 @@ __all__ = [
     "EventOptions",
     "GhostList",
     "KvEventPublisher",
+    "L3Settings",
+    "L3Tier",
     "LoadHandle",
     "Match",
     "PPShortLoad",
@@ -83,6 +87,8 @@ __all__ = [
     "UnknownRequest",
     "WritePolicy",
     "build",
+    "l3_settings",
+    "l3_tier",
 ]
 
 

@@ -1,4 +1,6 @@
-"""`CacheConfig`: the tiered cache's knobs, validated once at construction."""
+"""`CacheConfig`: the tiered cache's knobs, validated once at construction; `l3_settings()`: an
+engine's L3 client settings, checked against the writer they serve (`l3pool.cache.stack.l3_tier`
+makes the clients)."""
 
 from __future__ import annotations
 
@@ -104,3 +106,53 @@ class CacheConfig:
             if k not in known:
                 raise ConfigError(f"unknown cache config key {k!r} ({unknown_key_hint(k, known)})")
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class L3Settings:
+    """How an engine's L3 clients move pages (`L3Client`'s knobs): what `l3_settings()` resolved
+    and checked, and what `l3pool.cache.stack.l3_tier` builds the clients with."""
+
+    batch_pages: int  # pages per Mooncake call
+    max_concurrency: int  # concurrent calls per client (each holds one buffer slot)
+    layer_first_mode: Literal["multi", "staging"] = "multi"
+    stats_interval: float = 5.0  # seconds between stats publications (with etcd)
+
+
+def l3_settings(
+    writer_batch_pages: int = 1,
+    writer_parallel: int = 1,
+    *,
+    batch_pages: int | None = None,
+    max_concurrency: int | None = None,
+    layer_first_mode: str = "multi",
+    stats_interval: float = 5.0,
+) -> L3Settings:
+    """The L3 client settings for a writer that puts up to `writer_batch_pages` pages a call and up
+    to `writer_parallel` calls at once: the cache's `L3Writer` (CacheConfig's writer_batch_pages /
+    writer_parallel), or an engine's own backup thread (SGLang's: its batches, one at a time, so
+    1 / 1). The one place these rules live; a ConfigError names the broken one:
+    - `max_concurrency` >= `writer_parallel` (default: max(8, writer_parallel)), or the writer's
+      parallel puts would wait for each other's buffer slots;
+    - `batch_pages` >= `writer_batch_pages` (default: max(64, writer_batch_pages)), so a writer
+      batch is one put (the client still cuts it to Mooncake's transfer limit);
+    - both integers >= 1, `layer_first_mode` "multi" or "staging", `stats_interval` > 0 s."""
+    batch = max(64, writer_batch_pages) if batch_pages is None else batch_pages
+    conc = max(8, writer_parallel) if max_concurrency is None else max_concurrency
+    check_int("batch_pages", batch, 1)
+    check_int("max_concurrency", conc, 1)
+    if batch < writer_batch_pages:
+        raise ConfigError(
+            f"batch_pages {batch} < the writer's writer_batch_pages {writer_batch_pages}: "
+            "a writer batch would be split into several puts"
+        )
+    if conc < writer_parallel:
+        raise ConfigError(
+            f"max_concurrency {conc} < the writer's writer_parallel {writer_parallel}: "
+            "the writer's parallel puts would wait for each other's buffer slots"
+        )
+    if layer_first_mode not in ("multi", "staging"):
+        raise ConfigError(f"layer_first_mode must be 'multi' or 'staging', got {layer_first_mode!r}")
+    if isinstance(stats_interval, bool) or not isinstance(stats_interval, int | float) or not stats_interval > 0:
+        raise ConfigError(f"stats_interval must be a number of seconds > 0, got {stats_interval!r}")
+    return L3Settings(batch, conc, layer_first_mode, float(stats_interval))  # type: ignore[arg-type]

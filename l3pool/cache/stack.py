@@ -1,5 +1,8 @@
 """`build()`: the one place that wires an engine's cache - L2 pool, L3 client, cache controller -
-checks the rules between their settings, and owns the close order.
+checks the rules between their settings, and owns the close order. `l3_tier()`: its L3 part
+alone, the L3 clients over a given host pool, for an engine whose own controller drives the
+tiers (the SGLang backend, l3pool/adapters/sglang_hicache.py). Every engine's L3 clients are made
+here, with settings checked by `l3pool.cache.config.l3_settings`.
 
     stack = build(L1(bufs, page_size), spec, l2_tokens=..., cache=CacheConfig(...),
                   store=store, namespace=ns, metadata=md, locks=locks,
@@ -7,12 +10,18 @@ checks the rules between their settings, and owns the close order.
     m = stack.cache.match(...); ...            # the lifecycle (l3pool/cache/__init__.py)
     stack.close()                              # events, cache, then L3 client, then the L2 pool
 
+    tier = l3_tier(pool, store, ns, l3_settings(batch_pages=128), metadata=md, client_id="sgl-0",
+                   split=True, writes=is_writer)  # reader + writer clients over SGLang's host buffer
+    tier.reader.get(...); tier.writer.put(...); tier.close()   # the writer, then the reader
+
 The store (a `MooncakeStore`, shared by every stack of a process) and the stage locks are the
-caller's: a stack never closes them. Rules checked here, at construction, with one ConfigError:
-- the L3 client serves at least `writer_parallel` concurrent puts (`max_concurrency`), or the
-  writer's parallel parts would queue behind each other;
-- its batches hold at least 64 pages and at least the writer's batch (`writer_batch_pages`), so a
-  writer batch is one put (the client still cuts it to Mooncake's transfer limit);
+caller's: a stack never closes them; nor does a tier close its pool. Rules checked here, at
+construction, with one ConfigError:
+- the L3 client's settings serve the cache's writer (`l3_settings` with the cache's
+  `writer_batch_pages` / `writer_parallel`): `max_concurrency` >= `writer_parallel`, or the
+  writer's parallel parts would queue behind each other; batches of at least the writer's batch
+  (`writer_batch_pages`; default at least 64 pages), so a writer batch is one put (the client
+  still cuts it to Mooncake's transfer limit);
 - a store needs a namespace, a namespace a store; PP stage locks need an L3 client;
 - `cache.tp_shared`: the pool is the TP group's shared segment (l2core.shm) and the controller a
   `SharedTieredCache` (with L3: rank 0 alone talks to the pool; PP stage locks are refused); with
@@ -32,7 +41,7 @@ from typing import Any
 from l2core.pool import HostKVPool, L2Config, PinMode
 from l2core.shm_segment import TPGroup
 from l2core.spec import ConfigError, KVSpec
-from l3pool.cache.config import CacheConfig
+from l3pool.cache.config import CacheConfig, L3Settings, l3_settings
 from l3pool.cache.controller import TieredCache
 from l3pool.cache.events import EventOptions, KvEventPublisher
 from l3pool.cache.shared import PP_REFUSED, SharedTieredCache
@@ -41,6 +50,59 @@ from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace
 from l3pool.pool.pplock import StageLocks
 from l3pool.pool.protocols import NamespaceRegistry, PageStore
+
+
+@dataclass
+class L3Tier:
+    """An engine's L3 clients over one host pool (what `l3_tier()` made): `reader` looks pages up
+    and gets them, `writer` puts them - the same client unless split (a cache's controller takes
+    one client), None where this process never writes. close(): the writer, then the reader."""
+
+    reader: L3Client
+    writer: L3Client | None
+
+    def close(self) -> None:
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        finally:
+            if self.reader is not self.writer:
+                self.reader.close()
+
+
+def l3_tier(
+    pool: HostKVPool,
+    store: PageStore,
+    namespace: Namespace,
+    settings: L3Settings,
+    *,
+    metadata: NamespaceRegistry | None = None,
+    client_id: str | None = None,
+    split: bool = False,
+    writes: bool = True,
+) -> L3Tier:
+    """The L3 clients of an engine over `pool` (l2core's, or an engine's own buffer borrowed as
+    one), with `settings` (`l3_settings()`, checked against the writer they serve): one client
+    that reads and writes; or, `split`, a reader and a writer client (separate stats, published
+    under `<client_id>-r` / `-w`; both register the pool's buffer, refcounted). `writes=False`: no
+    writer (a rank that never puts). When one fails, the clients made before it are closed."""
+    kw: dict[str, Any] = {
+        "metadata": metadata,
+        "batch_pages": settings.batch_pages,
+        "max_concurrency": settings.max_concurrency,
+        "layer_first_mode": settings.layer_first_mode,
+        "stats_interval": settings.stats_interval,
+    }
+    if not split:
+        one = L3Client(pool, store, namespace, client_id=client_id, **kw)
+        return L3Tier(one, one if writes else None)
+    reader = L3Client(pool, store, namespace, client_id=client_id and f"{client_id}-r", **kw)
+    try:
+        writer = L3Client(pool, store, namespace, client_id=client_id and f"{client_id}-w", **kw) if writes else None
+    except BaseException:
+        reader.close()
+        raise
+    return L3Tier(reader, writer)
 
 
 @dataclass
@@ -100,20 +162,11 @@ def build(
         raise ConfigError("an L3 tier needs both a store and a namespace (or neither, for L1 + L2 only)")
     if locks is not None and locks.stages > 1 and store is None:
         raise ConfigError("pipeline-stage locks need an L3 tier (store and namespace)")
-    need_batch = max(64, cfg.writer_batch_pages)
-    batch = need_batch if batch_pages is None else batch_pages
-    conc = max(8, cfg.writer_parallel) if max_concurrency is None else max_concurrency
-    if store is not None:
-        if batch < cfg.writer_batch_pages:
-            raise ConfigError(
-                f"batch_pages {batch} < the cache's writer_batch_pages {cfg.writer_batch_pages}: "
-                "a writer batch would be split into several puts"
-            )
-        if conc < cfg.writer_parallel:
-            raise ConfigError(
-                f"max_concurrency {conc} < the cache's writer_parallel {cfg.writer_parallel}: "
-                "the writer's parallel puts would wait for each other's buffer slots"
-            )
+    settings = None
+    if store is not None:  # before the pool is allocated: a refused setting costs nothing
+        settings = l3_settings(
+            cfg.writer_batch_pages, cfg.writer_parallel, batch_pages=batch_pages, max_concurrency=max_concurrency
+        )
     if tp_process_group is not None and not cfg.tp_shared:
         raise ConfigError("tp_process_group is for split reads over a TP-shared pool: set cache.tp_shared too")
     if cfg.tp_shared and locks is not None:
@@ -122,11 +175,8 @@ def build(
     pool = HostKVPool(L2Config(kv=spec, layout=l2_layout, tokens=l2_tokens, pin=pin, shared=shared))  # type: ignore[arg-type]
     l3: L3Client | None = None
     try:
-        if store is not None and namespace is not None:
-            l3 = L3Client(
-                pool, store, namespace, metadata=metadata, client_id=client_id, batch_pages=batch,
-                max_concurrency=conc,
-            )  # fmt: skip
+        if store is not None and namespace is not None and settings is not None:
+            l3 = l3_tier(pool, store, namespace, settings, metadata=metadata, client_id=client_id).reader
         if cfg.tp_shared:
             split_kw: dict[str, Any] = {"process_group": tp_process_group}
             if tp_split_min_rank_bytes is not None:

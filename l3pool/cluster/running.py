@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from l3pool.cluster._os import _alive, _existing_links, _existing_netns
 from l3pool.cluster.local import (
@@ -26,6 +26,9 @@ from l3pool.cluster.local import (
     read_state,
 )
 from l3pool.pool.metadata import DEFAULT_PREFIX
+
+if TYPE_CHECKING:
+    from l3pool.pool.store import MooncakeStore
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,13 @@ class Endpoints:
     admin: str | None = None
     key_prefix: str = DEFAULT_PREFIX
     cluster: LocalCluster | None = None
+
+    def store(self, **kw: Any) -> MooncakeStore:
+        """A Mooncake client of this pool in this process (more `StoreConfig` fields in `kw`);
+        the caller closes it."""
+        from l3pool.pool.store import MooncakeStore, StoreConfig
+
+        return MooncakeStore(StoreConfig(master=self.master, metadata=self.metadata, local_hostname=self.host, **kw))
 
 
 def _from_state(state: dict[str, Any]) -> Endpoints:

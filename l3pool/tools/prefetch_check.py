@@ -257,10 +257,10 @@ def _remove(store: Any, ps: PrefixSet) -> int | None:
 
 def remove_test_set(ps: PrefixSet, ep: Endpoints) -> int | None:
     """`_remove` through a client of its own (after a failed writer); None when it cannot."""
-    from l3pool.pool.store import MooncakeStore, StoreConfig, StoreError
+    from l3pool.pool.store import StoreError
 
     try:
-        store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
+        store = ep.store()
     except StoreError as e:
         log.warning("could not remove the test set's pages from the pool: %s", e)
         return None
@@ -291,7 +291,6 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
     from l2core import HostKVPool, L2Config
     from l3pool.pool.client import L3Client
     from l3pool.pool.prefetch import Prefetcher
-    from l3pool.pool.store import MooncakeStore, StoreConfig
 
     check_fits(ps, ep)
     bar = tqdm(total=2 * ps.requests + 1, desc="prefetch-check", unit="step", file=sys.stderr, disable=not progress)
@@ -306,7 +305,7 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
     bar.update(1)
     spec = ps.spec()
     pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=ps.requests * ps.pages * ps.page_size, pin="never"))
-    store = MooncakeStore(StoreConfig(master=ep.master, metadata=ep.metadata, local_hostname=ep.host))
+    store = ep.store()
     client = L3Client(pool, store, ps.namespace(), batch_pages=max(64, args.batch))
     pf = Prefetcher(client, batch_pages=args.batch, max_inflight=args.inflight)
     view = _pages_view(pool)

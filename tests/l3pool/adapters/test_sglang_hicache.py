@@ -292,6 +292,35 @@ def test_mha_tp_ranks_and_pp_stages_are_isolated(donor: MasterServer, adapters: 
     assert r1.batch_get_v1(keys, slots(range(3))) == [False] * 3
 
 
+def test_l3_clients_come_from_the_cache_builder(
+    donor: MasterServer, adapters: Callable[..., L3PoolStorage], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every L3 client of the backend is made by the cache builder's L3 part
+    (`l3pool.cache.stack.l3_tier`, with `l3_settings`' checked settings): a writer rank gets a
+    reader and a writer client (their stats apart), a non-writer MLA rank a reader only."""
+    from l3pool.cache import stack
+
+    made: list[Any] = []
+
+    class Made(stack.L3Client):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(stack, "L3Client", Made)
+    extra = extra_config(donor, batch_pages=16, client_id="sgl-b")
+    r0 = adapters(dict(extra), FakeMLAHostPool("page_first", seed=21), mla=True, tp=(0, 2))
+    r1 = adapters(dict(extra), FakeMLAHostPool("page_first", seed=22), mla=True, tp=(1, 2))
+    assert made == [r0._reader, r0._writer, r1._reader] and r1._writer is None
+    assert [c.client_id for c in made] == ["sgl-b-r", "sgl-b-w", "sgl-b-r"]
+    assert {(c.batch_pages, c.max_concurrency) for c in made} == {(16, 8)}
+    keys = hexkeys(2)
+    assert r0.batch_set_v1(keys, slots([0, 1])) == [True, True] and r1.batch_exists(keys) == 2
+    assert (made[0].stats.puts, made[1].stats.puts) == (0, 2)
+    r0.close()
+    assert r0.tier is None and r0._reader is None and r0._writer is None
+
+
 def test_loaded_through_sglang_dynamic_factory(
     donor: MasterServer, etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch, prefix: str
 ) -> None:
@@ -333,6 +362,8 @@ def test_loaded_through_sglang_dynamic_factory(
         ({"segment_size": "lots"}, "cannot parse 'lots'"),
         ({"layers": [3]}, "'layers' must be [begin, end]"),
         ({"layer_first_mode": "fast"}, "'multi' or 'staging'"),
+        ({"batch_pages": 0}, "extra-config: batch_pages must be an integer >= 1, got 0"),  # l3_settings' rules
+        ({"stats_interval": 0}, "extra-config: stats_interval must be a number of seconds > 0"),
         ({"interface_v1": None}, "interface_v1"),
         ({"etcd_security": {"password": "x"}}, "put the password in a file: password_file"),
         ({"etcd_security": {"ca": 5}}, "ca must be a string"),
@@ -479,7 +510,8 @@ def _offline(**kw: Any) -> dict[str, Any]:
 
 
 def test_sglang_mooncake_names_and_env_fallbacks() -> None:
-    from l3pool.adapters.sglang_hicache import BackendConfig, _devices_for_rank
+    from l3pool.adapters.sglang_config import _devices_for_rank
+    from l3pool.adapters.sglang_hicache import BackendConfig
 
     parse = BackendConfig.from_extra_config
     c = parse(
@@ -516,8 +548,14 @@ def test_sglang_mooncake_names_and_env_fallbacks() -> None:
     assert parse(_offline(master="h:1"), env={"MOONCAKE_MASTER": ""}).master == "h:1"
     # SGLang keys that change nothing here are accepted
     assert parse(_offline(master="h:1", master_metrics_port=9003, check_server=False), env={}).master == "h:1"
-    # device_name's JSON form: one device list per TP rank
+    # device_name's JSON form: one device list per TP rank, in that rank's Mooncake client config
     assert _devices_for_rank('{"0": "mlx5_0", "1": "mlx5_1"}', 1) == "mlx5_1"
+    c = parse(_offline(master="h:1", device_name='{"0": "mlx5_0", "1": "mlx5_1"}', global_segment_size="4gb",
+                       local_buffer_size="32MiB", tenant_id="t1"), env={})  # fmt: skip
+    sc = c.store_config(1, 2, 2)  # TP rank 1 of 2, 2 PP stages: a quarter of the instance's segment
+    assert (sc.master, sc.rdma_devices, sc.segment_bytes, sc.local_buffer_bytes, sc.tenant) == (
+        "h:1", "mlx5_1", 1 << 30, 32 << 20, "t1",
+    )  # fmt: skip
     assert _devices_for_rank("mlx5_0,mlx5_1", 3) == "mlx5_0,mlx5_1"
 
 
@@ -548,10 +586,12 @@ def test_sglang_mooncake_names_refused_clearly(extra: dict[str, Any], env: dict[
 
 @pytest.mark.parametrize("devices", ['{"0": "mlx5_0"', '{"0": 5}', '{"1": "mlx5_1"}'])
 def test_device_name_json_refused_clearly(devices: str) -> None:
-    from l3pool.adapters.sglang_hicache import _devices_for_rank
+    from l3pool.adapters.sglang_config import _devices_for_rank
 
     with pytest.raises(ConfigError, match="rdma_devices'/'device_name'"):
         _devices_for_rank(devices, 0)
+    with pytest.raises(ConfigError, match="rdma_devices'/'device_name'"):  # before connecting (master: port 1)
+        L3PoolStorage(storage_config({**extra_config_offline(), "device_name": devices}, mla=True), {})
 
 
 def test_configured_by_sglang_mooncake_names_and_env(donor: MasterServer, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,6 @@
 """`l3pool.cache.build`: the cross-field rules it refuses, what it wires, and that nothing stays
-registered or open when it fails or closes (on the fake store)."""
+registered or open when it fails or closes (on the fake store); its L3 part alone (`l3_tier`,
+`l3_settings`: what the SGLang backend uses)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from l2core import ConfigError
-from l3pool.cache import L1, CacheConfig, EventOptions, build
+from l2core import ConfigError, HostKVPool, L2Config
+from l3pool.cache import L1, CacheConfig, EventOptions, build, l3_settings, l3_tier
 from l3pool.cache.index import hash64
 from l3pool.pool import kv_events as kv
 from l3pool.pool.keys import Namespace
 from l3pool.pool.metadata import Metadata
+from l3pool.pool.protocols import Outcome
 
 from ..cache_helpers import LAYERS, SPEC, D, P, chain
 from ..fake_store import FakePageStore
@@ -75,6 +77,77 @@ def test_a_failed_build_leaves_nothing_registered() -> None:
     with pytest.raises(ConfigError, match="L1 buffers do not match"):
         build(bad, SPEC, l2_tokens=16 * P, pin="never", store=store, namespace=_ns())
     assert store.registered == {}
+
+
+@pytest.mark.parametrize(
+    ("writer", "kw", "match"),
+    [
+        ((1, 1), {"batch_pages": 0}, "batch_pages must be an integer >= 1, got 0"),
+        ((1, 1), {"max_concurrency": 0}, "max_concurrency must be an integer >= 1, got 0"),
+        ((128, 1), {"batch_pages": 64}, "batch_pages 64 < the writer's writer_batch_pages 128"),
+        ((1, 4), {"max_concurrency": 3}, "max_concurrency 3 < the writer's writer_parallel 4"),
+        ((1, 1), {"layer_first_mode": "fast"}, "'multi' or 'staging'"),
+        ((1, 1), {"stats_interval": 0}, "stats_interval must be a number of seconds > 0"),
+    ],
+)
+def test_l3_settings_rules(writer: tuple[int, int], kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        l3_settings(*writer, **kw)
+
+
+def test_l3_settings_default_to_the_writers_needs() -> None:
+    s = l3_settings(512, 16)
+    assert (s.batch_pages, s.max_concurrency, s.layer_first_mode, s.stats_interval) == (512, 16, "multi", 5.0)
+    s = l3_settings(batch_pages=2, layer_first_mode="staging", stats_interval=1)
+    assert (s.batch_pages, s.max_concurrency, s.layer_first_mode, s.stats_interval) == (2, 8, "staging", 1.0)
+
+
+def _pool() -> HostKVPool:
+    return HostKVPool(L2Config(kv=SPEC, layout="page_first_direct", tokens=16 * P, pin="never"))
+
+
+def test_l3_tier_one_client_or_a_reader_and_a_writer() -> None:
+    store, pool = FakePageStore(), _pool()
+    try:
+        settings = l3_settings(batch_pages=2, max_concurrency=3, stats_interval=1.0)
+        one = l3_tier(pool, store, _ns(), settings, client_id="e0")
+        assert one.reader is one.writer and one.reader.client_id == "e0"
+        assert (one.reader.batch_pages, one.reader.max_concurrency) == (2, 3)
+        one.close()
+        assert store.registered == {}
+        two = l3_tier(pool, store, _ns(), settings, client_id="e1", split=True)
+        assert two.writer is not None and two.reader is not two.writer
+        assert (two.reader.client_id, two.writer.client_id) == ("e1-r", "e1-w")
+        keys = _ns().keys(chain(7, 2))
+        assert two.writer.put(keys, [0, 1]) == [Outcome.OK] * 2
+        assert two.reader.lookup(keys) == 2 and two.reader.stats.puts == 0 and two.writer.stats.puts == 2
+        two.close()
+        assert store.registered == {}
+        ro = l3_tier(pool, store, _ns(), settings, split=True, writes=False)
+        assert ro.writer is None
+        ro.close()
+        assert store.registered == {}
+    finally:
+        pool.close()
+
+
+def test_a_failed_l3_tier_closes_the_clients_it_made() -> None:
+    class FailsThird(FakePageStore):
+        registers = 0
+
+        def register(self, ptr: int, nbytes: int) -> None:
+            self.registers += 1
+            if self.registers == 3:  # the writer's first registration (the reader made two)
+                raise RuntimeError("injected register failure")
+            super().register(ptr, nbytes)
+
+    store, pool = FailsThird(), _pool()
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            l3_tier(pool, store, _ns(), l3_settings(), split=True)
+        assert store.registered == {}
+    finally:
+        pool.close()
 
 
 def _snapshot(endpoint: str) -> kv.Snapshot:

@@ -8,10 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from l2core import HostKVPool, L2Config
-from l3pool.cache import L1, CacheConfig, TieredCache
+from l3pool.cache import L1, CacheConfig, build
 from l3pool.demo.model import ModelConfig, RefModel
-from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace, page_hashes
 
 from ..fake_store import FakePageStore
@@ -27,11 +25,11 @@ class ThinEngine:
     def __init__(self, model: RefModel, store: FakePageStore, l1_pages: int, l2_pages: int) -> None:
         spec = model.cfg.kv_spec()
         self.model, self.bufs = model, model.new_l1(l1_pages * P)
-        self.pool = HostKVPool(L2Config(kv=spec, tokens=l2_pages * P, pin="never"))
         ns = Namespace.for_pool(spec, "page_first_direct", model.cfg.fingerprint)
-        self.l3 = L3Client(self.pool, store, ns, batch_pages=64)  # type: ignore[arg-type]
         cfg = CacheConfig(prefetch_policy="wait_complete")
-        self.cache = TieredCache(cfg, L1(self.bufs, P), self.pool, self.l3)
+        self.stack = build(L1(self.bufs, P), spec, l2_tokens=l2_pages * P, pin="never", cache=cfg, store=store,
+                           namespace=ns)  # type: ignore[arg-type]  # fmt: skip
+        self.cache = self.stack.cache
 
     def prefill(self, rid: str, tokens: np.ndarray) -> tuple[torch.Tensor, tuple[int, int, int]]:
         n = len(tokens)
@@ -46,9 +44,7 @@ class ThinEngine:
         return logits, (h.l1, h.l2, h.l3)
 
     def close(self) -> None:
-        self.cache.close()
-        self.l3.close()
-        self.pool.close()
+        self.stack.close()
 
 
 @pytest.mark.parametrize("attention", ["mla", "mha"])
