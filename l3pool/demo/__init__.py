@@ -22,7 +22,10 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from l3pool.cluster.running import Endpoints
 
 log = logging.getLogger(__name__)
 
@@ -178,14 +181,17 @@ def _options(a: argparse.Namespace) -> Any:
 
 
 @contextlib.contextmanager
-def _endpoints(a: argparse.Namespace) -> Iterator[tuple[str, str, str, str | None, str]]:
-    """(master, metadata, this host, etcd, description), starting a local cluster when needed."""
+def _endpoints(a: argparse.Namespace) -> Iterator[tuple[Endpoints, str]]:
+    """The pool (`Endpoints`: `.store()` is this process's client) and its description, starting a
+    local cluster when needed (the demo always starts its own: it never joins a running one)."""
+    from l3pool.cluster.running import Endpoints
+
     if a.master:
         if not a.metadata:
             raise DemoError("--master needs --metadata (and --host: this node's IP)")
         if a.host:  # this program is the application: Mooncake advertises this address to peers
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", a.host)
-        yield a.master, a.metadata, a.host or "127.0.0.1", a.etcd, f"running pool at {a.master}"
+        yield Endpoints(a.master, a.metadata, a.host or "127.0.0.1", a.etcd), f"running pool at {a.master}"
         return
     if a.metadata or a.etcd or a.host:
         raise DemoError("--metadata/--etcd/--host need --master (or give none to start a local cluster)")
@@ -194,7 +200,7 @@ def _endpoints(a: argparse.Namespace) -> Iterator[tuple[str, str, str, str | Non
     with LocalCluster(agents=2, segment_size=a.segment_size, name=f"demo{os.getpid() % 100000}") as c:
         os.environ.update(c.client_env())  # this program is the application: Mooncake's address
         how = f"local cluster ({c.mode}): etcd, mooncake_master, {len(c.agents)} decode agents"
-        yield c.master, c.metadata_url, c.client_host, c.etcd_endpoints, how
+        yield Endpoints(c.master, c.metadata_url, c.client_host, c.etcd_endpoints, mode=c.mode, cluster=c), how
 
 
 def _cmd(a: argparse.Namespace) -> int:
@@ -261,13 +267,12 @@ def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     from l3pool.demo.run import run
     from l3pool.pool.etcd import EtcdClient, EtcdSecurity, security_from_args
     from l3pool.pool.metadata import Metadata
-    from l3pool.pool.store import MooncakeStore, StoreConfig
 
     sec = security_from_args(a) if a.master else EtcdSecurity()  # the local cluster's etcd is plain
-    with _endpoints(a) as (master, metadata_url, host, etcd, how):
+    with _endpoints(a) as (ep, how):
         log.info("demo: %s", how)
-        store = MooncakeStore(StoreConfig(master=master, metadata=metadata_url, local_hostname=host))
-        md = Metadata(EtcdClient(etcd, timeout=2.0, security=sec)) if etcd else None
+        store = ep.store()
+        md = Metadata(EtcdClient(ep.etcd, timeout=2.0, security=sec)) if ep.etcd else None
         bar = tqdm(total=1, desc="demo", unit="step", file=sys.stderr, disable=a.no_progress)
         try:
             rep = run(opts, store, md, bar)

@@ -44,13 +44,13 @@ def run_cli(a: argparse.Namespace, endpoints: Callable[[argparse.Namespace], Any
     from l2core.spec import ConfigError
     from l3pool.cli import fail
     from l3pool.demo.swa import run_swa, table
-    from l3pool.pool.store import MooncakeStore, StoreConfig, StoreError
+    from l3pool.pool.store import StoreError
 
     torch.set_flush_denormal(True)
     try:
         opts = options(a)
-        with endpoints(a) as (master, metadata_url, host, _etcd, how):
-            store = MooncakeStore(StoreConfig(master=master, metadata=metadata_url, local_hostname=host))
+        with endpoints(a) as (ep, how):
+            store = ep.store()
             try:
                 sec = run_swa(opts, store, tenant=f"swa{uuid.uuid4().hex[:8]}")
             finally:
