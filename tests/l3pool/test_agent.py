@@ -12,7 +12,7 @@ import time
 import pytest
 
 from l3pool.agent import parse_size
-from l3pool.cluster._os import freeze_group
+from l3pool.cluster.processes import freeze_group
 from l3pool.pool.etcd import EtcdClient
 from l3pool.procenv import python_env
 
