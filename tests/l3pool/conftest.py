@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import pytest
 
@@ -61,6 +62,40 @@ def required(find: Callable[[], str]) -> str:
 def required_binaries() -> tuple[str, str]:
     """(etcd, mooncake_master) paths; fails the calling test when either is missing."""
     return required(etcd_binary), required(master_binary)
+
+
+class _Server(Protocol):
+    proc: Proc
+
+
+_S = TypeVar("_S", bound=_Server)
+
+
+@contextlib.contextmanager
+def serve(what: str, attempts: int, start: Callable[[Path, int], _S], ready: Callable[[_S], bool]) -> Iterator[_S]:
+    """`start(dir, attempt)` a server in a temporary dir of its own and wait until `ready(server)`;
+    one that exits meanwhile (most likely: a port taken between choosing and binding) is started
+    again, on new ports. On exit its process group is stopped and the dir deleted."""
+    tmp = Path(_tmpdir(what))
+    server = None
+    try:
+        for attempt in range(attempts):
+            server = start(tmp, attempt)
+            deadline = time.monotonic() + START_TIMEOUT
+            while alive(server.proc) and not ready(server):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{what} not ready within {START_TIMEOUT} s; {server.proc.tail()}")
+                time.sleep(0.05)
+            if alive(server.proc):
+                yield server
+                return
+            stop([server.proc], grace=STOP_GRACE)  # reaps it, and kills what it left in its group
+        assert server is not None
+        raise RuntimeError(f"{what} failed to start {attempts} times; {server.proc.tail()}")
+    finally:
+        if server is not None:
+            stop([server.proc], grace=STOP_GRACE)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclass
@@ -102,44 +137,36 @@ def run_etcd(attempts: int = 3, tls: EtcdTls | None = None) -> Iterator[EtcdServ
         "--cert-file", str(tls.server_cert), "--key-file", str(tls.server_key),
         "--trusted-ca-file", str(tls.ca), "--client-cert-auth",
     ]  # fmt: skip
-    tmp = Path(_tmpdir("etcd"))
-    proc = None
-    try:
-        for attempt in range(attempts):
-            cport, pport = free_ports(2)
-            name = f"l3t{uuid.uuid4().hex[:6]}"
-            # fmt: off
-            proc = spawn("etcd", name, [
-                exe, "--name", name, "--data-dir", str(tmp / f"data{attempt}"),
-                "--listen-client-urls", f"{scheme}://{HOST}:{cport}",
-                "--advertise-client-urls", f"{scheme}://{HOST}:{cport}", *tls_args,
-                "--listen-peer-urls", f"http://{HOST}:{pport}", "--initial-advertise-peer-urls", f"http://{HOST}:{pport}",
-                "--initial-cluster", f"{name}=http://{HOST}:{pport}", "--initial-cluster-state", "new",
-                "--logger", "zap", "--log-outputs", "stderr",
-            ], tmp / "etcd.log")
-            # fmt: on
-            server = EtcdServer(cport, pport, tmp / f"data{attempt}", proc, security)
-            client = server.client()
-            deadline = time.monotonic() + START_TIMEOUT
-            try:
-                while alive(proc) and time.monotonic() < deadline:
-                    with contextlib.suppress(EtcdError):
-                        client.status()
-                        break
-                    time.sleep(0.05)
-                else:
-                    if alive(proc):
-                        raise RuntimeError(f"etcd did not answer within {START_TIMEOUT} s; {proc.tail()}")
-                    continue  # exited: most likely a port taken meanwhile; new ports
-            finally:
-                client.close()
-            yield server
-            return
-        raise RuntimeError(f"etcd failed to start {attempts} times; {proc.tail() if proc else ''}")
-    finally:
-        if proc is not None:
-            stop([proc], grace=STOP_GRACE)
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def start(tmp: Path, attempt: int) -> EtcdServer:
+        cport, pport = free_ports(2)
+        name = f"l3t{uuid.uuid4().hex[:6]}"
+        # fmt: off
+        proc = spawn("etcd", name, [
+            exe, "--name", name, "--data-dir", str(tmp / f"data{attempt}"),
+            "--listen-client-urls", f"{scheme}://{HOST}:{cport}",
+            "--advertise-client-urls", f"{scheme}://{HOST}:{cport}", *tls_args,
+            "--listen-peer-urls", f"http://{HOST}:{pport}", "--initial-advertise-peer-urls", f"http://{HOST}:{pport}",
+            "--initial-cluster", f"{name}=http://{HOST}:{pport}", "--initial-cluster-state", "new",
+            "--logger", "zap", "--log-outputs", "stderr",
+        ], tmp / "etcd.log")
+        # fmt: on
+        return EtcdServer(cport, pport, tmp / f"data{attempt}", proc, security)
+
+    def answers(server: EtcdServer) -> bool:
+        if server.client_port not in listening(server.proc.pid):
+            return False
+        client = server.client()
+        try:
+            client.status()
+            return True
+        except EtcdError:
+            return False
+        finally:
+            client.close()
+
+    with serve("etcd", attempts, start, answers) as server:
+        yield server
 
 
 @dataclass
@@ -174,35 +201,25 @@ class MasterServer:
 def run_master(client_ttl: int = 3, attempts: int = 3, extra: Sequence[str] = ()) -> Iterator[MasterServer]:
     """`extra`: more mooncake_master flags (e.g. --enable_multi_tenants and its policy file)."""
     exe = required(master_binary)
-    tmp = Path(_tmpdir("master"))
-    proc = None
-    try:
-        for _ in range(attempts):
-            rpc, meta, admin = free_ports(3)
-            log = tmp / "master.log"
-            # fmt: off
-            proc = spawn("master", "master", [
-                exe, "--rpc_port", str(rpc), "--rpc_address", HOST,
-                "--enable_http_metadata_server", "--http_metadata_server_port", str(meta),
-                "--http_metadata_server_host", HOST,
-                "--metrics_port", str(admin), "--metrics_host", HOST, "--client_ttl", str(client_ttl), *extra,
-            ], log)
-            # fmt: on
-            server = MasterServer(rpc, meta, admin, proc, log)
-            deadline = time.monotonic() + START_TIMEOUT
-            while alive(proc) and not {rpc, meta, admin} <= listening(proc.pid):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"mooncake_master not listening within {START_TIMEOUT} s; {proc.tail()}")
-                time.sleep(0.05)
-            if not alive(proc):  # a port was taken meanwhile (it exits): new ports
-                continue
-            yield server
-            return
-        raise RuntimeError(f"mooncake_master failed to start {attempts} times; {proc.tail() if proc else ''}")
-    finally:
-        if proc is not None:
-            stop([proc], grace=STOP_GRACE)
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def start(tmp: Path, attempt: int) -> MasterServer:
+        rpc, meta, admin = free_ports(3)
+        log = tmp / "master.log"
+        # fmt: off
+        proc = spawn("master", "master", [
+            exe, "--rpc_port", str(rpc), "--rpc_address", HOST,
+            "--enable_http_metadata_server", "--http_metadata_server_port", str(meta),
+            "--http_metadata_server_host", HOST,
+            "--metrics_port", str(admin), "--metrics_host", HOST, "--client_ttl", str(client_ttl), *extra,
+        ], log)
+        # fmt: on
+        return MasterServer(rpc, meta, admin, proc, log)
+
+    def listens(m: MasterServer) -> bool:
+        return {m.rpc_port, m.metadata_port, m.admin_port} <= listening(m.proc.pid)
+
+    with serve("mooncake_master", attempts, start, listens) as server:
+        yield server
 
 
 @pytest.fixture(scope="session", autouse=True)
