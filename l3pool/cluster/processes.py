@@ -76,14 +76,22 @@ def spawn(
     return Proc(role, pid_id, popen.pid, popen.pid, st[1] if st else 0, str(log_path), full, netns, ip, popen, log_from)
 
 
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time) of a pid, or None when there is no such process."""
+def stat_fields(pid: int, tid: int | None = None) -> list[str] | None:
+    """The fields of /proc/<pid>/stat (of thread `tid`: /proc/<pid>/task/<tid>/stat) after the
+    command name: proc(5)'s field N is [N - 3] (3, the state letter, is [0]); None when the process
+    is gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return rest[0], int(rest[19])
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time) of a pid, or None when there is no such process."""
+    rest = stat_fields(pid)
+    return None if rest is None else (rest[0], int(rest[19]))
 
 
 def proc_state(p: Proc) -> str:
@@ -125,17 +133,13 @@ def freeze_group(pgid: int, timeout: float = 2.0) -> bool:
     deadline = time.monotonic() + timeout
     while True:
         states: list[str] = []
-        for pid in (d for d in os.listdir("/proc") if d.isdigit()):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-                if int(rest[2]) != pgid:
-                    continue
-                for tid in os.listdir(f"/proc/{pid}/task"):
-                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                        states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except (OSError, IndexError, ValueError):
-                continue  # exited meanwhile
+        for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+            rest = stat_fields(pid)
+            if rest is None or int(rest[2]) != pgid:  # gone meanwhile, or another group's
+                continue
+            with contextlib.suppress(OSError):  # exited meanwhile
+                threads = (stat_fields(pid, int(tid)) for tid in os.listdir(f"/proc/{pid}/task"))
+                states += [t[0] for t in threads if t]
         if states and all(s in ("T", "t", "Z", "X") for s in states):  # stopped, or dead: answers nothing
             return True
         if time.monotonic() >= deadline:
