@@ -38,6 +38,7 @@ import pytest
 from l3pool.cluster.local import ClusterError, etcd_binary, master_binary
 from l3pool.cluster.processes import Proc, alive, free_ports, listening, spawn, stop
 from l3pool.pool.etcd import EtcdClient, EtcdError, EtcdSecurity
+from l3pool.pool.store import metadata_url
 from l3pool.procenv import python_env
 
 HOST = "127.0.0.1"
@@ -183,7 +184,7 @@ class MasterServer:
 
     @property
     def metadata_url(self) -> str:
-        return f"http://{HOST}:{self.metadata_port}/metadata"
+        return metadata_url(HOST, self.metadata_port)
 
     @property
     def admin_url(self) -> str:
