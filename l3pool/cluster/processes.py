@@ -21,7 +21,7 @@ from typing import Any
 
 from l3pool.paths import open_log
 
-log = logging.getLogger("l3pool.cluster.local")
+log = logging.getLogger("l3pool.cluster.local")  # the local cluster's logger, which its users configure
 GRACE_S = 5.0
 
 
@@ -29,7 +29,7 @@ GRACE_S = 5.0
 class Proc:
     """A process started by `spawn` (or read back from a cluster's state file: no `popen`)."""
 
-    role: str  # "etcd" | "master" | "agent"
+    role: str  # the cluster's: "etcd" | "master" | "agent"
     id: str
     pid: int
     pgid: int
