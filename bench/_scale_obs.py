@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from l3pool.cluster.processes import stat_fields
+
 log = logging.getLogger(__name__)
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -28,12 +30,8 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def cpu_seconds(pid: int) -> float | None:
     """utime + stime of `pid` (all its threads) in seconds; None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(rest[11]) + int(rest[12])) / _TICK  # fields 14 and 15 of proc(5)
+    rest = stat_fields(pid)
+    return None if rest is None else (int(rest[11]) + int(rest[12])) / _TICK  # fields 14 and 15 of proc(5)
 
 
 def rss_bytes(pid: int) -> int | None:

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import multiprocessing as mp
 import os
-import queue
 import statistics
 import sys
 import tempfile
@@ -43,16 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from bench._pool_cli import add_report_args, check_out, emit_report
+from bench._ranks import reported, run_ranks
 from l3pool.cli import UserError
 
 CPU_LABEL = "CPU (gloo over loopback): correctness and pipeline check, NOT the target measurement (2 GPUs, NCCL)"
 
 
 def _rank(args: argparse.Namespace, rank: int, store: str, q: Any) -> None:
-    try:
+    with reported(q, rank):
         q.put((rank, "rows", _measure(args, rank, store)))
-    except BaseException as e:
-        q.put((rank, "error", f"{type(e).__name__}: {e}"))
 
 
 def _measure(args: argparse.Namespace, rank: int, store: str) -> list[dict[str, Any]]:
@@ -216,30 +213,10 @@ def _row(args: argparse.Namespace, spec: Any, engines: dict[str, Any], slots: An
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Start the TP rank processes; rank 0's rows (every rank checks its own bytes: `correct`
     is the AND over the ranks)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="l3pool-split-") as tmp:
         store = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=_rank, args=(args, r, store, q), daemon=True) for r in range(args.tp)]
-        for p in procs:
-            p.start()
-        got: dict[int, list[dict[str, Any]]] = {}
-        try:
-            deadline = time.monotonic() + args.timeout
-            while len(got) < args.tp:
-                try:
-                    r, ev, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise UserError(f"the ranks did not finish within --timeout {args.timeout:g} s") from None
-                if ev == "error":
-                    raise UserError(f"rank {r} failed: {val}")
-                got[r] = val
-        finally:
-            for p in procs:
-                p.join(30)
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
+        reports = run_ranks(_rank, lambda r, q: (args, r, store, q), args.tp, args.tp, args.timeout)
+    got = {r: rows for r, _, rows in reports}
     rows = got[0]
     for r in range(1, args.tp):
         for a, b in zip(rows, got[r], strict=True):

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import multiprocessing as mp
 import os
-import queue
 import sys
 import time
 import uuid
@@ -40,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from bench._pool_cli import add_report_args, check_out, emit_report
+from bench._ranks import CTX, reported, run_ranks
 from l3pool.cli import UserError
 
 VARIANTS = ("shared", "per_rank", "per_rank_x")
@@ -54,15 +53,12 @@ def _trace(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 
 def _rank(args: argparse.Namespace, tp: int, rank: int, name: str, barrier: Any, q: Any) -> None:
-    try:
+    with reported(q, rank, on_error=barrier.abort):
         for v in VARIANTS:
             if tp == 1 and v == "per_rank_x":
                 continue  # = per_rank at TP 1
             barrier.wait(120)
             q.put((rank, v, _variant(args, tp, rank, f"{name}-{v}", v)))
-    except BaseException as e:
-        q.put((rank, "error", f"{type(e).__name__}: {e}"))
-        barrier.abort()
 
 
 def _variant(args: argparse.Namespace, tp: int, rank: int, group: str, variant: str) -> dict[str, Any]:
@@ -144,29 +140,12 @@ def _variant(args: argparse.Namespace, tp: int, rank: int, group: str, variant: 
 
 
 def run_tp(args: argparse.Namespace, tp: int) -> dict[str, dict[int, dict[str, Any]]]:
-    ctx = mp.get_context("spawn")
-    q, barrier = ctx.Queue(), ctx.Barrier(tp)
+    barrier = CTX.Barrier(tp)
     name = f"bench-{uuid.uuid4().hex[:8]}-tp{tp}"
-    procs = [ctx.Process(target=_rank, args=(args, tp, r, name, barrier, q), daemon=True) for r in range(tp)]
-    for p in procs:
-        p.start()
     want = tp * (len(VARIANTS) - (1 if tp == 1 else 0))
     got: dict[str, dict[int, dict[str, Any]]] = {}
-    deadline = time.monotonic() + args.timeout
-    try:
-        for _ in range(want):
-            try:
-                r, v, res = q.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise UserError(f"TP={tp}: the ranks did not finish within --timeout {args.timeout} s") from None
-            if v == "error":
-                raise UserError(f"TP={tp} rank {r}: {res}")
-            got.setdefault(v, {})[r] = res
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    for r, v, res in run_ranks(_rank, lambda r, q: (args, tp, r, name, barrier, q), tp, want, args.timeout, f"TP={tp}"):
+        got.setdefault(v, {})[r] = res
     return got
 
 

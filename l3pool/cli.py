@@ -115,7 +115,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().error(message)
 
 
-_LOG_QUOTE = "; last lines of "  # how a local cluster's error quotes a process's log (cluster._os._Proc.tail)
+_LOG_QUOTE = "; last lines of "  # how a local cluster's error quotes a process's log (cluster.processes.Proc.tail)
 
 
 def fail(prog: str, message: str, hint: str | None = None, code: int = 2) -> int:

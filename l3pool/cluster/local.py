@@ -31,8 +31,8 @@ signalled), process groups, ports, namespaces and links; it is rewritten after e
 start(), so `down` can clean up even after the launching process was killed. Logs go to
 `state_dir/{etcd,master,agent-K}.log` (an agent's Mooncake lines: `state_dir/mooncake-agent-<pid>.log`).
 
-CLI: `l3pool cluster up|down|status` (`l3pool.cluster.cli`). Beside this module: `_os` (processes,
-ports, iproute2 calls), `network` (the bridge, namespaces and veths), `running` (a running cluster
+CLI: `l3pool cluster up|down|status` (`l3pool.cluster.cli`). Beside this module: `processes`
+(processes, ports), `_os` (iproute2 calls), `network` (the bridge, namespaces and veths), `running` (a running cluster
 as tools see it).
 """
 
@@ -45,10 +45,8 @@ import ipaddress
 import json
 import logging
 import os
-import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import sysconfig
 import time
@@ -58,23 +56,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from l3pool.cluster._os import (
-    _GRACE_S,
-    ClusterError,
-    _alive,
-    _delete_network,
-    _free_ports,
-    _listening,
-    _netns_unavailable,
-    _Proc,
-    _proc_stat,
-    _proc_state,
-    _signal,
-    _signals_deferred,
-    _stop,
-    _wait_dead,
-)
+from l3pool.cluster._os import ClusterError, _delete_network, _netns_unavailable, _signals_deferred
 from l3pool.cluster.network import ClusterNetwork, NetworkTaken
+from l3pool.cluster.processes import (
+    GRACE_S,
+    Proc,
+    alive,
+    free_ports,
+    listening,
+    proc_stat,
+    proc_state,
+    signal_proc,
+    spawn,
+    stop,
+    wait_dead,
+)
 from l3pool.paths import open_log, runtime_dir
 from l3pool.pool.etcd import EtcdClient, EtcdError
 from l3pool.pool.metadata import DEFAULT_PREFIX
@@ -192,29 +188,29 @@ def read_state(state_dir: str | Path) -> dict[str, Any] | None:
         raise ClusterError(f"unreadable cluster state {path}: {e}") from e
 
 
-def _state_procs(state: dict[str, Any]) -> list[_Proc]:
-    return [_Proc.from_json(d) for d in state.get("processes", [])]
+def _state_procs(state: dict[str, Any]) -> list[Proc]:
+    return [Proc.from_json(d) for d in state.get("processes", [])]
 
 
 def live_pids(state: dict[str, Any]) -> list[int]:
     """Pids that keep `state` alive: its processes, and the launcher while it is starting or holds the cluster."""
-    pids = [p.pid for p in _state_procs(state) if _alive(p)]
+    pids = [p.pid for p in _state_procs(state) if alive(p)]
     launcher = state.get("launcher")
     if launcher and not state.get("detached"):
-        lp = _Proc("launcher", "launcher", launcher["pid"], 0, launcher["start_time"], "", [])
-        pids += [lp.pid] if _alive(lp) else []
+        lp = Proc("launcher", "launcher", launcher["pid"], 0, launcher["start_time"], "", [])
+        pids += [lp.pid] if alive(lp) else []
     return pids
 
 
 def _teardown(
-    procs: Sequence[_Proc], links: Sequence[str], netns: Sequence[str], data_dir: str | None
+    procs: Sequence[Proc], links: Sequence[str], netns: Sequence[str], data_dir: str | None
 ) -> dict[str, Any]:
     """Stop agents (etcd still up so they can deregister), then the master, then etcd; delete the network."""
     with _signals_deferred():
-        was_alive = [p for p in procs if _alive(p)]
+        was_alive = [p for p in procs if alive(p)]
         survivors = []
         for role in ("agent", "master", "etcd"):
-            survivors += _stop([p for p in procs if p.role == role])
+            survivors += stop([p for p in procs if p.role == role])
         errors = _delete_network(links, netns)
         if data_dir and os.path.basename(data_dir).startswith("l3pool-etcd-"):
             shutil.rmtree(data_dir, ignore_errors=True)
@@ -343,7 +339,7 @@ class LocalCluster:
         self.agents: list[AgentInfo] = []
         self.ports: dict[str, int] = {}
         self._host = "127.0.0.1"
-        self._procs: dict[str, _Proc] = {}
+        self._procs: dict[str, Proc] = {}
         self._data_dir: str | None = None
         self._started = self._closed = self._detached = False
 
@@ -484,7 +480,7 @@ class LocalCluster:
             "netns": self._net.netns,
             "links": self._net.links,
             "etcd_data_dir": self._data_dir,
-            "launcher": {"pid": os.getpid(), "start_time": (_proc_stat(os.getpid()) or ("", 0))[1]},
+            "launcher": {"pid": os.getpid(), "start_time": (proc_stat(os.getpid()) or ("", 0))[1]},
             "detached": self._detached,
             "up_seconds": self.up_seconds,
         }
@@ -522,28 +518,11 @@ class LocalCluster:
     # -- processes -------------------------------------------------------------------------
     def _spawn(
         self, role: str, pid_id: str, cmd: list[str], log_path: Path, netns: str | None = None, ip: str | None = None
-    ) -> _Proc:
-        full = ["ip", "netns", "exec", netns, *cmd] if netns else cmd
+    ) -> Proc:
         env = _child_env(ip if role == "agent" else None)
         if role == "agent":  # the agent's Mooncake log file (l3pool/logs.py) beside its own log
             env.setdefault("L3POOL_LOG_DIR", str(self.state_dir))
-        with open_log(log_path) as f:
-            log_from = f.tell()
-            f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(full)}\n".encode())
-            f.flush()
-            popen = subprocess.Popen(
-                full,
-                stdin=subprocess.DEVNULL,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=self.state_dir,
-                env=env,
-            )
-        st = _proc_stat(popen.pid)
-        p = _Proc(
-            role, pid_id, popen.pid, popen.pid, st[1] if st else 0, str(log_path), full, netns, ip, popen, log_from
-        )
+        p = spawn(role, pid_id, cmd, log_path, netns=netns, ip=ip, cwd=self.state_dir, env=env)
         self._procs[pid_id] = p
         self._save_state()
         return p
@@ -552,7 +531,7 @@ class LocalCluster:
         """etcd and the master on free ports; a port taken between choosing and binding is retried."""
         names = ("etcd", "etcd_peer", "master_rpc", "master_metadata", "master_admin")
         for attempt in range(1, attempts + 1):
-            self.ports = dict(zip(names, _free_ports(len(names)), strict=True))
+            self.ports = dict(zip(names, free_ports(len(names)), strict=True))
             self._data_dir = f"/dev/shm/l3pool-etcd-{self.name}-{uuid.uuid4().hex[:8]}"
             self._start_etcd()
             self._spawn_master()
@@ -564,7 +543,7 @@ class LocalCluster:
                 if attempt == attempts:
                     raise
                 log.info("%s; retrying with other ports", str(e).split("; last lines")[0])
-                _stop([self._procs.pop("etcd"), self._procs.pop("master")])
+                stop([self._procs.pop("etcd"), self._procs.pop("master")])
                 shutil.rmtree(self._data_dir, ignore_errors=True)
 
     def _start_etcd(self) -> None:
@@ -604,14 +583,14 @@ class LocalCluster:
         a.pid = self._spawn("agent", a.id, cmd, a.log, a.netns, a.ip).pid
         self._save_state()
 
-    def _fail_if_dead(self, procs: Sequence[_Proc], what: str) -> None:
+    def _fail_if_dead(self, procs: Sequence[Proc], what: str) -> None:
         for p in procs:
-            if not _alive(p):
+            if not alive(p):
                 code = p.popen.poll() if p.popen is not None else None
                 raise _ProcessExited(f"{p.id} exited (code {code}) while waiting for {what}; {p.tail()}")
 
     def _poll(
-        self, what: str, done: Callable[[], bool], watch: Sequence[_Proc], blame: Callable[[], _Proc] | None = None
+        self, what: str, done: Callable[[], bool], watch: Sequence[Proc], blame: Callable[[], Proc] | None = None
     ) -> None:
         """Wait until done(); if a watched process dies, or on timeout, raise with the log tail of
         that process (timeout: of blame(), default watch[0])."""
@@ -627,7 +606,7 @@ class LocalCluster:
         client = EtcdClient(self.etcd_endpoints, timeout=1.0, fail_fast=False)  # polls until it answers
 
         def ready() -> bool:
-            if self.ports["etcd"] not in _listening(self._procs["etcd"].pid):
+            if self.ports["etcd"] not in listening(self._procs["etcd"].pid):
                 return False
             try:
                 client.status()
@@ -642,7 +621,7 @@ class LocalCluster:
 
     def _wait_master(self, ports: Sequence[str] = ("master_rpc", "master_metadata")) -> None:
         def ready() -> bool:
-            return {self.ports[x] for x in ports} <= _listening(self._procs["master"].pid)
+            return {self.ports[x] for x in ports} <= listening(self._procs["master"].pid)
 
         self._poll(f"mooncake_master ports {[self.ports[x] for x in ports]}", ready, [self._procs["master"]])
 
@@ -667,7 +646,7 @@ class LocalCluster:
             client.close()
 
     # -- fault injection -------------------------------------------------------------------
-    def _agent_proc(self, k: int) -> _Proc:
+    def _agent_proc(self, k: int) -> Proc:
         if not 0 <= k < len(self.agents):
             raise IndexError(f"no agent {k}: the cluster has {len(self.agents)}")
         return self._procs[self.agents[k].id]
@@ -678,10 +657,10 @@ class LocalCluster:
         Returns whether the agent is still running afterwards (True after e.g. SIGSTOP).
         """
         p = self._agent_proc(k)
-        _signal(p, sig)
+        signal_proc(p, sig)
         if wait if wait is not None else sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
-            _wait_dead([p], _GRACE_S)
-        running = _alive(p)
+            wait_dead([p], GRACE_S)
+        running = alive(p)
         if not running:
             self.agents[k].pid = None
             self._save_state()
@@ -690,8 +669,8 @@ class LocalCluster:
     def start_agent(self, k: int, wait: bool = True) -> None:
         """(Re)start agent k in its namespace, stopping a running one first; waits for a new registration."""
         p = self._agent_proc(k)
-        if _alive(p):
-            _stop([p])
+        if alive(p):
+            stop([p])
         before: dict[str, tuple[int, int]] = {}
         client = self.etcd()
         try:
@@ -705,12 +684,12 @@ class LocalCluster:
             self._wait_agents([k], before)
 
     def stop_master(self) -> None:
-        _stop([self._procs["master"]])
+        stop([self._procs["master"]])
 
     def start_master(self, wait: bool = True) -> None:
         """Start the master again on the same ports (after stop_master)."""
         p = self._procs["master"]
-        if _alive(p):
+        if alive(p):
             raise ClusterError("the master is still running; stop_master() first")
         self._spawn("master", "master", p.cmd, Path(p.log))
         if wait:
@@ -719,17 +698,17 @@ class LocalCluster:
     def signal_master(self, sig: int) -> bool:
         """Send `sig` to the master's process group (SIGSTOP: it accepts TCP but answers nothing; returns
         once every master thread has stopped, so no request sent afterwards is answered)."""
-        return _signal(self._procs["master"], sig)
+        return signal_proc(self._procs["master"], sig)
 
     def stop_etcd(self, wipe: bool = False) -> None:
         """Stop etcd; `wipe`: delete its data dir too (a restart then comes back empty)."""
-        _stop([self._procs["etcd"]])
+        stop([self._procs["etcd"]])
         if wipe and self._data_dir:
             shutil.rmtree(self._data_dir, ignore_errors=True)
 
     def start_etcd(self, wait: bool = True) -> None:
         """Start etcd again on the same ports and data dir (after stop_etcd)."""
-        if _alive(self._procs["etcd"]):
+        if alive(self._procs["etcd"]):
             raise ClusterError("etcd is still running; stop_etcd() first")
         self._start_etcd()
         if wait:
@@ -737,4 +716,4 @@ class LocalCluster:
 
     def processes(self) -> list[dict[str, Any]]:
         """Each process with its current state ('alive' / 'zombie' / 'gone')."""
-        return [{**p.to_json(), "state": _proc_state(p)} for p in self._procs.values()]
+        return [{**p.to_json(), "state": proc_state(p)} for p in self._procs.values()]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from l3pool.cluster._os import _alive, _existing_links, _existing_netns
+from l3pool.cluster._os import _existing_links, _existing_netns
 from l3pool.cluster.local import (
     ClusterConfigError,
     LocalCluster,
@@ -25,6 +25,7 @@ from l3pool.cluster.local import (
     mooncake_env,
     read_state,
 )
+from l3pool.cluster.processes import alive
 from l3pool.pool.metadata import DEFAULT_PREFIX
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def status(state_dir: str | Path) -> dict[str, Any] | None:
     if state is None:
         return None
     links, nss = _existing_links(), _existing_netns()
-    procs = [{**p.to_json(), "alive": _alive(p)} for p in _state_procs(state)]
+    procs = [{**p.to_json(), "alive": alive(p)} for p in _state_procs(state)]
     return {
         "state_dir": str(state_dir),
         "name": state.get("name"),
@@ -110,7 +111,7 @@ def running_cluster(state_dir: str | Path | None = None) -> dict[str, Any] | Non
     if state is None or state.get("up_seconds") is None:
         return None
     procs = _state_procs(state)
-    if not procs or not all(_alive(p) for p in procs):
+    if not procs or not all(alive(p) for p in procs):
         return None
     return state
 

@@ -2,11 +2,12 @@
 
 `run_etcd(tmp)` and `run_master(tmp)` are context managers: they pick free ports, start the
 server in its own process group (logs and the etcd data dir under a temporary dir on /dev/shm),
-wait until it answers, and on exit kill the whole group and delete the dir — also when the test
+wait until it answers, and on exit stop the whole group and delete the dir — also when the test
 failed. A port taken between choosing and binding (other processes on this machine) is retried
-with new ports. The fixtures `etcd_server` and `mooncake_master` are module-scoped; tests isolate
-themselves with their own key prefix. The master runs with --client_ttl 3 so a killed agent's
-segment disappears within seconds.
+with new ports. Processes and ports are handled as the local cluster handles its own
+(`l3pool.cluster.processes`: `spawn`, `stop`, `free_ports`, `listening`). The fixtures
+`etcd_server` and `mooncake_master` are module-scoped; tests isolate themselves with their own key
+prefix. The master runs with --client_ttl 3 so a killed agent's segment disappears within seconds.
 
 The binaries are found exactly as `LocalCluster` finds them (`l3pool.cluster.local.etcd_binary` /
 `master_binary`: PATH, the installed mooncake package, this environment's bin/), so the tests do
@@ -20,7 +21,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,61 +31,25 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import pytest
 
 from l3pool.cluster.local import ClusterError, etcd_binary, master_binary
+from l3pool.cluster.processes import Proc, alive, free_ports, listening, spawn, stop
 from l3pool.pool.etcd import EtcdClient, EtcdError, EtcdSecurity
+from l3pool.pool.store import metadata_url
 from l3pool.procenv import python_env
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 15.0
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def port_open(port: int, host: str = HOST) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
-        return True
-    return False
+STOP_GRACE = 3.0  # s from SIGTERM to SIGKILL
 
 
 def _tmpdir(tag: str) -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     return tempfile.mkdtemp(prefix=f"l3pool-test-{tag}-", dir=base)
-
-
-def _kill_group(p: subprocess.Popen[bytes], grace: float = 3.0) -> None:
-    if p.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError):  # stragglers in the group
-        os.killpg(p.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        p.wait(5)
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
 
 
 def required(find: Callable[[], str]) -> str:
@@ -101,9 +65,38 @@ def required_binaries() -> tuple[str, str]:
     return required(etcd_binary), required(master_binary)
 
 
-def _start(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as f:
-        return subprocess.Popen(list(cmd), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+class _Server(Protocol):
+    proc: Proc
+
+
+_S = TypeVar("_S", bound=_Server)
+
+
+@contextlib.contextmanager
+def serve(what: str, attempts: int, start: Callable[[Path, int], _S], ready: Callable[[_S], bool]) -> Iterator[_S]:
+    """`start(dir, attempt)` a server in a temporary dir of its own and wait until `ready(server)`;
+    one that exits meanwhile (most likely: a port taken between choosing and binding) is started
+    again, on new ports. On exit its process group is stopped and the dir deleted."""
+    tmp = Path(_tmpdir(what))
+    server = None
+    try:
+        for attempt in range(attempts):
+            server = start(tmp, attempt)
+            deadline = time.monotonic() + START_TIMEOUT
+            while alive(server.proc) and not ready(server):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{what} not ready within {START_TIMEOUT} s; {server.proc.tail()}")
+                time.sleep(0.05)
+            if alive(server.proc):
+                yield server
+                return
+            stop([server.proc], grace=STOP_GRACE)  # reaps it, and kills what it left in its group
+        assert server is not None
+        raise RuntimeError(f"{what} failed to start {attempts} times; {server.proc.tail()}")
+    finally:
+        if server is not None:
+            stop([server.proc], grace=STOP_GRACE)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclass
@@ -111,7 +104,7 @@ class EtcdServer:
     client_port: int
     peer_port: int
     data_dir: Path
-    proc: subprocess.Popen[bytes]
+    proc: Proc
     security: EtcdSecurity | None = None  # what `client()` uses (a TLS server: its CA + a client cert)
 
     @property
@@ -145,45 +138,36 @@ def run_etcd(attempts: int = 3, tls: EtcdTls | None = None) -> Iterator[EtcdServ
         "--cert-file", str(tls.server_cert), "--key-file", str(tls.server_key),
         "--trusted-ca-file", str(tls.ca), "--client-cert-auth",
     ]  # fmt: skip
-    tmp = Path(_tmpdir("etcd"))
-    proc = None
-    try:
-        for attempt in range(attempts):
-            cport, pport = free_ports(2)
-            name = f"l3t{uuid.uuid4().hex[:6]}"
-            log = tmp / "etcd.log"
-            # fmt: off
-            proc = _start([
-                exe, "--name", name, "--data-dir", str(tmp / f"data{attempt}"),
-                "--listen-client-urls", f"{scheme}://{HOST}:{cport}",
-                "--advertise-client-urls", f"{scheme}://{HOST}:{cport}", *tls_args,
-                "--listen-peer-urls", f"http://{HOST}:{pport}", "--initial-advertise-peer-urls", f"http://{HOST}:{pport}",
-                "--initial-cluster", f"{name}=http://{HOST}:{pport}", "--initial-cluster-state", "new",
-                "--logger", "zap", "--log-outputs", "stderr",
-            ], log)
-            # fmt: on
-            server = EtcdServer(cport, pport, tmp / f"data{attempt}", proc, security)
-            client = server.client()
-            deadline = time.monotonic() + START_TIMEOUT
-            try:
-                while proc.poll() is None and time.monotonic() < deadline:
-                    with contextlib.suppress(EtcdError):
-                        client.status()
-                        break
-                    time.sleep(0.05)
-                else:
-                    if proc.poll() is None:
-                        raise RuntimeError(f"etcd did not answer within {START_TIMEOUT} s:\n{_tail(log)}")
-                    continue  # exited: most likely a port taken meanwhile; new ports
-            finally:
-                client.close()
-            yield server
-            return
-        raise RuntimeError(f"etcd failed to start {attempts} times:\n{_tail(tmp / 'etcd.log')}")
-    finally:
-        if proc is not None:
-            _kill_group(proc)
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def start(tmp: Path, attempt: int) -> EtcdServer:
+        cport, pport = free_ports(2)
+        name = f"l3t{uuid.uuid4().hex[:6]}"
+        # fmt: off
+        proc = spawn("etcd", name, [
+            exe, "--name", name, "--data-dir", str(tmp / f"data{attempt}"),
+            "--listen-client-urls", f"{scheme}://{HOST}:{cport}",
+            "--advertise-client-urls", f"{scheme}://{HOST}:{cport}", *tls_args,
+            "--listen-peer-urls", f"http://{HOST}:{pport}", "--initial-advertise-peer-urls", f"http://{HOST}:{pport}",
+            "--initial-cluster", f"{name}=http://{HOST}:{pport}", "--initial-cluster-state", "new",
+            "--logger", "zap", "--log-outputs", "stderr",
+        ], tmp / "etcd.log")
+        # fmt: on
+        return EtcdServer(cport, pport, tmp / f"data{attempt}", proc, security)
+
+    def answers(server: EtcdServer) -> bool:
+        if server.client_port not in listening(server.proc.pid):
+            return False
+        client = server.client()
+        try:
+            client.status()
+            return True
+        except EtcdError:
+            return False
+        finally:
+            client.close()
+
+    with serve("etcd", attempts, start, answers) as server:
+        yield server
 
 
 @dataclass
@@ -191,7 +175,7 @@ class MasterServer:
     rpc_port: int
     metadata_port: int
     admin_port: int
-    proc: subprocess.Popen[bytes]
+    proc: Proc
     log: Path
 
     @property
@@ -200,7 +184,7 @@ class MasterServer:
 
     @property
     def metadata_url(self) -> str:
-        return f"http://{HOST}:{self.metadata_port}/metadata"
+        return metadata_url(HOST, self.metadata_port)
 
     @property
     def admin_url(self) -> str:
@@ -218,35 +202,25 @@ class MasterServer:
 def run_master(client_ttl: int = 3, attempts: int = 3, extra: Sequence[str] = ()) -> Iterator[MasterServer]:
     """`extra`: more mooncake_master flags (e.g. --enable_multi_tenants and its policy file)."""
     exe = required(master_binary)
-    tmp = Path(_tmpdir("master"))
-    proc = None
-    try:
-        for _ in range(attempts):
-            rpc, meta, admin = free_ports(3)
-            log = tmp / "master.log"
-            # fmt: off
-            proc = _start([
-                exe, "--rpc_port", str(rpc), "--rpc_address", HOST,
-                "--enable_http_metadata_server", "--http_metadata_server_port", str(meta),
-                "--http_metadata_server_host", HOST,
-                "--metrics_port", str(admin), "--metrics_host", HOST, "--client_ttl", str(client_ttl), *extra,
-            ], log)
-            # fmt: on
-            server = MasterServer(rpc, meta, admin, proc, log)
-            deadline = time.monotonic() + START_TIMEOUT
-            while proc.poll() is None and not all(port_open(p) for p in (rpc, meta, admin)):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"mooncake_master not listening within {START_TIMEOUT} s:\n{_tail(log)}")
-                time.sleep(0.05)
-            if proc.poll() is not None:  # a port was taken meanwhile (it exits): new ports
-                continue
-            yield server
-            return
-        raise RuntimeError(f"mooncake_master failed to start {attempts} times:\n{_tail(tmp / 'master.log')}")
-    finally:
-        if proc is not None:
-            _kill_group(proc)
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def start(tmp: Path, attempt: int) -> MasterServer:
+        rpc, meta, admin = free_ports(3)
+        log = tmp / "master.log"
+        # fmt: off
+        proc = spawn("master", "master", [
+            exe, "--rpc_port", str(rpc), "--rpc_address", HOST,
+            "--enable_http_metadata_server", "--http_metadata_server_port", str(meta),
+            "--http_metadata_server_host", HOST,
+            "--metrics_port", str(admin), "--metrics_host", HOST, "--client_ttl", str(client_ttl), *extra,
+        ], log)
+        # fmt: on
+        return MasterServer(rpc, meta, admin, proc, log)
+
+    def listens(m: MasterServer) -> bool:
+        return {m.rpc_port, m.metadata_port, m.admin_port} <= listening(m.proc.pid)
+
+    with serve("mooncake_master", attempts, start, listens) as server:
+        yield server
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from l3pool.agent import parse_size
-from l3pool.cluster._os import freeze_group
+from l3pool.cluster.processes import freeze_group, signal_proc, wait_dead
 from l3pool.pool.etcd import EtcdClient
 from l3pool.procenv import python_env
 
@@ -125,8 +125,8 @@ def test_agent_with_dead_master_reports_and_stops_fast(etcd_server: EtcdServer, 
         args = agent_args(etcd_server, master, prefix, "--segment-size", "16MiB", "--id", "dn-m", "--lease-ttl", "2")
         with agent_process(args) as agent:
             agent.wait_registered()
-            os.killpg(master.proc.pid, signal.SIGKILL)
-            master.proc.wait(5)
+            signal_proc(master.proc, signal.SIGKILL)
+            assert not wait_dead([master.proc], 5.0)
             wait_for(lambda: any("unhealthy" in ln for ln in agent.our_lines()), 5.0, "the health warning", 0.1)
             assert _member(etcd_server, prefix, "dn-m") is not None  # still donating, as far as etcd knows
             t0 = time.monotonic()

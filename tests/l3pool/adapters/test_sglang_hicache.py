@@ -38,14 +38,15 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from bench._sglang import sglang_method
 from l2core.spec import ConfigError
 from l3pool.adapters.sglang_hicache import L3PoolStorage
+from l3pool.cluster.processes import stop
 from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.metadata import Metadata
 from l3pool.pool.store import Outcome, StoreUnavailable
 
 from ..conftest import (
+    STOP_GRACE,
     EtcdServer,
     MasterServer,
-    _kill_group,
     agent_args,
     agent_process,
     free_ports,
@@ -422,7 +423,7 @@ def test_dead_master_gives_false_not_tracebacks(monkeypatch: pytest.MonkeyPatch)
             keys = hexkeys(2)
             assert a.batch_set_v1(keys, slots([0, 1])) == [True, True]
             assert a.batch_exists(keys) == 2
-            _kill_group(master.proc)
+            stop([master.proc], grace=STOP_GRACE)
             assert a.batch_exists(keys) == 0
             assert a.batch_get_v1(keys, slots([4, 5])) == [False, False]
             assert a.batch_set_v1(hexkeys(1), slots([2])) == [False]
@@ -498,7 +499,7 @@ def test_clear_before_registration_and_with_the_master_gone(monkeypatch: pytest.
             a.clear()  # nothing registered yet: a warning, no exception
             a.register_mem_pool_host(FakeMLAHostPool("page_first", seed=16))
             assert a.batch_set_v1(hexkeys(2), slots([0, 1])) == [True, True]
-            _kill_group(master.proc)
+            stop([master.proc], grace=STOP_GRACE)
             a.clear()  # SGLang's flush must not raise; nothing was removed
             assert a.stats.cleared_pages == 0
 

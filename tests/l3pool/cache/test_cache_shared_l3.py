@@ -5,7 +5,7 @@ with a clear error soon after rank 0 dies mid-prefetch. No segment is left behin
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import contextlib
 import os
 import signal
 import time
@@ -15,14 +15,13 @@ from typing import Any
 
 import pytest
 
-from l2core.shm_segment import segment_path
 from l3pool.pool.store import MooncakeStore
 
+from ...support.ranks import Ranks, collect, join, no_leaked_segment
 from ..cache_helpers import Engine
 from ..conftest import MasterServer, wait_for
 from . import shared_l3_ranks as ranks
 
-CTX = mp.get_context("spawn")
 pytestmark = pytest.mark.usefixtures("native")
 
 
@@ -34,44 +33,33 @@ def _spawn(
     sig: Path,
     kill_rank0: bool = False,
     timeout: float = 240.0,
-) -> tuple[dict[int, Any], float | None, list[str]]:
+) -> tuple[dict[int, Any], float | None]:
+    """rank -> its result, and when rank 0 was killed: `kill_rank0` SIGKILLs it once its get started
+    (then only the other ranks report). Fails when one of the group's segments is still there."""
     name = f"l3-{uuid.uuid4().hex[:8]}"
-    q = CTX.Queue()
-    args = (scenario, name, 0, size, q, master.rpc, master.metadata_url, tenant, str(sig))
-    procs = [CTX.Process(target=ranks.main, args=(*args[:2], r, *args[3:]), daemon=True) for r in range(size)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
+    group = Ranks()
     killed_at = None
     deadline = time.monotonic() + timeout
-    try:
-        while len(got) < size - (1 if kill_rank0 else 0):
-            if kill_rank0 and killed_at is None:  # rank 0's get started: kill it there
-                wait_for(sig.exists, deadline - time.monotonic(), "rank 0's get", interval=0.01)
+    with contextlib.ExitStack() as segments:
+        for s in "wrik":
+            segments.enter_context(no_leaked_segment(f"{name}-{s}", group))
+        args = (master.rpc, master.metadata_url, tenant, str(sig))
+        q, procs = group.spawn(ranks.main, lambda r, q: (scenario, name, r, size, q, *args), range(size))
+        try:
+            if kill_rank0:  # rank 0's get started: kill it there
+                wait_for(sig.exists, timeout, "rank 0's get", interval=0.01)
                 os.kill(int(sig.read_text()), signal.SIGKILL)
                 killed_at = time.time()
-            r, ev, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert ev != "error", f"rank {r}: {val}"
-            got[r] = val
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        groups = [f"{name}-{s}" for s in "wrik"]
-        end = time.monotonic() + 5
-        while any(segment_path(g).exists() for g in groups) and time.monotonic() < end:
-            time.sleep(0.05)
-        left = [g for g in groups if segment_path(g).exists()]
-    return got, killed_at, left
+            got = collect(q, size - (1 if kill_rank0 else 0), deadline - time.monotonic())
+        finally:
+            join(procs, 30)
+    return {r: val for (r, _), val in got.items()}, killed_at
 
 
 def test_rank0_alone_moves_l3_pages_and_every_rank_agrees(
     mooncake_master: MasterServer, store: MooncakeStore, tmp_path: Path
 ) -> None:
-    got, _, left = _spawn("write_then_read", 3, mooncake_master, uuid.uuid4().hex, tmp_path / "sig")
-    assert not left, f"segments leaked: {left}"
+    got, _ = _spawn("write_then_read", 3, mooncake_master, uuid.uuid4().hex, tmp_path / "sig")
     (w_calls0, writes0) = got[0]["w"]
     assert w_calls0.get("put", 0) >= 1 and writes0 == {"through": len(ranks.WRITTEN)}, got[0]["w"]
     r0 = got[0]["r"]
@@ -104,9 +92,8 @@ def test_other_ranks_fail_soon_after_rank0_dies_mid_prefetch(
         w.cache.flush()
     finally:
         w.close()
-    got, killed_at, left = _spawn("rank0_dies", 3, mooncake_master, tenant, tmp_path / "sig", kill_rank0=True)
+    got, killed_at = _spawn("rank0_dies", 3, mooncake_master, tenant, tmp_path / "sig", kill_rank0=True)
     assert killed_at is not None
-    assert not left, f"segments leaked: {left}"
     assert sorted(got) == [1, 2]
     for r, (msg, at) in got.items():
         assert "rank 0 (pid" in msg and "died before publishing the L3 prefetch" in msg, f"rank {r}: {msg}"
@@ -116,8 +103,7 @@ def test_other_ranks_fail_soon_after_rank0_dies_mid_prefetch(
 def test_rank0_never_rewrites_a_page_an_l3_put_still_reads(
     mooncake_master: MasterServer, store: MooncakeStore, tmp_path: Path
 ) -> None:
-    got, _, left = _spawn("slow_puts", 2, mooncake_master, uuid.uuid4().hex, tmp_path / "sig")
-    assert not left, f"segments leaked: {left}"
+    got, _ = _spawn("slow_puts", 2, mooncake_master, uuid.uuid4().hex, tmp_path / "sig")
     writes0, hits0, calls0, digest0, waits0 = got[0]
     assert waits0 > 0, "no rewrite waited for a put: the test did not exercise it"
     # every page backed up and put (a page reused for another while its put was applied late is

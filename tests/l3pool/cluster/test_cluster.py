@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 import l3pool.cluster.local as cluster_mod
-from l3pool.cluster._os import freeze_group
 from l3pool.cluster.local import ClusterAlreadyUp, ClusterError, LocalCluster, down, read_state
+from l3pool.cluster.processes import freeze_group
 from l3pool.cluster.running import status
 from l3pool.paths import runtime_dir
 from l3pool.pool.etcd import EtcdClient
@@ -203,7 +203,7 @@ def test_port_taken_before_bind_is_retried(state_dir: Path, monkeypatch: pytest.
     held = socket.socket()
     held.bind(("0.0.0.0", 0))
     held.listen()
-    busy, real, calls = held.getsockname()[1], cluster_mod._free_ports, []
+    busy, real, calls = held.getsockname()[1], cluster_mod.free_ports, []
 
     def free_ports(n: int) -> list[int]:
         ports = real(n)
@@ -212,7 +212,7 @@ def test_port_taken_before_bind_is_retried(state_dir: Path, monkeypatch: pytest.
             ports[2 if len(calls) == 1 else 0] = busy  # 1st try: the master's RPC port, 2nd: etcd's
         return ports
 
-    monkeypatch.setattr(cluster_mod, "_free_ports", free_ports)
+    monkeypatch.setattr(cluster_mod, "free_ports", free_ports)
     try:
         with LocalCluster(agents=0, state_dir=state_dir, netns="off", name=_name("9")) as c:
             assert len(calls) == 3 and busy not in c.ports.values()

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.cluster._os import freeze_group
 from l3pool.cluster.local import LocalCluster
+from l3pool.cluster.processes import freeze_group
 from l3pool.pool.client import L3Client
 from l3pool.pool.etcd import EtcdClient, EtcdUnavailable, LeaseKeeper
 from l3pool.pool.keys import Namespace, page_hashes
