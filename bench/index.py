@@ -25,8 +25,15 @@ client   over the wire, as a router asks: the IndexService serves this table; a 
          `client_cpu_us_per_query` the client process's CPU per query (its I/O threads included),
          `service_cpu_us_per_query_with_ingestion` the service's (this process's CPU over the
          phase / queries: the concurrent event ingestion included, the same for any query path).
+churn    (bench/_index_churn.py) `--churn-rounds` rounds of one instance leaving, being resynchronised,
+         and of L3 hint ageing and a pool clear, while another thread queries at `--churn-rate`
+         per second: each operation's lock holds (`churn_lock_hold_max_ms`: the longest native
+         call under the index's lock, what a query can wait behind) and the latency of the queries
+         that overlapped it (`churn_query_p99_ms`), beside a quiet window's.
 memory   `bytes_per_page`: the table's bytes over the pages indexed at the end (and over capacity).
 Answers are checked against the stored state for a sample of requests (`correct`).
+`loadavg` is the machine's load average (1, 5, 15 min) at the start and the end: on a shared
+machine the wall-clock numbers move with it.
 """
 
 from __future__ import annotations
@@ -53,6 +60,13 @@ from l3pool.cli import guarded
 from l3pool.measure import percentile
 from l3pool.pool.kv_events import SourceInfo
 from l3pool.procenv import python_env
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _ms(xs: list[float], q: float) -> float:
@@ -170,13 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--event-rate", type=float, default=500.0,
                    help="KV-event messages/s from a source during the queries (0: none)")  # fmt: skip
     p.add_argument("--event-keys", type=int, default=64, help="keys per event message")
+    p.add_argument("--churn-rounds", type=int, default=5, help="rounds of leave/resync/age/pool-clear (0: skip)")
+    p.add_argument("--churn-rate", type=float, default=2000.0, help="queries/s during the churn phase")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("instances", "pages", "batch", "request_pages", "queries", "hot"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.client_queries < 0:
-        p.error("--client-queries must be >= 0")
+    for name in ("client_queries", "churn_rounds"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
+    if not args.churn_rate > 0:
+        p.error("--churn-rate must be > 0")
     for name in ("client_rounds", "event_keys"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -186,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.pages < args.request_pages:
         p.error("--pages must be >= --request-pages")
     check_out(args)
+    load_start = _loadavg()
+    from bench._index_churn import churn
     from l3pool.index.table import GlobalIndex
     from l3pool.pool import kv_events as kv
 
@@ -194,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     hot_keys = rng.integers(1, 1 << 63, size=(args.hot, R), dtype=np.uint64)
     own = rng.integers(1, 1 << 63, size=(n_inst, per), dtype=np.uint64)
     capacity = n_inst * per + args.hot * R
-    gi = GlobalIndex(capacity, max(64, n_inst), l3_ttl_s=3600.0)
+    shift = [0.0]  # seconds added to the index's clock: the churn phase ages every L3 hint out
+    gi = GlobalIndex(capacity, max(64, n_inst), l3_ttl_s=3600.0, clock=lambda: time.monotonic() + shift[0])
     names = [f"inst-{i}" for i in range(n_inst)]
     for n in names:
         gi.add_instance(n)
@@ -276,6 +298,14 @@ def main(argv: list[str] | None = None) -> int:
                 tp = h.of(names[i])
                 ok = ok and (tp.l2 == cut) and (tp.l1 == (cut if tier_of[i] == 0 else 0))
     st = gi.stats()  # before the over-the-wire phase (its event source replaces one instance)
+
+    def contents(i: int) -> dict[str, np.ndarray]:  # instance i's snapshot (its hot pages in L2)
+        hot = hot_keys.ravel()
+        return {"l1": own[i], "l2": hot} if tier_of[i] == 0 else {"l2": np.concatenate([own[i], hot])}
+
+    ch = None
+    if args.churn_rounds:
+        ch = churn(gi, names, contents, hot_keys[::2].ravel(), reqs, shift, args.churn_rounds, args.churn_rate)
     wire = over_the_wire(gi, reqs, args) if args.client_queries else None
     gi.check()
     report: dict[str, Any] = {
@@ -301,12 +331,19 @@ def main(argv: list[str] | None = None) -> int:
         "native_query_p50_ms": _ms(nat, 50),
         "native_query_p99_ms": _ms(nat, 99),
         **(wire or {"client_query_p50_ms": None, "client_query_p99_ms": None}),
+        "churn_query_p99_ms": ch["query_p99_ms"] if ch else None,
+        "churn_lock_hold_max_ms": ch["lock_hold_max_ms"] if ch else None,
+        "churn_lock_hold_max_thread_cpu_ms": ch["lock_hold_max_thread_cpu_ms"] if ch else None,
+        "churn": ch,
         "entries": st["entries"],
         "nbytes": st["nbytes"],
         "bytes_per_page": round(st["nbytes"] / max(1, st["entries"]), 1),
         "bytes_per_page_of_capacity": st["bytes_per_page"],
         "rejected": st["rejected"],
-        "correct": bool(ok and st["rejected"] == 0 and (wire is None or wire["client_correct"])),
+        "correct": bool(
+            ok and st["rejected"] == 0 and (wire is None or wire["client_correct"]) and (ch is None or ch["correct"])
+        ),
+        "loadavg": {"start": load_start, "end": _loadavg()},
     }
     report["targets"] = {
         "ingest_pages_per_s>=5e6": report["ingest_pages_per_s"] >= 5e6,
@@ -314,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         "query_p99_ms<=1": report["query_p99_ms"] <= 1.0,
         "query_thread_cpu_p99_ms<=1": report["query_thread_cpu_p99_ms"] <= 1.0,
         "client_query_p99_ms<=1": None if wire is None else report["client_query_p99_ms"] <= 1.0,
+        "churn_query_p99_ms<=1": None if ch is None or ch["query_p99_ms"] is None else ch["query_p99_ms"] <= 1.0,
+        "churn_lock_hold_max_thread_cpu_ms<=1": None if ch is None else ch["lock_hold_max_thread_cpu_ms"] <= 1.0,
     }
     emit_report(report, args)
     return 0 if report["correct"] else 1

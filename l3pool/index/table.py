@@ -19,7 +19,21 @@ member's pages are gone, which ones is unknown). A router's L3 hit is verified b
 own match anyway; an expired hint only makes the router price a page as compute.
 
 Only instances marked live (`set_live`: synchronised with their snapshot) appear in answers, so
-an instance being resynchronised is never answered from stale state. Thread-safe (one lock).
+an instance being resynchronised is never answered from stale state.
+
+Threads: the table's lock is held for one native call at a time. Changes are serialised by a
+second lock (`_wmu`), held for a whole change; the table's own lock is taken per part of it. What
+sweeps the table (an instance leaving or replaced by its snapshot, `age`, `clear_pool`) goes
+through it in parts of `sweep_slots` slots, and a snapshot's or a large batch's keys are stored
+`apply_keys` at a time; between parts the lock is released and handed to the queries waiting for
+it first (`_hand_over`), so a query waits for the part under way (~0.1-0.2 ms of a sweep at the
+default 32 K slots, 1 MB of table; ~0.3 ms of a 2 K-key store), never for a whole sweep (tens of
+ms at millions of pages; bench.index's churn phase). Between parts no answer shows a change half
+done: a leaving instance is out of the answers (and its slot out of reuse until the sweep ends)
+before the first part, an instance being replaced is hidden until its snapshot is in, expired or
+cleared pool hints are already below the queries' minimum stamp (`clear_pool` first moves the
+stamp past every hint's window), and a live instance's large event batch is a run of events,
+each applied whole. The sweeps keep nothing per page: the memory above is all there is.
 """
 
 from __future__ import annotations
@@ -71,12 +85,22 @@ class GlobalIndex:
         max_instances: int = 64,
         l3_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        sweep_slots: int = 1 << 15,
+        apply_keys: int = 2048,
     ) -> None:
         check_config(capacity_pages, max_instances, l3_ttl_s)
+        checked("sweep_slots", int_in(1), sweep_slots)
+        checked("apply_keys", int_in(1), apply_keys)
         self.native: Any = _native.load().KvIndex(capacity_pages, max_instances)
         self.max_instances = max_instances  # slots handed out; the native masks round up to 64 bits
         self.l3_ttl_s, self._clock, self._t0 = float(l3_ttl_s), clock, clock()
-        self._mu = threading.Lock()
+        self.sweep_slots, self.apply_keys = sweep_slots, apply_keys
+        self._mu = threading.Lock()  # the table: one native call at a time
+        self._wmu = threading.Lock()  # changes: one at a time, for the whole change
+        self._rq = threading.Condition(threading.Lock())  # readers waiting for _mu (the hand-over)
+        self._waiting = self._passed = 0  # readers waiting for _mu / through it (under _rq)
+        self._handing = False  # a change waits in _hand_over (under _rq)
+        self._quarters = 0  # added to the stamp: clear_pool moves it past every hint's window
         self._slot: dict[str, int] = {}
         self._name: list[str | None] = [None] * max_instances
         self._free = list(range(max_instances - 1, -1, -1))
@@ -84,11 +108,12 @@ class GlobalIndex:
         self._salts: dict[str, int] = {}
         self._answered: tuple[list[str], np.ndarray] = ([], np.empty(0, np.int64))  # live names, their slots
         self.queries = self.applied_keys = self.pool_clears = 0
+        self.sweeps = self.apply_calls = 0  # native sweep parts / apply parts of split batches
 
     # -- instances ------------------------------------------------------------------------------
     def add_instance(self, instance: str) -> int:
         """The instance's slot (a new one, not live yet, when it is unknown)."""
-        with self._mu:
+        with self._wmu, self._mu:
             s = self._slot.get(instance)
             if s is not None:
                 return s
@@ -99,19 +124,22 @@ class GlobalIndex:
             return s
 
     def remove_instance(self, instance: str) -> bool:
-        """Forget an instance: its L1/L2 entries vanish (one sweep of the table)."""
-        with self._mu:
-            s = self._slot.pop(instance, None)
-            if s is None:
-                return False
-            self._set_live(s, False)
-            self.native.clear_instance(s, 3)
-            self._name[s] = None
-            self._free.append(s)
+        """Forget an instance: out of the answers at once, then its L1/L2 entries swept away (in
+        parts, queries served between them); its slot is reused once the sweep is done."""
+        with self._wmu:
+            with self._mu:
+                s = self._slot.pop(instance, None)
+                if s is None:
+                    return False
+                self._name[s] = None
+                self._set_live(s, False)
+            self._sweep(lambda b, e: self.native.clear_instance(s, 3, b, e) == 0)
+            with self._mu:
+                self._free.append(s)
             return True
 
     def set_live(self, instance: str, live: bool) -> None:
-        with self._mu:
+        with self._wmu, self._mu:
             self._set_live(self._need(instance), live)
 
     def _set_live(self, s: int, live: bool) -> None:
@@ -128,8 +156,11 @@ class GlobalIndex:
         return s
 
     def instances(self, live_only: bool = True) -> list[str]:
-        with self._mu:
+        self._read()
+        try:
             return [n for n, s in self._slot.items() if not live_only or self._is_live(s)]
+        finally:
+            self._mu.release()
 
     def _is_live(self, s: int) -> bool:
         return bool((int(self._live[s // 64]) >> (s % 64)) & 1)
@@ -143,41 +174,158 @@ class GlobalIndex:
         return v
 
     def _stamp(self) -> int:
-        return int((self._clock() - self._t0) / (self.l3_ttl_s / 4)) + 1
+        return int((self._clock() - self._t0) / (self.l3_ttl_s / 4)) + 1 + self._quarters
+
+    # -- the lock's hand-over ---------------------------------------------------------------------
+    def _read(self) -> None:
+        """Take the table's lock as a reader (a query, stats): a change sweeping in parts lets the
+        readers waiting when a part ends in before its next part. Release with self._mu.release()."""
+        with self._rq:
+            self._waiting += 1
+        try:
+            self._mu.acquire()
+        finally:
+            with self._rq:
+                self._waiting -= 1
+                self._passed += 1
+                if self._handing:
+                    self._rq.notify_all()
+
+    def _hand_over(self) -> None:
+        """Between two parts of a change (the table's lock released): wait until the readers
+        waiting now have taken the lock (a second at most: a reader that never comes back is
+        not waited for)."""
+        with self._rq:
+            if not self._waiting:
+                return
+            target = self._passed + self._waiting
+            self._handing = True
+            try:
+                self._rq.wait_for(lambda: self._passed >= target, timeout=1.0)
+            finally:
+                self._handing = False
+
+    def _sweep(self, part: Callable[[int, int], Any]) -> None:
+        """`part(begin, end)` over the table's slots in order, `sweep_slots` at a time under the
+        lock, readers let in between; stops early when a part returns True (nothing left).
+        Called with _wmu held (no other change between the parts: kv_index.h says why)."""
+        n = int(self.native.slots)
+        for b in range(0, n, self.sweep_slots):
+            with self._mu:
+                self.sweeps += 1
+                done = part(b, min(n, b + self.sweep_slots))
+            if done:
+                return
+            self._hand_over()
+
+    def _apply_parts(self, s: int, salt_: int, ops: np.ndarray, keys: np.ndarray, stamp: int) -> int:
+        """native.apply of (ops, keys), `apply_keys` keys per call at most (an op's keys split
+        across calls in order), readers let in between. Called with _wmu held."""
+        if len(keys) <= self.apply_keys:
+            with self._mu:
+                refused: int = self.native.apply(s, ops, keys, salt_, stamp)
+            return refused
+        refused = 0
+        part: list[list[int]] = []
+        at = start = 0  # keys of `ops` consumed / of the part
+        for tier, op, cnt in ops.tolist():
+            while cnt:
+                take = min(cnt, start + self.apply_keys - at)
+                if take:
+                    part.append([tier, op, take])
+                    at, cnt = at + take, cnt - take
+                if at - start == self.apply_keys:
+                    refused += self._apply_part(s, salt_, part, keys[start:at], stamp)
+                    part, start = [], at
+        if part:
+            refused += self._apply_part(s, salt_, part, keys[start:at], stamp)
+        return refused
+
+    def _apply_part(self, s: int, salt_: int, part: list[list[int]], keys: np.ndarray, stamp: int) -> int:
+        with self._mu:
+            self.apply_calls += 1
+            refused: int = self.native.apply(s, np.array(part, dtype=np.int64), keys, salt_, stamp)
+        self._hand_over()
+        return refused
 
     # -- changes --------------------------------------------------------------------------------
     def apply(self, instance: str, namespace: str, ops: np.ndarray, keys: np.ndarray) -> int:
-        """One event batch of an instance (ops: (n, 3) int64 tier/op/count; keys: uint64), in one
-        native call. Returns the keys refused because the table is full."""
-        with self._mu:
-            s = self._need(instance)
-            refused: int = self.native.apply(s, ops, keys64(keys), self._salt(namespace), self._stamp())
+        """One event batch of an instance (ops: (n, 3) int64 tier/op/count; keys: uint64): one
+        native call (`apply_keys` keys per call in a larger batch). Returns the keys refused
+        because the table is full."""
+        keys = keys64(keys)
+        ops = np.asarray(ops, dtype=np.int64)
+        with self._wmu:
+            with self._mu:
+                s = self._need(instance)
+                salt_, stamp = self._salt(namespace), self._stamp()
+            if len(keys) > self.apply_keys:  # the native call checks the ops against the keys
+                self._check_ops(ops, len(keys))
+            refused = self._apply_parts(s, salt_, ops, keys, stamp)
             self.applied_keys += len(keys)
             return refused
 
+    @staticmethod
+    def _check_ops(ops: np.ndarray, n_keys: int) -> None:
+        """What native.apply checks of its ops, before a batch is split into parts (none applied
+        when one is bad)."""
+        if ops.ndim != 2 or ops.shape[1] != 3:
+            raise ValueError("ops must be an (n, 3) int64 array")
+        if len(ops) and (ops[:, 0].min() < 0 or ops[:, 0].max() > 2):
+            raise ValueError("tier must be 0 (L1), 1 (L2) or 2 (pool)")
+        if len(ops) and (ops[:, 1].min() < 0 or ops[:, 1].max() > 1):
+            raise ValueError("op must be 0 (remove) or 1 (store)")
+        if len(ops) and ops[:, 2].min() < 0:
+            raise ValueError("negative key count")
+        if int(ops[:, 2].sum()) != n_keys:
+            raise ValueError(f"ops name {int(ops[:, 2].sum())} keys, {n_keys} given")
+
     def replace(self, instance: str, namespace: str, tiers: dict[str, np.ndarray]) -> int:
         """An instance's whole L1/L2 contents (a snapshot): its old entries cleared, these set;
-        the snapshot's L3 keys refresh pool hints. Returns the keys refused (table full)."""
+        the snapshot's L3 keys refresh pool hints. Returns the keys refused (table full). The
+        instance is out of the answers meanwhile (its live mark restored at the end)."""
         parts = [np.asarray(tiers.get(t, np.empty(0, np.uint64)), dtype=np.uint64) for t in TIER_NAMES]
         ops = np.array([[i, 1, len(p)] for i, p in enumerate(parts)], dtype=np.int64)
-        with self._mu:
-            s = self._need(instance)
-            self.native.clear_instance(s, 3)
-            refused: int = self.native.apply(s, ops, np.concatenate(parts), self._salt(namespace), self._stamp())
+        keys = keys64(np.concatenate(parts))
+        with self._wmu:
+            with self._mu:
+                s = self._need(instance)
+                live = self._is_live(s)
+                self._set_live(s, False)
+                salt_, stamp = self._salt(namespace), self._stamp()
+            self._sweep(lambda b, e: self.native.clear_instance(s, 3, b, e) == 0)
+            refused = self._apply_parts(s, salt_, ops, keys, stamp)
+            if live:
+                with self._mu:
+                    self._set_live(s, True)
             return refused
 
     def clear_pool(self) -> int:
-        """Drop every L3 hint (a pool member left: its pages are gone, which ones is unknown)."""
-        with self._mu:
-            self.pool_clears += 1
-            n: int = self.native.expire_pool(np.iinfo(np.uint64).max)
-            return n
+        """Drop every L3 hint (a pool member left: its pages are gone, which ones is unknown).
+        Queries ignore them at once (the stamp moves past their window); the sweep follows."""
+        with self._wmu:
+            with self._mu:
+                self.pool_clears += 1
+                self._quarters += 5  # every stamp so far is now below the queries' minimum
+            return self._expire(np.iinfo(np.uint64).max)
 
     def age(self) -> int:
-        """Drop L3 hints older than l3_ttl_s (call every l3_ttl_s / 4 or so); returns how many."""
-        with self._mu:
-            n: int = self.native.expire_pool(max(0, self._stamp() - 4))
-            return n
+        """Drop L3 hints older than l3_ttl_s (call every l3_ttl_s / 4 or so); returns how many.
+        Queries already ignore them: the sweep frees their entries."""
+        with self._wmu:
+            with self._mu:
+                min_stamp = max(0, self._stamp() - 4)
+            return self._expire(min_stamp)
+
+    def _expire(self, min_stamp: int) -> int:
+        n = [0]
+
+        def part(b: int, e: int) -> bool:
+            n[0] += self.native.expire_pool(min_stamp, b, e)
+            return int(self.native.pool_count) == 0
+
+        self._sweep(part)
+        return n[0]
 
     # -- queries --------------------------------------------------------------------------------
     def query(self, page_hashes: Any, namespace: str = "") -> PrefixHits:
@@ -194,10 +342,13 @@ class GlobalIndex:
         (pages, pool prefix, live instance names, their l1, l2, l3 prefixes in the same order)."""
         keys = keys64(page_hashes)
         salt_ = self._salt(namespace)
-        with self._mu:
+        self._read()
+        try:
             pool, l1, l2, l3 = self.native.query(keys, salt_, max(1, self._stamp() - 4), self._live)
             self.queries += 1
             names, slots = self._answered
+        finally:
+            self._mu.release()
         return len(keys), int(pool), names, l1[slots].tolist(), l2[slots].tolist(), l3[slots].tolist()
 
     # -- state ----------------------------------------------------------------------------------
@@ -206,7 +357,8 @@ class GlobalIndex:
         return n
 
     def stats(self) -> dict[str, Any]:
-        with self._mu:
+        self._read()
+        try:
             counts = self.native.counts()
             per = {
                 n: {"slot": s, "live": self._is_live(s), "l1_pages": int(counts[0, s]), "l2_pages": int(counts[1, s])}
@@ -223,14 +375,20 @@ class GlobalIndex:
                 "queries": self.queries,
                 "applied_keys": self.applied_keys,
                 "pool_clears": self.pool_clears,
+                "sweep_parts": self.sweeps,
+                "apply_calls": self.apply_calls,
                 "l3_ttl_s": self.l3_ttl_s,
                 "instances": per,
             }
+        finally:
+            self._mu.release()
 
     def check(self) -> None:
         """The table's self-check (tests): AssertionError if broken."""
-        with self._mu:
-            try:
-                self.native.check()
-            except RuntimeError as e:
-                raise AssertionError(str(e)) from None
+        self._read()
+        try:
+            self.native.check()
+        except RuntimeError as e:
+            raise AssertionError(str(e)) from None
+        finally:
+            self._mu.release()

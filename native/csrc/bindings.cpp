@@ -595,18 +595,20 @@ void bind_kv_index(py::module_& m) {
           py::arg("inst"), py::arg("ops"), py::arg("keys"), py::arg("salt") = 0, py::arg("stamp") = 1)
       .def(
           "clear_instance",
-          [](KvIndex& x, int64_t inst, int tier_mask) {
+          [](KvIndex& x, int64_t inst, int tier_mask, uint64_t begin, uint64_t end) {
             py::gil_scoped_release nogil;
-            x.clear_instance(inst, tier_mask);
+            return x.clear_instance(inst, tier_mask, begin, end);
           },
-          py::arg("inst"), py::arg("tier_mask") = 3)
+          py::arg("inst"), py::arg("tier_mask") = 3, py::arg("begin") = 0, py::arg("end") = UINT64_MAX,
+          "Clear the instance's bits in slots [begin, end); returns its bits left in the table (those tiers)")
       .def(
           "expire_pool",
-          [](KvIndex& x, uint64_t min_stamp) {
+          [](KvIndex& x, uint64_t min_stamp, uint64_t begin, uint64_t end) {
             py::gil_scoped_release nogil;
-            return x.expire_pool(min_stamp);
+            return x.expire_pool(min_stamp, begin, end);
           },
-          py::arg("min_stamp"))
+          py::arg("min_stamp"), py::arg("begin") = 0, py::arg("end") = UINT64_MAX,
+          "Drop pool stamps < min_stamp in slots [begin, end); returns how many")
       .def(
           "query",
           [](const KvIndex& x, const py::buffer& keys, uint64_t salt, uint64_t min_stamp, const Words& live) {

@@ -145,29 +145,45 @@ int64_t KvIndex::apply(int64_t inst, const int64_t* ops, int64_t n_ops, const ui
   return refused;
 }
 
-void KvIndex::clear_instance(int64_t inst, int tier_mask) {
+int64_t KvIndex::clear_instance(int64_t inst, int tier_mask, uint64_t begin, uint64_t end) {
   if (inst < 0 || inst >= 64 * W_) throw std::out_of_range("instance slot " + std::to_string(inst) + " out of range");
   const uint64_t w = static_cast<uint64_t>(inst) / 64, bit = 1ULL << (inst % 64);
-  for (uint64_t i = 0; i < slots_;) {
-    uint64_t* e = at(i);
-    if (e[0] == 0) {
-      ++i;
-      continue;
+  uint64_t words[2];
+  int64_t* count[2];
+  int nt = 0;
+  for (int t = 0; t < 2; ++t)
+    if (tier_mask & (1 << t)) {
+      words[nt] = 2 + static_cast<uint64_t>(t * W_) + w;
+      count[nt++] = &counts_[static_cast<size_t>(t * 64 * W_ + inst)];
     }
-    for (int t = 0; t < 2; ++t)
-      if (tier_mask & (1 << t)) e[2 + t * W_ + w] &= ~bit;
-    if (empty_entry(e))
+  auto left = [&] {
+    int64_t n = 0;
+    for (int t = 0; t < nt; ++t) n += *count[t];
+    return n;
+  };
+  end = std::min(end, slots_);
+  for (uint64_t i = begin; i < end && left() > 0;) {
+    uint64_t* e = at(i);
+    bool hit = false;
+    if (e[0] != 0)
+      for (int t = 0; t < nt; ++t)
+        if (e[words[t]] & bit) {  // only entries holding the bit are written
+          e[words[t]] &= ~bit;
+          --*count[t];
+          hit = true;
+        }
+    if (hit && empty_entry(e))
       erase(i);  // a later entry may have moved into i: look at it again
     else
       ++i;
   }
-  for (int t = 0; t < 2; ++t)
-    if (tier_mask & (1 << t)) counts_[static_cast<size_t>(t * 64 * W_ + inst)] = 0;
+  return left();
 }
 
-int64_t KvIndex::expire_pool(uint64_t min_stamp) {
+int64_t KvIndex::expire_pool(uint64_t min_stamp, uint64_t begin, uint64_t end) {
   int64_t dropped = 0;
-  for (uint64_t i = 0; i < slots_;) {
+  end = std::min(end, slots_);
+  for (uint64_t i = begin; i < end && pool_count_ > 0;) {
     uint64_t* e = at(i);
     if (e[0] == 0 || e[1] == 0 || e[1] >= min_stamp) {
       ++i;

@@ -12,6 +12,11 @@
 // apply(): one call per event batch (ops of one instance: tier, set/clear, key count; keys
 // concatenated). query(): one call per request: running ANDs of the masks along the request give
 // each instance's cumulative L1 / L1+L2 / L1+L2+pool prefix and the pool's own prefix.
+// clear_instance() and expire_pool() sweep the table; each sweeps a range of slots, so a caller
+// can sweep in parts and let queries in between (l3pool/index/table.py): parts in order from slot 0
+// to slots(), with no apply() or other sweep between them (a deletion's backward shift could carry
+// a not yet swept entry behind the sweep), give the same table as one whole sweep. Queries between
+// parts see a consistent table (counts included) part way through the change.
 // Not thread-safe: the caller serialises calls.
 #pragma once
 #include <cstdint>
@@ -32,10 +37,13 @@ class KvIndex {
   // number of keys refused because the table was full.
   int64_t apply(int64_t inst, const int64_t* ops, int64_t n_ops, const uint64_t* keys, int64_t n_keys,
                 uint64_t salt, uint64_t stamp);
-  // Clear the instance's bits in the tiers of `tier_mask` (bit 0: L1, bit 1: L2) everywhere.
-  void clear_instance(int64_t inst, int tier_mask);
-  // Drop pool stamps < `min_stamp` (all of them with UINT64_MAX); returns how many were dropped.
-  int64_t expire_pool(uint64_t min_stamp);
+  // Clear the instance's bits in the tiers of `tier_mask` (bit 0: L1, bit 1: L2) in slots
+  // [begin, min(end, slots())) (the whole table by default); returns how many of its bits in those
+  // tiers remain in the table (0: nothing left to sweep). Writes only the entries holding a bit.
+  int64_t clear_instance(int64_t inst, int tier_mask, uint64_t begin = 0, uint64_t end = UINT64_MAX);
+  // Drop pool stamps < `min_stamp` (all of them with UINT64_MAX) in slots [begin, min(end, slots()));
+  // returns how many were dropped.
+  int64_t expire_pool(uint64_t min_stamp, uint64_t begin = 0, uint64_t end = UINT64_MAX);
   // Per live instance (bit set in live[W]) its L1, L2 and L3 prefix (out arrays of max_instances);
   // returns the pool's own prefix. A pool stamp < min_stamp counts as absent.
   int64_t query(const uint64_t* keys, int64_t n, uint64_t salt, uint64_t min_stamp, const uint64_t* live,

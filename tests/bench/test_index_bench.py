@@ -12,7 +12,8 @@ from bench import index as bench_index
 from l3pool.index.table import GlobalIndex
 
 pytestmark = pytest.mark.usefixtures("native")
-TINY = ["--instances", "4", "--pages", "2000", "--queries", "60", "--hot", "4", "--client-queries", "10"]
+TINY = ["--instances", "4", "--pages", "2000", "--queries", "60", "--hot", "4", "--client-queries", "10",
+        "--churn-rounds", "2"]  # fmt: skip
 
 
 def test_index_bench_json_contract(tmp_path: Path) -> None:
@@ -30,6 +31,18 @@ def test_index_bench_json_contract(tmp_path: Path) -> None:
     lo, hi = r["client_query_p99_ms_spread"]
     assert lo <= r["client_query_p99_ms"] <= hi
     assert 40.0 <= r["bytes_per_page"] < 41 and set(r["targets"]) >= {"ingest_pages_per_s>=5e6", "query_p99_ms<=1"}
+    # churn: 2 rounds of each operation while queries run; the table ends as it began (entries above)
+    ch = r["churn"]
+    assert ch["correct"] is True and ch["departed_answered"] == 0 and ch["rounds"] == 2 and ch["queries"] > 0
+    for op in ("leave", "resync", "age", "pool_clear"):
+        assert ch[op]["lock_holds"] >= 1 and ch[op]["ms"] > 0 and ch[op]["lock_hold_max_ms"] <= ch[op]["ms"], op
+    assert ch["quiet"]["queries"] > 0 and r["churn_lock_hold_max_ms"] == ch["lock_hold_max_ms"] > 0
+    assert len(r["loadavg"]["start"]) == 3 and len(r["loadavg"]["end"]) == 3
+
+
+def test_a_departed_instance_in_answers_makes_the_churn_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(GlobalIndex, "remove_instance", lambda self, instance: True)  # forgets nothing
+    assert bench_index.main([*TINY, "--client-queries", "0", "--json"]) == 1
 
 
 def test_wrong_answers_make_it_fail(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -43,7 +56,10 @@ def test_wrong_answers_make_it_fail(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert bench_index.main([*TINY, "--client-queries", "0", "--json"]) == 1
 
 
-@pytest.mark.parametrize("args", [["--pages", "10"], ["--batch", "0"], ["--client-queries", "-1"]])
+@pytest.mark.parametrize(
+    "args", [["--pages", "10"], ["--batch", "0"], ["--client-queries", "-1"], ["--churn-rounds", "-1"],
+             ["--churn-rate", "0"]]
+)  # fmt: skip
 def test_bad_sizes_are_refused(args: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         bench_index.main(args)
