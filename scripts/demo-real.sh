@@ -2,7 +2,8 @@
 # The demo at real model scale on an H200 host without a package registry (issue 23), one shape per
 # call: `bash scripts/demo-real.sh llama-8b OUTDIR` or `bash scripts/demo-real.sh deepseek-mla OUTDIR`.
 # Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle; transformers, torch, tqdm come
-# from the host's image. ~4 min per shape on one H200 (+ ~45 s for the first native build).
+# from the host's image. 196 s measured for llama-8b with 3 sessions; with these 6 an estimated
+# ~5-6 min per shape on one H200 (+ ~45 s for the first native build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${1:?usage: demo-real.sh llama-8b|deepseek-mla OUTDIR}
@@ -17,4 +18,4 @@ extra=()
 [ "$model" = deepseek-mla ] && extra=(--layers 12)  # 61 layers do not fit a device call: README
 mkdir -p "$out"
 python3 -m l3pool demo --model "$model" "${extra[@]}" --hf-reference --instances 3 --queue-depth 1 \
-  --sessions 3 --turns 2 --l2-tokens 60032 --segment-size 8GB --out "$out" 2> "$out/stderr.log"
+  --sessions 6 --turns 2 --placement affinity --l2-tokens 60032 --segment-size 8GB --out "$out" 2> "$out/stderr.log"

@@ -104,6 +104,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--l2-tokens", type=nonneg_int, default=0, help="L2 capacity per instance (default 3 x max context)")
     p.add_argument("--queue-depth", type=positive_int, default=2, help="requests in the system at once (default 2)")
     p.add_argument(
+        "--placement",
+        choices=["rotate", "affinity"],
+        default="rotate",
+        help="main replay: a session's turn t goes to instance (session + t) mod n (rotate, default) or "
+        "session mod n (affinity)",
+    )
+    p.add_argument(
         "--repeats", type=positive_int, help="runs per variant for the overlap/prefetch savings (quick 2, else 3)"
     )
     p.add_argument(
@@ -176,7 +183,7 @@ def _options(a: argparse.Namespace) -> Any:
         side_sessions=a.side_sessions, sweep_l2=a.sweep_l2, rounds=a.rounds or base.get("rounds", 3),
         side=not (a.no_side or real), interference=not a.no_interference, hf_reference=a.hf_reference,
         side_turns=a.side_turns if a.side_turns is not None else base["side_turns"],
-        routing=parse_policies(a.routing),
+        routing=parse_policies(a.routing), placement=a.placement,
     )  # fmt: skip
 
 

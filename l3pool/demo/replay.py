@@ -65,6 +65,15 @@ def cache_overhead(no_cache_s: float, cache_s: float) -> float:
     return 1.0 - no_cache_s / cache_s
 
 
+# Where the main replay sends a request (the routing comparison has its own policies):
+# - rotate: instance (session + turn) mod n, a load balancer without session affinity; a session's
+#   next turn lands on another instance (L3 serves its history there; L2 only when it comes back
+#   n turns later);
+# - affinity: instance session mod n, a router with session affinity; with more sessions per
+#   instance than L1 holds, a session's history comes back from L2, and from L3 where L2 evicted it.
+PLACEMENTS = ("rotate", "affinity")
+
+
 @dataclass(frozen=True)
 class DemoOptions:
     model: ModelConfig | HFConfig
@@ -84,6 +93,7 @@ class DemoOptions:
     sweep_l2: bool = False  # run the L2 capacity sweep
     sweep_points: int = 6  # at most this many capacities
     routing: tuple[str, ...] = ()  # router policies compared on the trace (l3pool/demo/routing.py)
+    placement: str = "rotate"  # the main replay's: "rotate" (session + turn) or "affinity" (session); PLACEMENTS
     rounds: int = 3  # interleaved rounds of the main trace + miss-path requests (every timing a median)
     side: bool = True  # run the savings/policies(/sweep) comparisons on the side trace
     interference: bool = True  # forward pass alone vs with concurrent L2 <-> L1 traffic
@@ -98,6 +108,8 @@ class DemoOptions:
             raise ConfigError("queue_depth >= 1, repeats >= 1, side_sessions >= 0 and side_turns >= 0 are required")
         if self.rounds < 1:
             raise ConfigError("rounds >= 1 is required")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"unknown placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}")
         if self.sweep_points < 2:
             raise ConfigError("sweep_points >= 2 is required")
         need = self.min_tokens()
@@ -272,9 +284,10 @@ class QueueReplay:
         return self.nxt >= len(self.trace) and not self.queued
 
     def route(self, r: Request) -> PrefillInstance:
-        """The instance a request goes to: round-robin by session + turn (a load balancer without
-        session affinity; a session's next turn lands on another instance)."""
-        return self.insts[(r.session + r.turn) % len(self.insts)]
+        """The instance a request goes to (`DemoOptions.placement`, PLACEMENTS): by session + turn
+        (rotate) or by session (affinity)."""
+        k = r.session if self.demo.opts.placement == "affinity" else r.session + r.turn
+        return self.insts[k % len(self.insts)]
 
     def step(self) -> Record:
         d, v = self.demo, self.demo.verifier

@@ -8,7 +8,9 @@ namespace tenant):
 - `l1_l2_l3`: plus the shared L3 pool on the decode agents' DRAM.
 Requests are routed round-robin by (session + turn) over `instances` prefill instances, like a
 load balancer without session affinity, so a session's next turn often lands on an instance that
-never saw its history: that is the traffic L3 serves.
+never saw its history: that is the traffic L3 serves. With `placement="affinity"` they are routed
+by session (a router with session affinity): with more sessions per instance than L1 holds, a
+session's history comes back from L2, and from L3 where L2 evicted it.
 
 The trace is replayed as a queue (`queue_depth`, default 2, requests in the system at once): in
 arrival order (turn-major), request i+1 arrives when request i is scheduled; on arrival it is
@@ -150,6 +152,7 @@ def run(
                 "l2_layout": opts.l2_layout,
                 "torch_threads": torch.get_num_threads(),
                 "queue_depth": opts.queue_depth,
+                "placement": opts.placement,
                 "rounds": opts.rounds,
                 "cache": asdict(DEMO_CACHE),
             },

@@ -87,12 +87,22 @@ def summarize(
     ]  # fmt: skip
     l1, l2 = opts.sizes()
     longest = max(r.length for r in requests)
-    why = (
+    sizes = (
         f"L1 holds {l1} tokens per instance ({l1 / longest:.1f} x the longest request), L2 {l2} "
-        f"({l2 / longest:.1f} x); {opts.instances} instances, requests routed by session + turn, so a session's next "
-        "turn lands on another instance: L1 serves the shared system prompt/tools and what the instance computed "
-        "last, L2 what L1 evicted on the same instance, L3 the history other instances computed"
+        f"({l2 / longest:.1f} x); {opts.instances} instances, "
     )
+    if opts.placement == "affinity":
+        why = sizes + (
+            "requests routed by session (affinity), other sessions' requests between a session's turns: L1 serves "
+            "the shared system prompt/tools and what the instance computed last, L2 a session's history that L1 "
+            "evicted, L3 what L2 evicted too"
+        )
+    else:
+        why = sizes + (
+            "requests routed by session + turn, so a session's next turn lands on another instance: L1 serves the "
+            "shared system prompt/tools and what the instance computed last, L2 what L1 evicted on the same "
+            "instance, L3 the history other instances computed"
+        )
     return {
         "ttft_ms": ttft,
         "hit_rate_why": why,

@@ -129,3 +129,26 @@ def test_demo_real_model_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureF
     assert rep["hit_rate"]["L3"] > 0 and rep["savings"] is None  # real models skip the side comparisons
     assert isinstance(rep["biased"], bool) and "spread" in rep["cache_overhead"]
     assert all(p["hf_chunked_ms"]["runs"] == 3 for p in rep["hf_reference"]["points"])
+
+
+def test_demo_affinity_placement_serves_from_every_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--placement affinity` with more sessions per instance than L1 holds (6 sessions on 3
+    instances, L1 of one request): a session's history comes back from L2, and from L3 where L2
+    evicted it, so every tier serves hits."""
+    args = ["--model", "llama-tiny", "--chunk", "128", "--sessions", "6", "--turns", "2", "--min-context", "768",
+            "--max-context", "1280", "--instances", "3", "--queue-depth", "1", "--l2-tokens", "1920",
+            "--placement", "affinity", "--rounds", "1"]  # fmt: skip
+    rc = main(["demo", *args, "--json", "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0, rep
+    assert rep["setup"]["placement"] == "affinity" and "affinity" in rep["hit_rate_why"]
+    assert rep["logits_identical"] and rep["wrong_pages"] == 0
+    assert min(rep["hit_rate"][t] for t in ("L1", "L2", "L3")) > 0, rep["hit_rate"]
+
+
+def test_demo_options_refuse_an_unknown_placement() -> None:
+    from l3pool.demo.replay import DemoOptions
+    from l3pool.demo.workload import WorkloadConfig
+
+    with pytest.raises(ConfigError, match="unknown placement 'sticky'"):
+        DemoOptions(model=HFConfig("llama-tiny"), workload=WorkloadConfig(), placement="sticky")
