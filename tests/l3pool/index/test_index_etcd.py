@@ -66,8 +66,11 @@ def test_a_killed_instance_vanishes_when_its_lease_ends(md: Metadata, etcd_serve
         os.killpg(child.pid, signal.SIGKILL)  # no deregistration: only the lease ends it
         child.wait(10)
         wait_for(lambda: "child" not in svc.status()["instances"], 15, "the index to agree")
+        # out of the answers at once; its entries are swept in parts right after (table.py), so the
+        # count may lag the answers by the sweep (seen: 4 entries left under -n 4)
+        assert svc.index.query(keys, "ns").per_instance == {}
+        wait_for(lambda: svc.index.stats()["entries"] == 0, 5, "the instance's entries to be swept")
         gone = time.monotonic() - t0
-        assert svc.index.query(keys, "ns").per_instance == {} and svc.index.stats()["entries"] == 0
         assert gone < 6, f"entries outlived the 2 s lease by {gone:.1f} s"
     finally:
         if child.poll() is None:
