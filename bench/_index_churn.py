@@ -115,7 +115,7 @@ def churn(
     busy: list[str | None] = [None]  # the instance the current round churns: no events of its own
     ev_spans: list[tuple[float, float]] = []
     half = max(1, event_keys // 2)
-    pick = threading.Lock()  # held by the writer from choosing an instance until its batch is in
+    pick_mu = threading.Lock()  # held by the writer from choosing an instance until its batch is in
     own_of: dict[int, tuple[int, np.ndarray]] = {}
 
     def write() -> None:  # other instances' event batches: remove half-batch, store it back
@@ -139,7 +139,7 @@ def churn(
             k = own[a : a + half]
             o = np.array([[tier, 0, len(k)], [tier, 1, len(k)]], dtype=np.int64)
             kk = np.concatenate([k, k])
-            with pick:
+            with pick_mu:
                 if names[w] == busy[0]:
                     continue
                 t0 = time.perf_counter()
@@ -178,7 +178,7 @@ def churn(
         for r in range(rounds):
             i = (1 + 7 * r) % len(names)
             name = names[i]
-            with pick:
+            with pick_mu:
                 busy[0] = name
             measure("leave", partial(gi.remove_instance, name))
             gone[0] = name
