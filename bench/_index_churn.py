@@ -17,7 +17,11 @@ holds its lock around each, so one call is the longest a query can wait behind i
 rounds; and the queries that overlapped it, pooled over the rounds: how many, their wall-clock
 p50 / p99 / max (`quiet`: the queries that started in a quiet window, none of them behind a change);
 the same for the event batches (`event_*`: from the batch handed to `GlobalIndex.apply` until it
-returns, the batches overlapping the operation; `quiet`: those started in a quiet window).
+returns, the batches overlapping the operation; `quiet`: those started in a quiet window), and
+`event_lag_*`: from the time the batch was due by the writer's schedule until it returned (a batch
+due while the writer waited in apply goes in late, the ones due meanwhile back to back after it:
+what an event queue behind a blocked loop would see), the batches whose (due, returned) span
+overlaps the operation.
 Wall-clock numbers carry a shared machine's preemption; the lock-hold thread CPU is what the table
 itself costs.
 
@@ -113,7 +117,8 @@ def churn(
             j += 1
 
     busy: list[str | None] = [None]  # the instance the current round churns: no events of its own
-    ev_spans: list[tuple[float, float]] = []
+    ev_spans: list[tuple[float, float]] = []  # (handed to apply, returned)
+    lag_spans: list[tuple[float, float]] = []  # (due by the writer's schedule, returned)
     half = max(1, event_keys // 2)
     pick_mu = threading.Lock()  # held by the writer from choosing an instance until its batch is in
     own_of: dict[int, tuple[int, np.ndarray]] = {}
@@ -123,12 +128,10 @@ def churn(
         nxt = time.perf_counter()
         j = 0
         while not stop.is_set():
-            nxt += period
+            nxt += period  # behind (a batch waited): the batches due meanwhile follow back to back
             d = nxt - time.perf_counter()
             if d > 0:
                 time.sleep(d)
-            else:
-                nxt = time.perf_counter()
             w = j % len(names)
             j += 1
             if w not in own_of:
@@ -144,7 +147,9 @@ def churn(
                     continue
                 t0 = time.perf_counter()
                 gi.apply(names[w], "", o, kk)
-                ev_spans.append((t0, time.perf_counter()))
+                t1 = time.perf_counter()
+                ev_spans.append((t0, t1))
+                lag_spans.append((min(nxt, t0), t1))
 
     pool_ops = np.array([[2, 1, len(pool_keys)]], dtype=np.int64)
     windows: dict[str, list[tuple[float, float]]] = {op: [] for op in ("quiet", *OPS)}
@@ -215,7 +220,7 @@ def churn(
     }  # fmt: skip
     for op in ("quiet", *OPS):
         pick = started if op == "quiet" else overlapping
-        lat, ev = pick(windows[op], spans), pick(windows[op], ev_spans)
+        lat, ev, lag = pick(windows[op], spans), pick(windows[op], ev_spans), pick(windows[op], lag_spans)
         row: dict[str, Any] = {}
         if op != "quiet":
             for k in per_op[op][0] if per_op[op] else ():
@@ -229,15 +234,19 @@ def churn(
             "event_p50_ms": _ms(percentile(ev, 50)) if ev else None,
             "event_p99_ms": _ms(percentile(ev, 99)) if ev else None,
             "event_max_ms": _ms(max(ev)) if ev else None,
+            "event_lag_p99_ms": _ms(percentile(lag, 99)) if lag else None,
         })  # fmt: skip
         out[op] = row
     all_ops = [w for op in OPS for w in windows[op]]
     during, ev_during = overlapping(all_ops, spans), overlapping(all_ops, ev_spans)
+    lag_during = overlapping(all_ops, lag_spans)
     out["query_p99_ms"] = _ms(percentile(during, 99)) if during else None
     out["query_max_ms"] = _ms(max(during)) if during else None
     out["event_p50_ms"] = _ms(percentile(ev_during, 50)) if ev_during else None
     out["event_p99_ms"] = _ms(percentile(ev_during, 99)) if ev_during else None
     out["event_max_ms"] = _ms(max(ev_during)) if ev_during else None
+    out["event_lag_p50_ms"] = _ms(percentile(lag_during, 50)) if lag_during else None
+    out["event_lag_p99_ms"] = _ms(percentile(lag_during, 99)) if lag_during else None
     out["lock_hold_max_ms"] = max((out[op].get("lock_hold_max_ms", 0.0) for op in OPS), default=0.0)
     out["lock_hold_max_thread_cpu_ms"] = max(
         (out[op].get("lock_hold_max_thread_cpu_ms", 0.0) for op in OPS), default=0.0
