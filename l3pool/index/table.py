@@ -49,15 +49,15 @@ had run first and the batches after it, in their order):
   one, looked at again (or, across the end of the table, entries it swept first to the end).
 - So while a sweep is under way a batch's removals do not erase the entries they empty
   (`KvIndex.defer_erases`): such an entry keeps its key and slot with no bit and no stamp
-  (answered as absent; a store of its key takes it back) and is erased when the sweep ends, if
-  still empty. Nothing moves but by the sweep, which thus sees every entry that held the dropped
-  state when it began; no batch adds such state: the leaving instance is unknown to `apply` (its
-  slot is not handed out before the sweep's end), the replaced instance's batches wait, and a
-  pool store's stamp is at least the sweep's minimum (`age`: now - TTL; `clear_pool`: the first
-  stamp after its move, above every earlier hint). Per key the sweep's change and the batch's
-  ops touch different bits, or the pool stamp in ways that commute; so the table's contents are
-  the serial ones (not its layout). A snapshot's stores after its sweep go by key: the batches
-  between them need nothing deferred.
+  (answered as absent; a store of its key takes it back) and is erased after the sweep's last
+  part, if still empty (`apply_keys` keys per lock hold). Nothing moves but by the sweep, which
+  thus sees every entry that held the dropped state when it began; no batch adds such state: the
+  leaving instance is unknown to `apply` (its slot is not handed out before the sweep's end), the
+  replaced instance's batches wait, and a pool store's stamp is at least the sweep's minimum
+  (`age`: now - TTL; `clear_pool`: the first stamp after its move, above every earlier hint). Per
+  key the sweep's change and the batch's ops touch different bits, or the pool stamp in ways that
+  commute; so the table's contents are the serial ones (not its layout). A snapshot's stores
+  after its sweep go by key: the batches between them need nothing deferred.
 - Cost: the sweep keeps 8 B per entry a batch emptied during it (freed at its end), nothing per
   page: the memory above is all there is. Those entries occupy their slots until the sweep ends,
   so a table at `capacity` may refuse a few new pages meanwhile (counted as rejected).
@@ -291,7 +291,20 @@ class GlobalIndex:
                 self._hand_over(writers=True)
         finally:
             with self._write(), self._mu:
-                self.deferred_erases += int(self.native.defer_erases(False))
+                self.native.defer_erases(False)
+            self._erase_deferred()
+
+    def _erase_deferred(self) -> None:
+        """After a sweep (_smu still held): erase the entries the batches emptied during it,
+        `apply_keys` of them per lock hold, readers and changes let in between (nothing to defer
+        now: no sweep is under way, any order of erases is right)."""
+        while True:
+            with self._write(), self._mu:
+                self.deferred_erases += int(self.native.erase_deferred(self.apply_keys))
+                left = int(self.native.deferred)
+            if not left:
+                return
+            self._hand_over(writers=True)
 
     def _apply_parts(
         self, s: int, salt_: int, ops: np.ndarray, keys: np.ndarray, stamp: int, step: bool = False

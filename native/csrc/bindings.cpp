@@ -634,7 +634,9 @@ void bind_kv_index(py::module_& m) {
              return a;
            })
       .def("defer_erases", &KvIndex::defer_erases, py::arg("on"),
-           "on: apply() leaves the entries it empties in place (erased when turned off: returns how many)")
+           "on: apply() leaves the entries it empties in place and remembers their keys (erase_deferred)")
+      .def("erase_deferred", &KvIndex::erase_deferred, py::arg("n"),
+           "Erase the entries of up to n remembered keys still empty; returns how many")
       .def_property_readonly("deferred", &KvIndex::deferred)
       .def("nbytes", &KvIndex::nbytes)
       .def("check", &KvIndex::check);

@@ -208,20 +208,18 @@ int64_t KvIndex::expire_pool(uint64_t min_stamp, uint64_t begin, uint64_t end) {
   return dropped;
 }
 
-int64_t KvIndex::defer_erases(bool on) {
-  int64_t n = 0;
-  if (!on) {
-    for (const uint64_t k : deferred_) {
-      const int64_t i = find(k);
-      if (i >= 0 && empty_entry(at(static_cast<uint64_t>(i)))) {  // not stored again meanwhile
-        erase(static_cast<uint64_t>(i));
-        ++n;
-      }
+int64_t KvIndex::erase_deferred(int64_t n) {
+  int64_t erased = 0;
+  for (; n > 0 && !deferred_.empty(); --n) {
+    const int64_t i = find(deferred_.back());
+    deferred_.pop_back();
+    if (i >= 0 && empty_entry(at(static_cast<uint64_t>(i)))) {  // not stored again meanwhile
+      erase(static_cast<uint64_t>(i));
+      ++erased;
     }
-    std::vector<uint64_t>().swap(deferred_);
   }
-  deferring_ = on;
-  return n;
+  if (deferred_.empty()) std::vector<uint64_t>().swap(deferred_);  // its memory back
+  return erased;
 }
 
 int64_t KvIndex::query(const uint64_t* keys, int64_t n, uint64_t salt, uint64_t min_stamp, const uint64_t* live,

@@ -447,7 +447,7 @@ def test_without_deferred_erases_that_removal_would_leave_the_departed_instance_
         gi.set_live(n, True)
     x, y = adversarial(gi)
     gate = Batches(gi)
-    gate.defer_erases = lambda on: 0  # type: ignore[method-assign]
+    gate.defer_erases = lambda on: None  # type: ignore[method-assign]
     gate.at(1, lambda: gi.apply("b", "", ops((0, 0, 1)), np.array([x], dtype=np.uint64)))
     assert gi.remove_instance("a")
     gate.join()
@@ -470,7 +470,7 @@ def test_a_removal_between_the_parts_of_an_ageing_keeps_no_expired_hint(defer: b
     now[0] = 150.0
     gate = Batches(gi)
     if not defer:
-        gate.defer_erases = lambda on: 0  # type: ignore[method-assign]
+        gate.defer_erases = lambda on: None  # type: ignore[method-assign]
     gate.at(1, lambda: gi.apply("b", "", ops((0, 0, 1)), np.array([x], dtype=np.uint64)))
     dropped = gi.age()
     gate.join()
