@@ -29,7 +29,9 @@ churn    (bench/_index_churn.py) `--churn-rounds` rounds of one instance leaving
          and of L3 hint ageing and a pool clear, while another thread queries at `--churn-rate`
          per second: each operation's lock holds (`churn_lock_hold_max_ms`: the longest native
          call under the index's lock, what a query can wait behind) and the latency of the queries
-         that overlapped it (`churn_query_p99_ms`), beside a quiet window's.
+         that overlapped it (`churn_query_p99_ms`), beside a quiet window's; a third thread applies
+         other instances' event batches (`--churn-event-rate` per second of `--churn-event-keys`
+         keys) and their apply latency is reported the same way (`churn_event_p99_ms`).
 memory   `bytes_per_page`: the table's bytes over the pages indexed at the end (and over capacity).
 Answers are checked against the stored state for a sample of requests (`correct`).
 `loadavg` is the machine's load average (1, 5, 15 min) at the start and the end: on a shared
@@ -186,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--event-keys", type=int, default=64, help="keys per event message")
     p.add_argument("--churn-rounds", type=int, default=5, help="rounds of leave/resync/age/pool-clear (0: skip)")
     p.add_argument("--churn-rate", type=float, default=2000.0, help="queries/s during the churn phase")
+    p.add_argument("--churn-event-rate", type=float, default=500.0,
+                   help="other instances' event batches/s during the churn phase (0: none)")  # fmt: skip
+    p.add_argument("--churn-event-keys", type=int, default=512, help="keys per churn-phase event batch")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("instances", "pages", "batch", "request_pages", "queries", "hot"):
@@ -196,10 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if not args.churn_rate > 0:
         p.error("--churn-rate must be > 0")
-    for name in ("client_rounds", "event_keys"):
+    for name in ("client_rounds", "event_keys", "churn_event_keys"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("client_rate", "event_rate"):
+    for name in ("client_rate", "event_rate", "churn_event_rate"):
         if not getattr(args, name) >= 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.pages < args.request_pages:
@@ -305,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ch = None
     if args.churn_rounds:
-        ch = churn(gi, names, contents, hot_keys[::2].ravel(), reqs, shift, args.churn_rounds, args.churn_rate)
+        ch = churn(gi, names, contents, hot_keys[::2].ravel(), reqs, shift, args.churn_rounds, args.churn_rate,
+                   event_rate=args.churn_event_rate, event_keys=args.churn_event_keys)  # fmt: skip
     wire = over_the_wire(gi, reqs, args) if args.client_queries else None
     gi.check()
     report: dict[str, Any] = {
@@ -333,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         **(wire or {"client_query_p50_ms": None, "client_query_p99_ms": None}),
         "churn_query_p99_ms": ch["query_p99_ms"] if ch else None,
         "churn_lock_hold_max_ms": ch["lock_hold_max_ms"] if ch else None,
+        "churn_event_p99_ms": ch["event_p99_ms"] if ch else None,
         "churn_lock_hold_max_thread_cpu_ms": ch["lock_hold_max_thread_cpu_ms"] if ch else None,
         "churn": ch,
         "entries": st["entries"],
@@ -353,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         "client_query_p99_ms<=1": None if wire is None else report["client_query_p99_ms"] <= 1.0,
         "churn_query_p99_ms<=1": None if ch is None or ch["query_p99_ms"] is None else ch["query_p99_ms"] <= 1.0,
         "churn_lock_hold_max_thread_cpu_ms<=1": None if ch is None else ch["lock_hold_max_thread_cpu_ms"] <= 1.0,
+        "churn_event_p99_ms<=50": None if ch is None or ch["event_p99_ms"] is None else ch["event_p99_ms"] <= 50.0,
     }
     emit_report(report, args)
     return 0 if report["correct"] else 1

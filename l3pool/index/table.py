@@ -21,27 +21,55 @@ own match anyway; an expired hint only makes the router price a page as compute.
 Only instances marked live (`set_live`: synchronised with their snapshot) appear in answers, so
 an instance being resynchronised is never answered from stale state.
 
-Threads: the table's lock is held for one native call at a time. Changes are serialised by a
-second lock (`_wmu`), held for a whole change; the table's own lock is taken per part of it. What
-sweeps the table (an instance leaving or replaced by its snapshot, `age`, `clear_pool`) goes
-through it in parts of `sweep_slots` slots, and a snapshot's or a large batch's keys are stored
-`apply_keys` at a time; between parts the lock is released and handed to the queries waiting for
-it first (`_hand_over`), so a query waits for the part under way (~0.1-0.2 ms of a sweep at the
-default 32 K slots, 1 MB of table; ~0.3 ms of a 2 K-key store), never for a whole sweep (tens of
-ms at millions of pages; bench.index's churn phase). Between parts no answer shows a change half
-done: a leaving instance is out of the answers (and its slot out of reuse until the sweep ends)
-before the first part, an instance being replaced is hidden until its snapshot is in, expired or
-cleared pool hints are already below the queries' minimum stamp (`clear_pool` first moves the
-stamp past every hint's window), and a live instance's large event batch is a run of events,
-each applied whole. The sweeps keep nothing per page: the memory above is all there is.
+Threads: the table's lock (`_mu`) is held for one native call at a time. Changes take a second
+lock (`_wmu`) per step: a whole event batch, or one part of a sweep. What sweeps the table (an
+instance leaving or replaced by its snapshot, `age`, `clear_pool`) holds a third (`_smu`: one sweep
+at a time) for its whole length and goes through the table in parts of `sweep_slots` slots; a
+snapshot's or a large batch's keys are stored `apply_keys` at a time. Between parts both locks are
+released and handed to the queries and the changes waiting for them first (`_hand_over`), so a query
+waits for the part under way (~0.1-0.2 ms of a sweep at the default 32 K slots, 1 MB of table;
+~0.3 ms of a 2 K-key store), and so does another instance's event batch, never for a whole sweep
+(tens of ms at millions of pages; bench.index's churn phase). Between parts no answer shows a
+change half done: a leaving instance is out of the answers (and its slot out of reuse until the
+sweep ends) before the first part, an instance being replaced is hidden until its snapshot is in
+(its own batches and live mark wait for the end of its `replace`: `_settled`), expired or cleared
+pool hints are already below the queries' minimum stamp (`clear_pool` first moves the stamp past
+every hint's window), and a live instance's large event batch is a run of events, each applied
+whole.
+
+Why another instance's batch may run between two parts of a sweep (the table ends as if the sweep
+had run first and the batches after it, in their order):
+- A sweep clears, slot by slot from 0 up, what the change drops: the leaving or replaced
+  instance's bits (`clear_instance`), the stamps below a minimum (`expire_pool`). It misses an
+  entry only if that entry moves from a slot not yet swept to one already swept.
+- In this table (linear probing, no tombstones) an entry moves only when an entry before it in its
+  cluster is erased (backward-shift deletion). A store never moves one: it sets bits in its key's
+  entry or puts a new key in the first empty slot of its probe run; a removal that leaves bits
+  moves nothing. The sweep's own erases move entries from slots after the one it is at into that
+  one, looked at again (or, across the end of the table, entries it swept first to the end).
+- So while a sweep is under way a batch's removals do not erase the entries they empty
+  (`KvIndex.defer_erases`): such an entry keeps its key and slot with no bit and no stamp
+  (answered as absent; a store of its key takes it back) and is erased after the sweep's last
+  part, if still empty (`apply_keys` keys per lock hold). Nothing moves but by the sweep, which
+  thus sees every entry that held the dropped state when it began; no batch adds such state: the
+  leaving instance is unknown to `apply` (its slot is not handed out before the sweep's end), the
+  replaced instance's batches wait, and a pool store's stamp is at least the sweep's minimum
+  (`age`: now - TTL; `clear_pool`: the first stamp after its move, above every earlier hint). Per
+  key the sweep's change and the batch's ops touch different bits, or the pool stamp in ways that
+  commute; so the table's contents are the serial ones (not its layout). A snapshot's stores
+  after its sweep go by key: the batches between them need nothing deferred.
+- Cost: the sweep keeps 8 B per entry a batch emptied during it (freed at its end), nothing per
+  page: the memory above is all there is. Those entries occupy their slots until the sweep ends,
+  so a table at `capacity` may refuse a few new pages meanwhile (counted as rejected).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -96,9 +124,13 @@ class GlobalIndex:
         self.l3_ttl_s, self._clock, self._t0 = float(l3_ttl_s), clock, clock()
         self.sweep_slots, self.apply_keys = sweep_slots, apply_keys
         self._mu = threading.Lock()  # the table: one native call at a time
-        self._wmu = threading.Lock()  # changes: one at a time, for the whole change
-        self._rq = threading.Condition(threading.Lock())  # readers waiting for _mu (the hand-over)
+        self._wmu = threading.Lock()  # changes: one step at a time (a batch, a sweep's part)
+        self._smu = threading.Lock()  # sweeps: one at a time, for the whole sweep
+        self._idle = threading.Condition(self._wmu)  # notified when a replaced instance is done
+        self._replacing: int | None = None  # the slot `replace` is sweeping and storing (under _wmu)
+        self._rq = threading.Condition(threading.Lock())  # readers / writers waiting (the hand-over)
         self._waiting = self._passed = 0  # readers waiting for _mu / through it (under _rq)
+        self._wwaiting = self._wpassed = 0  # changes waiting for _wmu / through it (under _rq)
         self._handing = False  # a change waits in _hand_over (under _rq)
         self._quarters = 0  # added to the stamp: clear_pool moves it past every hint's window
         self._slot: dict[str, int] = {}
@@ -109,11 +141,12 @@ class GlobalIndex:
         self._answered: tuple[list[str], np.ndarray] = ([], np.empty(0, np.int64))  # live names, their slots
         self.queries = self.applied_keys = self.pool_clears = 0
         self.sweeps = self.apply_calls = 0  # native sweep parts / apply parts of split batches
+        self.deferred_erases = 0  # entries emptied by a batch during a sweep, erased after it
 
     # -- instances ------------------------------------------------------------------------------
     def add_instance(self, instance: str) -> int:
         """The instance's slot (a new one, not live yet, when it is unknown)."""
-        with self._wmu, self._mu:
+        with self._write(), self._mu:
             s = self._slot.get(instance)
             if s is not None:
                 return s
@@ -125,22 +158,25 @@ class GlobalIndex:
 
     def remove_instance(self, instance: str) -> bool:
         """Forget an instance: out of the answers at once, then its L1/L2 entries swept away (in
-        parts, queries served between them); its slot is reused once the sweep is done."""
-        with self._wmu:
-            with self._mu:
+        parts, queries and other instances' batches served between them); its slot is reused once
+        the sweep is done."""
+        with self._smu:
+            with self._write(), self._mu:
                 s = self._slot.pop(instance, None)
                 if s is None:
                     return False
                 self._name[s] = None
                 self._set_live(s, False)
             self._sweep(lambda b, e: self.native.clear_instance(s, 3, b, e) == 0)
-            with self._mu:
+            with self._write(), self._mu:
                 self._free.append(s)
             return True
 
     def set_live(self, instance: str, live: bool) -> None:
-        with self._wmu, self._mu:
-            self._set_live(self._need(instance), live)
+        with self._write():
+            s = self._settled(instance)
+            with self._mu:
+                self._set_live(s, live)
 
     def _set_live(self, s: int, live: bool) -> None:
         w, b = divmod(s, 64)
@@ -153,6 +189,16 @@ class GlobalIndex:
         s = self._slot.get(instance)
         if s is None:
             raise KeyError(f"unknown instance {instance!r}")
+        return s
+
+    def _settled(self, instance: str) -> int:
+        """The instance's slot once no `replace` of it is under way (waits for its end: its own
+        batches and live mark come after its snapshot, as they would serially). Called with _wmu
+        held (released while waiting)."""
+        s = self._need(instance)
+        while s == self._replacing:
+            self._idle.wait()
+            s = self._need(instance)
         return s
 
     def instances(self, live_only: bool = True) -> list[str]:
@@ -191,38 +237,83 @@ class GlobalIndex:
                 if self._handing:
                     self._rq.notify_all()
 
-    def _hand_over(self) -> None:
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[None]:
+        """Hold _wmu for one step of a change, counted as waiting for it meanwhile (a sweep
+        between two parts lets the changes waiting then in: `_hand_over`)."""
+        with self._rq:
+            self._wwaiting += 1
+        try:
+            self._wmu.acquire()
+        finally:
+            with self._rq:
+                self._wwaiting -= 1
+                self._wpassed += 1
+                if self._handing:
+                    self._rq.notify_all()
+        try:
+            yield
+        finally:
+            self._wmu.release()
+
+    def _hand_over(self, writers: bool = False) -> None:
         """Between two parts of a change (the table's lock released): wait until the readers
-        waiting now have taken the lock (a second at most: a reader that never comes back is
+        waiting now have taken the lock, and with `writers` (a sweep, _wmu released too) the
+        changes waiting now have taken _wmu (a second at most: one that never comes back is
         not waited for)."""
         with self._rq:
-            if not self._waiting:
+            if not self._waiting and not (writers and self._wwaiting):
                 return
             target = self._passed + self._waiting
+            wtarget = self._wpassed + (self._wwaiting if writers else 0)
             self._handing = True
             try:
-                self._rq.wait_for(lambda: self._passed >= target, timeout=1.0)
+                self._rq.wait_for(lambda: self._passed >= target and self._wpassed >= wtarget, timeout=1.0)
             finally:
                 self._handing = False
 
     def _sweep(self, part: Callable[[int, int], Any]) -> None:
         """`part(begin, end)` over the table's slots in order, `sweep_slots` at a time under the
-        lock, readers let in between; stops early when a part returns True (nothing left).
-        Called with _wmu held (no other change between the parts: kv_index.h says why)."""
+        locks, readers and other changes let in between; stops early when a part returns True
+        (nothing left). Called with _smu held (no other sweep between the parts), not _wmu; the
+        batches applied between the parts leave the entries they empty in place until the sweep
+        is done (`KvIndex.defer_erases`: the module docstring says why)."""
         n = int(self.native.slots)
-        for b in range(0, n, self.sweep_slots):
-            with self._mu:
-                self.sweeps += 1
-                done = part(b, min(n, b + self.sweep_slots))
-            if done:
-                return
-            self._hand_over()
+        with self._write(), self._mu:
+            self.native.defer_erases(True)
+        try:
+            for b in range(0, n, self.sweep_slots):
+                with self._write(), self._mu:
+                    self.sweeps += 1
+                    done = part(b, min(n, b + self.sweep_slots))
+                if done:
+                    return
+                self._hand_over(writers=True)
+        finally:
+            with self._write(), self._mu:
+                self.native.defer_erases(False)
+            self._erase_deferred()
 
-    def _apply_parts(self, s: int, salt_: int, ops: np.ndarray, keys: np.ndarray, stamp: int) -> int:
+    def _erase_deferred(self) -> None:
+        """After a sweep (_smu still held): erase the entries the batches emptied during it,
+        `apply_keys` of them per lock hold, readers and changes let in between (nothing to defer
+        now: no sweep is under way, any order of erases is right)."""
+        while True:
+            with self._write(), self._mu:
+                self.deferred_erases += int(self.native.erase_deferred(self.apply_keys))
+                left = int(self.native.deferred)
+            if not left:
+                return
+            self._hand_over(writers=True)
+
+    def _apply_parts(
+        self, s: int, salt_: int, ops: np.ndarray, keys: np.ndarray, stamp: int, step: bool = False
+    ) -> int:
         """native.apply of (ops, keys), `apply_keys` keys per call at most (an op's keys split
-        across calls in order), readers let in between. Called with _wmu held."""
+        across calls in order), readers let in between. Called with _wmu held, or with `step`
+        (a snapshot's stores, _smu held) taking it per part and letting other changes in too."""
         if len(keys) <= self.apply_keys:
-            with self._mu:
+            with self._write() if step else contextlib.nullcontext(), self._mu:
                 refused: int = self.native.apply(s, ops, keys, salt_, stamp)
             return refused
         refused = 0
@@ -235,29 +326,30 @@ class GlobalIndex:
                     part.append([tier, op, take])
                     at, cnt = at + take, cnt - take
                 if at - start == self.apply_keys:
-                    refused += self._apply_part(s, salt_, part, keys[start:at], stamp)
+                    refused += self._apply_part(s, salt_, part, keys[start:at], stamp, step)
                     part, start = [], at
         if part:
-            refused += self._apply_part(s, salt_, part, keys[start:at], stamp)
+            refused += self._apply_part(s, salt_, part, keys[start:at], stamp, step)
         return refused
 
-    def _apply_part(self, s: int, salt_: int, part: list[list[int]], keys: np.ndarray, stamp: int) -> int:
-        with self._mu:
+    def _apply_part(self, s: int, salt_: int, part: list[list[int]], keys: np.ndarray, stamp: int, step: bool) -> int:
+        with self._write() if step else contextlib.nullcontext(), self._mu:
             self.apply_calls += 1
             refused: int = self.native.apply(s, np.array(part, dtype=np.int64), keys, salt_, stamp)
-        self._hand_over()
+        self._hand_over(writers=step)
         return refused
 
     # -- changes --------------------------------------------------------------------------------
     def apply(self, instance: str, namespace: str, ops: np.ndarray, keys: np.ndarray) -> int:
         """One event batch of an instance (ops: (n, 3) int64 tier/op/count; keys: uint64): one
         native call (`apply_keys` keys per call in a larger batch). Returns the keys refused
-        because the table is full."""
+        because the table is full. Runs between the parts of another instance's sweep; waits
+        for the end of its own instance's `replace`."""
         keys = keys64(keys)
         ops = np.asarray(ops, dtype=np.int64)
-        with self._wmu:
+        with self._write():
+            s = self._settled(instance)
             with self._mu:
-                s = self._need(instance)
                 salt_, stamp = self._salt(namespace), self._stamp()
             if len(keys) > self.apply_keys:  # the native call checks the ops against the keys
                 self._check_ops(ops, len(keys))
@@ -287,33 +379,42 @@ class GlobalIndex:
         parts = [np.asarray(tiers.get(t, np.empty(0, np.uint64)), dtype=np.uint64) for t in TIER_NAMES]
         ops = np.array([[i, 1, len(p)] for i, p in enumerate(parts)], dtype=np.int64)
         keys = keys64(np.concatenate(parts))
-        with self._wmu:
-            with self._mu:
-                s = self._need(instance)
-                live = self._is_live(s)
-                self._set_live(s, False)
-                salt_, stamp = self._salt(namespace), self._stamp()
-            self._sweep(lambda b, e: self.native.clear_instance(s, 3, b, e) == 0)
-            refused = self._apply_parts(s, salt_, ops, keys, stamp)
-            if live:
+        with self._smu:
+            with self._write():
+                s = self._settled(instance)
                 with self._mu:
-                    self._set_live(s, True)
+                    live = self._is_live(s)
+                    self._set_live(s, False)
+                    salt_, stamp = self._salt(namespace), self._stamp()
+                self._replacing = s
+            try:
+                self._sweep(lambda b, e: self.native.clear_instance(s, 3, b, e) == 0)
+                refused = self._apply_parts(s, salt_, ops, keys, stamp, step=True)
+            finally:
+                with self._write():
+                    self._replacing = None
+                    if live:
+                        with self._mu:
+                            self._set_live(s, True)
+                    self._idle.notify_all()
             return refused
 
     def clear_pool(self) -> int:
         """Drop every L3 hint (a pool member left: its pages are gone, which ones is unknown).
-        Queries ignore them at once (the stamp moves past their window); the sweep follows."""
-        with self._wmu:
-            with self._mu:
+        Queries ignore them at once (the stamp moves past their window); the sweep follows,
+        dropping the stamps below the new one (every hint so far, none stored during the sweep)."""
+        with self._smu:
+            with self._write(), self._mu:
                 self.pool_clears += 1
                 self._quarters += 5  # every stamp so far is now below the queries' minimum
-            return self._expire(np.iinfo(np.uint64).max)
+                first = self._stamp()  # and below this one; every later store's is >= it
+            return self._expire(first)
 
     def age(self) -> int:
         """Drop L3 hints older than l3_ttl_s (call every l3_ttl_s / 4 or so); returns how many.
         Queries already ignore them: the sweep frees their entries."""
-        with self._wmu:
-            with self._mu:
+        with self._smu:
+            with self._write(), self._mu:
                 min_stamp = max(0, self._stamp() - 4)
             return self._expire(min_stamp)
 
@@ -377,6 +478,7 @@ class GlobalIndex:
                 "pool_clears": self.pool_clears,
                 "sweep_parts": self.sweeps,
                 "apply_calls": self.apply_calls,
+                "deferred_erases": self.deferred_erases,
                 "l3_ttl_s": self.l3_ttl_s,
                 "instances": per,
             }

@@ -633,6 +633,11 @@ void bind_kv_index(py::module_& m) {
              std::memcpy(a.mutable_data(), x.counts(), static_cast<size_t>(2 * M) * 8);
              return a;
            })
+      .def("defer_erases", &KvIndex::defer_erases, py::arg("on"),
+           "on: apply() leaves the entries it empties in place and remembers their keys (erase_deferred)")
+      .def("erase_deferred", &KvIndex::erase_deferred, py::arg("n"),
+           "Erase the entries of up to n remembered keys still empty; returns how many")
+      .def_property_readonly("deferred", &KvIndex::deferred)
       .def("nbytes", &KvIndex::nbytes)
       .def("check", &KvIndex::check);
 }

@@ -120,6 +120,7 @@ int64_t KvIndex::apply(int64_t inst, const int64_t* ops, int64_t n_ops, const ui
         e[0] = k;
         ++size_;
       }
+      bool cleared = false;  // a removal that took something away (an entry it may empty)
       if (tier == 2) {
         if (set) {
           if (!e[1]) ++*count;
@@ -127,6 +128,7 @@ int64_t KvIndex::apply(int64_t inst, const int64_t* ops, int64_t n_ops, const ui
         } else if (e[1]) {
           e[1] = 0;
           --*count;
+          cleared = true;
         }
       } else if (set) {
         if (!(e[word] & bit)) {
@@ -136,8 +138,14 @@ int64_t KvIndex::apply(int64_t inst, const int64_t* ops, int64_t n_ops, const ui
       } else if (e[word] & bit) {
         e[word] &= ~bit;
         --*count;
+        cleared = true;
       }
-      if (!set && empty_entry(e)) erase(i);
+      if (cleared && empty_entry(e)) {
+        if (deferring_)
+          deferred_.push_back(k);  // stays where it is until defer_erases(false)
+        else
+          erase(i);
+      }
     }
     kp += cnt;
   }
@@ -200,6 +208,20 @@ int64_t KvIndex::expire_pool(uint64_t min_stamp, uint64_t begin, uint64_t end) {
   return dropped;
 }
 
+int64_t KvIndex::erase_deferred(int64_t n) {
+  int64_t erased = 0;
+  for (; n > 0 && !deferred_.empty(); --n) {
+    const int64_t i = find(deferred_.back());
+    deferred_.pop_back();
+    if (i >= 0 && empty_entry(at(static_cast<uint64_t>(i)))) {  // not stored again meanwhile
+      erase(static_cast<uint64_t>(i));
+      ++erased;
+    }
+  }
+  if (deferred_.empty()) std::vector<uint64_t>().swap(deferred_);  // its memory back
+  return erased;
+}
+
 int64_t KvIndex::query(const uint64_t* keys, int64_t n, uint64_t salt, uint64_t min_stamp, const uint64_t* live,
                        int32_t* l1, int32_t* l2, int32_t* l3) const {
   const int64_t M = 64 * W_;
@@ -246,12 +268,15 @@ int64_t KvIndex::query(const uint64_t* keys, int64_t n, uint64_t salt, uint64_t 
 }
 
 int64_t KvIndex::nbytes() const {
-  return static_cast<int64_t>(table_.capacity() * 8 + counts_.capacity() * 8 + sizeof(*this));
+  return static_cast<int64_t>(table_.capacity() * 8 + counts_.capacity() * 8 + deferred_.capacity() * 8 +
+                              sizeof(*this));
 }
 
 void KvIndex::check() const {
   int64_t n = 0, pool = 0;
   std::vector<int64_t> counts(counts_.size(), 0);
+  std::vector<uint64_t> deferred(deferred_);  // the only empty entries allowed
+  std::sort(deferred.begin(), deferred.end());
   for (uint64_t i = 0; i < slots_; ++i) {
     const uint64_t* e = at(i);
     if (e[0] == 0) {
@@ -259,7 +284,8 @@ void KvIndex::check() const {
       continue;
     }
     ++n;
-    if (empty_entry(e)) throw std::logic_error("an entry with no bits and no stamp is kept");
+    if (empty_entry(e) && !std::binary_search(deferred.begin(), deferred.end(), e[0]))
+      throw std::logic_error("an entry with no bits and no stamp is kept");
     if (find(e[0]) != static_cast<int64_t>(i)) throw std::logic_error("an entry is not reachable from its home");
     if (e[1]) ++pool;
     for (int64_t t = 0; t < 2; ++t)

@@ -13,10 +13,15 @@
 // concatenated). query(): one call per request: running ANDs of the masks along the request give
 // each instance's cumulative L1 / L1+L2 / L1+L2+pool prefix and the pool's own prefix.
 // clear_instance() and expire_pool() sweep the table; each sweeps a range of slots, so a caller
-// can sweep in parts and let queries in between (l3pool/index/table.py): parts in order from slot 0
-// to slots(), with no apply() or other sweep between them (a deletion's backward shift could carry
-// a not yet swept entry behind the sweep), give the same table as one whole sweep. Queries between
-// parts see a consistent table (counts included) part way through the change.
+// can sweep in parts and let queries and other changes in between (l3pool/index/table.py): parts in
+// order from slot 0 to slots(), no other sweep between them, give the same table as one whole sweep.
+// Between the parts apply() may run if erases are deferred (defer_erases(true) before the first
+// part, defer_erases(false) after the last, then erase_deferred()): the only thing that moves an entry is erase()'s
+// backward shift, which could carry a not yet swept entry behind the sweep; an insertion takes the
+// first empty slot of its probe run and moves nothing, clearing a bit moves nothing. A deferred
+// entry keeps its key and its slot with no bit and no stamp (answered as absent; a store of its key
+// takes it back) until erase_deferred() erases those still empty. Queries between parts see a
+// consistent table (counts included) part way through the change.
 // Not thread-safe: the caller serialises calls.
 #pragma once
 #include <cstdint>
@@ -44,6 +49,14 @@ class KvIndex {
   // Drop pool stamps < `min_stamp` (all of them with UINT64_MAX) in slots [begin, min(end, slots()));
   // returns how many were dropped.
   int64_t expire_pool(uint64_t min_stamp, uint64_t begin = 0, uint64_t end = UINT64_MAX);
+  // on: apply() no longer erases the entries its removals empty (they stay, empty, in their slots:
+  // they count in size(), so a full table refuses a new key meanwhile), it remembers their keys;
+  // off: apply() erases again. The sweep's own erases are not deferred.
+  void defer_erases(bool on) { deferring_ = on; }
+  // Erase the entries of up to `n` remembered keys (the last remembered first) that are still
+  // empty (not stored again meanwhile); returns how many were erased. deferred(): keys left.
+  int64_t erase_deferred(int64_t n);
+  int64_t deferred() const { return static_cast<int64_t>(deferred_.size()); }
   // Per live instance (bit set in live[W]) its L1, L2 and L3 prefix (out arrays of max_instances);
   // returns the pool's own prefix. A pool stamp < min_stamp counts as absent.
   int64_t query(const uint64_t* keys, int64_t n, uint64_t salt, uint64_t min_stamp, const uint64_t* live,
@@ -69,6 +82,8 @@ class KvIndex {
   int64_t size_ = 0;
   int64_t rejected_ = 0;
   int64_t pool_count_ = 0;
+  bool deferring_ = false;
+  std::vector<uint64_t> deferred_;  // keys of the entries apply() emptied while deferring
   std::vector<uint64_t> table_;
   std::vector<int64_t> counts_;
 };

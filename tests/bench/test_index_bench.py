@@ -37,6 +37,9 @@ def test_index_bench_json_contract(tmp_path: Path) -> None:
     for op in ("leave", "resync", "age", "pool_clear"):
         assert ch[op]["lock_holds"] >= 1 and ch[op]["ms"] > 0 and ch[op]["lock_hold_max_ms"] <= ch[op]["ms"], op
     assert ch["quiet"]["queries"] > 0 and r["churn_lock_hold_max_ms"] == ch["lock_hold_max_ms"] > 0
+    # other instances' event batches during the churn: timed like the queries
+    assert ch["events"] > 0 and ch["event_keys"] == 512 and r["churn_event_p99_ms"] == ch["event_p99_ms"]
+    assert "churn_event_p99_ms<=50" in r["targets"] and ch["quiet"]["events"] >= 0
     assert len(r["loadavg"]["start"]) == 3 and len(r["loadavg"]["end"]) == 3
 
 

@@ -317,3 +317,255 @@ def test_a_large_batch_in_parts_is_the_same_batch() -> None:
         with pytest.raises(ValueError, match=msg):
             split.apply("a", "", ops(*bad), np.arange(500, 510, dtype=np.uint64))
     assert split.stats()["entries"] == entries
+
+
+# -- other instances' event batches between the parts of a sweep ------------------------------------
+
+
+def home(key: int, slots: int) -> int:
+    """KvIndex's home slot of a key (kv_index.cpp: splitmix64's finaliser, range-reduced)."""
+    m = (1 << 64) - 1
+    x = key
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & m
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & m
+    x ^= x >> 31
+    return (x * slots) >> 64
+
+
+class Batches(Gate):
+    """A Gate whose `at(p, fn)` starts `fn` (a change) on a thread inside part p, once it waits
+    for the changes' lock; each native apply logs the parts begun when it ran (`applies`)."""
+
+    def __init__(self, gi: GlobalIndex, hold_at: int | None = None) -> None:
+        super().__init__(gi, hold_at)
+        self.gi = gi
+        self.todo: dict[int, list[Any]] = {}
+        self.threads: list[threading.Thread] = []
+        self.applies: list[int] = []
+        self.errors: list[BaseException] = []
+        self.live_a: list[bool] = []  # slot 0 live in each part
+        self.in_part = self._start
+
+    def at(self, part: int, fn: Any) -> None:
+        self.todo.setdefault(part, []).append(fn)
+
+    def _start(self, p: int) -> None:
+        self.live_a.append(self.gi._is_live(0))
+        for fn in self.todo.pop(p, []):
+            waiting = getattr(self.gi, "_wwaiting", 0)
+
+            def run(fn: Any = fn) -> None:
+                try:
+                    fn()
+                except BaseException as e:  # reported by join()
+                    self.errors.append(e)
+
+            t = threading.Thread(target=run)
+            t.start()
+            self.threads.append(t)
+            end = time.monotonic() + 5.0  # until it waits for the lock the part holds (a table without
+            while getattr(self.gi, "_wwaiting", 0) <= waiting and time.monotonic() < end:  # the count: 5 s)
+                time.sleep(0.001)
+
+    def apply(self, *a: Any) -> Any:
+        self.applies.append(self.parts)
+        return self.native.apply(*a)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in self.threads) and not self.errors, self.errors
+
+
+def per_key(gi: GlobalIndex, keys: np.ndarray) -> list[Any]:
+    """Each key's answer on its own (every instance live): the table's contents, not its layout."""
+    return [gi.query(keys[j : j + 1]) for j in range(len(keys))]
+
+
+def test_a_batch_of_another_instance_runs_between_the_parts_of_a_leave() -> None:
+    """b's batch (stores and removes) handed to apply while a's leave is in its 3rd part is
+    applied before the 4th (by count: the parts begun when its native call ran), the leave goes
+    on after it, and the table is what the leave then the batch make serially."""
+    gi, k = filled()
+    serial, _ = filled()
+    gate = Batches(gi)
+    o, keys = ops((1, 0, 300), (0, 1, 200), (2, 1, 100)), np.concatenate([k[:300], k[-200:] + 1000, k[:100]])
+    gate.at(3, lambda: gi.apply("b", "", o, keys))
+    assert gi.remove_instance("a")
+    gate.join()
+    assert gate.applies == [3] and gate.parts > 4
+    serial.remove_instance("a")
+    serial.apply("b", "", o, keys)
+    q = np.arange(1, 2801, dtype=np.uint64)
+    assert per_key(gi, q) == per_key(serial, q)
+    assert gi.stats()["instances"] == serial.stats()["instances"]
+    assert gi.stats()["entries"] == serial.stats()["entries"] == 700 + 200 + 100  # b's L2 left, new L1, pool
+    assert gi.stats()["deferred_erases"] > 0 and gi.native.deferred == 0  # b's removals emptied entries
+    gi.check()
+
+
+def adversarial(gi: GlobalIndex) -> tuple[int, int]:
+    """Two keys with the same home, the last slot of the sweep's first part (sweep_slots 64):
+    x (stored first: at slot 63, b's) and y (then at 64, a's, the next part's). Erasing x between
+    the parts would pull y back into the part already swept."""
+    slots = int(gi.native.slots)
+    same = [key for key in range(1, 400_000) if home(key, slots) == 63][:2]
+    x, y = same
+    gi.apply("b", "", ops((0, 1, 1)), np.array([x], dtype=np.uint64))
+    gi.apply("a", "", ops((0, 1, 1), (1, 1, 1)), np.array([y, y], dtype=np.uint64))
+    return x, y
+
+
+def test_a_removal_between_the_parts_of_a_leave_leaves_nothing_of_it_for_the_reused_slot() -> None:
+    gi = GlobalIndex(200, sweep_slots=64)
+    for n in ("a", "b"):
+        gi.add_instance(n)
+        gi.set_live(n, True)
+    x, y = adversarial(gi)
+    gate = Batches(gi)
+    gate.at(1, lambda: gi.apply("b", "", ops((0, 0, 1)), np.array([x], dtype=np.uint64)))
+    assert gi.remove_instance("a")
+    gate.join()
+    assert gate.applies == [1] and gate.parts >= 2  # between the 1st part (x's slot) and the 2nd (y's)
+    st = gi.stats()
+    assert st["entries"] == 0 and st["deferred_erases"] == 1 and gi.native.counts().sum() == 0
+    gi.check()
+    assert gi.add_instance("c") == 0  # a's slot again
+    gi.set_live("c", True)
+    assert gi.query(np.array([y], dtype=np.uint64)).of("c") == TierPrefix(0, 0, 0)
+    assert gi.stats()["instances"]["c"] == {"slot": 0, "live": True, "l1_pages": 0, "l2_pages": 0}
+
+
+def test_without_deferred_erases_that_removal_would_leave_the_departed_instance_behind() -> None:
+    """The scenario above is the danger: with erases not deferred (the native switch made a no-op)
+    x's erase pulls y behind the sweep and a's bits stay for the next holder of its slot."""
+    gi = GlobalIndex(200, sweep_slots=64)
+    for n in ("a", "b"):
+        gi.add_instance(n)
+        gi.set_live(n, True)
+    x, y = adversarial(gi)
+    gate = Batches(gi)
+    gate.defer_erases = lambda on: None  # type: ignore[method-assign]
+    gate.at(1, lambda: gi.apply("b", "", ops((0, 0, 1)), np.array([x], dtype=np.uint64)))
+    assert gi.remove_instance("a")
+    gate.join()
+    gi.add_instance("c")
+    gi.set_live("c", True)
+    assert gi.query(np.array([y], dtype=np.uint64)).of("c") == TierPrefix(1, 1, 1)  # a's, stale
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_removal_between_the_parts_of_an_ageing_keeps_no_expired_hint(defer: bool) -> None:
+    """The same with hints: y an expired pool hint only; x's erase between the parts would carry y
+    behind the sweep, kept (and counted) though expired (`defer` False: the danger shown)."""
+    now = [0.0]
+    gi = GlobalIndex(200, sweep_slots=64, l3_ttl_s=100.0, clock=lambda: now[0])
+    for n in ("a", "b"):
+        gi.add_instance(n)
+        gi.set_live(n, True)
+    x, y = adversarial(gi)
+    gi.apply("a", "", ops((0, 0, 1), (1, 0, 1), (2, 1, 1)), np.array([y, y, y], dtype=np.uint64))
+    now[0] = 150.0
+    gate = Batches(gi)
+    if not defer:
+        gate.defer_erases = lambda on: None  # type: ignore[method-assign]
+    gate.at(1, lambda: gi.apply("b", "", ops((0, 0, 1)), np.array([x], dtype=np.uint64)))
+    dropped = gi.age()
+    gate.join()
+    assert gate.applies == [1]
+    st = gi.stats()
+    assert (dropped, st["pool_hints"], st["entries"]) == ((1, 0, 0) if defer else (0, 1, 1))
+    gi.check()
+
+
+@pytest.mark.parametrize("what", ["leave", "resync", "age", "pool_clear"])
+def test_random_batches_between_random_parts_leave_the_serial_table(what: str) -> None:
+    """A small table up to full (clusters crossing the parts and the end), three instances' random
+    batches (stores, removes, every tier); then a sweep of `what` with b's and c's random batches
+    applied between random parts of it (a thread each, let in by the hand-over): the same
+    contents and counts as the sweep followed by those batches on one thread."""
+    rng = np.random.default_rng({"leave": 1, "resync": 2, "age": 3, "pool_clear": 4}[what])
+    deferred = 0
+    for trial in range(40):
+        capacity = int(rng.integers(40, 160))
+        now = [0.0]
+        tables = [GlobalIndex(capacity, l3_ttl_s=100.0, clock=lambda now=now: now[0],
+                              sweep_slots=int(rng.integers(3, 20)))
+                  for _ in range(2)]  # fmt: skip
+        kmax = capacity + 1  # keys 1..capacity: never full (a full table's refusals depend on timing)
+
+        def batch(r: np.random.Generator, stores: float = 0.6, cap: int = capacity) -> tuple[np.ndarray, np.ndarray]:
+            triples, parts = [], []
+            for _ in range(int(r.integers(1, 4))):
+                n = int(r.integers(1, cap // 3))
+                triples.append((int(r.integers(3)), int(r.random() < stores), n))
+                parts.append(r.integers(1, cap + 1, size=n, dtype=np.uint64))
+            return ops(*triples), np.concatenate(parts)
+
+        seed = int(rng.integers(1 << 30))
+        for gi in tables:
+            r = np.random.default_rng(seed)
+            for n in ("a", "b", "c"):
+                gi.add_instance(n)
+                gi.set_live(n, True)
+            for _ in range(30):
+                o, keys = batch(r)
+                gi.apply(str(r.choice(["a", "b", "c"])), "", o, keys)
+        now[0] = 150.0  # the first hints are past the TTL
+        later = [(str(rng.choice(["b", "c"])), *batch(rng, 0.3)) for _ in range(int(rng.integers(5, 25)))]
+        snap = {"l1": rng.integers(1, kmax, size=capacity // 4, dtype=np.uint64)}
+        sweep = {
+            "leave": lambda gi: gi.remove_instance("a"),
+            "resync": lambda gi, snap=snap: gi.replace("a", "", snap),
+            "age": lambda gi: gi.age(),
+            "pool_clear": lambda gi: gi.clear_pool(),
+        }[what]
+        gi, serial = tables
+        gate = Batches(gi)
+        n_parts = -(-int(gi.native.slots) // gi.sweep_slots)
+        later = later[:n_parts]
+        at = sorted(int(p) + 1 for p in rng.choice(n_parts, size=len(later), replace=False))  # one per part
+        for p, (n, o, keys) in zip(at, later, strict=True):
+            gate.at(p, lambda n=n, o=o, keys=keys, gi=gi: gi.apply(n, "", o, keys))
+        sweep(gi)
+        gate.join()
+        for p in sorted(gate.todo):  # due after the last part (a leave stops once a's bits are gone)
+            for fn in gate.todo.pop(p):
+                fn()
+        sweep(serial)
+        for n, o, keys in later:
+            serial.apply(n, "", o, keys)
+        ran = [p for p in at if p <= gate.parts]  # a leave stops early once a's bits are gone
+        assert gate.applies[: len(ran)] == ran, (trial, at, gate.applies)
+        gi.check()
+        q = np.arange(1, kmax, dtype=np.uint64)
+        assert per_key(gi, q) == per_key(serial, q), trial
+        a, b = gi.stats(), serial.stats()
+        for key in ("entries", "pool_hints", "instances", "rejected"):
+            assert a[key] == b[key], (trial, key)
+        assert a["rejected"] == 0
+        deferred += a["deferred_erases"]
+        assert gi.native.deferred == 0
+    assert deferred > 0  # the batches' removals did empty entries during the sweeps
+
+
+def test_the_replaced_instance_s_own_batch_and_live_mark_wait_for_its_snapshot() -> None:
+    gi, k = filled()
+    gate = Batches(gi)
+    o, keys = ops((0, 1, 10), (0, 0, 5)), np.concatenate([k[-10:] + 1000, k[1000:1005]])
+    gate.at(2, lambda: gi.apply("a", "", o, keys))
+    gate.at(3, lambda: gi.apply("b", "", ops((1, 1, 1)), k[1999:2000]))
+    gate.at(4, lambda: gi.set_live("a", True))
+    snap = {"l1": k[1000:1200]}  # stored in one call, after the last part
+    gi.replace("a", "", snap)
+    gate.join()
+    total = gate.parts
+    assert total > 4 and gate.applies == [3, total, total]  # b's between the parts; a's snapshot, then its batch
+    assert gate.live_a[1:] == [False] * (total - 1)  # its live mark (asked in part 4) waited too
+    assert gi.query(k[1000:1200]).of("a") == TierPrefix(0, 0, 0)  # its own removal came after
+    assert gi.query(k[1005:1200]).of("a") == TierPrefix(195, 195, 195)
+    assert gi.query(k[-10:] + 1000).of("a") == TierPrefix(10, 10, 10)
+    assert gi.stats()["instances"]["a"]["l1_pages"] == 195 + 10
+    gi.check()
