@@ -3,6 +3,7 @@ the `bench` package's torch check is not paid per process; nothing here needs to
 
     python -c <loader> query CONFIG.json     # IndexClient queries in rounds; stdout: one JSON line
     python -c <loader> events CONFIG.json    # a KV-event source under load; stdout: its SourceInfo
+    python -c <loader> churn CONFIG.json     # a scripted instance (bench.index_service); stdout: its SourceInfo
 
 `query`: `rounds` rounds of `queries` requests (the page keys of `requests`, an .npy file of
 uint64 rows), one IndexClient round trip each, paced open-loop at `rate` per second (0: back to
@@ -13,6 +14,12 @@ this process's CPU seconds / queries, all its threads], "pages": ..., "instances
 second of `keys` page keys each (half stores of fresh keys into L2, half removals of the keys
 stored `window` messages earlier, so the index's table keeps its size) until its stdin closes; it
 prints its SourceInfo as JSON first.
+
+`churn`: an instance holding `pages` random keys in L1 (its snapshot), speaking the wire protocol
+itself (a PUB and a snapshot ROUTER, as tests/l3pool/index/test_index_service.py's Instance): a
+heartbeat every 0.5 s; each "gap" line on stdin sends an empty event message two seqs on (the
+index sees a gap and resynchronises it from its snapshot); it ends when stdin closes. Prints its
+SourceInfo as JSON first.
 """
 
 from __future__ import annotations
@@ -94,6 +101,46 @@ def run_events(cfg: dict) -> int:
     return 0
 
 
+def run_churn(cfg: dict) -> int:
+    import zmq
+
+    from l3pool.pool import kv_events as kv
+
+    iid, ns = cfg["instance"], cfg.get("namespace", "")
+    keys = np.random.default_rng(int(cfg.get("seed", 2))).integers(1, 1 << 63, size=int(cfg["pages"]), dtype=np.uint64)
+    tiers = {"l1": keys, "l2": np.empty(0, np.uint64), "l3": np.empty(0, np.uint64)}
+    epoch, seq = kv.new_epoch(), 0
+    ctx = zmq.Context.instance()
+    pub, rtr = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    for s in (pub, rtr):
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind("tcp://127.0.0.1:*")
+    ep = lambda s: s.getsockopt(zmq.LAST_ENDPOINT).decode()  # noqa: E731
+    print(kv.SourceInfo(iid, ep(pub), ep(rtr), ns, epoch).to_json(), flush=True)
+    poller = zmq.Poller()
+    poller.register(rtr, zmq.POLLIN)
+    poller.register(sys.stdin.fileno(), zmq.POLLIN)
+    beat = time.monotonic()
+    while True:
+        ready = dict(poller.poll(100))
+        if rtr in ready:
+            frames = rtr.recv_multipart()
+            rtr.send_multipart([*frames[:-1], kv.encode_snapshot(iid, epoch, seq, ns, tiers)])
+        if sys.stdin.fileno() in ready:
+            line = sys.stdin.readline()
+            if not line:
+                break
+            if line.strip() == "gap":
+                seq += 2
+                pub.send(kv.encode_events(iid, epoch, seq, ns, [], b""))
+        if time.monotonic() - beat >= 0.5:
+            pub.send(kv.encode_events(iid, epoch, seq, ns, [], b""))
+            beat = time.monotonic()
+    pub.close()
+    rtr.close()
+    return 0
+
+
 def main(argv: list[str]) -> int:
     role, path = argv[0], argv[1]
     with open(path) as f:
@@ -103,6 +150,8 @@ def main(argv: list[str]) -> int:
         return 0
     if role == "events":
         return run_events(cfg)
+    if role == "churn":
+        return run_churn(cfg)
     raise SystemExit(f"unknown role {role!r}")
 
 
