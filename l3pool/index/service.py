@@ -7,6 +7,16 @@ thread serves queries (and status requests) on plain TCP (l3pool/index/queries.p
 threads on the way), so a query never waits behind event ingestion in the loop: the kernel wakes
 that thread, it takes the table's lock for one native call and answers with plain lists (no
 object per instance);
+a sweeper thread runs what sweeps the whole table (tens of ms at millions of pages), one at a
+time in the order the loop hands them over: an instance's leave (`remove_instance`), its snapshot
+(`replace`), a pool member leaving (`clear_pool`), and `age` every `age_s`; meanwhile the loop
+goes on applying the other instances' events (GlobalIndex lets them in between a sweep's parts),
+so an event does not wait behind another instance's sweep. A leaving instance is out of the
+answers at once (the loop unmarks it) and its late events are dropped (unknown); its id is added
+again only once its leave is done. While an instance's `replace` is under way the loop buffers
+that instance's events (at most MAX_BUFFERED messages: beyond, they are dropped and counted and
+another snapshot follows) and applies them after it, in seq order, as below. close() lets the
+sweep under way end (a sweep is not cut short) and runs none of the queued ones.
 a membership thread polls etcd (`{prefix}/kv_events/` for the sources, `{prefix}/members/` for the
 pool) every `poll_s` and hands changes to the loop.
 
@@ -86,6 +96,10 @@ class _Source:
     events: int = 0
     last_error: str = ""
     last_seen: float = 0.0  # monotonic time of its last message (events, heartbeat, snapshot)
+    replacing: bool = False  # its snapshot is with the sweeper (`replace`): its events are buffered
+    again: bool = False  # resync once its replace is done (its buffer overflowed meanwhile)
+    gone: bool = False  # it left (the loop forgot it): a replace not begun yet is skipped
+    dropped: int = 0  # event messages dropped from a full buffer
 
 
 class IndexService:
@@ -142,12 +156,26 @@ class IndexService:
         self._status_cache: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
         self._polled: set[Any] = set()  # snapshot DEALERs registered with the loop's poller
+        # the sweeper: jobs (kind, instance, its _Source, snapshot) run in order on its own thread
+        self._jobs: collections.deque[tuple[str, str, _Source | None, Any]] = collections.deque()
+        self._jobs_cv = threading.Condition()
+        self._sweeping = ""  # the job under way ("" when none)
+        self.sweeps = dict.fromkeys(("leave", "replace", "age", "clear_pool"), 0)  # jobs done
+        self.sweep_errors = 0
+        self._leaving: set[str] = set()  # forgotten, their remove_instance not done yet (the loop's)
+        self._wanted: dict[str, SourceInfo] = {}  # the last sources given (the loop's)
+        self._deferred: set[str] = set()  # to add once a leave is done (same id, or a slot freed)
+        self._fd_mu = threading.Lock()  # _wake against close() closing the pipe
+        self._fds_open = True
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> IndexService:
         t = threading.Thread(target=self._loop, name="l3pool-index", daemon=True)
         t.start()
         self._threads.append(t)
+        w = threading.Thread(target=self._sweeper, name="l3pool-index-sweeper", daemon=True)
+        w.start()
+        self._threads.append(w)
         self._queries.start()
         if self.metadata is not None:
             m = threading.Thread(target=self._membership, name="l3pool-index-members", daemon=True)
@@ -161,15 +189,19 @@ class IndexService:
         self._stop.set()
         self._changed.set()
         self._wake()
+        with self._jobs_cv:  # the sweep under way ends (a sweep is not cut short), queued ones are not run
+            self._jobs_cv.notify_all()
         self._queries.close()
         for t in self._threads:
-            t.join(5)
+            t.join(5 if t.name != "l3pool-index-sweeper" else 60)
         for s in self._src.values():
             if s.dealer is not None:
                 s.dealer.close()
         self._sub.close()
-        os.close(self._rfd)
-        os.close(self._wfd)
+        with self._fd_mu:
+            self._fds_open = False
+            os.close(self._rfd)
+            os.close(self._wfd)
 
     def __enter__(self) -> IndexService:
         return self.start()
@@ -178,19 +210,25 @@ class IndexService:
         self.close()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wfd, b"x")
-        except OSError:
-            pass
+        with self._fd_mu:
+            if not self._fds_open:
+                return
+            try:
+                os.write(self._wfd, b"x")
+            except OSError:
+                pass
+
+    def _post(self, kind: str, arg: Any) -> None:
+        """A command for the loop (from another thread)."""
+        self._cmds.put((kind, arg))
+        self._wake()
 
     def set_sources(self, sources: dict[str, SourceInfo]) -> None:
         """The registered instances (the membership thread calls this; tests may too)."""
-        self._cmds.put(("sources", dict(sources)))
-        self._wake()
+        self._post("sources", dict(sources))
 
     def pool_member_left(self) -> None:
-        self._cmds.put(("pool_left", None))
-        self._wake()
+        self._post("pool_left", None)
 
     # -- membership (etcd) ----------------------------------------------------------------------
     def _membership(self) -> None:
@@ -233,7 +271,6 @@ class IndexService:
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
         poller.register(self._rfd, zmq.POLLIN)
-        next_age = time.monotonic() + self.age_s
         while not self._stop.is_set():
             for s in self._src.values():
                 if s.dealer is not None and s.dealer not in self._polled:
@@ -252,10 +289,6 @@ class IndexService:
                 for iid, s in self._src.items():
                     s.last_error = f"loop error: {type(e).__name__}: {e}"
                     self._resync(iid, s)
-            now = time.monotonic()
-            if now >= next_age:
-                self.index.age()
-                next_age = now + self.age_s
 
     def _turn(self, poller: Any, ready: dict[Any, int]) -> None:
         """One pass of the loop over what the poll found ready."""
@@ -274,7 +307,7 @@ class IndexService:
                 s.last_error = f"no snapshot within {self.snapshot_timeout_s} s"
                 s.backoff = min(5.0, max(self.retry_s, 2 * s.backoff))
                 s.retry_at = now + s.backoff
-            elif not s.live and s.dealer is None and now >= s.retry_at:
+            elif not s.live and s.dealer is None and not s.replacing and now >= s.retry_at:
                 self._ask_snapshot(iid, s)
             elif s.live and now - s.last_seen > self.silent_s:
                 s.last_error = f"silent for {now - s.last_seen:.1f} s"
@@ -289,41 +322,115 @@ class IndexService:
             if kind == "sources":
                 self._apply_sources(arg, poller)
             elif kind == "pool_left":
-                n = self.index.clear_pool()
-                log.info("index: a pool member left: %d L3 hints dropped", n)
+                self._sweep("clear_pool")
+            elif kind == "left":  # the sweeper removed it: an instance waiting for that can come in
+                self._leaving.discard(arg)
+                todo, self._deferred = self._deferred, set()
+                self._add({i: self._wanted[i] for i in todo if i in self._wanted})
+            elif kind == "replaced":
+                self._replaced(*arg)
 
     def _apply_sources(self, sources: dict[str, SourceInfo], poller: Any) -> None:
+        self._wanted = sources
+        self._deferred &= set(sources)
         for iid in list(self._src):
             s = self._src[iid]
             new = sources.get(iid)
             if new is None or (new.events, new.snapshot, new.epoch) != (s.info.events, s.info.snapshot, s.info.epoch):
                 self._forget(iid, poller)
+        self._add(sources)
+
+    def _add(self, sources: dict[str, SourceInfo]) -> None:
         for iid, info in sources.items():
             if iid in self._src:
+                continue
+            if iid in self._leaving:  # its old self is still being swept away: after that
+                self._deferred.add(iid)
                 continue
             try:
                 self.index.add_instance(iid)
             except IndexFull as e:
+                if self._leaving:  # a slot comes free when a leave is done: try again then
+                    self._deferred.add(iid)
                 log.warning("index: %s", e)
                 continue
             try:
                 self._sub.connect(info.events)
             except Exception as e:
                 log.warning("index: cannot connect to %s's events at %s: %s", iid, info.events, e)
-                self.index.remove_instance(iid)
+                self._leave(iid)
                 continue
             s = self._src[iid] = _Source(info)
             self._ask_snapshot(iid, s)
 
     def _forget(self, iid: str, poller: Any) -> None:
         s = self._src.pop(iid)
+        s.gone = True
         self._drop_dealer(s, poller)
         try:
             self._sub.disconnect(s.info.events)
         except Exception:
             pass
-        self.index.remove_instance(iid)
-        log.info("index: instance %s left; its entries are gone", iid)
+        if not s.replacing:  # out of the answers at once (being replaced, it is out already)
+            self.index.set_live(iid, False)
+        self._leave(iid)
+        log.info("index: instance %s left; its entries are being swept away", iid)
+
+    def _leave(self, iid: str) -> None:
+        self._leaving.add(iid)
+        self._sweep("leave", iid)
+
+    # -- the sweeper ----------------------------------------------------------------------------
+    def _sweep(self, kind: str, iid: str = "", s: _Source | None = None, snap: Any = None) -> None:
+        """Hand a sweep to the sweeper thread (run after those handed before)."""
+        with self._jobs_cv:
+            self._jobs.append((kind, iid, s, snap))
+            self._jobs_cv.notify()
+
+    def _sweeper(self) -> None:
+        """The sweeps, one at a time in the order handed over, and `age` every `age_s`: while one
+        runs (tens of ms at millions of pages) the loop goes on applying the other instances'
+        events (GlobalIndex lets them in between the sweep's parts)."""
+        next_age = time.monotonic() + self.age_s
+        while True:
+            with self._jobs_cv:
+                while not self._stop.is_set() and not self._jobs and time.monotonic() < next_age:
+                    self._jobs_cv.wait(max(0.0, next_age - time.monotonic()))
+                if self._stop.is_set():
+                    return
+                job = ("age", "", None, None) if time.monotonic() >= next_age else self._jobs.popleft()
+                self._sweeping = job[0]
+            try:
+                self._run(*job)
+            finally:
+                self._sweeping = ""
+            if job[0] == "age":
+                next_age = time.monotonic() + self.age_s
+
+    def _run(self, kind: str, iid: str, s: _Source | None, snap: Any) -> None:
+        try:
+            if kind == "age":
+                self.index.age()
+            elif kind == "clear_pool":
+                n = self.index.clear_pool()
+                log.info("index: a pool member left: %d L3 hints dropped", n)
+            elif kind == "leave":
+                try:
+                    self.index.remove_instance(iid)
+                finally:
+                    self._post("left", iid)
+            elif kind == "replace":
+                assert s is not None
+                if s.gone:  # it left before its turn: its entries go with its leave
+                    return
+                refused = self.index.replace(iid, snap.namespace, snap.tiers)
+                self._post("replaced", (iid, s, snap, refused, ""))
+            self.sweeps[kind] += 1
+        except Exception as e:  # said, counted; a failed replace is asked for again
+            self.sweep_errors += 1
+            log.exception("index: %s of %r failed", kind, iid)
+            if kind == "replace":
+                self._post("replaced", (iid, s, snap, 0, f"replace failed: {type(e).__name__}: {e}"))
 
     def _drop_dealer(self, s: _Source, poller: Any) -> None:
         if s.dealer is None:
@@ -353,7 +460,11 @@ class IndexService:
         s.dealer, s.deadline = d, time.monotonic() + self.snapshot_timeout_s
 
     def _resync(self, iid: str, s: _Source) -> None:
-        """Stop answering for the instance; a snapshot is asked for on the next turn."""
+        """Stop answering for the instance; a snapshot is asked for on the next turn (being
+        replaced: once its replace is done)."""
+        if s.replacing:
+            s.again = True
+            return
         self.index.set_live(iid, False)
         s.live = False
         if s.dealer is None:
@@ -376,9 +487,25 @@ class IndexService:
             s.last_error = str(e)
             s.retry_at = time.monotonic() + max(self.retry_s, s.backoff)
             return
-        self.refused_keys += self.index.replace(iid, snap.namespace, snap.tiers)
+        s.replacing, s.again = True, False  # its events are buffered until the sweeper is done
+        self._sweep("replace", iid, s, snap)
+
+    def _replaced(self, iid: str, s: _Source, snap: Any, refused: int, error: str) -> None:
+        """The sweeper stored the instance's snapshot: the events buffered since it was asked for
+        that continue it are applied, in seq order, and it is live; or it is asked for again."""
+        if self._src.get(iid) is not s:  # it left meanwhile: its buffered events go with it
+            return
+        s.replacing = False
+        if error:
+            s.last_error, s.buffer = error, []
+            s.retry_at = time.monotonic() + max(self.retry_s, s.backoff)
+            return
+        self.refused_keys += refused
         s.epoch, s.seq, s.backoff, s.last_error = snap.epoch, snap.seq, 0.0, ""
         s.last_seen = time.monotonic()
+        if s.again:  # its buffer overflowed during the replace (counted), or a resync was due
+            s.again, s.buffer, s.retry_at = False, [], 0.0
+            return
         pending, s.buffer = sorted(s.buffer, key=lambda b: b.seq), []
         for b in pending:
             if b.epoch != s.epoch or b.seq <= s.seq:  # another process's, or covered by the snapshot
@@ -419,11 +546,13 @@ class IndexService:
                 continue
             s.last_seen = time.monotonic()
             if not s.live:
-                if s.dealer is not None:
+                if (s.dealer is not None or s.replacing) and not s.again:
                     s.buffer.append(b)
                     if len(s.buffer) > MAX_BUFFERED:
+                        s.dropped += len(s.buffer)
                         s.buffer = []
                         s.gaps += 1
+                        s.again = s.replacing  # the snapshot is stored already: another one after it
                 continue
             if b.epoch != s.epoch:
                 s.epochs += 1
@@ -467,8 +596,11 @@ class IndexService:
             d.update(
                 live=s.live, seq=s.seq, epoch=s.epoch, resyncs=s.resyncs, gaps=s.gaps, duplicates=s.duplicates,
                 epochs=s.epochs, events=s.events, last_error=s.last_error, events_endpoint=s.info.events,
-                namespace=s.info.namespace,
+                namespace=s.info.namespace, replacing=s.replacing, dropped=s.dropped,
             )  # fmt: skip
+        for iid, d in inst.items():
+            if iid not in self._src:  # forgotten, its sweep not done yet
+                d["leaving"] = True
         return {
             "endpoint": self.endpoint,
             "etcd_ok": self.etcd_ok,
@@ -478,6 +610,12 @@ class IndexService:
             "loop_errors": self.loop_errors,
             "unknown_messages": self.unknown_messages,
             "refused_keys": self.refused_keys,
+            "sweeper": {
+                "running": self._sweeping,
+                "queued": len(self._jobs),
+                "done": dict(self.sweeps),
+                "errors": self.sweep_errors,
+            },
             "event_lag_ms": {
                 "samples": int(lag.size),
                 "p50": round(float(np.percentile(lag, 50)) * 1e3, 3) if lag.size else None,

@@ -324,3 +324,155 @@ def test_a_silent_instance_stops_being_answered_for(inst: Instance) -> None:
         assert svc.index.stats()["entries"] == 5  # kept until its registration ends
         inst.serving = True  # it answers again: the snapshot makes it live
         eventually(lambda: _matches(svc, inst), 5)
+
+
+# -- sweeps on the sweeper thread: the loop goes on meanwhile (checked by counts: a sweep held
+# between two of its parts until the test lets it go; nothing here waits on a timing) ----------
+
+
+class Held:
+    """The index's next sweep (a leave, a replace, age, clear_pool) held between two of its parts,
+    no lock held, until `go` is set; `thread`: the thread it was running on."""
+
+    def __init__(self, gi: GlobalIndex) -> None:
+        self.gi, self.real = gi, gi._hand_over
+        self.holding, self.go = threading.Event(), threading.Event()
+        self.thread = ""
+        gi._hand_over = self._hand_over  # type: ignore[method-assign]
+
+    def _hand_over(self, writers: bool = False) -> None:
+        if writers and not self.holding.is_set():  # writers: between the parts of a sweep
+            self.thread = threading.current_thread().name
+            self.holding.set()
+            assert self.go.wait(30)
+        self.real(writers)
+
+
+@pytest.fixture
+def pair(inst: Instance) -> Iterator[tuple[IndexService, Instance, Instance, Held]]:
+    """inst-a (40 pages in L1, spread over the table) and inst-b, both live; the next sweep held."""
+    b = Instance("inst-b")
+    gi = GlobalIndex(10_000, sweep_slots=64)
+    svc = IndexService(gi, snapshot_timeout_s=5.0, retry_s=0.1, silent_s=60).start()
+    held = None
+    try:
+        inst.event((0, 1, KEYS))
+        svc.set_sources({inst.iid: inst.info(), b.iid: b.info()})
+        assert svc.wait_live([inst.iid, b.iid], 10)
+        time.sleep(0.2)  # the SUB's subscriptions reach the PUBs (ZeroMQ's slow joiner)
+        held = Held(gi)
+        yield svc, inst, b, held
+    finally:
+        if held is not None:
+            held.go.set()
+        svc.close()
+        b.close()
+
+
+def _b_answered_during(svc: IndexService, b: Instance, held: Held) -> None:
+    """b's event, sent while the sweep is held, is applied and answered over the wire before it ends."""
+    b.send(b.event((0, 1, KEYS[:7])))
+    with IndexClient(svc.endpoint, timeout_s=2.0) as c:
+        eventually(lambda: c.query(np.array(KEYS, np.uint64), "ns").per_instance.get(b.iid) == TierPrefix(7, 7, 7))
+    assert held.holding.is_set() and not held.go.is_set()
+    assert _st(svc, b.iid)["seq"] == 1 and _st(svc, b.iid)["gaps"] == 0
+
+
+def test_another_instance_s_event_is_applied_while_a_leave_is_held(pair: Any) -> None:
+    svc, a, b, held = pair
+    svc.set_sources({b.iid: b.info()})  # a leaves
+    assert held.holding.wait(10)
+    _b_answered_during(svc, b, held)
+    assert held.thread == "l3pool-index-sweeper" and svc.status()["sweeper"]["running"] == "leave"
+    assert a.iid not in svc.index.query(np.array(KEYS, np.uint64), "ns").per_instance  # out at once
+    held.go.set()
+    eventually(lambda: svc.status()["sweeper"]["done"]["leave"] == 1)
+    assert svc.index.stats()["entries"] == 7 and svc.index.instances(live_only=False) == [b.iid]
+    svc.index.check()
+
+
+def test_a_resyncing_instance_s_events_during_its_replace_follow_it_in_order(pair: Any) -> None:
+    """a's events sent while its snapshot is being stored are buffered, then applied after it in
+    seq order (an older one skipped); none is lost: a's answer is its true state, with no resync
+    beyond the one its gap asked for."""
+    svc, a, b, held = pair
+    lost = a.event((0, 0, KEYS[:10]))  # lost: a gap, then a resync
+    a.send(a.event((1, 1, KEYS[:30])))
+    assert held.holding.wait(10)
+    a.send(a.event((0, 1, KEYS[:4]), (2, 1, KEYS[:20])))  # seq 4..6: after the snapshot (seq 3)
+    a.send(lost)  # seq 2: older than the snapshot, skipped
+    a.send(a.event((0, 0, KEYS[2:4]), (1, 0, KEYS[25:30])))
+    a.send(a.event((0, 1, KEYS[10:12])))
+    src = svc._src[a.iid]
+    eventually(lambda: len(src.buffer) == 4)  # the loop took them in during the replace
+    _b_answered_during(svc, b, held)
+    assert held.thread == "l3pool-index-sweeper" and svc.status()["sweeper"]["running"] == "replace"
+    assert _st(svc, a.iid)["replacing"] is True and _st(svc, a.iid)["seq"] == 1  # nothing of a's applied yet
+    assert a.iid not in svc.index.query(np.array(KEYS, np.uint64), "ns").per_instance
+    held.go.set()
+    eventually(lambda: _st(svc, a.iid)["live"] and _st(svc, a.iid)["seq"] == 6)
+    assert _matches(svc, a) and svc.index.query(np.array(KEYS, np.uint64), "ns").of(a.iid) == TierPrefix(2, 40, 40)
+    st = _st(svc, a.iid)
+    assert (st["resyncs"], st["gaps"], st["events"], st["dropped"], a.snapshots) == (2, 1, 3, 0, 2)
+    svc.index.check()
+
+
+def test_a_resyncing_instance_s_buffer_overflowing_during_its_replace_resyncs_again(
+    pair: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import l3pool.index.service as service
+
+    monkeypatch.setattr(service, "MAX_BUFFERED", 2)
+    svc, a, _b, held = pair
+    a.event((0, 0, KEYS[:10]))  # lost
+    a.send(a.event((1, 1, KEYS[:30])))
+    assert held.holding.wait(10)
+    for k in range(3):  # one more than the buffer holds: dropped, counted, another snapshot after
+        a.send(a.event((0, 1, KEYS[k : k + 1])))
+    eventually(lambda: _st(svc, a.iid)["gaps"] == 2)  # the overflow, counted during the replace
+    assert _st(svc, a.iid)["dropped"] == 3
+    held.go.set()
+    eventually(lambda: _st(svc, a.iid)["live"] and _matches(svc, a))
+    st = _st(svc, a.iid)
+    assert (st["resyncs"], st["gaps"], st["seq"], a.snapshots) == (3, 2, 6, 3)
+
+
+def test_a_leaving_instance_s_late_events_never_come_back(pair: Any) -> None:
+    svc, a, b, held = pair
+    svc.set_sources({b.iid: b.info()})
+    assert held.holding.wait(10)
+    a.send(a.event((0, 1, list(range(100, 120)))))  # late: a has left
+    _b_answered_during(svc, b, held)
+    svc.set_sources({a.iid: a.info(), b.iid: b.info()})  # and comes back: only once its leave is done
+    eventually(lambda: a.iid in svc._deferred)
+    assert a.iid not in svc.index.instances(live_only=False)
+    held.go.set()
+    eventually(lambda: _st(svc, a.iid).get("live") is True and _matches(svc, a))
+    st = _st(svc, a.iid)
+    assert st["resyncs"] == 1 and st["events"] == 0  # from its new snapshot, none of its late events applied
+    svc.set_sources({b.iid: b.info()})  # gone for good this time
+    eventually(lambda: svc.status()["sweeper"]["done"]["leave"] == 2)
+    late = np.array(list(range(100, 120)) + KEYS, np.uint64)
+    assert a.iid not in svc.index.query(late, "ns").per_instance
+    assert svc.index.stats()["entries"] == 7  # b's only
+    svc.index.check()
+
+
+def test_close_during_a_held_sweep_ends_cleanly(pair: Any) -> None:
+    svc, _a, b, held = pair
+    svc.set_sources({b.iid: b.info()})
+    assert held.holding.wait(10)
+    _b_answered_during(svc, b, held)
+    svc.pool_member_left()  # queued behind the leave: not run once closing
+    eventually(lambda: svc.status()["sweeper"]["queued"] == 1)
+    closer = threading.Thread(target=svc.close)
+    closer.start()
+    eventually(lambda: svc._stop.is_set())
+    assert closer.is_alive()  # it waits for the sweep under way
+    held.go.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert not [t.name for t in svc._threads if t.is_alive()]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("l3pool-index")]
+    assert svc.sweeps["leave"] == 1 and svc.index.stats()["pool_clears"] == 0
+    svc.index.check()
