@@ -12,8 +12,9 @@ member leaving (`clear_pool`), `churn` leaving (`remove_instance`), `churn` join
 snapshot stored), `--pause-s` after each; ageing runs every `--age-s` throughout. Reported: the
 service's own event lag (`event_lag_*`: the publisher's `sent_at` of a message's oldest operation
 to its apply, i.e. end to end over ZeroMQ) for `load`'s messages in the quiet window and during
-the churn, how long each churn operation took as seen from outside (until the service reports it
-done), `load`'s gaps/resyncs (none expected), and `loadavg` at the start and the end.
+the churn (the quiet window has no instance churn, but ageing runs in it too), how long each
+churn operation took as seen from outside (until it is done: live again, no hint left, the
+leaving instance's slot free again), `load`'s gaps/resyncs (none expected), and `loadavg` at the start and the end.
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                     ops["pool_clear"].append(_wait(cleared))
                     gi.apply(names[0], "", hint_ops, hints)  # the hints back: ageing sweeps the table again
                     time.sleep(args.pause_s)
-                    svc.set_sources({"load": srcs["load"]})
-                    ops["leave"].append(_wait(lambda: "churn" not in gi.instances(live_only=False)))
+                    free = len(gi._free)
+                    svc.set_sources({"load": srcs["load"]})  # until its sweep is done (its slot free again)
+                    ops["leave"].append(_wait(lambda free=free: len(gi._free) > free))
                     time.sleep(args.pause_s)
                     svc.set_sources(srcs)
                     ops["join"].append(_wait(lambda: "churn" in gi.instances()))
