@@ -67,3 +67,19 @@ def test_bad_sizes_are_refused(args: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         bench_index.main(args)
     assert e.value.code == 2
+
+
+def test_index_service_bench_json_contract(tmp_path: Path) -> None:
+    """bench.index_service at tiny sizes: the service's event lag under churn, every operation
+    timed, the publisher never resynchronised by the churn of another instance."""
+    from bench import index_service
+
+    out = tmp_path / "svc.json"
+    argv = ["--instances", "4", "--pages", "2000", "--hints", "100", "--rounds", "1", "--quiet-s", "0.3",
+            "--pause-s", "0.1", "--out", str(out)]  # fmt: skip
+    assert index_service.main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["churn_event_lag_ms"]["samples"] > 0 and r["churn_event_lag_p99_ms"] > 0
+    assert set(r["op_wall_ms_median"]) == {"resync", "pool_clear", "leave", "join"}
+    assert r["load_gaps"] == 0 and r["load_resyncs"] == 1 and r["entries"] >= 3 * 2000
+    assert len(r["loadavg_start"]) == 3 and "churn_event_lag_p99_ms<=50" in r
