@@ -31,7 +31,7 @@ import numpy as np
 
 from bench._pool_cli import add_report_args, check_out, emit_report
 from bench.index import _line, _loadavg, _stop, _worker
-from l3pool.cli import guarded
+from l3pool.cli import guarded, nonneg_float, positive_float, positive_int
 from l3pool.pool.kv_events import SourceInfo
 
 
@@ -52,17 +52,27 @@ def _lag(xs: list[float]) -> dict[str, Any]:
             "p99": round(float(np.percentile(a, 99)), 3), "max": round(float(a.max()), 3)}  # fmt: skip
 
 
+def at_least_3(text: str) -> int:
+    """--instances: the publisher, the churned instance and at least one static instance."""
+    n = positive_int(text)
+    if n < 3:
+        raise argparse.ArgumentTypeError(f"must be >= 3, got {n}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.index_service", description=__doc__.splitlines()[0])
-    p.add_argument("--instances", type=int, default=64)
-    p.add_argument("--pages", type=int, default=100_000)
-    p.add_argument("--hints", type=int, default=50_000, help="L3 hints in the table (restored after each pool clear)")
-    p.add_argument("--event-rate", type=float, default=500.0)
-    p.add_argument("--event-keys", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--pause-s", type=float, default=0.4)
-    p.add_argument("--quiet-s", type=float, default=3.0)
-    p.add_argument("--age-s", type=float, default=1.0)
+    p.add_argument("--instances", type=at_least_3, default=64)
+    p.add_argument("--pages", type=positive_int, default=100_000)
+    p.add_argument(
+        "--hints", type=positive_int, default=50_000, help="L3 hints in the table (restored after each pool clear)"
+    )
+    p.add_argument("--event-rate", type=positive_float, default=500.0)
+    p.add_argument("--event-keys", type=positive_int, default=64)
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--pause-s", type=nonneg_float, default=0.4)
+    p.add_argument("--quiet-s", type=positive_float, default=3.0)
+    p.add_argument("--age-s", type=positive_float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     add_report_args(p)
     args = p.parse_args(argv)

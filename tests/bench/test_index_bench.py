@@ -83,3 +83,23 @@ def test_index_service_bench_json_contract(tmp_path: Path) -> None:
     assert set(r["op_wall_ms_median"]) == {"resync", "pool_clear", "leave", "join"}
     assert r["load_gaps"] == 0 and r["load_resyncs"] == 1 and r["entries"] >= 3 * 2000
     assert len(r["loadavg_start"]) == 3 and "churn_event_lag_p99_ms<=50" in r
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--instances", "2"], "--instances: must be >= 3, got 2"),
+        (["--pages", "0"], "--pages: must be >= 1"),
+        (["--event-rate", "-1"], "--event-rate: must be > 0"),
+        (["--rounds", "x"], "--rounds"),
+        (["--pause-s", "-0.1"], "--pause-s"),
+    ],
+)
+def test_index_service_bench_refuses_bad_arguments(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import index_service
+
+    with pytest.raises(SystemExit) as e:
+        index_service.main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
