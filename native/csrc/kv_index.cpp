@@ -1,5 +1,6 @@
 // KvIndex (see include/kv_index.h). Torch-free; the binding converts arguments in bindings.cpp.
 #include "kv_index.h"
+#include "hash_mix.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -7,15 +8,6 @@
 
 namespace l2core {
 namespace {
-
-inline uint64_t mix(uint64_t x) {  // splitmix64's finaliser
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
 
 inline uint64_t norm(uint64_t k, uint64_t salt) {  // 0 marks an empty slot: key 0 is stored as 1
   k ^= salt;

@@ -1,6 +1,7 @@
 // PageIndex and GhostSet (see include/page_index.h). Torch-free; the binding converts the
 // arguments in bindings.cpp.
 #include "page_index.h"
+#include "hash_mix.h"
 
 #include <algorithm>
 #include <cstring>
@@ -8,16 +9,6 @@
 
 namespace l2core {
 namespace {
-
-// splitmix64's finaliser: every input bit reaches every output bit.
-inline uint64_t mix(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
 
 constexpr int64_t kAhead = 16;  // keys between a prefetch and its probe
 
