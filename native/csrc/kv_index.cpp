@@ -1,6 +1,6 @@
 // KvIndex (see include/kv_index.h). Torch-free; the binding converts arguments in bindings.cpp.
 #include "kv_index.h"
-#include "hash_mix.h"
+#include "hash_table.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -13,16 +13,6 @@ inline uint64_t norm(uint64_t k, uint64_t salt) {  // 0 marks an empty slot: key
   k ^= salt;
   return k ? k : 1;
 }
-
-inline void prefetch(const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p);
-#else
-  (void)p;
-#endif
-}
-
-constexpr int64_t kAhead = 16;
 
 }  // namespace
 

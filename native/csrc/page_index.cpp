@@ -1,7 +1,7 @@
 // PageIndex and GhostSet (see include/page_index.h). Torch-free; the binding converts the
 // arguments in bindings.cpp.
 #include "page_index.h"
-#include "hash_mix.h"
+#include "hash_table.h"
 
 #include <algorithm>
 #include <cstring>
@@ -10,20 +10,10 @@
 namespace l2core {
 namespace {
 
-constexpr int64_t kAhead = 16;  // keys between a prefetch and its probe
-
 uint64_t table_size(int64_t entries) {  // a power of two >= 2 * entries (load <= 1/2), >= 16
   uint64_t s = 16;
   while (s < 2 * static_cast<uint64_t>(entries)) s <<= 1;
   return s;
-}
-
-inline void prefetch(const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p);
-#else
-  (void)p;
-#endif
 }
 
 // Is slot j's entry (home slot k) allowed to move back into the hole at i? (linear probing)
