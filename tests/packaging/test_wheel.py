@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -108,9 +109,27 @@ def _backend(requires: list[str], target: Path, env: dict[str, str] | None = Non
                              f"reachable ({'; '.join(tried)})")  # fmt: skip
 
 
+def _source_copy(dst: Path) -> Path:
+    """The tree's sources (tracked files and untracked ones git does not ignore) copied to `dst`:
+    a build in the checkout itself reuses its `build/` dir, where setuptools never removes a file
+    the sources lost (seen: a renamed header still shipped in the wheel)."""
+    r = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                       capture_output=True, timeout=60)  # fmt: skip
+    if r.returncode != 0:  # not a git checkout (an unpacked sdist): everything but build outputs
+        shutil.copytree(REPO, dst, ignore=shutil.ignore_patterns("build", "*.egg-info", ".venv", "__pycache__"))
+        return dst
+    for name in filter(None, r.stdout.decode().split("\0")):
+        src = REPO / name
+        if src.is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / name)
+    return dst
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
+    tree = _source_copy(tmp_path_factory.mktemp("tree"))
     requires = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
     backend = _backend(requires, tmp_path_factory.mktemp("backend"))
     if backend.skip:
@@ -120,11 +139,11 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if backend.path is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(backend.path), env.get("PYTHONPATH")) if p)
     pip = [sys.executable, "-m", "pip"]
-    r = _run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(out), str(REPO)],
+    r = _run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(out), str(tree)],
              env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     code = f"from setuptools import build_meta as b; print(b.build_sdist({str(out)!r}))"
-    r = _run([sys.executable, "-c", code], cwd=REPO, env=env)
+    r = _run([sys.executable, "-c", code], cwd=tree, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     return out
 
