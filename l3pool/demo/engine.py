@@ -24,6 +24,7 @@ Without cache (`use_cache=False`) there is no TieredCache: the request's KV goes
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import time
@@ -293,5 +294,16 @@ class PrefillInstance:
         return self.cache.stats() if self.cache is not None else {}
 
     def close(self) -> None:
-        if self.stack is not None:
-            self.stack.close()
+        """Close the cache and free this instance's L1 (GPU) and L2 memory now. The controller's
+        roles hold bound methods of each other (reference cycles), so a closed stack's buffers
+        would otherwise wait for Python's next full collection: on the H200 the demo's closed
+        instances (5.2 GB of L1 each for llama-8b) filled the GPU before it ran."""
+        stack, self.stack = self.stack, None
+        self.cache = self.pool = self.l3 = None
+        self.bufs = []
+        try:
+            if stack is not None:
+                stack.close()
+        finally:
+            del stack
+            gc.collect()

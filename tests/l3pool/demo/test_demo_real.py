@@ -3,7 +3,9 @@ over the L1 adapter) at tiny shapes on the CPU: exactness and the self-check, no
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +100,27 @@ def test_hf_instance_uses_hits_up_to_a_chunk_boundary() -> None:
         assert r1.hit_pages == 0
     finally:
         inst.close()
+
+
+def test_closed_instance_frees_its_l1_and_l2_at_once() -> None:
+    """close() frees the instance's buffers without waiting for Python's cyclic collector (the
+    controller's roles reference each other): on the H200 the demo's closed llama-8b instances kept
+    their L1 and filled the GPU. Automatic collection is off here, so only close() can free them."""
+    m = HFModel(HFConfig("llama-tiny", page_size=16, chunk=64))
+    gc.collect()
+    gc.disable()
+    try:
+        inst = PrefillInstance("t", m, l1_tokens=1024, l2_tokens=2048)
+        inst.prefill(np.arange(150) % m.cfg.vocab)
+        inst.flush()
+        assert inst.pool is not None
+        l1, l2 = weakref.ref(inst.bufs[0]), weakref.ref(inst.pool.buffer)
+        inst.close()
+        assert l1() is None and l2() is None
+        assert inst.cache is None and inst.stats() == {}
+        inst.close()  # a second close does nothing
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize(
