@@ -12,16 +12,24 @@
 # index      bench.index (64 instances x 100K pages) + bench.scale at 32 and 64 agents      19     6
 # swa        bench.swa on CUDA (window gather/scatter vs the PCIe limit) + the hybrid demo   21     6
 # routing    demo --routing all: 3 instances, 6 sessions x 3 turns of 4-8K tokens   19     7
+# routing-llama  the routing comparison on llama-8b (128 KB of KV per token: an L3 hit over TCP
+#            costs about what computing it does, so where a prefix is cached matters)   19     5
 # llama      the real-scale demo, llama-8b shape (deterministic kernels)             23     5
 # mla        the real-scale demo, DeepSeek MLA shape, 12 of 61 layers                23     5
 # split      bench.split_read + the NCCL byte check (needs 2 GPUs: nvidia-h200-x2)   22     3
 #
-# Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle (carried with the call).
+# Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle (carried with the call). The
+# global index's transport, pyzmq, is not in the GPU host's image: index and routing need its wheel
+# in ./.whl (carried too), fetched on a machine with pip:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pyzmq
+# Measured on one H200 (2026-12-02): llama 323 s and mla 277 s after a 60 s first build, swa 13 s +
+# 123 s, index (bench.index alone) ~150 s, routing with --repeats 3 264 s.
 # Results land in OUTDIR (copy the JSON files to bench/results/ with the date and device);
 # each step's exit code is printed and collected in OUTDIR/exit-codes.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|llama|mla|split OUTDIR [DATE]}
+group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|llama|mla|split OUTDIR [DATE]}
 out=${2:?usage: bench/gpu-runs.sh GROUP OUTDIR [DATE]}
 day=${3:-$(date +%F)}
 mkdir -p "$out"
@@ -30,6 +38,10 @@ if [ -f gpu-bundle/activate.sh ]; then
   source gpu-bundle/activate.sh
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then  # carried wheels (pyzmq), into a private target dir
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/l3pool-site \
+    .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/l3pool-site
+fi
 export L2CORE_BUILD_DIR=${L2CORE_BUILD_DIR:-/tmp/l2core-build}
 
 step() {  # step NAME SECONDS CMD...: one bounded step, its output in OUTDIR/NAME.log
@@ -42,6 +54,12 @@ step() {  # step NAME SECONDS CMD...: one bounded step, its output in OUTDIR/NAM
   tail -n 5 "$out/$name.log"
 }
 
+case $group in
+  suite | l3 | index | swa | routing | routing-llama | llama | mla | split) ;;
+  *)
+    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|llama|mla|split" >&2
+    exit 2 ;;
+esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$out/gpu.txt" 2>&1
 step native-build 240 python3 -c "from l2core import _native; _native.load(); print('native extension loaded')"
 
@@ -64,6 +82,10 @@ case $group in
     step routing 480 python3 -m l3pool demo --routing all --instances 3 --sessions 6 --turns 3 \
       --min-context 4096 --max-context 8192 --repeats 5 --rounds 1 --no-side --no-interference --no-progress \
       --json --out "$out/routing" ;;
+  routing-llama)
+    step routing-llama 540 python3 -m l3pool demo --routing all --model llama-8b --instances 3 --queue-depth 1 \
+      --sessions 6 --turns 3 --min-context 8192 --max-context 16384 --repeats 3 --rounds 1 --segment-size 8GB \
+      --no-side --no-interference --no-progress --json --out "$out/routing-llama" ;;
   llama)
     step llama 540 bash scripts/demo-real.sh llama-8b "$out/demo-llama-8b" ;;
   mla)
@@ -72,6 +94,6 @@ case $group in
     step split 300 python3 -m bench.split_read --json --out "$out/$day-h200x2-split-read.json"
     step split-test 200 python3 -m pytest -q -p no:cacheprovider tests/l2core/test_split_read.py -k two_gpus ;;
   *)
-    echo "unknown group '$group': suite|l3|index|swa|routing|llama|mla|split" >&2
+    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|llama|mla|split" >&2
     exit 2 ;;
 esac

@@ -2,8 +2,8 @@
 # The demo at real model scale on an H200 host without a package registry (issue 23), one shape per
 # call: `bash scripts/demo-real.sh llama-8b OUTDIR` or `bash scripts/demo-real.sh deepseek-mla OUTDIR`.
 # Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle; transformers, torch, tqdm come
-# from the host's image. 196 s measured for llama-8b with 3 sessions; with these 6 an estimated
-# ~5-6 min per shape on one H200 (+ ~45 s for the first native build).
+# from the host's image. Measured on one H200 (2026-12-02): 323 s for llama-8b, 277 s for
+# deepseek-mla (12 layers), + ~60 s for the first native build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${1:?usage: demo-real.sh llama-8b|deepseek-mla OUTDIR}
