@@ -625,3 +625,19 @@ def test_closed_reader_of_stdout_ends_quietly() -> None:
     assert piped.returncode == 141 and piped.stderr == "", piped.stderr
     socket_like = _guarded_child("raise BrokenPipeError(32, 'Broken pipe')", reader_closed=False)
     assert socket_like.returncode == 1 and "Traceback" in socket_like.stderr and "BrokenPipeError" in socket_like.stderr
+
+
+def test_accelerator_out_of_memory_is_one_line_with_a_hint() -> None:
+    """The H200 demo that ran out of GPU memory ended in a traceback: torch's OutOfMemoryError is an
+    operational error (one line, a hint at the sizes, exit 1). An error of the same base class that
+    is not one stays a traceback."""
+    oom = _guarded_child(
+        "import torch; raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 80.00 MiB.')",
+        reader_closed=False,
+    )
+    assert oom.returncode == 1 and "Traceback" not in oom.stderr, oom.stderr
+    lines = oom.stderr.strip().splitlines()
+    assert lines[0] == "l3pool x: error: CUDA out of memory. Tried to allocate 80.00 MiB.", lines
+    assert lines[1].startswith("l3pool x: hint: ") and "--queue-depth" in lines[1], lines
+    other = _guarded_child("import torch; raise RuntimeError('a bug')", reader_closed=False)
+    assert other.returncode == 1 and "Traceback" in other.stderr and "RuntimeError: a bug" in other.stderr
