@@ -149,9 +149,13 @@ _OPERATIONAL = (
     ("l3pool.cluster.local", "ClusterConfigError", None),
     ("l2core.units", "ConfigError", None),
     ("l3pool.paths", "UnsafeDirError", None),
-    ("torch", "OutOfMemoryError", "the accelerator's memory is too small for these sizes: ask for less (the demo:"
-     " --queue-depth, --l2-tokens, --max-context, --layers); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-     " helps when the message shows much memory reserved but unallocated"),
+    (
+        "torch",
+        "OutOfMemoryError",
+        "the accelerator's memory is too small for these sizes: ask for less (the demo:"
+        " --queue-depth, --l2-tokens, --max-context, --layers); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        " helps when the message shows much memory reserved but unallocated",
+    ),
 )
 
 
