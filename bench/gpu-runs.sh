@@ -32,6 +32,12 @@ cd "$(dirname "$0")/.."
 group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|llama|mla|split OUTDIR [DATE]}
 out=${2:?usage: bench/gpu-runs.sh GROUP OUTDIR [DATE]}
 day=${3:-$(date +%F)}
+case $group in
+  suite | l3 | index | swa | routing | routing-llama | llama | mla | split) ;;
+  *)
+    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|llama|mla|split" >&2
+    exit 2 ;;
+esac
 mkdir -p "$out"
 if [ -f gpu-bundle/activate.sh ]; then
   # shellcheck disable=SC1091
@@ -54,12 +60,6 @@ step() {  # step NAME SECONDS CMD...: one bounded step, its output in OUTDIR/NAM
   tail -n 5 "$out/$name.log"
 }
 
-case $group in
-  suite | l3 | index | swa | routing | routing-llama | llama | mla | split) ;;
-  *)
-    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|llama|mla|split" >&2
-    exit 2 ;;
-esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$out/gpu.txt" 2>&1
 step native-build 240 python3 -c "from l2core import _native; _native.load(); print('native extension loaded')"
 
@@ -93,7 +93,4 @@ case $group in
   split)
     step split 300 python3 -m bench.split_read --json --out "$out/$day-h200x2-split-read.json"
     step split-test 200 python3 -m pytest -q -p no:cacheprovider tests/l2core/test_split_read.py -k two_gpus ;;
-  *)
-    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|llama|mla|split" >&2
-    exit 2 ;;
 esac

@@ -294,10 +294,11 @@ class PrefillInstance:
         return self.cache.stats() if self.cache is not None else {}
 
     def close(self) -> None:
-        """Close the cache and free this instance's L1 (GPU) and L2 memory now. The controller's
-        roles hold bound methods of each other (reference cycles), so a closed stack's buffers
-        would otherwise wait for Python's next full collection: on the H200 the demo's closed
-        instances (5.2 GB of L1 each for llama-8b) filled the GPU before it ran."""
+        """Close the cache and free this instance's L1 (GPU) buffers now. The controller's roles
+        hold bound methods of each other (reference cycles) and the stack's L1 holds the buffers,
+        so they would otherwise wait for Python's next full collection: on the H200 the demo's
+        closed instances (5.2 GB of L1 each for llama-8b) filled the GPU before it ran. (The L2
+        pool is unmapped by the stack's own close.)"""
         stack, self.stack = self.stack, None
         self.cache = self.pool = self.l3 = None
         self.bufs = []
