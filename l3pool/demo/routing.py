@@ -185,6 +185,8 @@ class RoutedRun:
     policy: str
     recs: list[Record] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)  # virtual: arrival to logits on parallel instances
+    expected_ttft_s: list[float] = field(default_factory=list)  # the router's price of the chosen instance
+    forfeited_local_tokens: int = 0  # L1/L2 hit tokens another instance held beyond the chosen one
     cpu_s: float = 0.0  # this process's CPU seconds inside the prefill calls (all its threads)
     routed_tokens: dict[str, int] = field(default_factory=dict)
     reasons: Counter[str] = field(default_factory=Counter)
@@ -234,7 +236,7 @@ def run_routed(
     index: LocalIndex | ServiceIndex = local
     router = Router(make_policy(policy), list(insts), page_size=P, page_bytes=spec.page_bytes)
     run = RoutedRun(policy, routed_tokens=dict.fromkeys(insts, 0))
-    queued: deque[tuple[int, Request, str, Queued, bool, float]] = deque()
+    queued: deque[tuple[int, Request, str, Queued, bool, float, float]] = deque()
     free_at = dict.fromkeys(insts, 0.0)
     running: list[tuple[float, float, str]] = []  # (virtual end, start, request id) not yet left the queue
     nxt = 0
@@ -262,9 +264,11 @@ def run_routed(
                 run.routed_tokens[d.instance] += r.length
                 if len(run.decisions) < 8:
                     run.decisions.append(d.as_dict())
-                queued.append((i, r, d.instance, q, d.prefetch is not None, now))
+                best_local = max(e.l2 for e in d.estimates.values())
+                run.forfeited_local_tokens += (best_local - d.chosen.l2) * P
+                queued.append((i, r, d.instance, q, d.prefetch is not None, now, d.chosen.total_s))
                 nxt += 1
-            i, r, name, q, ordered, arrived = queued.popleft()
+            i, r, name, q, ordered, arrived, expected = queued.popleft()
             inst = insts[name]
             c0 = time.process_time()
             rec = inst.prefill(q, hold=True)
@@ -279,6 +283,7 @@ def run_routed(
             free_at[name] = end = t0 + rec.prefill_s
             running.append((end, t0, str(i)))
             run.ttft_s.append(end - arrived)
+            run.expected_ttft_s.append(expected)
             router.compute_model(name).add(rec.computed_tokens, rec.compute_s, rec.hit_pages * P)
             router.observe(name, inst.stats())
             rec.logits, rec.l1_pages, rec.hashes = None, None, []
@@ -287,7 +292,7 @@ def run_routed(
         for inst in insts.values():
             inst.flush()
     finally:
-        for _, _, name, q, _, _ in queued:
+        for _, _, name, q, _, _, _ in queued:
             c = insts[name].cache
             if c is not None:
                 c.release(q.request_id)
@@ -341,7 +346,22 @@ def summarize(runs: list[RoutedRun], P: int) -> dict[str, Any]:
         "logits_identical": all(r.logits_identical for r in runs),
         "wrong_pages": sum(r.wrong_pages for r in runs),
         "decisions_sample": last.decisions,
+        "ttft_estimate": estimate_error(
+            [x for r in runs for x in r.expected_ttft_s], [x for r in runs for x in r.ttft_s]
+        ),
+        "forfeited_local_tokens": int(statistics.median([r.forfeited_local_tokens for r in runs])),
     }
+
+
+def estimate_error(expected: Sequence[float], actual: Sequence[float]) -> dict[str, Any]:
+    """How well the router priced its picks: expected / actual TTFT (virtual) per request, as a
+    median and 10th/90th percentiles (1.0: exact; < 1: the router expected less wait than came).
+    Requests with no measurable TTFT are left out."""
+    r = np.array([e / a for e, a in zip(expected, actual, strict=True) if a > 0], dtype=float)
+    if not r.size:
+        return {"requests": 0, "median": None, "p10": None, "p90": None}
+    p10, med, p90 = (float(x) for x in np.percentile(r, [10, 50, 90]))
+    return {"requests": int(r.size), "median": round(med, 4), "p10": round(p10, 4), "p90": round(p90, 4)}
 
 
 def _have_zmq() -> bool:

@@ -93,6 +93,7 @@ class Router:
         self.page_size, self.page_bytes = page_size, page_bytes
         self.prefetch_hides_queue = prefetch_hides_queue
         self.instances: dict[str, InstanceModel] = {}
+        self.fleet = ComputeModel()  # every instance's samples: the price of one not yet fitted
         for i in instances:
             self.add(i)
         if not self.instances:
@@ -104,6 +105,8 @@ class Router:
         m = inst if isinstance(inst, InstanceModel) else InstanceModel(inst)
         if m.name in self.instances:
             raise RouterError(f"instance {m.name!r} is already known")
+        if m.compute.shared is None and m.compute is not self.fleet:
+            m.compute.shared = self.fleet
         self.instances[m.name] = m
         return m
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from l3pool.cli import main
+from l3pool.demo import routing
 from l3pool.demo.routing import paired, parse_policies, verdict
 
 TINY = ["--quick", "--layers", "2", "--sessions", "3", "--turns", "3", "--min-context", "256", "--max-context", "640"]
@@ -53,6 +54,15 @@ def test_paired_ratios_cancel_drift_between_repeats() -> None:
     assert paired({"round_robin": pol["round_robin"]}) == {}
 
 
+def test_estimate_error_is_expected_over_actual() -> None:
+    e = routing.estimate_error([1.0, 2.0, 3.0, 0.5], [1.0, 1.0, 1.0, 0.0])  # the last: no TTFT, left out
+    assert e["requests"] == 3 and e["median"] == 2.0
+    assert e["p10"] == pytest.approx(1.2) and e["p90"] == pytest.approx(2.8)
+    assert routing.estimate_error([], [])["median"] is None
+    with pytest.raises(ValueError):
+        routing.estimate_error([1.0], [])  # unpaired lists are a bug, not a smaller sample
+
+
 def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = [
         *TINY,
@@ -92,6 +102,9 @@ def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
         # every prefetch order landed: the request hit every ordered page (in L2 before its L1 load)
         assert row["prefetch_landed"] == row["prefetch_orders"], name
         assert row["decisions_sample"] and set(row["decisions_sample"][0]["estimates"]) == set(row["routed_tokens"])
+        est = row["ttft_estimate"]  # the router's price of each pick against the virtual TTFT that came
+        assert est["requests"] == requests * rt["repeats"] and 0 < est["p10"] <= est["median"] <= est["p90"], est
+        assert isinstance(row["forfeited_local_tokens"], int) and row["forfeited_local_tokens"] >= 0
     # round_robin moves every session each turn: its turns after the first come from the pool
     rr = rt["policies"]["round_robin"]
     assert rr["prefetch_orders"] > 0 and rr["hit_rate"]["L3"] > 0 and rr["l3_bytes"] > 0

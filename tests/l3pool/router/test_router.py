@@ -286,3 +286,24 @@ def test_progress_sets_the_remaining_work() -> None:
         r.progress("q", math.inf)
     with pytest.raises(RouterError, match="unknown request"):
         r.progress("zz", 1.0)
+
+
+def test_an_unfitted_instance_is_priced_by_its_fleet_then_by_measured_rates() -> None:
+    """Before an instance has its own fit: the fit of every instance's samples pooled, else the mean
+    measured seconds per token (its own, else the fleet's); the constant only before any sample."""
+    r = router(names=("a", "b"))
+    a, b = r.compute_model("a"), r.compute_model("b")
+    assert b.predict(1000) == pytest.approx(1000 * a.default_s_per_token)  # nothing measured yet
+    a.add(1000, 0.201)  # one sample on a (on the line below): 2.01e-4 s per token
+    assert a.predict(2000) == pytest.approx(0.402) and b.predict(2000) == pytest.approx(0.402)  # b: the fleet's rate
+    b.add(1000, 0.1)  # b's own rate now comes first
+    assert b.predict(1000) == pytest.approx(0.1) and a.predict(1000) == pytest.approx(0.201)
+    for n in (256, 512, 2048, 4096):  # a fits its own line; the fleet (a's and b's samples) fits too
+        a.add(n, 1e-3 + 2e-4 * n)
+    assert a.coef is not None and b.coef is None and r.fleet.coef is not None
+    assert a.predict(3000) == pytest.approx(1e-3 + 2e-4 * 3000, rel=1e-6)
+    assert b.predict(3000) == pytest.approx(r.fleet.predict(3000))  # b unfitted: the fleet's fit
+    assert r.fleet.samples == 6
+    own = InstanceModel("c", ComputeModel(default_s_per_token=1e-3))
+    r.add(own)
+    assert own.compute.shared is r.fleet and own.compute.predict(3000) == pytest.approx(r.fleet.predict(3000))
