@@ -33,7 +33,9 @@ MLA_SRC = "srt/mem_cache/pool_host/mla.py"
 def sglang_method(relpath: str, cls: str, name: str) -> Callable[..., Any]:
     """A method's source from the installed sglang (without importing its heavy module)."""
     spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.submodule_search_locations
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("sglang is not installed (pip install sglang; on a host without a registry, "
+                          "carry the bundle of scripts/gpu-sglang-bundle.sh on PYTHONPATH)")  # fmt: skip
     src = Path(next(iter(spec.submodule_search_locations)), relpath).read_text()
     for node in ast.parse(src).body:
         if isinstance(node, ast.ClassDef) and node.name == cls:

@@ -81,6 +81,7 @@ from l3pool.cli import (
 )
 from l3pool.cluster.local import LocalCluster
 from l3pool.measure import percentile
+from l3pool.pool.connection import mem_available
 from l3pool.procenv import python_env
 
 PROG = "python -m bench.scale"
@@ -113,17 +114,9 @@ def _agent_list(text: str) -> list[int]:
     return sorted(set(xs))
 
 
-def _available_memory() -> int | None:
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
 def check_memory(agents: int, segment_bytes: int) -> None:
     """Refuse a row whose agents (segment + process each) would not fit in 80 % of what is available."""
-    need, avail = agents * (segment_bytes + AGENT_PROCESS_BYTES), _available_memory()
+    need, avail = agents * (segment_bytes + AGENT_PROCESS_BYTES), mem_available()
     if avail is not None and need > 0.8 * avail:
         raise UserError(
             f"{agents} agents need ~{need / 2**30:.1f} GiB ({segment_bytes / 2**20:.0f} MiB segment + "

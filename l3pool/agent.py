@@ -60,7 +60,7 @@ from l3pool.pool.etcd import (
     security_from_args,
 )
 from l3pool.pool.metadata import DEFAULT_PREFIX, MemberInfo, Metadata, check_id, check_prefix
-from l3pool.pool.store import PROTOCOLS, metadata_url, segment_too_small
+from l3pool.pool.store import PROTOCOLS, metadata_url, segment_too_large, segment_too_small
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,8 @@ class AgentSettings:
         host = check_host(args.host, "--host")
         segment_bytes = parse_size(args.segment_size, "--segment-size")
         if (problem := segment_too_small(segment_bytes, args.segment_size)) is not None:
+            raise ValueError(problem)
+        if (problem := segment_too_large(segment_bytes, args.segment_size)) is not None:
             raise ValueError(problem)
         protocol = args.protocol.lower()
         if protocol not in PROTOCOLS:

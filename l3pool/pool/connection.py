@@ -126,8 +126,8 @@ def check_reachable(master: str, timeout: float = 2.0) -> None:
         raise StoreUnavailable(f"mooncake master {master} unreachable: {e}") from None
 
 
-def _mem_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+def mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read). The one reader of it."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -145,7 +145,7 @@ def _setup_cause(rc: int, segment_bytes: int) -> str:
     from l3pool import logs
 
     cause = ""
-    avail = _mem_available()
+    avail = mem_available()
     if rc == -600 and avail is not None and segment_bytes > avail:
         cause = (f"; the segment ({format_size(segment_bytes)}) is larger than this host can allocate "
                  f"({format_size(avail)} available): lower --segment-size")  # fmt: skip

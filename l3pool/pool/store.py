@@ -68,6 +68,7 @@ from l3pool.pool.connection import (
     Connection,
     StoreError,
     StoreUnavailable,
+    mem_available,
     replicate_config,
 )
 from l3pool.pool.donors import DeadDonors
@@ -127,6 +128,19 @@ def segment_too_small(nbytes: int, typed: int | str, what: str | None = "--segme
     alt = "" if least == "16 MiB" else " (16 MiB)"
     size = f"{what} {format_size(nbytes, typed)}" if what else format_size(nbytes, typed)
     return f"{size} is below Mooncake's minimum segment of {least}{alt}; raise {what or 'it'}"
+
+
+def segment_too_large(nbytes: int, typed: int | str, what: str = "--segment-size") -> str | None:
+    """The one-line refusal of a segment this host cannot back now (None when it fits in
+    MemAvailable, or when that cannot be read). Where the kernel overcommits (vm.overcommit_memory=1,
+    as on the GPU host), Mooncake's setup mounts even a 4 TiB segment on a 128 GiB host; the pool
+    then places pages in memory that does not exist, and the first writes bring the OOM killer.
+    Checked by the agent, on the host that donates, before Mooncake sees the size."""
+    avail = mem_available()
+    if avail is None or nbytes <= avail:
+        return None
+    return (f"{what} {format_size(nbytes, typed)} is larger than this host's available memory "
+            f"({format_size(avail)}): lower {what}")  # fmt: skip
 
 
 DEFAULT_METADATA_PORT = 8080  # mooncake_master --http_metadata_server_port's default

@@ -264,10 +264,12 @@ def test_ctrl_c_or_sigterm_tears_everything_down(tmp_path: Path, sig: int, code:
     try:
         assert p.stderr is not None
         deadline = time.monotonic() + 90
+        seen = []
         for line in p.stderr:
+            seen.append(line)
             if "loaded window" in line or time.monotonic() > deadline:
                 break
-        assert _ours(str(state)), "the run should have processes up by now"
+        assert _ours(str(state)), f"the run should have processes up by now (exit {p.poll()}):\n{''.join(seen)[-3000:]}"
         p.send_signal(sig)
         _, err = p.communicate(timeout=60)
     finally:
