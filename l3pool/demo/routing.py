@@ -30,6 +30,10 @@ instance's match found in L3 arrived in L2 before the request's L1 load started)
 checks: logits identical to the no-cache run, 0 wrong pages. `verdict` compares the spreads
 (cache_aware's slowest repeat against the other's fastest); `paired` compares repeat by repeat
 (every policy's run k happened back to back), which survives drift of the machine between repeats.
+`self_check` times what no policy can change (the requests no run hit at all) in every policy: a
+pair whose never-hit requests took different times is `biased`, and its verdicts say so; it also
+gives the share of requests two policies sent to the same instance (on the H200's llama-8b trace
+cache_aware and dynamo_like routed the same tokens per instance: a tie, whatever the clock said).
 
 What can differ between policies on this trace: with L3 written through, a session's earlier
 turns are a hit everywhere, so routing decides the tier (L1 on its home instance, L3 -> L2 -> L1
@@ -52,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from l3pool.demo.engine import TIERS, PrefillInstance, Queued, Record
+from l3pool.demo.timing import miss_check
 from l3pool.demo.workload import Request
 from l3pool.index.types import PrefixHits, TierPrefix
 from l3pool.pool.keys import Namespace, page_hashes
@@ -196,6 +201,7 @@ class RoutedRun:
     logits_identical: bool = False
     wrong_pages: int = 0
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    picks: list[int] = field(default_factory=list)  # per request (trace order): the chosen instance's number
 
     @property
     def prefill_s(self) -> float:
@@ -262,6 +268,7 @@ def run_routed(
                 run.orders += d.prefetch is not None
                 run.reasons[d.reason] += 1
                 run.routed_tokens[d.instance] += r.length
+                run.picks.append(list(insts).index(d.instance))
                 if len(run.decisions) < 8:
                     run.decisions.append(d.as_dict())
                 best_local = max(e.l2 for e in d.estimates.values())
@@ -407,18 +414,62 @@ def compare(
         "ttft": "virtual: each instance its own machine, requests arrive every arrival_gap_s, measured prefill times",
         "policies": {p: summarize(rs, P) for p, rs in runs.items()},
     }
-    out["verdict"] = verdict(out["policies"])
-    out["paired"] = paired(out["policies"])
+    out["self_check"] = self_check(runs)
+    out["verdict"] = verdict(out["policies"], out["self_check"])
+    out["paired"] = paired(out["policies"], out["self_check"])
     return out
 
 
-def paired(pol: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def self_check(runs: dict[str, list[RoutedRun]]) -> dict[str, Any]:
+    """What a policy cannot change must not differ between policies: the requests that hit nothing
+    in any repeat of any policy (a session's first turn) compute the same tokens everywhere. Per
+    other policy, their summed prefill time per repeat against cache_aware's in the same repeat
+    (timing.miss_check: the ratio's median and range, and whether the difference lies within the
+    spread); `biased` when it does not - then the verdicts against that policy say `biased`, since
+    the machine, not the policy, separated them. `same_picks`: the share of requests routed to the
+    same instance number as cache_aware in the same repeat (1.0: the policies made the same
+    decisions, and any time difference between them is noise)."""
+    ca = runs.get("cache_aware")
+    if not ca:
+        return {}
+    n = min(len(r.recs) for rs in runs.values() for r in rs)
+    no_hit = [j for j in range(n) if all(r.recs[j].hit_pages == 0 for rs in runs.values() for r in rs)]
+    out: dict[str, Any] = {"no_hit_requests": len(no_hit)}
+    if not no_hit:
+        return out
+
+    def sums(rs: list[RoutedRun]) -> list[float]:
+        return [sum(r.recs[j].prefill_s for j in no_hit) for r in rs]
+
+    mine = sums(ca)
+    for name, rs in runs.items():
+        if name == "cache_aware" or len(rs) != len(ca):
+            continue
+        chk = miss_check(sums(rs), mine)  # "overhead" = 1 - t_other / t_cache_aware on the same work
+        same = [a == b for x, y in zip(ca, rs, strict=True) for a, b in zip(x.picks, y.picks, strict=False)]
+        out[name] = {
+            "no_hit_ratio": round(statistics.median(a / b for a, b in zip(mine, sums(rs), strict=True) if b > 0), 4),
+            "no_hit_diff_s": chk["diff_s"],
+            "noise_s": chk["noise_s"],
+            "biased": not chk["equal_within_spread"],
+            "same_picks": round(sum(same) / len(same), 4) if same else None,
+        }
+    return out
+
+
+def _biased(check: dict[str, Any] | None, name: str) -> bool:
+    row = (check or {}).get(name)
+    return isinstance(row, dict) and bool(row.get("biased"))
+
+
+def paired(pol: dict[str, dict[str, Any]], check: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """cache_aware against each other policy repeat by repeat: in repeat k every policy ran
     back to back (order rotated), so the ratio cache_aware_k / other_k cancels what drifts between
     repeats (other load on the machine, clocks, caches). Per metric (total prefill time, mean
     TTFT): the ratios' median and range, and `faster` when every repeat's ratio is < 1, `slower`
     when every one is > 1, else `inconclusive` (with n repeats a chance ordering gives `faster`
-    with probability 2^-n: use >= 5)."""
+    with probability 2^-n: use >= 5); `biased` instead when the self-check found the work no policy
+    can change timed differently against that policy."""
     ca = pol.get("cache_aware")
     out: dict[str, dict[str, Any]] = {}
     if ca is None:
@@ -436,16 +487,17 @@ def paired(pol: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             if not r:
                 continue
             v = "faster" if max(r) < 1 else "slower" if min(r) > 1 else "inconclusive"
+            v = "biased" if _biased(check, name) else v
             row_out[name] = {"ratio": round(statistics.median(r), 4), "range": [round(min(r), 4), round(max(r), 4)],
                              "repeats": len(r), "verdict": v}  # fmt: skip
     return out
 
 
-def verdict(pol: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
+def verdict(pol: dict[str, dict[str, Any]], check: dict[str, Any] | None = None) -> dict[str, dict[str, str]]:
     """cache_aware against each other policy, per metric (total prefill wall time, its CPU time,
     mean TTFT; a metric the rows lack is skipped): `faster`
     when its slowest repeat beats the other's fastest, `slower` the other way round, else
-    `inconclusive` (the spreads overlap)."""
+    `inconclusive` (the spreads overlap); `biased` as in `paired`."""
     ca = pol.get("cache_aware")
     out: dict[str, dict[str, str]] = {}
     if ca is None:
@@ -459,7 +511,8 @@ def verdict(pol: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
             if name == "cache_aware":
                 continue
             olo, ohi = row[f"{metric}_spread"]
-            row_out[name] = "faster" if hi < olo else "slower" if lo > ohi else "inconclusive"
+            v = "faster" if hi < olo else "slower" if lo > ohi else "inconclusive"
+            row_out[name] = "biased" if _biased(check, name) else v
     return out
 
 
@@ -487,6 +540,14 @@ def table(section: dict[str, Any]) -> str:
             f"CPU {r['prefill_cpu_s']:.2f} s  L3 {r['l3_bytes'] / 1e6:6.1f} MB  imbalance {r['load_imbalance']:.2f}  "
             f"TTFT {r['ttft_mean_s']:.3f} s [{r['ttft_mean_s_spread'][0]:.3f}, {r['ttft_mean_s_spread'][1]:.3f}]"
         )
+    chk = section.get("self_check") or {}
+    for name, c in chk.items():
+        if isinstance(c, dict):
+            lines.append(
+                f"  self-check vs {name}: {chk['no_hit_requests']} never-hit requests, cache_aware / {name} "
+                f"{c['no_hit_ratio']:.3f} ({'biased' if c['biased'] else 'equal within the spread'})"
+                + (f"; same instance for {c['same_picks']:.0%} of requests" if c["same_picks"] is not None else "")
+            )
     for metric, vs in section.get("verdict", {}).items():
         for name, v in vs.items():
             lines.append(f"  cache_aware vs {name} on {metric}: {v}")

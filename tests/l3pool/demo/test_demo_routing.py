@@ -10,6 +10,7 @@ import pytest
 
 from l3pool.cli import main
 from l3pool.demo import routing
+from l3pool.demo.engine import Record
 from l3pool.demo.routing import paired, parse_policies, verdict
 
 TINY = ["--quick", "--layers", "2", "--sessions", "3", "--turns", "3", "--min-context", "256", "--max-context", "640"]
@@ -52,6 +53,40 @@ def test_paired_ratios_cancel_drift_between_repeats() -> None:
     assert p["ttft_mean_s"]["round_robin"]["verdict"] == "inconclusive"
     assert p["ttft_mean_s"]["round_robin"]["range"] == [0.5, 2.0] and "dynamo_like" not in p["ttft_mean_s"]
     assert paired({"round_robin": pol["round_robin"]}) == {}
+
+
+def _run(policy: str, hits: list[int], times: list[float], picks: list[int]) -> routing.RoutedRun:
+    recs = [Record("x", 640, 10, hit_l1=h, prefill_s=t) for h, t in zip(hits, times, strict=True)]
+    return routing.RoutedRun(policy, recs=recs, picks=picks, ttft_s=times, expected_ttft_s=times,
+                             routed_tokens={f"{policy}-{k}": picks.count(k) for k in range(3)})  # fmt: skip
+
+
+def test_self_check_times_what_no_policy_changes() -> None:
+    """Requests 0 and 2 hit nothing in any run: their times are the same work in every policy.
+    round_robin's took 30 % longer in every repeat (the machine, not the policy): biased, and both
+    verdicts against it say so even though its totals are clearly slower; dynamo_like's match."""
+    runs = {
+        "cache_aware": [_run("cache_aware", [0, 5, 0], [1.0 + k / 100, 0.2, 1.0], [0, 0, 1]) for k in range(3)],
+        "round_robin": [_run("round_robin", [0, 5, 0], [1.3 + k / 100, 0.9, 1.3], [0, 1, 2]) for k in range(3)],
+        "dynamo_like": [_run("dynamo_like", [0, 0, 0], [1.0 - k / 100, 0.2, 1.0], [0, 0, 1]) for k in range(3)],
+    }
+    chk = routing.self_check(runs)
+    assert chk["no_hit_requests"] == 2  # request 1 hit in cache_aware and round_robin
+    rr, dl = chk["round_robin"], chk["dynamo_like"]
+    assert rr["biased"] is True and rr["no_hit_ratio"] == pytest.approx(2.0 / 2.6, abs=1e-3)
+    assert rr["same_picks"] == pytest.approx(1 / 3, abs=1e-3)
+    assert dl["biased"] is False and dl["same_picks"] == 1.0
+    pol = {n: routing.summarize(rs, 64) for n, rs in runs.items()}
+    assert paired(pol, chk)["prefill_s"] == {
+        "round_robin": paired(pol)["prefill_s"]["round_robin"] | {"verdict": "biased"},
+        "dynamo_like": paired(pol)["prefill_s"]["dynamo_like"],
+    }
+    assert paired(pol)["prefill_s"]["round_robin"]["verdict"] == "faster"  # what the clock alone said
+    assert verdict(pol, chk)["prefill_s"]["round_robin"] == "biased"
+    assert "biased" in routing.table({"instances": 3, "repeats": 3, "policies": pol, "self_check": chk})
+    # no request that every run missed: nothing to compare, nothing flagged
+    assert routing.self_check({n: rs[:1] for n, rs in runs.items()} | {"dynamo_like": []})["no_hit_requests"] == 2
+    assert routing.self_check({"round_robin": runs["round_robin"]}) == {}
 
 
 def test_estimate_error_is_expected_over_actual() -> None:
@@ -114,6 +149,11 @@ def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert set(rt["verdict"]) == {"prefill_s", "prefill_cpu_s", "ttft_mean_s"}
     assert set(rt["paired"]) == {"prefill_s", "ttft_mean_s"}
     assert set(rt["paired"]["prefill_s"]) == {"round_robin", "dynamo_like"}
+    chk = rt["self_check"]  # at least the trace's first request hits nothing in any run
+    assert chk["no_hit_requests"] >= 1 and set(chk) == {"no_hit_requests", "round_robin", "dynamo_like"}
+    assert all(
+        0 <= chk[n]["same_picks"] <= 1 and isinstance(chk[n]["biased"], bool) for n in ("round_robin", "dynamo_like")
+    )
     # the router queried H1's global index (events over ZeroMQ) when pyzmq is there; its answers
     # for the chosen instance lag the caches' own state at most for a few requests (events in flight)
     try:
