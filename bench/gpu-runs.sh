@@ -86,7 +86,7 @@ case $group in
       --json --out "$out/routing" ;;
   routing-llama)
     step routing-llama 540 python3 -m l3pool demo --routing all --model llama-8b --instances 3 --queue-depth 1 \
-      --sessions 6 --turns 3 --min-context 8192 --max-context 16384 --repeats 3 --rounds 1 --segment-size 8GB \
+      --sessions 6 --turns 3 --min-context 8192 --max-context 16384 --repeats 5 --rounds 1 --segment-size 8GB \
       --no-side --no-interference --no-progress --json --out "$out/routing-llama" ;;
   llama)
     step llama 540 bash scripts/demo-real.sh llama-8b "$out/demo-llama-8b" ;;

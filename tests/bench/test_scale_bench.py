@@ -24,6 +24,7 @@ from bench._scale_client import _namespaces as scale_namespaces
 from l3pool.cli import guarded
 from l3pool.cluster.local import LocalCluster
 from l3pool.pool.pplock import StageLocks
+from l3pool.procenv import python_env
 from tests.conftest import default_sigint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -242,7 +243,7 @@ def _down_leftovers(state: Path) -> None:
     """A run the test had to kill leaves its clusters up (they run in sessions of their own): each
     cluster recorded under `state` is stopped (processes and network namespaces), so a failure of
     this test leaks nothing into the rest of the suite (seen: etcd, master and 2 agents left running)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = python_env()  # the parent's PYTHONPATH too: Mooncake may come from a bundle on it (GPU host)
     for st in state.rglob("state.json"):
         subprocess.run([sys.executable, "-m", "l3pool.cli", "cluster", "down", "--state-dir", str(st.parent)],
                        cwd=ROOT, env=env, capture_output=True, timeout=60)  # fmt: skip
@@ -255,7 +256,7 @@ def test_ctrl_c_or_sigterm_tears_everything_down(tmp_path: Path, sig: int, code:
     state = tmp_path / "state"
     netns = os.geteuid() == 0 and shutil.which("ip") is not None  # else the cluster runs on loopback
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout if netns else ""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = python_env()  # the parent's PYTHONPATH too: Mooncake may come from a bundle on it (GPU host)
     p = subprocess.Popen(
         [sys.executable, "-m", "bench.scale", "--agents", "2", "--seconds", "60", "--idle-seconds", "1",
          "--clients", "1", "--state-dir", str(state)],
