@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import json
 import logging
@@ -530,8 +531,10 @@ def test_tools_reuse_the_running_local_cluster(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr[-3000:]
         rep = json.loads(r.stdout)
         assert rep["correct"] and rep["pool"] == f"running local cluster ({state.resolve()})"
-        # 2 pages read back by ours, raw Mooncake and SGLang's backend, in the warm-up and the one repetition
-        assert rep["rows"][0]["pages_checked"] == 12
+        # 2 pages read back by ours, raw Mooncake and SGLang's backend (where sglang is installed: CI
+        # installs it, the GPU host lacks it), in the warm-up and the one repetition
+        sides = 3 if importlib.util.find_spec("sglang") is not None else 2
+        assert rep["rows"][0]["pages_checked"] == 2 * 2 * sides
 
         r = _run(("bench.prefetch", "--state-dir", str(state), "--pages", "16", "--requests", "1", "--rounds", "1",
                   "--batch", "8", "--max-batch", "8", "--lock-requests", "3", "--json"), REPO)  # fmt: skip
