@@ -293,7 +293,12 @@ def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
 def _verdict(rep: dict[str, Any]) -> list[str]:
     bad = []
     if not rep["logits_identical"]:
-        bad.append("logits with cache differ from logits without cache")
+        rows = rep.get("logits_mismatches") or []  # the first of them: what each was (replay.mismatch_cause)
+        causes = sorted({m["cause"] for m in rows if m.get("cause")})
+        if any(m.get("where") == "no-cache rerun" for m in rows):
+            causes.append("a no-cache rerun differs from the first no-cache run")
+        why = f" ({'; '.join(causes)}: see logits_mismatches)" if causes else ""
+        bad.append("logits with cache differ from logits without cache" + why)
     if rep["wrong_pages"]:
         bad.append(f"{rep['wrong_pages']} pages had wrong bytes")
     for row in rep["policies"] or []:

@@ -82,6 +82,9 @@ class Record:
     # kept for verification until release
     hashes: list[bytes] = field(default_factory=list, repr=False)
     l1_pages: np.ndarray | None = field(default=None, repr=False)
+    # (verification) the same suffix recomputed on this request's own L1 once its load finished:
+    # set only to explain a logits mismatch (Demo._all_hit)
+    recomputed: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def hit_pages(self) -> int:
@@ -250,6 +253,16 @@ class PrefillInstance:
         rec.compute_s = max(0.0, (t2 - t1) - h.wait_s)
         rec.backup_bytes = st1["d2h_bytes"] - st0["d2h_bytes"]
         rec.put_bytes = st1["l3_put_bytes"] - st0["l3_put_bytes"]
+
+    def recompute(self, rec: Record, tokens: np.ndarray) -> torch.Tensor:
+        """(Verification) The held request's computed suffix again, on its own L1 pages and slots
+        (the bytes its load left there), with no load in flight: the forward pass's inputs exactly
+        as the request's own prefill saw them once every copy had landed."""
+        assert rec.l1_pages is not None
+        start = rec.hit_pages * self.P
+        out = self.model.prefill(tokens, start, self._slots(rec.l1_pages).to(self.device), self.bufs)
+        self._sync()
+        return out
 
     def committable(self, n: int) -> int:
         """Full pages of an n-token request that the cache may keep: those in whole alignment

@@ -65,6 +65,34 @@ def cache_overhead(no_cache_s: float, cache_s: float) -> float:
     return 1.0 - no_cache_s / cache_s
 
 
+# Why an all-hit reader's logits differ from the no-cache reference (mismatch_cause)
+NOT_REPRODUCIBLE = "no-cache forward not reproducible"
+FORWARD_VARIED = "forward varied on identical inputs"
+INPUTS_DIFFER = "inputs differ"
+
+
+def mismatch_cause(ref: torch.Tensor, got: torch.Tensor, reruns: list[torch.Tensor],
+                   recomputed: torch.Tensor | None) -> dict[str, Any]:  # fmt: skip
+    """What the demo can observe about a cached run whose logits `got` differ from the no-cache
+    reference `ref` (reruns: every no-cache run of the same prompt, `ref` first; recomputed: the
+    cached run's suffix computed again on its own L1 after its load finished, or None):
+
+    - NOT_REPRODUCIBLE: the no-cache reruns disagree and `got` is one of their results, so the
+      cache produced a result the no-cache forward pass itself produces;
+    - FORWARD_VARIED: the recomputation on the reader's L1 (the bytes its load left there, its
+      slots) gives `ref` bit for bit, so the inputs the cache delivered are exact and the reader's
+      first forward pass computed something else on them: a kernel that varies between calls, or
+      a load/compute ordering error (the pass reading a layer before its copy landed);
+    - INPUTS_DIFFER: neither; what the cache put in L1 does not reproduce the reference."""
+    r = ref.cpu()
+    agree = all(torch.equal(r, x.cpu()) for x in reruns)
+    among = any(torch.equal(got.cpu(), x.cpu()) for x in reruns)
+    again = recomputed is not None and torch.equal(r, recomputed.cpu())
+    cause = NOT_REPRODUCIBLE if not agree and among else FORWARD_VARIED if again else INPUTS_DIFFER
+    return {"no_cache_reruns_agree": agree, "equals_a_no_cache_run": among,
+            "recomputed_equals_reference": again if recomputed is not None else None, "cause": cause}  # fmt: skip
+
+
 # Where the main replay sends a request (the routing comparison has its own policies):
 # - rotate: instance (session + turn) mod n, a load balancer without session affinity; a session's
 #   next turn lands on another instance (L3 serves its history there; L2 only when it comes back
@@ -225,13 +253,23 @@ class Verifier:
         if final and keep:
             raise RuntimeError(f"{len(keep)} cached requests have no no-cache reference")
 
-    def compare(self, a: torch.Tensor | None, b: torch.Tensor | None, what: str = "", where: str = "") -> None:
+    def compare(
+        self,
+        a: torch.Tensor | None,
+        b: torch.Tensor | None,
+        what: str = "",
+        where: str = "",
+        extra: dict[str, Any] | None = None,
+    ) -> bool:
+        """Counts one comparison; a mismatch is kept with `extra` in its row. True when equal."""
         assert a is not None and b is not None
         self.compared += 1
-        if not torch.equal(a.cpu(), b.cpu()):
-            self._mismatch(what, where, a.cpu(), b.cpu(), {})
+        if torch.equal(a.cpu(), b.cpu()):
+            return True
+        self._mismatch(what, where, a.cpu(), b.cpu(), extra or {})
+        return False
 
-    def _mismatch(self, what: str, where: str, ref: torch.Tensor, got: torch.Tensor, hits: dict[str, int]) -> None:
+    def _mismatch(self, what: str, where: str, ref: torch.Tensor, got: torch.Tensor, hits: dict[str, Any]) -> None:
         """Counts a logits mismatch; logs it and keeps the first MAX_MISMATCHES for the report
         (which request, where, its hit pages per tier, how far the logits are apart)."""
         self.mismatched_logits += 1
@@ -464,9 +502,12 @@ class Demo:
         finally:
             q.close()
 
-    def _all_hit(self, toks: np.ndarray, ns: Namespace, tries: int) -> tuple[Record, float]:
+    def _all_hit(
+        self, toks: np.ndarray, ns: Namespace, tries: int, expect: torch.Tensor | None = None
+    ) -> tuple[Record, float]:
         """Prefill of `toks` on fresh instances (empty L1/L2: every used page from L3): the record
-        of the median try and the tries' half-range (s)."""
+        of the median try and the tries' half-range (s). With `expect` (the no-cache logits), a
+        reader whose logits differ also gets `recomputed` (Record; PrefillInstance.recompute)."""
         recs = []
         for _ in range(tries):
             P = self.opts.model.page_size  # the reader holds this prompt alone: a small L2
@@ -475,6 +516,10 @@ class Demo:
                 rec = reader.prefill(toks, hold=True)
                 try:
                     self.verifier.check_pages(reader, rec, f"all-hit prompt of {toks.size} tokens")
+                    got = rec.logits
+                    if expect is not None and got is not None and not torch.equal(got.cpu(), expect.cpu()):
+                        reader.flush()  # its backups are done: the recomputation rewrites L1 alone
+                        rec.recomputed = reader.recompute(rec, toks)  # untimed: explains the mismatch
                 finally:
                     reader.release(rec)
                 recs.append(rec)
@@ -505,9 +550,8 @@ class Demo:
                     if t == 0:
                         self.verifier.record_pages(nc, refs[-1], toks)
                     nc.release(refs[-1])
-                    hits.append(self._all_hit(toks, ns, 1)[0])
-                for r, h in zip(refs, hits, strict=True):
-                    self.verifier.compare(r.logits, h.logits, f"short prompt of {toks.size} tokens", "all-hit reader")
+                    hits.append(self._all_hit(toks, ns, 1, expect=refs[0].logits)[0])
+                self._compare_short(toks, refs, hits)
                 ref_ms = [r.total_s * 1e3 for r in refs]
                 hit_ms = [h.total_s * 1e3 for h in hits]
                 points.append({
@@ -521,6 +565,21 @@ class Demo:
             nc.close()
             self.drop(ns)
         return points
+
+    def _compare_short(self, toks: np.ndarray, refs: list[Record], hits: list[Record]) -> None:
+        """Every all-hit reader against the first no-cache run, and the no-cache reruns against it
+        too: a rerun that differs is named as such (not blamed on the reader it was paired with),
+        and a reader's mismatch says what it is (mismatch_cause)."""
+        what, ref = f"short prompt of {toks.size} tokens", refs[0].logits
+        assert ref is not None
+        reruns = [r.logits for r in refs if r.logits is not None]
+        for t, r in enumerate(refs[1:], 1):
+            self.verifier.compare(ref, r.logits, what, "no-cache rerun", {"try": t})
+        for t, h in enumerate(hits):
+            assert h.logits is not None
+            why = {} if torch.equal(ref.cpu(), h.logits.cpu()) else mismatch_cause(ref, h.logits, reruns, h.recomputed)
+            self.verifier.compare(ref, h.logits, what, "all-hit reader", {"try": t, **why})
+            h.recomputed = None
 
     def fit(self, requests: list[Any], no_cache: list[float]) -> dict[str, Any]:
         """All-hit prefill time T(n) = a + b n and the break-even prompt length.

@@ -1,0 +1,134 @@
+"""The short prompts' logits check (Demo.short_prompts): every all-hit reader and every no-cache
+rerun is compared with the first no-cache run, and a reader's mismatch says what it is. On the
+H200 (llama-8b, 2026-12-02) one of three all-hit readers of the 4,097-token prompt differed from
+the no-cache run it was paired with, with byte-identical pages; the old check compared reader t
+with no-cache run t, so a no-cache rerun that varied was blamed on the reader, and nothing told a
+forward pass that varied on exact inputs from a cache that delivered wrong ones. Simulated here
+on the CPU (llama-tiny, FakePageStore) by perturbing one forward call's logits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from l3pool.demo.engine import PrefillInstance
+from l3pool.demo.hf import HFConfig, HFModel
+from l3pool.demo.replay import FORWARD_VARIED, INPUTS_DIFFER, Demo, DemoOptions
+from l3pool.demo.workload import WorkloadConfig
+
+from ..fake_store import FakePageStore
+
+pytestmark = pytest.mark.usefixtures("native")
+
+N = 129  # the second short prompt: 2 chunks of 64 + 1 token (the H200's 4,097 = 2 x 2048 + 1)
+
+
+@pytest.fixture
+def demo() -> Iterator[Demo]:
+    model = HFConfig("llama-tiny", page_size=16, chunk=64)
+    wl = WorkloadConfig(sessions=1, turns=1, min_context=128, max_context=200, vocab=model.vocab)
+    yield Demo(DemoOptions(model=model, workload=wl, instances=1, queue_depth=1, rounds=3), FakePageStore())
+
+
+def _bump(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[0] += 0.25
+    return y
+
+
+def _rows(demo: Demo, where: str) -> list[dict[str, Any]]:
+    return [m for m in demo.verifier.mismatches if m["where"] == where and m["what"] == f"short prompt of {N} tokens"]
+
+
+def test_short_prompts_match_on_the_cpu(demo: Demo) -> None:
+    pts = demo.short_prompts(3)
+    v = demo.verifier
+    assert [p["tokens"] for p in pts] == [65, N] and [p["hit_pages"] for p in pts] == [4, 8]
+    assert v.mismatched_logits == 0 and v.wrong_pages == 0 and v.pages_checked > 0
+    assert v.compared == 2 * (3 + 2)  # per prompt: 3 readers and 2 no-cache reruns against the first run
+
+
+def test_a_no_cache_rerun_that_varies_is_not_blamed_on_a_reader(demo: Demo, monkeypatch: pytest.MonkeyPatch) -> None:
+    orig = PrefillInstance._compute_uncached
+    seen = []
+
+    def varied(self: PrefillInstance, q: Any, rec: Any) -> None:
+        orig(self, q, rec)
+        if rec.tokens == N:
+            seen.append(rec)
+            if len(seen) == 2:  # the second no-cache run of the prompt gives "the other result"
+                rec.logits = _bump(rec.logits)
+
+    monkeypatch.setattr(PrefillInstance, "_compute_uncached", varied)
+    demo.short_prompts(3)
+    assert demo.verifier.mismatched_logits == 1 and demo.verifier.wrong_pages == 0
+    (row,) = _rows(demo, "no-cache rerun")
+    assert row["try"] == 1
+    assert _rows(demo, "all-hit reader") == []  # every reader equals the first no-cache run
+
+
+def test_a_reader_whose_forward_varied_on_exact_inputs_says_so(demo: Demo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H200 case: pages byte-identical, one reader's logits differ; recomputing that reader's
+    suffix on its own L1 (its loaded bytes, its slots) gives the no-cache logits bit for bit."""
+    orig = HFModel.prefill
+    calls = []
+
+    def first_call_varies(self: HFModel, tokens: Any, start: int, *a: Any, **k: Any) -> torch.Tensor:
+        out = orig(self, tokens, start, *a, **k)
+        if len(tokens) == N and start > 0:  # the readers' calls (and the recomputation)
+            calls.append(start)
+            if len(calls) == 1:
+                return _bump(out)
+        return out
+
+    monkeypatch.setattr(HFModel, "prefill", first_call_varies)
+    demo.short_prompts(3)
+    v = demo.verifier
+    assert v.mismatched_logits == 1 and v.wrong_pages == 0
+    (row,) = _rows(demo, "all-hit reader")
+    assert row["try"] == 0 and row["cause"] == FORWARD_VARIED
+    assert row["recomputed_equals_reference"] is True and row["no_cache_reruns_agree"] is True
+    assert row["equals_a_no_cache_run"] is False
+    assert calls == [128, 128, 128, 128]  # 3 readers + 1 recomputation (only for the reader that differed)
+
+
+def test_a_reader_given_wrong_bytes_is_told_apart(demo: Demo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache that delivers a wrong byte: the pages check counts it and the recomputation on the
+    reader's L1 does not reproduce the reference either."""
+    orig = HFModel.prefill
+    done = []
+
+    def corrupt(
+        self: HFModel, tokens: Any, start: int, slots: torch.Tensor, bufs: Any, before_layer: Any = None
+    ) -> Any:
+        def landed(i: int) -> None:
+            before_layer(i)  # layer i's copy is in L1 now
+            if i == 0 and not done:
+                bufs[0][slots[5]] += 1.0  # one loaded K row of layer 0 (page 0) changed in L1
+                done.append(1)
+
+        wrap = len(tokens) == N and start > 0 and before_layer is not None
+        return orig(self, tokens, start, slots, bufs, landed if wrap else before_layer)
+
+    monkeypatch.setattr(HFModel, "prefill", corrupt)
+    demo.short_prompts(3)
+    v = demo.verifier
+    assert v.wrong_pages == 1 and v.mismatched_logits == 1
+    (row,) = _rows(demo, "all-hit reader")
+    assert row["try"] == 0 and row["cause"] == INPUTS_DIFFER and row["recomputed_equals_reference"] is False
+
+
+def test_the_verdict_names_what_the_mismatches_were() -> None:
+    from l3pool.demo import _verdict
+
+    rep: dict[str, Any] = {"logits_identical": False, "wrong_pages": 0, "policies": None, "hit_rate": {"L3": 0.2},
+                           "logits_mismatches": [{"where": "all-hit reader", "cause": FORWARD_VARIED},
+                                                 {"where": "no-cache rerun", "try": 2}]}  # fmt: skip
+    (msg,) = _verdict(rep)
+    assert msg.startswith("logits with cache differ from logits without cache (")
+    assert FORWARD_VARIED in msg and "a no-cache rerun differs" in msg
+    rep["logits_mismatches"] = [{"what": "request 3", "where": "l1_l2"}]  # a trace request: no cause known
+    assert _verdict(rep) == ["logits with cache differ from logits without cache"]
