@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from l3pool.router import DEFAULT_POLICY  # torch-free, light
+
 if TYPE_CHECKING:
     from l3pool.cluster.running import Endpoints
 
@@ -125,7 +127,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--sweep-l2", action="store_true", help="also sweep the L2 capacity and recommend a size")
     p.add_argument(
         "--routing",
-        help="also compare router policies on >= 3 instances: round_robin, cache_aware, dynamo_like, a list, all",
+        nargs="?",
+        const=DEFAULT_POLICY,
+        help="also route the trace through router policies on >= 3 instances: round_robin, cache_aware, "
+        "dynamo_like, a list, or all (compared); without a value: cache_aware, the default policy",
     )
     p.add_argument("--layout", choices=LAYOUTS, default="page_first_direct")
     p.add_argument("--seed", type=int, default=0)

@@ -1,16 +1,26 @@
 """The cache-aware router: an expected TTFT per instance from its tier hits (l3pool.index), each
 tier's measured fetch bandwidth, its fitted prefill compute and its queued work; policies
-`cache_aware` (ours), `round_robin` and `dynamo_like` (fixed tier weights, as a baseline).
+`cache_aware` (ours, the default: DEFAULT_POLICY), `round_robin` and `dynamo_like` (fixed tier
+weights, as a baseline).
 
 A floor of its own: it imports l3pool.index's types and nothing else of l3pool (no torch), so an
 engine's scheduler or a frontend can embed it. See router.py for the API.
 """
 
 from l3pool.router.model import Bandwidth, ComputeModel, InstanceModel, RouterError
-from l3pool.router.policy import POLICIES, CacheAware, DynamoLike, Estimate, Policy, RoundRobin, make_policy
+from l3pool.router.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    CacheAware,
+    DynamoLike,
+    Estimate,
+    Policy,
+    RoundRobin,
+    make_policy,
+)
 from l3pool.router.router import Decision, PrefetchOrder, Router
 
 __all__ = [
-    "POLICIES", "Bandwidth", "CacheAware", "ComputeModel", "Decision", "DynamoLike", "Estimate", "InstanceModel",
-    "Policy", "PrefetchOrder", "RoundRobin", "Router", "RouterError", "make_policy",
+    "DEFAULT_POLICY", "POLICIES", "Bandwidth", "CacheAware", "ComputeModel", "Decision", "DynamoLike", "Estimate",
+    "InstanceModel", "Policy", "PrefetchOrder", "RoundRobin", "Router", "RouterError", "make_policy",
 ]  # fmt: skip

@@ -25,6 +25,21 @@ def test_parse_policies() -> None:
             parse_policies(bad)
 
 
+def test_routing_without_a_value_is_the_default_policy() -> None:
+    """`--routing` alone routes through cache_aware, the default (make_policy's too)."""
+    import argparse
+
+    from l3pool.demo import add_parser
+    from l3pool.router import DEFAULT_POLICY, CacheAware, make_policy
+
+    ap = argparse.ArgumentParser()
+    add_parser(ap.add_subparsers())
+    assert DEFAULT_POLICY == "cache_aware" and isinstance(make_policy(), CacheAware)
+    assert parse_policies(ap.parse_args(["demo", "--routing"]).routing) == ("cache_aware",)
+    assert parse_policies(ap.parse_args(["demo", "--routing", "all"]).routing) == tuple(routing.POLICIES)
+    assert ap.parse_args(["demo"]).routing is None  # off unless asked for
+
+
 def test_verdict_needs_the_spreads_apart() -> None:
     row = {"prefill_s_spread": [1.0, 2.0], "ttft_mean_s_spread": [1.0, 2.0]}
     pol = {
