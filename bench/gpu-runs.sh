@@ -15,6 +15,8 @@
 # routing    demo --routing all: 3 instances, 6 sessions x 3 turns of 4-8K tokens   19     7
 # routing-llama  the routing comparison on llama-8b (128 KB of KV per token: an L3 hit over TCP
 #            costs about what computing it does, so where a prefix is cached matters)   19     5
+# routing-llama-busy  the same at twice the arrival rate (--routing-load 2): queues form, so
+#            the policies' load terms decide (cache_aware tied dynamo_like at load 1)   19     4
 # llama      the real-scale demo, llama-8b shape (deterministic kernels)             23     5
 # mla        the real-scale demo, DeepSeek MLA shape, 12 of 61 layers                23     5
 # split      bench.split_read + the NCCL byte check (needs 2 GPUs: nvidia-h200-x2)   22     3
@@ -30,13 +32,13 @@
 # each step's exit code is printed and collected in OUTDIR/exit-codes.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|llama|mla|split OUTDIR [DATE]}
+group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|split OUTDIR [DATE]}
 out=${2:?usage: bench/gpu-runs.sh GROUP OUTDIR [DATE]}
 day=${3:-$(date +%F)}
 case $group in
-  suite | l3 | index | swa | routing | routing-llama | llama | mla | split) ;;
+  suite | l3 | index | swa | routing | routing-llama | routing-llama-busy | llama | mla | split) ;;
   *)
-    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|llama|mla|split" >&2
+    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|split" >&2
     exit 2 ;;
 esac
 mkdir -p "$out"
@@ -87,6 +89,10 @@ case $group in
     step routing-llama 540 python3 -m l3pool demo --routing all --model llama-8b --instances 3 --queue-depth 1 \
       --sessions 6 --turns 3 --min-context 8192 --max-context 16384 --repeats 5 --rounds 1 --segment-size 8GB \
       --no-side --no-interference --no-progress --json --out "$out/routing-llama" ;;
+  routing-llama-busy)
+    step routing-llama-busy 540 python3 -m l3pool demo --routing all --routing-load 2 --model llama-8b --instances 3 \
+      --queue-depth 1 --sessions 6 --turns 3 --min-context 8192 --max-context 16384 --repeats 5 --rounds 1 \
+      --segment-size 8GB --no-side --no-interference --no-progress --json --out "$out/routing-llama-busy" ;;
   llama)
     step llama 540 bash scripts/demo-real.sh llama-8b "$out/demo-llama-8b" ;;
   mla)

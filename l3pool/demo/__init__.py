@@ -52,7 +52,7 @@ REAL = {
 
 def add_parser(subparsers: Any) -> None:
     from l2core.names import LAYOUTS
-    from l3pool.cli import nonneg_int, positive_int, segment_size
+    from l3pool.cli import nonneg_int, positive_float, positive_int, segment_size
 
     p = subparsers.add_parser(
         "demo",
@@ -132,6 +132,13 @@ def add_parser(subparsers: Any) -> None:
         help="also route the trace through router policies on >= 3 instances: round_robin, cache_aware, "
         "dynamo_like, a list, or all (compared); without a value: cache_aware, the default policy",
     )
+    p.add_argument(
+        "--routing-load",
+        type=positive_float,
+        default=1.0,
+        help="offered load of the routing trace: 1 = requests arrive as often as the instances would "
+        "finish them without a cache; 2 = twice as often (default 1)",
+    )
     p.add_argument("--layout", choices=LAYOUTS, default="page_first_direct")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--segment-size", type=segment_size, default="1GB", help="DRAM each local decode agent donates")
@@ -188,7 +195,7 @@ def _options(a: argparse.Namespace) -> Any:
         side_sessions=a.side_sessions, sweep_l2=a.sweep_l2, rounds=a.rounds or base.get("rounds", 3),
         side=not (a.no_side or real), interference=not a.no_interference, hf_reference=a.hf_reference,
         side_turns=a.side_turns if a.side_turns is not None else base["side_turns"],
-        routing=parse_policies(a.routing), placement=a.placement,
+        routing=parse_policies(a.routing), routing_load=a.routing_load, placement=a.placement,
     )  # fmt: skip
 
 

@@ -121,6 +121,7 @@ class DemoOptions:
     sweep_l2: bool = False  # run the L2 capacity sweep
     sweep_points: int = 6  # at most this many capacities
     routing: tuple[str, ...] = ()  # router policies compared on the trace (l3pool/demo/routing.py)
+    routing_load: float = 1.0  # offered load of the routing trace: arrivals x this as often as no-cache fills the fleet
     placement: str = "rotate"  # the main replay's: "rotate" (session + turn) or "affinity" (session); PLACEMENTS
     rounds: int = 3  # interleaved rounds of the main trace + miss-path requests (every timing a median)
     side: bool = True  # run the savings/policies(/sweep) comparisons on the side trace
@@ -136,6 +137,8 @@ class DemoOptions:
             raise ConfigError("queue_depth >= 1, repeats >= 1, side_sessions >= 0 and side_turns >= 0 are required")
         if self.rounds < 1:
             raise ConfigError("rounds >= 1 is required")
+        if not 0 < self.routing_load <= 100:
+            raise ConfigError(f"routing_load must be in (0, 100], got {self.routing_load}")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"unknown placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}")
         if self.sweep_points < 2:

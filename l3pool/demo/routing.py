@@ -384,10 +384,13 @@ def compare(
 ) -> dict[str, Any]:
     """Every policy over the whole trace, `repeats` times each (>= 3), interleaved. Requests arrive
     (in virtual time) at the rate that would keep every instance busy without a cache: one per
-    mean no-cache prefill time (`no_cache_s`, the no-cache replay's) / instances."""
+    mean no-cache prefill time (`no_cache_s`, the no-cache replay's) / instances, times
+    `opts.routing_load` as often (2: twice the rate; with the cache's hits the fleet then still
+    keeps up, but queues form, and a policy's load term decides)."""
     n = max(MIN_INSTANCES, demo.opts.instances)
     reps = max(3, repeats)
-    gap = statistics.fmean(no_cache_s) / n if no_cache_s else 0.0
+    load = demo.opts.routing_load
+    gap = statistics.fmean(no_cache_s) / n / load if no_cache_s else 0.0
     trace = list(enumerate(requests))
     service = _have_zmq()
     runs: dict[str, list[RoutedRun]] = {p: [] for p in policies}
@@ -400,6 +403,7 @@ def compare(
         "instances": n,
         "repeats": reps,
         "arrival_gap_s": round(gap, 6),
+        "offered_load": load,
         "index": (
             "l3pool.index: KV events over ZeroMQ -> IndexService (GlobalIndex) -> IndexClient queries; "
             + (

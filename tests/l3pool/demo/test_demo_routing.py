@@ -38,6 +38,8 @@ def test_routing_without_a_value_is_the_default_policy() -> None:
     assert parse_policies(ap.parse_args(["demo", "--routing"]).routing) == ("cache_aware",)
     assert parse_policies(ap.parse_args(["demo", "--routing", "all"]).routing) == tuple(routing.POLICIES)
     assert ap.parse_args(["demo"]).routing is None  # off unless asked for
+    assert ap.parse_args(["demo"]).routing_load == 1.0
+    assert ap.parse_args(["demo", "--routing-load", "2"]).routing_load == 2
 
 
 def test_verdict_needs_the_spreads_apart() -> None:
@@ -164,6 +166,7 @@ def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert set(rt["verdict"]) == {"prefill_s", "prefill_cpu_s", "ttft_mean_s"}
     assert set(rt["paired"]) == {"prefill_s", "ttft_mean_s"}
     assert set(rt["paired"]["prefill_s"]) == {"round_robin", "dynamo_like"}
+    assert rt["offered_load"] == 1.0 and rt["arrival_gap_s"] > 0
     chk = rt["self_check"]  # at least the trace's first request hits nothing in any run
     assert chk["no_hit_requests"] >= 1 and set(chk) == {"no_hit_requests", "round_robin", "dynamo_like"}
     assert all(
@@ -185,3 +188,21 @@ def test_demo_routing_bad_policy_is_one_clear_line(tmp_path: Path, capsys: pytes
     rc = main(["demo", "--quick", "--no-progress", "--routing", "fastest", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "--routing: unknown policy fastest" in err and "Traceback" not in err
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as ex:  # argparse's usage error: exit 2, one line
+            main(["demo", "--quick", "--no-progress", "--routing", "--routing-load", bad, "--out", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert ex.value.code == 2 and "argument --routing-load: " in err and "Traceback" not in err, err
+
+
+def test_routing_load_outside_its_range_is_refused() -> None:
+    """The library's own check (the CLI's type refuses <= 0 before it): (0, 100]."""
+    from l2core.spec import ConfigError
+    from l3pool.demo.model import ModelConfig
+    from l3pool.demo.replay import DemoOptions
+    from l3pool.demo.workload import WorkloadConfig
+
+    for bad in (0.0, -1.0, 101.0):
+        with pytest.raises(ConfigError, match="routing_load must be in"):
+            DemoOptions(model=ModelConfig(), workload=WorkloadConfig(), routing_load=bad)
+    assert DemoOptions(model=ModelConfig(), workload=WorkloadConfig(), routing_load=2.5).routing_load == 2.5
