@@ -281,10 +281,12 @@ def _check_args(
         raise ClusterConfigError(str(e)) from None
     if nbytes <= 0:
         raise ClusterConfigError(f"segment_size must be positive, got {segment_size!r}")
-    from l3pool.pool.store import segment_too_small
+    from l3pool.pool.store import segment_too_large, segment_too_small
 
     if agents and (problem := segment_too_small(nbytes, segment_size)) is not None:
         raise ClusterConfigError(problem)  # refused here, before anything starts, not by each agent
+    if agents and (problem := segment_too_large(nbytes, segment_size, agents=agents)) is not None:
+        raise ClusterConfigError(problem)  # all agents share this host's memory
     return agents, nbytes, net
 
 

@@ -130,17 +130,21 @@ def segment_too_small(nbytes: int, typed: int | str, what: str | None = "--segme
     return f"{size} is below Mooncake's minimum segment of {least}{alt}; raise {what or 'it'}"
 
 
-def segment_too_large(nbytes: int, typed: int | str, what: str = "--segment-size") -> str | None:
-    """The one-line refusal of a segment this host cannot back now (None when it fits in
-    MemAvailable, or when that cannot be read). Where the kernel overcommits (vm.overcommit_memory=1,
-    as on the GPU host), Mooncake's setup mounts even a 4 TiB segment on a 128 GiB host; the pool
-    then places pages in memory that does not exist, and the first writes bring the OOM killer.
-    Checked by the agent, on the host that donates, before Mooncake sees the size."""
+def segment_too_large(nbytes: int, typed: int | str, what: str = "--segment-size", agents: int = 1) -> str | None:
+    """The one-line refusal of `agents` segments of `nbytes` that this host cannot back now (None
+    when they fit in MemAvailable, or when that cannot be read). Where the kernel overcommits
+    (vm.overcommit_memory=1, as on the GPU host), Mooncake's setup mounts even a 4 TiB segment on
+    a 128 GiB host; the pool then places pages in memory that does not exist, and the first writes
+    bring the OOM killer. Checked by the agent on the host that donates, and by `l3pool cluster up`
+    for all its agents together, before Mooncake sees the size."""
     avail = mem_available()
-    if avail is None or nbytes <= avail:
+    if avail is None or nbytes * agents <= avail:
         return None
-    return (f"{what} {format_size(nbytes, typed)} is larger than this host's available memory "
-            f"({format_size(avail)}): lower {what}")  # fmt: skip
+    size = format_size(nbytes, typed)
+    if agents == 1:
+        return f"{what} {size} is larger than this host's available memory ({format_size(avail)}): lower {what}"
+    return (f"{agents} agents x {what} {size} = {format_size(nbytes * agents, typed)} is more than this host's "
+            f"available memory ({format_size(avail)}): lower --agents or {what}")  # fmt: skip
 
 
 DEFAULT_METADATA_PORT = 8080  # mooncake_master --http_metadata_server_port's default

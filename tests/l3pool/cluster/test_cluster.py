@@ -123,6 +123,25 @@ def test_bad_config_raises_at_construction() -> None:
             LocalCluster(**kwargs)  # type: ignore[arg-type]
 
 
+def test_agents_that_together_exceed_available_memory_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each agent's segment fits, all of them do not: refused before anything starts, in one line."""
+    from l3pool.pool import store
+
+    monkeypatch.setattr(store, "mem_available", lambda: 100 << 20)  # this host: 100 MiB available
+    with pytest.raises(ValueError) as e:
+        LocalCluster(agents=4, segment_size="32MiB", netns="off")
+    assert str(e.value) == (
+        "4 agents x --segment-size 32 MiB = 128 MiB is more than this host's available memory (100 MiB): "
+        "lower --agents or --segment-size"
+    )
+    assert store.segment_too_large(32 << 20, "32MiB", agents=3) is None  # 96 MiB fits
+    assert store.segment_too_large(128 << 20, "128MiB") == (
+        "--segment-size 128 MiB is larger than this host's available memory (100 MiB): lower --segment-size"
+    )
+    monkeypatch.setattr(store, "mem_available", lambda: None)  # unreadable: no claim either way
+    assert store.segment_too_large(1 << 50, "1PiB", agents=8) is None
+
+
 def test_netns_unavailable_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cluster_mod._netns_unavailable("off") == "netns='off' was asked for"
     monkeypatch.setattr(cluster_mod.os, "geteuid", lambda: 1000)
