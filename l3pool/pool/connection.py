@@ -126,16 +126,23 @@ def check_reachable(master: str, timeout: float = 2.0) -> None:
         raise StoreUnavailable(f"mooncake master {master} unreachable: {e}") from None
 
 
-def mem_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read). The one reader of it."""
+def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """Memory a new segment can get now, in bytes: MemAvailable plus the free reserved huge pages
+    (HugePages_Free x Hugepagesize: MemAvailable leaves them out, yet a segment mapped from
+    hugetlbfs lives there). None where MemAvailable cannot be read. The one reader of /proc/meminfo."""
+    fields: dict[str, int] = {}
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                key, _, rest = line.partition(":")
+                if key in ("MemAvailable", "HugePages_Free", "Hugepagesize"):
+                    fields[key] = int(rest.split()[0])
     except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return None
+    if "MemAvailable" not in fields:
+        return None
+    huge = fields.get("HugePages_Free", 0) * fields.get("Hugepagesize", 0)  # pages x kB
+    return (fields["MemAvailable"] + huge) * 1024
 
 
 def _setup_cause(rc: int, segment_bytes: int) -> str:

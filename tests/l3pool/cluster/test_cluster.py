@@ -142,6 +142,21 @@ def test_agents_that_together_exceed_available_memory_are_refused(monkeypatch: p
     assert store.segment_too_large(1 << 50, "1PiB", agents=8) is None
 
 
+def test_available_memory_counts_free_reserved_huge_pages(tmp_path: Path) -> None:
+    from l3pool.pool.connection import mem_available
+
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal: 100 kB\nMemAvailable:  1000 kB\nHugePages_Free:  3\nHugepagesize:  2048 kB\n")
+    assert mem_available(str(info)) == (1000 + 3 * 2048) * 1024
+    info.write_text("MemAvailable: 1000 kB\n")  # no huge page lines (a kernel without hugetlb)
+    assert mem_available(str(info)) == 1000 * 1024
+    info.write_text("MemFree: 1000 kB\n")  # no MemAvailable: unknown, never a guess
+    assert mem_available(str(info)) is None
+    info.write_text("MemAvailable: lots kB\n")
+    assert mem_available(str(info)) is None
+    assert mem_available(str(tmp_path / "absent")) is None
+
+
 def test_netns_unavailable_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cluster_mod._netns_unavailable("off") == "netns='off' was asked for"
     monkeypatch.setattr(cluster_mod.os, "geteuid", lambda: 1000)
