@@ -132,7 +132,7 @@ def segment_too_small(nbytes: int, typed: int | str, what: str | None = "--segme
 
 def segment_too_large(nbytes: int, typed: int | str, what: str = "--segment-size", agents: int = 1) -> str | None:
     """The one-line refusal of `agents` segments of `nbytes` that this host cannot back now (None
-    when they fit in MemAvailable, or when that cannot be read). Where the kernel overcommits
+    when they fit in `mem_available()`, or when that cannot be read). Where the kernel overcommits
     (vm.overcommit_memory=1, as on the GPU host), Mooncake's setup mounts even a 4 TiB segment on
     a 128 GiB host; the pool then places pages in memory that does not exist, and the first writes
     bring the OOM killer. Checked by the agent on the host that donates, and by `l3pool cluster up`
