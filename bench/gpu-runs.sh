@@ -19,6 +19,9 @@
 #            the policies' load terms decide (cache_aware tied dynamo_like at load 1)   19     4
 # llama      the real-scale demo, llama-8b shape (deterministic kernels)             23     5
 # mla        the real-scale demo, DeepSeek MLA shape, 12 of 61 layers                23     5
+# llama-long, mla-long  the same shapes at 32K-64K tokens (4 sessions x 4 turns at reuse 0.82,
+#            turns of 33K, 39-42K, 46-51K, 58-62K: 732K tokens), 3 instances, no HF reference;
+#            not yet run (estimate ~6 min)                                                  23     6
 # split      bench.split_read + the NCCL byte check (needs 2 GPUs: nvidia-h200-x2)   22     3
 #
 # Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle (carried with the call). The
@@ -32,13 +35,13 @@
 # each step's exit code is printed and collected in OUTDIR/exit-codes.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|split OUTDIR [DATE]}
+group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|llama-long|mla-long|split OUTDIR [DATE]}
 out=${2:?usage: bench/gpu-runs.sh GROUP OUTDIR [DATE]}
 day=${3:-$(date +%F)}
 case $group in
-  suite | l3 | index | swa | routing | routing-llama | routing-llama-busy | llama | mla | split) ;;
+  suite | l3 | index | swa | routing | routing-llama | routing-llama-busy | llama | mla | llama-long | mla-long | split) ;;
   *)
-    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|split" >&2
+    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|llama-long|mla-long|split" >&2
     exit 2 ;;
 esac
 mkdir -p "$out"
@@ -97,6 +100,12 @@ case $group in
     step llama 540 bash scripts/demo-real.sh llama-8b "$out/demo-llama-8b" ;;
   mla)
     step mla 540 bash scripts/demo-real.sh deepseek-mla "$out/demo-deepseek-mla-12l" ;;
+  llama-long | mla-long)
+    model=llama-8b; layers=()
+    [ "$group" = mla-long ] && model=deepseek-mla && layers=(--layers 12)
+    step "$group" 560 python3 -m l3pool demo --model "$model" "${layers[@]}" --instances 3 --queue-depth 1 \
+      --sessions 4 --turns 4 --min-context 32768 --max-context 65536 --reuse 0.82 --placement affinity \
+      --l2-tokens 98304 --segment-size 16GB --no-progress --out "$out/demo-$group" ;;
   split)
     step split 300 python3 -m bench.split_read --json --out "$out/$day-h200x2-split-read.json"
     step split-test 200 python3 -m pytest -q -p no:cacheprovider tests/l2core/test_split_read.py -k two_gpus ;;
