@@ -32,8 +32,9 @@ checks: logits identical to the no-cache run, 0 wrong pages. `verdict` compares 
 (every policy's run k happened back to back), which survives drift of the machine between repeats.
 `self_check` times what no policy can change (the requests no run hit at all) in every policy: a
 pair whose never-hit requests took different times is `biased`, and its verdicts say so; it also
-gives the share of requests two policies sent to the same instance (on the H200's llama-8b trace
-cache_aware and dynamo_like routed the same tokens per instance: a tie, whatever the clock said).
+gives the share of requests two policies sent to the same instance (in a first 3-repeat llama-8b
+run on the H200, cache_aware and dynamo_like routed the same tokens per instance, and the paired
+ratio still said "slower": a tie the clock dressed up).
 
 What can differ between policies on this trace: with L3 written through, a session's earlier
 turns are a hit everywhere, so routing decides the tier (L1 on its home instance, L3 -> L2 -> L1
