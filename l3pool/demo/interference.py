@@ -1,13 +1,20 @@
 """Interference: how much the forward pass slows while the cache moves bytes beside it.
 
-The same no-cache prefill is timed alone and with concurrent L2 <-> L1 traffic: a thread copies a
-host buffer of one request's KV (pinned on a GPU) to the device and back, on its own CUDA stream,
-as the cache's per-layer loads and background backups do, and counts the bytes it moved. Tries
-alternate (alone, loaded, alone, ...); medians with their spread.
+The same no-cache prefill is timed alone and with concurrent L2 <-> L1 traffic of two kinds, each
+on a thread of its own that counts the bytes it moved:
+- `plain`: a host buffer of one request's KV (pinned on a GPU) copied to the device and back on a
+  side CUDA stream (copy-engine DMAs only: a floor for what any copy path costs the compute);
+- `engine`: the cache's own path, a TransferEngine (the product's kernels, streams and stream
+  priorities: staged device gathers/scatters plus DMAs) over a scratch L2 pool of the model's KV
+  spec and layout and scratch device buffers, one request's pages loaded host -> device layer by
+  layer, then backed up device -> host, back to back. Both run at full duty, more than a cache
+  moves during one prefill: an upper bound on the slowdown.
+Tries rotate (alone, plain, engine); each slowdown is paired per try; medians with their spread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -15,32 +22,26 @@ from typing import Any
 import numpy as np
 import torch
 
+from l2core.pool import HostKVPool, L2Config
+from l2core.transfer import TransferEngine
 from l3pool.demo.engine import PrefillInstance
 from l3pool.demo.timing import med_spread
 
 
 class _Traffic:
-    def __init__(self, device: torch.device, nbytes: int) -> None:
-        cuda = device.type == "cuda"
-        n = max(1 << 20, min(nbytes, 2 << 30))
-        self.host = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
-        self.dev = torch.empty(n, dtype=torch.uint8, device=device)
-        self.stream = torch.cuda.Stream(device) if cuda else None
+    """A thread that repeats `_step()` (which returns the bytes it moved) until stopped."""
+
+    def __init__(self) -> None:
         self.stop = threading.Event()
         self.bytes = 0
         self.thread: threading.Thread | None = None
 
+    def _step(self) -> int:
+        raise NotImplementedError
+
     def _loop(self) -> None:
         while not self.stop.is_set():
-            if self.stream is not None:
-                with torch.cuda.stream(self.stream):
-                    self.dev.copy_(self.host, non_blocking=True)
-                    self.host.copy_(self.dev, non_blocking=True)
-                self.stream.synchronize()
-            else:
-                self.dev.copy_(self.host)
-                self.host.copy_(self.dev)
-            self.bytes += 2 * self.host.numel()
+            self.bytes += self._step()
 
     def __enter__(self) -> _Traffic:
         self.stop.clear()
@@ -55,28 +56,110 @@ class _Traffic:
         self.thread.join()
         self.secs = time.perf_counter() - self.t0
 
+    def close(self) -> None:
+        pass
 
-def measure(inst: PrefillInstance, toks: np.ndarray, tries: int) -> dict[str, Any]:
-    """Forward pass of `toks` on a no-cache instance alone vs with concurrent copies."""
-    kv = inst.spec.token_bytes * int(toks.size)
-    tr = _Traffic(inst.device, kv)
-    inst.prefill(toks)  # warm
-    alone, loaded, gbps = [], [], []
-    for _ in range(tries):
-        alone.append(inst.prefill(toks).total_s * 1e3)
-        with tr:
-            loaded.append(inst.prefill(toks).total_s * 1e3)
-        gbps.append(tr.bytes / tr.secs / 1e9)
-    a, b = med_spread(alone), med_spread(loaded)
+
+class _Plain(_Traffic):
+    def __init__(self, device: torch.device, nbytes: int) -> None:
+        super().__init__()
+        cuda = device.type == "cuda"
+        n = max(1 << 20, min(nbytes, 2 << 30))
+        self.host = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
+        self.dev = torch.empty(n, dtype=torch.uint8, device=device)
+        self.stream = torch.cuda.Stream(device) if cuda else None
+
+    def _step(self) -> int:
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                self.dev.copy_(self.host, non_blocking=True)
+                self.host.copy_(self.dev, non_blocking=True)
+            self.stream.synchronize()
+        else:
+            self.dev.copy_(self.host)
+            self.host.copy_(self.dev)
+        return 2 * self.host.numel()
+
+
+class _Engine(_Traffic):
+    def __init__(self, inst: PrefillInstance, tokens: int, layout: str) -> None:
+        super().__init__()
+        spec = inst.spec
+        n = max(1, min(tokens, (2 << 30) // spec.token_bytes) // spec.page_size)  # pages, <= 2 GiB as `plain`
+        self.pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=n * spec.page_size))  # type: ignore[arg-type]
+        self.eng = TransferEngine(self.pool, inst.model.new_l1(n * spec.page_size))
+        dev = inst.device
+        self.slots = torch.arange(n * spec.page_size, dtype=torch.int64, device=dev)
+        self.pages = np.arange(n, dtype=np.int64)
+        self.nbytes = n * spec.page_bytes
+        # submitted from a side stream: the engine orders a job after the submitter's stream, and
+        # the forward pass on the default stream must not be what these copies wait for
+        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+
+    def _step(self) -> int:
+        with self._side():
+            jid = self.eng.submit_load(self.slots, self.pages)
+        self.eng.wait([jid])
+        with self._side():
+            jid = self.eng.submit_backup(self.slots, self.pages)
+        res = self.eng.wait([jid])
+        if not all(r.ok for r in res):
+            raise RuntimeError(f"interference traffic failed: {res[0].error}")
+        return 2 * self.nbytes
+
+    def _side(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        self.eng.close()
+        self.pool.close()
+
+
+def _paired(alone: list[float], loaded: list[float]) -> dict[str, Any]:
     slow = [y / x - 1 for x, y in zip(alone, loaded, strict=True)]
     return {
-        "tokens": int(toks.size),
-        "compute_alone_ms": a,
-        "compute_with_l2_traffic_ms": b,
         "slowdown": round(float(np.median(slow)), 4),  # per-try pairs: not (median with) / (median alone)
         "slowdown_spread": [round(min(slow), 4), round(max(slow), 4)],
         "slowdown_verdict": "within noise" if min(slow) <= 0 <= max(slow) else "measured",
-        "copy_GBps": med_spread(gbps),
-        "copy_buffer_bytes": tr.host.numel(),
+    }
+
+
+def measure(inst: PrefillInstance, toks: np.ndarray, tries: int, layout: str = "page_first_direct") -> dict[str, Any]:
+    """Forward pass of `toks` on a no-cache instance alone vs with concurrent copies (plain DMAs,
+    and the cache's own TransferEngine path); tries rotate so no kind always follows another."""
+    kv = inst.spec.token_bytes * int(toks.size)
+    plain, engine = _Plain(inst.device, kv), _Engine(inst, int(toks.size), layout)
+    try:
+        inst.prefill(toks)  # warm
+        ms: dict[str, list[float]] = {"alone": [], "plain": [], "engine": []}
+        gbps: dict[str, list[float]] = {"plain": [], "engine": []}
+        kinds = list(ms)
+        for t in range(tries):
+            for k in kinds[t % 3 :] + kinds[: t % 3]:
+                if k == "alone":
+                    ms[k].append(inst.prefill(toks).total_s * 1e3)
+                    continue
+                tr = plain if k == "plain" else engine
+                with tr:
+                    ms[k].append(inst.prefill(toks).total_s * 1e3)
+                gbps[k].append(tr.bytes / tr.secs / 1e9)
+    finally:
+        plain.close()
+        engine.close()
+    return {
+        "tokens": int(toks.size),
+        "compute_alone_ms": med_spread(ms["alone"]),
+        "compute_with_l2_traffic_ms": med_spread(ms["plain"]),
+        **_paired(ms["alone"], ms["plain"]),
+        "copy_GBps": med_spread(gbps["plain"]),
+        "copy_buffer_bytes": plain.host.numel(),
         "how": "host<->device copies of one request's KV on a side stream/thread during the same prefill",
+        "engine": {
+            "compute_with_engine_traffic_ms": med_spread(ms["engine"]),
+            **_paired(ms["alone"], ms["engine"]),
+            "copy_GBps": med_spread(gbps["engine"]),
+            "bytes_per_round": 2 * engine.nbytes,
+            "how": f"l2core TransferEngine ({layout} L2, the model's KV spec): per-layer loads then a backup of "
+            "one request's pages, back to back, submitted from a side stream",
+        },
     }

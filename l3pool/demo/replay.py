@@ -625,13 +625,13 @@ class Demo:
         }
 
     def interference(self, toks: np.ndarray) -> dict[str, Any]:
-        """The same no-cache forward pass alone and with concurrent L2 <-> L1 traffic (a host
-        buffer of one request's KV copied to and from the device on a side stream/thread, as the
-        cache's loads and backups do), `rounds` interleaved tries each; the copy bandwidth reached."""
+        """The same no-cache forward pass alone and with concurrent L2 <-> L1 traffic (plain copies
+        of one request's KV, and the cache's own TransferEngine path; interference.py), `rounds`
+        interleaved tries each; the copy bandwidth reached."""
         from l3pool.demo.interference import measure
 
         inst = self.instance("interference", "no_cache")
         try:
-            return measure(inst, toks, max(3, self.opts.rounds))
+            return measure(inst, toks, max(3, self.opts.rounds), self.opts.l2_layout)
         finally:
             inst.close()

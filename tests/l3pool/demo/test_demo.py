@@ -228,6 +228,9 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert set(rep["what_if"]["fabrics"]) == {"tcp_measured", "rdma_25GBps", "rdma_50GBps", "rdma_100GBps"}
     x = rep["interference"]
     assert x["compute_alone_ms"]["runs"] == 3 and x["copy_GBps"]["median"] > 0
+    e = x["engine"]  # the cache's own copy path beside the same forward pass, paired per try
+    assert e["compute_with_engine_traffic_ms"]["runs"] == 3 and e["copy_GBps"]["median"] > 0
+    assert e["bytes_per_round"] > 0 and e["slowdown_spread"][0] <= e["slowdown"] <= e["slowdown_spread"][1]
     assert rep["tiers"]["L3_to_L2"]["bytes"] > 0 and rep["tiers"]["L2_to_L3_put"]["bytes"] > 0
     assert rep["tiers"]["L1_to_L2_backup"]["bytes"] > 0  # the background backup thread wrote
     assert rep["setup"]["queue_depth"] == 2

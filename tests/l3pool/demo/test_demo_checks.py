@@ -91,3 +91,6 @@ def test_interference_row_heads_with_the_paired_slowdown_and_its_range() -> None
     assert "(medians); paired slowdown +15.4% (tries -5.0%..+31.0%: within noise)" in line
     x["slowdown_spread"] = [0.02, 0.31]
     assert "within noise" not in interference_line(x) and "(tries +2.0%..+31.0%)" in interference_line(x)
+    assert "transfer engine" not in interference_line(x)  # a report from before the engine row
+    x["engine"] = {"slowdown": 0.031, "slowdown_spread": [0.01, 0.05], "copy_GBps": {"median": 40.2}}
+    assert interference_line(x).endswith("; through the transfer engine +3.1% (tries +1.0%..+5.0%), 40.2 GB/s")
