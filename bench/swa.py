@@ -184,6 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="also write the JSON here")
     a = ap.parse_args(argv)
+    try:
+        tokens = [int(x) for x in a.tokens.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--tokens: expected token counts such as 8192,16384, got {a.tokens!r}")
+    if a.window < P or a.window % P:
+        ap.error(f"--window {a.window}: must be a positive multiple of the {P}-token page")
+    if not tokens or any(t < a.window or t % a.window for t in tokens):
+        ap.error(f"--tokens {a.tokens!r}: each must be a positive multiple of --window {a.window}")
+    for name in ("layers", "kv_heads", "head_dim", "iters"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
     dev = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
     res = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
@@ -192,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_before": list(os.getloadavg()),
         "results": [],
     }
-    for t in (int(x) for x in a.tokens.split(",")):
+    for t in tokens:
         r = bench_one(t, a.window, a.layers, a.kv_heads, a.head_dim, a.iters, dev)
         res["results"].append(r)
         if not a.json:
