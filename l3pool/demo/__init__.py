@@ -24,8 +24,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from l3pool.router import DEFAULT_POLICY  # torch-free, light
-
 if TYPE_CHECKING:
     from l3pool.cluster.running import Endpoints
 
@@ -128,7 +126,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--routing",
         nargs="?",
-        const=DEFAULT_POLICY,
+        const="default",  # parse_policies: the router's DEFAULT_POLICY (not imported here: CLI start-up)
         help="also route the trace through router policies on >= 3 instances: round_robin, cache_aware, "
         "dynamo_like, a list, or all (compared); without a value: cache_aware, the default policy",
     )

@@ -62,7 +62,7 @@ from l3pool.demo.workload import Request
 from l3pool.index.types import PrefixHits, TierPrefix
 from l3pool.pool.keys import Namespace, page_hashes
 from l3pool.pool.store import MooncakeStore
-from l3pool.router import POLICIES, Policy, RoundRobin, Router
+from l3pool.router import DEFAULT_POLICY, POLICIES, Policy, RoundRobin, Router
 
 if TYPE_CHECKING:
     from l3pool.demo.replay import Demo
@@ -72,9 +72,12 @@ MIN_INSTANCES = 3
 
 
 def parse_policies(arg: str | None) -> tuple[str, ...]:
-    """`--routing` value: one policy, a comma list, or `all`; ValueError on an unknown name."""
+    """`--routing` value: one policy, a comma list, `all`, or `default` (a bare `--routing`: the
+    router's DEFAULT_POLICY); ValueError on an unknown name."""
     if not arg:
         return ()
+    if arg == "default":  # a bare `--routing`
+        return (DEFAULT_POLICY,)
     names = list(POLICIES) if arg == "all" else [s.strip() for s in arg.split(",") if s.strip()]
     bad = [n for n in names if n not in POLICIES]
     if bad or not names:
@@ -450,10 +453,11 @@ def self_check(runs: dict[str, list[RoutedRun]]) -> dict[str, Any]:
     for name, rs in runs.items():
         if name == "cache_aware" or len(rs) != len(ca):
             continue
-        chk = miss_check(sums(rs), mine)  # "overhead" = 1 - t_other / t_cache_aware on the same work
+        theirs = sums(rs)
+        chk = miss_check(theirs, mine)  # "overhead" = 1 - t_other / t_cache_aware on the same work
         same = [a == b for x, y in zip(ca, rs, strict=True) for a, b in zip(x.picks, y.picks, strict=False)]
         out[name] = {
-            "no_hit_ratio": round(statistics.median(a / b for a, b in zip(mine, sums(rs), strict=True) if b > 0), 4),
+            "no_hit_ratio": round(statistics.median(a / b for a, b in zip(mine, theirs, strict=True) if b > 0), 4),
             "no_hit_diff_s": chk["diff_s"],
             "noise_s": chk["noise_s"],
             "biased": not chk["equal_within_spread"],

@@ -62,6 +62,7 @@ class ComputeModel:
             raise RouterError(f"need min_samples >= 2 and window >= min_samples, got {min_samples}, {window}")
         self.min_samples = min_samples
         self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._rate: float | None = None  # mean seconds per computed token of the samples (set by add)
         self.coef: tuple[float, float, float] | None = None  # (a, b, c) once fitted
 
     @staticmethod
@@ -76,6 +77,7 @@ class ComputeModel:
         if n < 1:
             return  # nothing computed: says nothing about compute
         self._samples.append((n, p, s))
+        self._rate = sum(x[2] for x in self._samples) / sum(x[0] for x in self._samples)
         self._fit()
         if self.shared is not None:
             self.shared.add(tokens, seconds, cached)
@@ -106,10 +108,7 @@ class ComputeModel:
 
     def rate(self) -> float | None:
         """Mean measured seconds per computed token of the samples (None before any)."""
-        if not self._samples:
-            return None
-        arr = np.asarray(self._samples, dtype=np.float64)
-        return float(arr[:, 2].sum() / arr[:, 0].sum())
+        return self._rate
 
     def predict(self, tokens: int, cached: int = 0) -> float:
         n, p = finite("tokens", tokens), finite("cached", cached)
