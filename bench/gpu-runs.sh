@@ -20,8 +20,8 @@
 # llama      the real-scale demo, llama-8b shape (deterministic kernels)             23     5
 # mla        the real-scale demo, DeepSeek MLA shape, 12 of 61 layers                23     5
 # llama-long, mla-long  the same shapes at 32K-64K tokens (4 sessions x 4 turns at reuse 0.82,
-#            turns of 33K, 39-42K, 46-51K, 58-62K: 732K tokens), 3 instances, no HF reference;
-#            not yet run (estimate ~6 min)                                                  23     6
+#            turns of 33K, 39-42K, 46-51K, 58-62K: 723K tokens), 3 instances, no HF reference,
+#            no side study (both shown at 24-31K by llama/mla); not yet run (estimate ~8 min)  23     8
 # split      bench.split_read + the NCCL byte check (needs 2 GPUs: nvidia-h200-x2)   22     3
 #
 # Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle (carried with the call). The
@@ -102,10 +102,11 @@ case $group in
     step mla 540 bash scripts/demo-real.sh deepseek-mla "$out/demo-deepseek-mla-12l" ;;
   llama-long | mla-long)
     model=llama-8b; layers=()
-    [ "$group" = mla-long ] && model=deepseek-mla && layers=(--layers 12)
-    step "$group" 560 python3 -m l3pool demo --model "$model" "${layers[@]}" --instances 3 --queue-depth 1 \
+    # deepseek-mla at 8 of 61 layers: the 62K turns at 12 layers would not fit one device call
+    [ "$group" = mla-long ] && model=deepseek-mla && layers=(--layers 8)
+    step "$group" $((590 - SECONDS)) python3 -m l3pool demo --model "$model" "${layers[@]}" --instances 3 --queue-depth 1 \
       --sessions 4 --turns 4 --min-context 32768 --max-context 65536 --reuse 0.82 --placement affinity \
-      --l2-tokens 98304 --segment-size 16GB --no-progress --out "$out/demo-$group" ;;
+      --l2-tokens 98304 --segment-size 16GB --no-side --no-progress --out "$out/demo-$group" ;;
   split)
     step split 300 python3 -m bench.split_read --json --out "$out/$day-h200x2-split-read.json"
     step split-test 200 python3 -m pytest -q -p no:cacheprovider tests/l2core/test_split_read.py -k two_gpus ;;

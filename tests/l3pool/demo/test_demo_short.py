@@ -59,8 +59,8 @@ def test_a_no_cache_rerun_that_varies_is_not_blamed_on_a_reader(demo: Demo, monk
         orig(self, q, rec)
         if rec.tokens == N:
             seen.append(rec)
-            if len(seen) == 2:  # the second no-cache run of the prompt gives "the other result"
-                rec.logits = _bump(rec.logits)
+            if len(seen) == 3:  # the second timed no-cache run (after the untimed first pass and
+                rec.logits = _bump(rec.logits)  # the reference) gives "the other result"
 
     monkeypatch.setattr(PrefillInstance, "_compute_uncached", varied)
     demo.short_prompts(3)
@@ -68,6 +68,26 @@ def test_a_no_cache_rerun_that_varies_is_not_blamed_on_a_reader(demo: Demo, monk
     (row,) = _rows(demo, "no-cache rerun")
     assert row["try"] == 1
     assert _rows(demo, "all-hit reader") == []  # every reader equals the first no-cache run
+
+
+def test_the_first_pass_of_a_shape_is_not_the_reference(demo: Demo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H200 case of 2026-12-02 (llama-8b, 32-62K trace): the first no-cache pass of the
+    4,097-token prompt differed bitwise from the two later ones, which agreed with each other and
+    with every reader. The untimed first pass of each shape is not what the readers are held to."""
+    orig = PrefillInstance._compute_uncached
+    seen = []
+
+    def first_differs(self: PrefillInstance, q: Any, rec: Any) -> None:
+        orig(self, q, rec)
+        if rec.tokens == N:
+            seen.append(rec)
+            if len(seen) == 1:
+                rec.logits = _bump(rec.logits)
+
+    monkeypatch.setattr(PrefillInstance, "_compute_uncached", first_differs)
+    demo.short_prompts(3)
+    assert len(seen) == 1 + 3  # the untimed pass, then the 3 timed no-cache tries
+    assert demo.verifier.mismatched_logits == 0 and demo.verifier.wrong_pages == 0
 
 
 def test_a_reader_whose_forward_varied_on_exact_inputs_says_so(demo: Demo, monkeypatch: pytest.MonkeyPatch) -> None:
