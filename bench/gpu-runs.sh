@@ -21,7 +21,8 @@
 # mla        the real-scale demo, DeepSeek MLA shape, 12 of 61 layers                23     5
 # llama-long, mla-long  the same shapes at 32K-64K tokens (4 sessions x 4 turns at reuse 0.82,
 #            turns of 33K, 39-42K, 46-51K, 58-62K: 723K tokens), 3 instances, no HF reference,
-#            no side study (both shown at 24-31K by llama/mla); not yet run (estimate ~8 min)  23     8
+#            no side study (both shown at 24-31K by llama/mla); measured 2026-12-03: 511 s and
+#            406 s (mla at 8 layers) after a ~45 s build                                     23     9
 # split      bench.split_read + the NCCL byte check (needs 2 GPUs: nvidia-h200-x2)   22     3
 #
 # Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle (carried with the call). The

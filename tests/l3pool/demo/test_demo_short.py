@@ -71,7 +71,7 @@ def test_a_no_cache_rerun_that_varies_is_not_blamed_on_a_reader(demo: Demo, monk
 
 
 def test_the_first_pass_of_a_shape_is_not_the_reference(demo: Demo, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The H200 case of 2026-12-02 (llama-8b, 32-62K trace): the first no-cache pass of the
+    """The H200 case of 2026-12-03 (llama-8b, 32-62K trace): the first no-cache pass of the
     4,097-token prompt differed bitwise from the two later ones, which agreed with each other and
     with every reader. The untimed first pass of each shape is not what the readers are held to."""
     orig = PrefillInstance._compute_uncached
