@@ -14,9 +14,10 @@
 # swa        bench.swa on CUDA (window gather/scatter vs the PCIe limit) + the hybrid demo   21     6
 # routing    demo --routing all: 3 instances, 6 sessions x 3 turns of 4-8K tokens   19     7
 # routing-llama  the routing comparison on llama-8b (128 KB of KV per token: an L3 hit over TCP
-#            costs about what computing it does, so where a prefix is cached matters)   19     5
-# routing-llama-busy  the same at twice the arrival rate (--routing-load 2): queues form, so
-#            the policies' load terms decide (cache_aware tied dynamo_like at load 1)   19     4
+#            costs about what computing it does, so where a prefix is cached matters) at
+#            --routing-load 1: the cached fleet idles half the time, the policies tie     19     5
+# routing-llama-busy  the same at the default load 2 (a fleet sized for its cached throughput):
+#            queues form, so the policies' load terms decide                            19     4
 # llama      the real-scale demo, llama-8b shape (deterministic kernels)             23     5
 # mla        the real-scale demo, DeepSeek MLA shape, 12 of 61 layers                23     5
 # llama-long, mla-long  the same shapes at 32K-64K tokens (4 sessions x 4 turns at reuse 0.82,
@@ -90,7 +91,7 @@ case $group in
       --min-context 4096 --max-context 8192 --repeats 5 --rounds 1 --no-side --no-interference --no-progress \
       --json --out "$out/routing" ;;
   routing-llama)
-    step routing-llama 540 python3 -m l3pool demo --routing all --model llama-8b --instances 3 --queue-depth 1 \
+    step routing-llama 540 python3 -m l3pool demo --routing all --routing-load 1 --model llama-8b --instances 3 --queue-depth 1 \
       --sessions 6 --turns 3 --min-context 8192 --max-context 16384 --repeats 5 --rounds 1 --segment-size 8GB \
       --no-side --no-interference --no-progress --json --out "$out/routing-llama" ;;
   routing-llama-busy)

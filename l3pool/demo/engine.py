@@ -85,6 +85,10 @@ class Record:
     # (verification) the same suffix recomputed on this request's own L1 once its load finished:
     # set only to explain a logits mismatch (Demo._all_hit)
     recomputed: torch.Tensor | None = field(default=None, repr=False)
+    # (verification) the KV tensors the last chunk's layers read (model.prefill's `keep`): set
+    # only when prefill was asked to keep them (Demo.short_prompts)
+    consumed: list[torch.Tensor] | None = field(default=None, repr=False)
+    read_check: dict[str, object] | None = field(default=None, repr=False)  # replay.read_kv_check
 
     @property
     def hit_pages(self) -> int:
@@ -192,13 +196,15 @@ class PrefillInstance:
             self.cache.prefetch(m)
         return Queued(rid, tokens, hs, m, time.perf_counter() - t0)
 
-    def prefill(self, req: Queued | np.ndarray, hold: bool = False) -> Record:
+    def prefill(self, req: Queued | np.ndarray, hold: bool = False, keep: bool = False) -> Record:
         """Schedule the request (arrive() first when given tokens): load, compute, commit. With
         `hold` the request stays active (its L1 pages pinned, e.g. for page_digests) until
-        release(rec)."""
+        release(rec). With `keep` the record's `consumed` holds the KV tensors its last chunk's
+        layers read (verification; references, no copy)."""
         q = req if isinstance(req, Queued) else self.arrive(req)
         P, n = self.P, int(q.tokens.size)
         rec = Record(self.name, n, n // P, request_id=q.request_id, hashes=q.hashes, lookup_s=q.lookup_s)
+        rec.consumed = [] if keep else None
         try:
             if self.cache is None or q.match is None:
                 self._compute_uncached(q, rec)
@@ -219,7 +225,8 @@ class PrefillInstance:
             raise ConfigError(f"cache too small: a request of {n} tokens needs {pages} L1 pages")
         t0 = time.perf_counter()
         rec.l1_pages = np.arange(pages, dtype=np.int64)
-        rec.logits = self.model.prefill(q.tokens, 0, self._slots(rec.l1_pages).to(self.device), self.bufs)
+        rec.logits = self.model.prefill(q.tokens, 0, self._slots(rec.l1_pages).to(self.device), self.bufs,
+                                        keep=rec.consumed)  # fmt: skip
         self._sync()
         rec.compute_s = rec.prefill_s = time.perf_counter() - t0
         rec.computed_tokens = n
@@ -235,10 +242,11 @@ class PrefillInstance:
         t1 = time.perf_counter()
         slots = h.slots.to(self.device)
         if self.overlap:
-            logits = self.model.prefill(q.tokens, h.hit_pages * P, slots, self.bufs, before_layer=h.wait_layer)
+            logits = self.model.prefill(q.tokens, h.hit_pages * P, slots, self.bufs, before_layer=h.wait_layer,
+                                        keep=rec.consumed)  # fmt: skip
         else:
             h.wait()
-            logits = self.model.prefill(q.tokens, h.hit_pages * P, slots, self.bufs)
+            logits = self.model.prefill(q.tokens, h.hit_pages * P, slots, self.bufs, keep=rec.consumed)
         self._sync()
         t2 = time.perf_counter()
         k = self.committable(n)  # pages of a partial last chunk are not cached (hf.py: exactness)

@@ -157,6 +157,7 @@ class L1View:
         self.slots = self.new_slots = torch.empty(0, dtype=torch.int64)
         self.past = 0
         self.before_layer: Callable[[int], None] | None = None
+        self.keep: list[torch.Tensor] | None = None  # (verification) what each layer read: see HFModel.prefill
 
     def layer(self, li: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.before_layer is not None:
@@ -166,11 +167,16 @@ class L1View:
             buf[self.new_slots, 0, : self.r] = a[0, 0]
             buf[self.new_slots, 0, self.r :] = b[0, 0]
             kv = buf[self.slots, 0]  # [n, r + dr]: one gather per layer and chunk
+            if self.keep is not None:
+                self.keep.append(kv)
             return kv[None, None, :, : self.r], kv[None, None, :, self.r :]
         kb, vb = self.bufs[2 * li], self.bufs[2 * li + 1]  # a, b: K, V [1, kv_heads, m, d]
         kb[self.new_slots] = a[0].transpose(0, 1)
         vb[self.new_slots] = b[0].transpose(0, 1)
-        return kb[self.slots].permute(1, 0, 2)[None], vb[self.slots].permute(1, 0, 2)[None]
+        k, v = kb[self.slots], vb[self.slots]  # [n, kv_heads, d]: one gather each per layer and chunk
+        if self.keep is not None:
+            self.keep += (k, v)
+        return k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]
 
 
 def _cache_classes() -> tuple[type, type]:
@@ -240,9 +246,16 @@ class HFModel:
         slots: torch.Tensor,
         bufs: Sequence[torch.Tensor],
         before_layer: Callable[[int], None] | None = None,
+        keep: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Computes tokens[start:] (start chunk-aligned) in chunks of `chunk` tokens on the absolute
-        grid, K/V into `bufs` at `slots`; returns the last token's logits (float32)."""
+        grid, K/V into `bufs` at `slots`; returns the last token's logits (float32).
+
+        `keep` (verification): the last chunk's layers append the KV tensors they read, exactly as
+        the attention consumed them (the gathers of slots[:n], in the order of `bufs`: MHA K_0, V_0,
+        K_1, ...; MLA one [n, 576] per layer), so a caller can prove which bytes a pass computed
+        with (replay.mismatch_cause). They are references, not copies: nothing is added to the
+        pass's own work."""
         C, n = self.cfg.chunk, len(tokens)
         if start % C or not 0 <= start < n:
             raise ValueError(f"start {start} must be a multiple of the chunk ({C}) and < {n} tokens")
@@ -258,12 +271,13 @@ class HFModel:
                 c1 = min(c0 + C, n)
                 v.past, v.slots, v.new_slots = c0, slots[:c1], slots[c0:c1]
                 v.before_layer = before_layer if c0 == start else None
+                v.keep = keep if c1 == n else None
                 pos = torch.arange(c0, c1, device=self.device)[None]
                 out = self.hf.model(input_ids=tok[None, c0:c1], position_ids=pos, past_key_values=self._cache,
                                     use_cache=True)  # fmt: skip
                 hidden = out.last_hidden_state[0, -1:]
         finally:
-            v.bufs, v.before_layer = [], None
+            v.bufs, v.before_layer, v.keep = [], None, None
         return self.hf.lm_head(hidden)[0].float()
 
     @torch.no_grad()

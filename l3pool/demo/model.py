@@ -147,6 +147,7 @@ class RefModel:
         slots: torch.Tensor,
         bufs: Sequence[torch.Tensor],
         before_layer: Callable[[int], None] | None = None,
+        keep: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Computes tokens[start:] (start page-aligned), writing their KV into `bufs` at
         `slots[start:]` and reading tokens[:start]'s KV from `bufs` at `slots[:start]`.
@@ -154,7 +155,8 @@ class RefModel:
 
         `before_layer(i)` runs before layer i of the first chunk reads the cached prefix's KV
         (e.g. `LoadHandle.wait_layer`: layer i's L2 -> L1 copy overlaps layers < i's compute);
-        later chunks read only what the first chunk already waited for."""
+        later chunks read only what the first chunk already waited for. `keep` (verification): the
+        last chunk's layers append the KV gathers they read, as HFModel.prefill describes."""
         P = self.cfg.page_size
         n = len(tokens)
         if start % P or not 0 <= start < n:
@@ -166,7 +168,8 @@ class RefModel:
         x_last = torch.empty(0)
         for c0 in range(start, n, P):  # one page per chunk (see the module docstring)
             c1 = min(c0 + P, n)
-            x_last = self._chunk(tok[c0:c1], c0, slots[:c1], bufs, before_layer if c0 == start else None)
+            x_last = self._chunk(tok[c0:c1], c0, slots[:c1], bufs, before_layer if c0 == start else None,
+                                 keep if c1 == n else None)  # fmt: skip
         return (_rms(x_last[-1:]) @ self.out)[0].float()
 
     def _chunk(
@@ -176,6 +179,7 @@ class RefModel:
         slots: torch.Tensor,
         bufs: Sequence[torch.Tensor],
         before_layer: Callable[[int], None] | None = None,
+        keep: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         cfg = self.cfg
         m = tok.numel()
@@ -189,9 +193,9 @@ class RefModel:
                 before_layer(li)
             h = _rms(x)
             if cfg.attention == "mla":
-                a = self._mla(h, pos, p, bufs[li], new_slots, slots, mask)
+                a = self._mla(h, pos, p, bufs[li], new_slots, slots, mask, keep)
             else:
-                a = self._mha(h, pos, p, bufs[2 * li], bufs[2 * li + 1], new_slots, slots, mask)
+                a = self._mha(h, pos, p, bufs[2 * li], bufs[2 * li + 1], new_slots, slots, mask, keep)
             x = x + a @ p["wo"]
             x = x + torch.nn.functional.silu(_rms(x) @ p["w1"]) @ p["w2"]
         return x
@@ -205,13 +209,17 @@ class RefModel:
         new_slots: torch.Tensor,
         slots: torch.Tensor,
         mask: torch.Tensor,
+        keep: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         cfg = self.cfg
         m, nh, d, r, dr = h.shape[0], cfg.heads, cfg.head_dim, cfg.kv_lora_rank, cfg.rope_dim
         lat = h @ p["wdkv"]  # [m, r + dr]
         lat = torch.cat((lat[:, :r], _rope(lat[:, r:], pos)), dim=1)
         buf[new_slots, 0] = lat.to(buf.dtype)
-        kv = buf[slots, 0].float()  # [n, r + dr], read back from L1 (bf16)
+        raw = buf[slots, 0]  # [n, r + dr], read back from L1 (bf16)
+        if keep is not None:
+            keep.append(raw)
+        kv = raw.float()
         q = (h @ p["wq"]).view(m, nh, d)
         q_lat = torch.einsum("mhd,hdr->mhr", q, p["wuk"])  # absorbed: q_nope . (W_uk c)
         q_rope = _rope((h @ p["wqr"]).view(m, nh, dr), pos)
@@ -230,13 +238,17 @@ class RefModel:
         new_slots: torch.Tensor,
         slots: torch.Tensor,
         mask: torch.Tensor,
+        keep: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         cfg = self.cfg
         m, nh, nkv, d = h.shape[0], cfg.heads, cfg.kv_heads, cfg.head_dim
         kbuf[new_slots] = _rope((h @ p["wk"]).view(m, nkv, d), pos).to(kbuf.dtype)
         vbuf[new_slots] = (h @ p["wv"]).view(m, nkv, d).to(vbuf.dtype)
-        k = kbuf[slots].float().repeat_interleave(nh // nkv, dim=1)  # [n, nh, d]
-        v = vbuf[slots].float().repeat_interleave(nh // nkv, dim=1)
+        kr, vr = kbuf[slots], vbuf[slots]  # [n, nkv, d], read back from L1
+        if keep is not None:
+            keep += (kr, vr)
+        k = kr.float().repeat_interleave(nh // nkv, dim=1)  # [n, nh, d]
+        v = vr.float().repeat_interleave(nh // nkv, dim=1)
         q = _rope((h @ p["wq"]).view(m, nh, d), pos)
         s = torch.einsum("mhd,nhd->hmn", q, k) / math.sqrt(d)
         s = s.masked_fill(~mask, float("-inf"))

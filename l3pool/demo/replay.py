@@ -71,26 +71,53 @@ FORWARD_VARIED = "forward varied on identical inputs"
 INPUTS_DIFFER = "inputs differ"
 
 
+def read_kv_check(ref: list[torch.Tensor], got: list[torch.Tensor], start: int, per_layer: int) -> dict[str, Any]:
+    """What a cached pass read against what the no-cache pass read (each a model.prefill `keep`
+    list: the last chunk's KV gathers, `per_layer` tensors per layer, rows = token positions):
+
+    - cached_kv_exact: every layer read the cached positions [0, start) bit for bit as the
+      no-cache pass had them, at the moment it read them (the gathers the attention consumed,
+      not a later look at L1): the cache's whole contribution to the pass was exact;
+    - first_layer_differs: the first layer whose newly computed positions [start, n) differ (the
+      pass's own computation went another way from there), or None."""
+    if len(ref) != len(got) or not ref:
+        raise ValueError(f"kept KV lists differ in length: {len(ref)} and {len(got)}")
+    exact = all(torch.equal(r[:start], g[:start]) for r, g in zip(ref, got, strict=True))
+    first = next((j // per_layer for j, (r, g) in enumerate(zip(ref, got, strict=True))
+                  if not torch.equal(r[start:], g[start:])), None)  # fmt: skip
+    return {"cached_kv_exact": exact, "first_layer_differs": first}
+
+
 def mismatch_cause(ref: torch.Tensor, got: torch.Tensor, reruns: list[torch.Tensor],
-                   recomputed: torch.Tensor | None) -> dict[str, Any]:  # fmt: skip
+                   recomputed: torch.Tensor | None, read: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """What the demo can observe about a cached run whose logits `got` differ from the no-cache
     reference `ref` (reruns: every no-cache run of the same prompt, `ref` first; recomputed: the
-    cached run's suffix computed again on its own L1 after its load finished, or None):
+    cached run's suffix computed again on its own L1 after its load finished, or None; read: its
+    read_kv_check against the reference, or None when the KV it read was not kept):
 
     - NOT_REPRODUCIBLE: the no-cache reruns disagree and `got` is one of their results, so the
       cache produced a result the no-cache forward pass itself produces;
     - FORWARD_VARIED: the recomputation on the reader's L1 (the bytes its load left there, its
-      slots) gives `ref` bit for bit, so the inputs the cache delivered are exact and the reader's
-      first forward pass computed something else on them: a kernel that varies between calls, or
-      a load/compute ordering error (the pass reading a layer before its copy landed);
-    - INPUTS_DIFFER: neither; what the cache put in L1 does not reproduce the reference."""
+      slots) gives `ref` bit for bit, or the KV its layers read was bit-identical to the
+      reference's: the inputs the cache delivered were exact and the reader's pass computed
+      something else on them (a kernel that varies between calls);
+    - INPUTS_DIFFER: neither, or what its layers read of the cache differs from the reference
+      (a wrong byte, or a layer that read before its copy landed): a cache fault.
+
+    `cache_exonerated` is True only when the KV the pass read was kept and proven exact: then the
+    mismatch is the forward pass's own variation, whatever else is seen."""
     r = ref.cpu()
     agree = all(torch.equal(r, x.cpu()) for x in reruns)
     among = any(torch.equal(got.cpu(), x.cpu()) for x in reruns)
     again = recomputed is not None and torch.equal(r, recomputed.cpu())
-    cause = NOT_REPRODUCIBLE if not agree and among else FORWARD_VARIED if again else INPUTS_DIFFER
+    exact = read is not None and bool(read["cached_kv_exact"])
+    if read is not None and not exact:
+        cause = INPUTS_DIFFER
+    else:
+        cause = NOT_REPRODUCIBLE if not agree and among else FORWARD_VARIED if again or exact else INPUTS_DIFFER
     return {"no_cache_reruns_agree": agree, "equals_a_no_cache_run": among,
-            "recomputed_equals_reference": again if recomputed is not None else None, "cause": cause}  # fmt: skip
+            "recomputed_equals_reference": again if recomputed is not None else None, "cause": cause,
+            **(read or {}), "cache_exonerated": exact}  # fmt: skip
 
 
 # Where the main replay sends a request (the routing comparison has its own policies):
@@ -121,7 +148,11 @@ class DemoOptions:
     sweep_l2: bool = False  # run the L2 capacity sweep
     sweep_points: int = 6  # at most this many capacities
     routing: tuple[str, ...] = ()  # router policies compared on the trace (l3pool/demo/routing.py)
-    routing_load: float = 1.0  # offered load of the routing trace: arrivals x this as often as no-cache fills the fleet
+    # offered load of the routing trace: arrivals x this as often as no-cache fills the fleet. 2: a
+    # fleet sized for its cached throughput (at 1 the cached fleet idles half the time, no queue
+    # forms and every hit-seeking policy picks the same: H200 2026-12-02, cache_aware 0.98 of
+    # dynamo_like with the spreads overlapping)
+    routing_load: float = 2.0
     placement: str = "rotate"  # the main replay's: "rotate" (session + turn) or "affinity" (session); PLACEMENTS
     rounds: int = 3  # interleaved rounds of the main trace + miss-path requests (every timing a median)
     side: bool = True  # run the savings/policies(/sweep) comparisons on the side trace
@@ -197,6 +228,9 @@ class Verifier:
         self.logits: dict[int, torch.Tensor] = {}
         self.digests: dict[bytes, bytes] = {}
         self.compared = self.mismatched_logits = self.pages_checked = self.wrong_pages = 0
+        # mismatches proven not the cache's: a no-cache rerun that differs (no cache involved), or
+        # a reader whose layers read bit-identical cached KV (mismatch_cause's cache_exonerated)
+        self.forward_variance = 0
         self.pending: list[tuple[int, str, torch.Tensor, list[tuple[bytes, bytes]], dict[str, int]]] = []
         self.mismatches: list[dict[str, Any]] = []  # the first MAX_MISMATCHES, for the report
 
@@ -276,6 +310,7 @@ class Verifier:
         """Counts a logits mismatch; logs it and keeps the first MAX_MISMATCHES for the report
         (which request, where, its hit pages per tier, how far the logits are apart)."""
         self.mismatched_logits += 1
+        self.forward_variance += bool(hits.get("cache_exonerated"))
         r, g = ref.float(), got.float()
         diff = (r - g).abs()
         fin = torch.isfinite(diff)
@@ -506,23 +541,34 @@ class Demo:
             q.close()
 
     def _all_hit(
-        self, toks: np.ndarray, ns: Namespace, tries: int, expect: torch.Tensor | None = None
+        self,
+        toks: np.ndarray,
+        ns: Namespace,
+        tries: int,
+        expect: torch.Tensor | None = None,
+        expect_kv: list[torch.Tensor] | None = None,
     ) -> tuple[Record, float]:
         """Prefill of `toks` on fresh instances (empty L1/L2: every used page from L3): the record
         of the median try and the tries' half-range (s). With `expect` (the no-cache logits), a
-        reader whose logits differ also gets `recomputed` (Record; PrefillInstance.recompute)."""
+        reader whose logits differ also gets `recomputed` (Record; PrefillInstance.recompute), and
+        with `expect_kv` (the KV the no-cache pass read: Record.consumed) its `read_check`
+        (read_kv_check: was what its layers read of the cache exact)."""
         recs = []
         for _ in range(tries):
             P = self.opts.model.page_size  # the reader holds this prompt alone: a small L2
             reader = self.instance("fit-reader", "l1_l2_l3", ns, l2_tokens=max(-(-toks.size // P) * P + P, 4 * P))
             try:
-                rec = reader.prefill(toks, hold=True)
+                rec = reader.prefill(toks, hold=True, keep=expect_kv is not None)
                 try:
                     self.verifier.check_pages(reader, rec, f"all-hit prompt of {toks.size} tokens")
                     got = rec.logits
                     if expect is not None and got is not None and not torch.equal(got.cpu(), expect.cpu()):
+                        if expect_kv is not None and rec.consumed is not None:
+                            per = len(reader.bufs) // reader.spec.num_layers
+                            rec.read_check = read_kv_check(expect_kv, rec.consumed, rec.hit_pages * P, per)
                         reader.flush()  # its backups are done: the recomputation rewrites L1 alone
                         rec.recomputed = reader.recompute(rec, toks)  # untimed: explains the mismatch
+                    rec.consumed = None  # the gathers' memory goes back now
                 finally:
                     reader.release(rec)
                 recs.append(rec)
@@ -554,11 +600,12 @@ class Demo:
                 nc.prefill(toks)
                 refs, hits = [], []
                 for t in range(tries):
-                    refs.append(nc.prefill(toks, hold=True))
+                    refs.append(nc.prefill(toks, hold=True, keep=t == 0))  # the reference keeps what it read
                     if t == 0:
                         self.verifier.record_pages(nc, refs[-1], toks)
                     nc.release(refs[-1])
-                    hits.append(self._all_hit(toks, ns, 1, expect=refs[0].logits)[0])
+                    hits.append(self._all_hit(toks, ns, 1, expect=refs[0].logits, expect_kv=refs[0].consumed)[0])
+                refs[0].consumed = None
                 self._compare_short(toks, refs, hits)
                 ref_ms = [r.total_s * 1e3 for r in refs]
                 hit_ms = [h.total_s * 1e3 for h in hits]
@@ -581,13 +628,15 @@ class Demo:
         what, ref = f"short prompt of {toks.size} tokens", refs[0].logits
         assert ref is not None
         reruns = [r.logits for r in refs if r.logits is not None]
-        for t, r in enumerate(refs[1:], 1):
-            self.verifier.compare(ref, r.logits, what, "no-cache rerun", {"try": t})
+        for t, r in enumerate(refs[1:], 1):  # no cache on either side: a difference is the forward's own
+            self.verifier.compare(ref, r.logits, what, "no-cache rerun",
+                                  {"try": t, "cause": NOT_REPRODUCIBLE, "cache_exonerated": True})  # fmt: skip
         for t, h in enumerate(hits):
             assert h.logits is not None
-            why = {} if torch.equal(ref.cpu(), h.logits.cpu()) else mismatch_cause(ref, h.logits, reruns, h.recomputed)
+            why = ({} if torch.equal(ref.cpu(), h.logits.cpu())
+                   else mismatch_cause(ref, h.logits, reruns, h.recomputed, h.read_check))  # fmt: skip
             self.verifier.compare(ref, h.logits, what, "all-hit reader", {"try": t, **why})
-            h.recomputed = None
+            h.recomputed = h.read_check = None
 
     def fit(self, requests: list[Any], no_cache: list[float]) -> dict[str, Any]:
         """All-hit prefill time T(n) = a + b n and the break-even prompt length.

@@ -111,10 +111,13 @@ def table(rep: dict[str, Any]) -> str:
         lines += [
             f"  L2 {q['l2_tokens']:>8}  {rates(q['hit_rate'])}  prefill {q['prefill_s']:6.2f} s" for q in sw["points"]
         ]
+    fv = rep.get("logits_forward_variance") or 0
     lines.append(
-        f"checks     logits identical: {rep['logits_identical']} ({rep['logits_compared']} compared), "
-        f"wrong pages: {rep['wrong_pages']} of {rep['pages_verified']} verified"
-    )
+        f"checks     logits identical: {rep['logits_identical']} ({rep['logits_compared']} compared"
+        + (f"; {rep.get('logits_mismatched')} differ, {fv} of them where the forward pass varied on "
+           "bit-identical cached KV" if not rep["logits_identical"] and rep.get("logits_mismatched") else "")
+        + f"), wrong pages: {rep['wrong_pages']} of {rep['pages_verified']} verified"
+    )  # fmt: skip
     return "\n".join(lines)
 
 

@@ -135,6 +135,9 @@ def run(
             } if opts.side else None,
             "logits_identical": v.mismatched_logits == 0 and v.compared > 0,
             "logits_compared": v.compared,
+            "logits_mismatched": v.mismatched_logits,
+            # of those, proven the forward pass's own variation (Verifier.forward_variance)
+            "logits_forward_variance": v.forward_variance,
             "logits_mismatches": v.mismatches,
             "wrong_pages": v.wrong_pages,
             "pages_verified": v.pages_checked,

@@ -16,6 +16,7 @@ from l2core import ConfigError
 from l3pool.cli import main
 from l3pool.demo.engine import PrefillInstance
 from l3pool.demo.model import ModelConfig, RefModel
+from l3pool.demo.replay import read_kv_check
 from l3pool.demo.workload import WorkloadConfig, generate, prefix_reuse
 
 TINY = ["--quick", "--layers", "2", "--sessions", "3", "--turns", "3", "--min-context", "256", "--max-context", "640"]
@@ -62,12 +63,22 @@ def test_model_logits_identical_with_cached_prefix(attention: str) -> None:
     toks = torch.randint(0, cfg.vocab, (100,), generator=torch.Generator().manual_seed(1))
     a_bufs, b_bufs = m.new_l1(256), m.new_l1(256)
     a_slots, b_slots = torch.randperm(256)[:100], torch.randperm(256)[:100]
-    ref = m.prefill(toks, 0, a_slots, a_bufs)
+    ref_kv: list[torch.Tensor] = []
+    ref = m.prefill(toks, 0, a_slots, a_bufs, keep=ref_kv)
+    per = 1 if attention == "mla" else 2
+    assert len(ref_kv) == 2 * per and all(t.shape[0] == 100 for t in ref_kv)  # the last chunk read all 100
     for x, y in zip(a_bufs, b_bufs, strict=True):  # a cache hit of 4 pages lands in other slots
         y[b_slots[:64]] = x[a_slots[:64]]
-    assert torch.equal(m.prefill(toks, 64, b_slots, b_bufs), ref)
+    got_kv: list[torch.Tensor] = []
+    assert torch.equal(m.prefill(toks, 64, b_slots, b_bufs, keep=got_kv), ref)
+    assert read_kv_check(ref_kv, got_kv, 64, per) == {"cached_kv_exact": True, "first_layer_differs": None}
     b_bufs[0][b_slots[3]] += 1  # one wrong KV element in the cached part changes the answer
-    assert not torch.equal(m.prefill(toks, 64, b_slots, b_bufs), ref)
+    got_kv = []
+    assert not torch.equal(m.prefill(toks, 64, b_slots, b_bufs, keep=got_kv), ref)
+    # what layer 0 read was wrong, and layer 1's new tokens were computed from it
+    assert read_kv_check(ref_kv, got_kv, 64, per) == {"cached_kv_exact": False, "first_layer_differs": 1}
+    with pytest.raises(ValueError, match="length"):
+        read_kv_check(ref_kv, got_kv[:1], 64, per)
     with pytest.raises(ValueError, match="page-aligned"):
         m.prefill(toks, 5, b_slots, b_bufs)
     with pytest.raises(ValueError, match="slots"):

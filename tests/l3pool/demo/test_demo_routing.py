@@ -38,7 +38,7 @@ def test_routing_without_a_value_is_the_default_policy() -> None:
     assert parse_policies(ap.parse_args(["demo", "--routing"]).routing) == ("cache_aware",)
     assert parse_policies(ap.parse_args(["demo", "--routing", "all"]).routing) == tuple(routing.POLICIES)
     assert ap.parse_args(["demo"]).routing is None  # off unless asked for
-    assert ap.parse_args(["demo"]).routing_load == 1.0
+    assert ap.parse_args(["demo"]).routing_load == 2.0  # a fleet sized for its cached throughput
     assert ap.parse_args(["demo", "--routing-load", "2"]).routing_load == 2
 
 
@@ -166,7 +166,7 @@ def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert set(rt["verdict"]) == {"prefill_s", "prefill_cpu_s", "ttft_mean_s"}
     assert set(rt["paired"]) == {"prefill_s", "ttft_mean_s"}
     assert set(rt["paired"]["prefill_s"]) == {"round_robin", "dynamo_like"}
-    assert rt["offered_load"] == 1.0 and rt["arrival_gap_s"] > 0
+    assert rt["offered_load"] == 2.0 and rt["arrival_gap_s"] > 0
     chk = rt["self_check"]  # at least the trace's first request hits nothing in any run
     assert chk["no_hit_requests"] >= 1 and set(chk) == {"no_hit_requests", "round_robin", "dynamo_like"}
     assert all(

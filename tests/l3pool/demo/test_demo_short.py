@@ -16,7 +16,7 @@ import torch
 
 from l3pool.demo.engine import PrefillInstance
 from l3pool.demo.hf import HFConfig, HFModel
-from l3pool.demo.replay import FORWARD_VARIED, INPUTS_DIFFER, Demo, DemoOptions
+from l3pool.demo.replay import FORWARD_VARIED, INPUTS_DIFFER, NOT_REPRODUCIBLE, Demo, DemoOptions
 from l3pool.demo.workload import WorkloadConfig
 
 from ..fake_store import FakePageStore
@@ -66,7 +66,8 @@ def test_a_no_cache_rerun_that_varies_is_not_blamed_on_a_reader(demo: Demo, monk
     demo.short_prompts(3)
     assert demo.verifier.mismatched_logits == 1 and demo.verifier.wrong_pages == 0
     (row,) = _rows(demo, "no-cache rerun")
-    assert row["try"] == 1
+    assert row["try"] == 1 and row["cause"] == NOT_REPRODUCIBLE
+    assert row["cache_exonerated"] is True and demo.verifier.forward_variance == 1  # no cache on either side
     assert _rows(demo, "all-hit reader") == []  # every reader equals the first no-cache run
 
 
@@ -113,6 +114,39 @@ def test_a_reader_whose_forward_varied_on_exact_inputs_says_so(demo: Demo, monke
     assert row["recomputed_equals_reference"] is True and row["no_cache_reruns_agree"] is True
     assert row["equals_a_no_cache_run"] is False
     assert calls == [128, 128, 128, 128]  # 3 readers + 1 recomputation (only for the reader that differed)
+    # what its layers read of the cache was the reference's, bit for bit: the cache is cleared
+    assert row["cached_kv_exact"] is True and row["first_layer_differs"] is None
+    assert row["cache_exonerated"] is True and v.forward_variance == 1
+
+
+def test_a_reader_whose_forward_varied_inside_a_layer_is_located(demo: Demo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader's first pass computes layer 0 differently (its output nudged once): the KV it
+    read of the cache is exact, and the first layer whose new K/V differ is layer 1."""
+    orig = HFModel.prefill
+    fired, reader = [], []
+
+    def mark(self: HFModel, tokens: Any, start: int, *a: Any, **k: Any) -> torch.Tensor:
+        reader[:] = [len(tokens) == N and start > 0]  # an all-hit reader of the N-token prompt
+        return orig(self, tokens, start, *a, **k)
+
+    def nudge(mod: Any, inp: Any, out: Any) -> Any:
+        if not (reader and reader[0]) or fired:
+            return out
+        fired.append(1)
+        h = out[0] if isinstance(out, tuple) else out
+        return (h + 0.5, *out[1:]) if isinstance(out, tuple) else h + 0.5
+
+    monkeypatch.setattr(HFModel, "prefill", mark)
+    handle = demo.model.hf.model.layers[0].register_forward_hook(nudge)
+    try:
+        demo.short_prompts(3)
+    finally:
+        handle.remove()
+    v = demo.verifier
+    assert fired and v.mismatched_logits == 1 and v.wrong_pages == 0
+    (row,) = _rows(demo, "all-hit reader")
+    assert row["try"] == 0 and row["cached_kv_exact"] is True and row["first_layer_differs"] == 1
+    assert row["cause"] == FORWARD_VARIED and row["cache_exonerated"] is True
 
 
 def test_a_reader_given_wrong_bytes_is_told_apart(demo: Demo, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,7 +156,7 @@ def test_a_reader_given_wrong_bytes_is_told_apart(demo: Demo, monkeypatch: pytes
     done = []
 
     def corrupt(
-        self: HFModel, tokens: Any, start: int, slots: torch.Tensor, bufs: Any, before_layer: Any = None
+        self: HFModel, tokens: Any, start: int, slots: torch.Tensor, bufs: Any, before_layer: Any = None, **k: Any
     ) -> Any:
         def landed(i: int) -> None:
             before_layer(i)  # layer i's copy is in L1 now
@@ -131,7 +165,7 @@ def test_a_reader_given_wrong_bytes_is_told_apart(demo: Demo, monkeypatch: pytes
                 done.append(1)
 
         wrap = len(tokens) == N and start > 0 and before_layer is not None
-        return orig(self, tokens, start, slots, bufs, landed if wrap else before_layer)
+        return orig(self, tokens, start, slots, bufs, landed if wrap else before_layer, **k)
 
     monkeypatch.setattr(HFModel, "prefill", corrupt)
     demo.short_prompts(3)
@@ -139,16 +173,34 @@ def test_a_reader_given_wrong_bytes_is_told_apart(demo: Demo, monkeypatch: pytes
     assert v.wrong_pages == 1 and v.mismatched_logits == 1
     (row,) = _rows(demo, "all-hit reader")
     assert row["try"] == 0 and row["cause"] == INPUTS_DIFFER and row["recomputed_equals_reference"] is False
+    # its layer 0 read the changed row: what it consumed of the cache was not the reference's
+    assert row["cached_kv_exact"] is False and row["cache_exonerated"] is False and v.forward_variance == 0
 
 
 def test_the_verdict_names_what_the_mismatches_were() -> None:
     from l3pool.demo import _verdict
 
     rep: dict[str, Any] = {"logits_identical": False, "wrong_pages": 0, "policies": None, "hit_rate": {"L3": 0.2},
-                           "logits_mismatches": [{"where": "all-hit reader", "cause": FORWARD_VARIED},
-                                                 {"where": "no-cache rerun", "try": 2}]}  # fmt: skip
+                           "logits_mismatched": 2, "logits_forward_variance": 1,
+                           "logits_mismatches": [{"where": "all-hit reader", "cause": INPUTS_DIFFER},
+                                                 {"where": "no-cache rerun", "try": 2, "cause": NOT_REPRODUCIBLE,
+                                                  "cache_exonerated": True}]}  # fmt: skip
     (msg,) = _verdict(rep)
     assert msg.startswith("logits with cache differ from logits without cache (")
-    assert FORWARD_VARIED in msg and "a no-cache rerun differs" in msg
+    assert INPUTS_DIFFER in msg and NOT_REPRODUCIBLE not in msg  # only what is not proven the forward's
     rep["logits_mismatches"] = [{"what": "request 3", "where": "l1_l2"}]  # a trace request: no cause known
     assert _verdict(rep) == ["logits with cache differ from logits without cache"]
+
+
+def test_the_verdict_passes_only_when_every_mismatch_was_the_forward_pass() -> None:
+    from l3pool.demo import _verdict
+
+    rows = [{"where": "all-hit reader", "cause": FORWARD_VARIED, "cached_kv_exact": True, "cache_exonerated": True},
+            {"where": "no-cache rerun", "cause": NOT_REPRODUCIBLE, "cache_exonerated": True}]  # fmt: skip
+    rep: dict[str, Any] = {"logits_identical": False, "wrong_pages": 0, "policies": None, "hit_rate": {"L3": 0.2},
+                           "logits_mismatched": 2, "logits_forward_variance": 2, "logits_mismatches": rows}  # fmt: skip
+    assert _verdict(rep) == []
+    assert _verdict({**rep, "logits_forward_variance": 1}) != []  # one not proven: the run fails
+    assert _verdict({**rep, "wrong_pages": 1}) == ["1 pages had wrong bytes"]  # a wrong page is never excused
+    old = {k: v for k, v in rep.items() if k not in ("logits_mismatched", "logits_forward_variance")}
+    assert _verdict(old) != []  # a report without the counts proves nothing
