@@ -600,13 +600,12 @@ class Demo:
                 nc.prefill(toks)
                 refs, hits = [], []
                 for t in range(tries):
-                    refs.append(nc.prefill(toks, hold=True, keep=t == 0))  # the reference keeps what it read
+                    refs.append(nc.prefill(toks, hold=True, keep=True))  # each keeps the KV it read
                     if t == 0:
                         self.verifier.record_pages(nc, refs[-1], toks)
                     nc.release(refs[-1])
                     hits.append(self._all_hit(toks, ns, 1, expect=refs[0].logits, expect_kv=refs[0].consumed)[0])
-                refs[0].consumed = None
-                self._compare_short(toks, refs, hits)
+                self._compare_short(toks, refs, hits, len(nc.bufs) // nc.spec.num_layers)
                 ref_ms = [r.total_s * 1e3 for r in refs]
                 hit_ms = [h.total_s * 1e3 for h in hits]
                 points.append({
@@ -621,16 +620,25 @@ class Demo:
             self.drop(ns)
         return points
 
-    def _compare_short(self, toks: np.ndarray, refs: list[Record], hits: list[Record]) -> None:
+    def _compare_short(self, toks: np.ndarray, refs: list[Record], hits: list[Record], per_layer: int) -> None:
         """Every all-hit reader against the first no-cache run, and the no-cache reruns against it
         too: a rerun that differs is named as such (not blamed on the reader it was paired with),
-        and a reader's mismatch says what it is (mismatch_cause)."""
+        with where it went another way (the earlier chunks' KV identical or not, the first layer
+        whose KV differ), and a reader's mismatch says what it is (mismatch_cause)."""
         what, ref = f"short prompt of {toks.size} tokens", refs[0].logits
         assert ref is not None
         reruns = [r.logits for r in refs if r.logits is not None]
+        last = (toks.size - 1) // self.align * self.align  # where the last chunk starts
         for t, r in enumerate(refs[1:], 1):  # no cache on either side: a difference is the forward's own
+            where: dict[str, Any] = {}
+            if r.logits is not None and not torch.equal(ref.cpu(), r.logits.cpu()) and refs[0].consumed and r.consumed:
+                chk = read_kv_check(refs[0].consumed, r.consumed, last, per_layer)
+                where = {"earlier_chunks_identical": chk["cached_kv_exact"],
+                         "first_layer_differs": chk["first_layer_differs"]}  # fmt: skip
             self.verifier.compare(ref, r.logits, what, "no-cache rerun",
-                                  {"try": t, "cause": NOT_REPRODUCIBLE, "cache_exonerated": True})  # fmt: skip
+                                  {"try": t, "cause": NOT_REPRODUCIBLE, "cache_exonerated": True, **where})  # fmt: skip
+        for r in refs:
+            r.consumed = None
         for t, h in enumerate(hits):
             assert h.logits is not None
             why = ({} if torch.equal(ref.cpu(), h.logits.cpu())

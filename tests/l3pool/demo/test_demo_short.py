@@ -67,6 +67,8 @@ def test_a_no_cache_rerun_that_varies_is_not_blamed_on_a_reader(demo: Demo, monk
     assert demo.verifier.mismatched_logits == 1 and demo.verifier.wrong_pages == 0
     (row,) = _rows(demo, "no-cache rerun")
     assert row["try"] == 1 and row["cause"] == NOT_REPRODUCIBLE
+    # only its logits were changed: every chunk's KV is the reference's
+    assert row["earlier_chunks_identical"] is True and row["first_layer_differs"] is None
     assert row["cache_exonerated"] is True and demo.verifier.forward_variance == 1  # no cache on either side
     assert _rows(demo, "all-hit reader") == []  # every reader equals the first no-cache run
 
@@ -147,6 +149,36 @@ def test_a_reader_whose_forward_varied_inside_a_layer_is_located(demo: Demo, mon
     (row,) = _rows(demo, "all-hit reader")
     assert row["try"] == 0 and row["cached_kv_exact"] is True and row["first_layer_differs"] == 1
     assert row["cause"] == FORWARD_VARIED and row["cache_exonerated"] is True
+
+
+def test_a_no_cache_rerun_says_which_chunk_and_layer_went_another_way(
+    demo: Demo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second timed no-cache pass computes layer 0 of its last chunk (the 1-token chunk)
+    differently: its earlier chunks' KV are the reference's, its KV differ from layer 1 on."""
+    orig = PrefillInstance._compute_uncached
+    calls, fired = [], []
+
+    def count(self: PrefillInstance, q: Any, rec: Any) -> None:
+        calls.append(rec.tokens)
+        orig(self, q, rec)
+
+    def nudge(mod: Any, inp: Any, out: Any) -> Any:
+        h = out[0] if isinstance(out, tuple) else out
+        if calls.count(N) != 3 or h.shape[-2] != 1 or fired:  # the untimed pass, the reference, then this
+            return out
+        fired.append(1)
+        return (h + 0.5, *out[1:]) if isinstance(out, tuple) else h + 0.5
+
+    monkeypatch.setattr(PrefillInstance, "_compute_uncached", count)
+    handle = demo.model.hf.model.layers[0].register_forward_hook(nudge)
+    try:
+        demo.short_prompts(3)
+    finally:
+        handle.remove()
+    assert fired
+    (row,) = _rows(demo, "no-cache rerun")
+    assert row["try"] == 1 and row["earlier_chunks_identical"] is True and row["first_layer_differs"] == 1
 
 
 def test_a_reader_given_wrong_bytes_is_told_apart(demo: Demo, monkeypatch: pytest.MonkeyPatch) -> None:
