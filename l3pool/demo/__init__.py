@@ -264,19 +264,27 @@ def _run(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
 
 def deterministic_cuda() -> None:
     """Deterministic CUDA kernels for the demo's bit-exact checks (this process is the application,
-    so it may set the variable; an operator's own CUBLAS_WORKSPACE_CONFIG is kept).
+    so it may set the variable and the backends; an operator's own CUBLAS_WORKSPACE_CONFIG is kept).
 
     Measured on an H200 (2026-12-02, llama-8b, inside the demo process after a cached instance
     had run): six no-cache prefills of the same 4097-token prompt on the same instance gave two
     different last-token logits (max difference 0.03 in bf16, same argmax), also at 2049 tokens;
     with torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 all six
-    were identical at 2049, 4097 and 16385 tokens. The KV pages themselves were byte-identical
-    (digests) in both modes: the differing logits of earlier H200 reports were the forward pass's
-    own run-to-run variation, not the cache."""
+    were identical. That was not all: on 2026-12-03 (bench/results/2026-12-03-h200-forward-variance/)
+    24 passes of that prompt in deterministic mode, no-cache and all-hit alike, gave 3 different
+    logits, every pass's cached and earlier-chunk KV bit-identical, the first difference at the
+    attention of one layer of the 1-token last chunk (layer 28 in one pass, 19 in another). For
+    that chunk (q 1 x 32 heads, K/V 4097 x 8 heads) torch 2.11 picks cuDNN's attention; with it
+    disabled (flash attention picked instead) 15 passes gave 1 result, and with only the math
+    backend 18 passes gave 1. So cuDNN's SDPA is off here too (`torch.backends.cuda.
+    enable_cudnn_sdp(False)`; the report's `setup.sdpa_cudnn` says it). The KV pages were
+    byte-identical in every case: the differing logits were the forward pass's own variation,
+    not the cache."""
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
