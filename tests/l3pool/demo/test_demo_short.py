@@ -8,7 +8,7 @@ on the CPU (llama-tiny, FakePageStore) by perturbing one forward call's logits."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -37,6 +37,26 @@ def _bump(x: torch.Tensor) -> torch.Tensor:
     y = x.clone()
     y[0] += 0.25
     return y
+
+
+def _short_prompts_with_layer0_nudged_once(demo: Demo, when: Callable[[torch.Tensor], bool]) -> bool:
+    """Runs demo.short_prompts(3) with layer 0's output nudged (+0.5) in the first forward call
+    for which `when(hidden)` holds: that pass computes differently from there on. True if it fired."""
+    fired: list[int] = []
+
+    def nudge(mod: Any, inp: Any, out: Any) -> Any:
+        h = out[0] if isinstance(out, tuple) else out
+        if fired or not when(h):
+            return out
+        fired.append(1)
+        return (h + 0.5, *out[1:]) if isinstance(out, tuple) else h + 0.5
+
+    handle = demo.model.hf.model.layers[0].register_forward_hook(nudge)
+    try:
+        demo.short_prompts(3)
+    finally:
+        handle.remove()
+    return bool(fired)
 
 
 def _rows(demo: Demo, where: str) -> list[dict[str, Any]]:
@@ -125,27 +145,16 @@ def test_a_reader_whose_forward_varied_inside_a_layer_is_located(demo: Demo, mon
     """The reader's first pass computes layer 0 differently (its output nudged once): the KV it
     read of the cache is exact, and the first layer whose new K/V differ is layer 1."""
     orig = HFModel.prefill
-    fired, reader = [], []
+    reader = [False]
 
     def mark(self: HFModel, tokens: Any, start: int, *a: Any, **k: Any) -> torch.Tensor:
-        reader[:] = [len(tokens) == N and start > 0]  # an all-hit reader of the N-token prompt
+        reader[0] = len(tokens) == N and start > 0  # an all-hit reader of the N-token prompt
         return orig(self, tokens, start, *a, **k)
 
-    def nudge(mod: Any, inp: Any, out: Any) -> Any:
-        if not (reader and reader[0]) or fired:
-            return out
-        fired.append(1)
-        h = out[0] if isinstance(out, tuple) else out
-        return (h + 0.5, *out[1:]) if isinstance(out, tuple) else h + 0.5
-
     monkeypatch.setattr(HFModel, "prefill", mark)
-    handle = demo.model.hf.model.layers[0].register_forward_hook(nudge)
-    try:
-        demo.short_prompts(3)
-    finally:
-        handle.remove()
+    assert _short_prompts_with_layer0_nudged_once(demo, lambda h: reader[0])
     v = demo.verifier
-    assert fired and v.mismatched_logits == 1 and v.wrong_pages == 0
+    assert v.mismatched_logits == 1 and v.wrong_pages == 0
     (row,) = _rows(demo, "all-hit reader")
     assert row["try"] == 0 and row["cached_kv_exact"] is True and row["first_layer_differs"] == 1
     assert row["cause"] == FORWARD_VARIED and row["cache_exonerated"] is True
@@ -157,26 +166,15 @@ def test_a_no_cache_rerun_says_which_chunk_and_layer_went_another_way(
     """The second timed no-cache pass computes layer 0 of its last chunk (the 1-token chunk)
     differently: its earlier chunks' KV are the reference's, its KV differ from layer 1 on."""
     orig = PrefillInstance._compute_uncached
-    calls, fired = [], []
+    calls: list[int] = []
 
     def count(self: PrefillInstance, q: Any, rec: Any) -> None:
         calls.append(rec.tokens)
         orig(self, q, rec)
 
-    def nudge(mod: Any, inp: Any, out: Any) -> Any:
-        h = out[0] if isinstance(out, tuple) else out
-        if calls.count(N) != 3 or h.shape[-2] != 1 or fired:  # the untimed pass, the reference, then this
-            return out
-        fired.append(1)
-        return (h + 0.5, *out[1:]) if isinstance(out, tuple) else h + 0.5
-
     monkeypatch.setattr(PrefillInstance, "_compute_uncached", count)
-    handle = demo.model.hf.model.layers[0].register_forward_hook(nudge)
-    try:
-        demo.short_prompts(3)
-    finally:
-        handle.remove()
-    assert fired
+    # the untimed pass, the reference, then this one's last (1-token) chunk
+    assert _short_prompts_with_layer0_nudged_once(demo, lambda h: calls.count(N) == 3 and h.shape[-2] == 1)
     (row,) = _rows(demo, "no-cache rerun")
     assert row["try"] == 1 and row["earlier_chunks_identical"] is True and row["first_layer_differs"] == 1
 
