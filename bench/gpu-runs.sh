@@ -34,7 +34,8 @@
 # Measured on one H200 (2026-12-02): llama 323 s and mla 277 s after a 60 s first build, swa 13 s +
 # 123 s, index (bench.index alone) ~150 s, routing with --repeats 3 264 s.
 # Through the device tool (which brings back at most 8 files of a call's $OUT) write OUTDIR outside
-# $OUT and pack it: `bash bench/gpu-runs.sh llama-long /tmp/r/ll; tar czf $OUT/ll.tgz -C /tmp/r ll`.
+# $OUT and let the script pack it on exit, failed steps included:
+#   PACK=$OUT/ll.tgz bash bench/gpu-runs.sh llama-long /tmp/r/ll
 # Results land in OUTDIR (copy the JSON files to bench/results/ with the date and device);
 # each step's exit code is printed and collected in OUTDIR/exit-codes.txt.
 set -uo pipefail
@@ -49,6 +50,9 @@ case $group in
     exit 2 ;;
 esac
 mkdir -p "$out"
+if [ -n "${PACK:-}" ]; then  # one archive of OUTDIR, whatever the steps did
+  trap 'tar czf "$PACK" -C "$(dirname "$out")" "$(basename "$out")" && echo "packed $out into $PACK"' EXIT
+fi
 if [ -f gpu-bundle/activate.sh ]; then
   # shellcheck disable=SC1091
   source gpu-bundle/activate.sh
