@@ -203,8 +203,8 @@ class PrefillInstance:
         layers read (verification; references, no copy)."""
         q = req if isinstance(req, Queued) else self.arrive(req)
         P, n = self.P, int(q.tokens.size)
-        rec = Record(self.name, n, n // P, request_id=q.request_id, hashes=q.hashes, lookup_s=q.lookup_s)
-        rec.consumed = [] if keep else None
+        rec = Record(self.name, n, n // P, request_id=q.request_id, hashes=q.hashes, lookup_s=q.lookup_s,
+                     consumed=[] if keep else None)  # fmt: skip
         try:
             if self.cache is None or q.match is None:
                 self._compute_uncached(q, rec)

@@ -593,10 +593,10 @@ class Demo:
                 toks = rng.integers(0, self.opts.model.vocab, size=k * A + 1, dtype=np.int64)
                 writer.prefill(toks)
                 writer.flush()
-                # one untimed no-cache pass of this shape first: on the H200 the first llama-8b pass
-                # of a new shape (4097 tokens) differed bitwise from every later one, whose results
-                # the readers then matched (mismatch_cause: NOT_REPRODUCIBLE, in two runs); the
-                # reference is the shape's steady state, as the warm-up gives the trace's shapes
+                # one untimed no-cache pass of this shape first, as the warm-up gives the trace's
+                # shapes (a shape's first call pays its kernels' set-up). It was added for a first
+                # pass that differed bitwise on the H200; that turned out to be cuDNN's attention
+                # varying on any call (deterministic_cuda), so it is a warm-up, not the fix
                 nc.prefill(toks)
                 refs, hits = [], []
                 for t in range(tries):

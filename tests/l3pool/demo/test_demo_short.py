@@ -59,6 +59,23 @@ def _short_prompts_with_layer0_nudged_once(demo: Demo, when: Callable[[torch.Ten
     return bool(fired)
 
 
+def _watch_no_cache_passes(monkeypatch: pytest.MonkeyPatch, bump: int = 0) -> list[Any]:
+    """The records of every no-cache pass of the N-token prompt, in order (the untimed first pass,
+    then the timed tries); with `bump` = k, the k-th of them (1-based) gives "the other result"."""
+    orig = PrefillInstance._compute_uncached
+    seen: list[Any] = []
+
+    def watched(self: PrefillInstance, q: Any, rec: Any) -> None:
+        orig(self, q, rec)
+        if rec.tokens == N:
+            seen.append(rec)
+            if len(seen) == bump:
+                rec.logits = _bump(rec.logits)
+
+    monkeypatch.setattr(PrefillInstance, "_compute_uncached", watched)
+    return seen
+
+
 def _rows(demo: Demo, where: str) -> list[dict[str, Any]]:
     return [m for m in demo.verifier.mismatches if m["where"] == where and m["what"] == f"short prompt of {N} tokens"]
 
@@ -72,17 +89,8 @@ def test_short_prompts_match_on_the_cpu(demo: Demo) -> None:
 
 
 def test_a_no_cache_rerun_that_varies_is_not_blamed_on_a_reader(demo: Demo, monkeypatch: pytest.MonkeyPatch) -> None:
-    orig = PrefillInstance._compute_uncached
-    seen = []
-
-    def varied(self: PrefillInstance, q: Any, rec: Any) -> None:
-        orig(self, q, rec)
-        if rec.tokens == N:
-            seen.append(rec)
-            if len(seen) == 3:  # the second timed no-cache run (after the untimed first pass and
-                rec.logits = _bump(rec.logits)  # the reference) gives "the other result"
-
-    monkeypatch.setattr(PrefillInstance, "_compute_uncached", varied)
+    # the second timed no-cache run (after the untimed first pass and the reference) varies
+    _watch_no_cache_passes(monkeypatch, bump=3)
     demo.short_prompts(3)
     assert demo.verifier.mismatched_logits == 1 and demo.verifier.wrong_pages == 0
     (row,) = _rows(demo, "no-cache rerun")
@@ -97,17 +105,7 @@ def test_the_first_pass_of_a_shape_is_not_the_reference(demo: Demo, monkeypatch:
     """The H200 case of 2026-12-03 (llama-8b, 32-62K trace): the first no-cache pass of the
     4,097-token prompt differed bitwise from the two later ones, which agreed with each other and
     with every reader. The untimed first pass of each shape is not what the readers are held to."""
-    orig = PrefillInstance._compute_uncached
-    seen = []
-
-    def first_differs(self: PrefillInstance, q: Any, rec: Any) -> None:
-        orig(self, q, rec)
-        if rec.tokens == N:
-            seen.append(rec)
-            if len(seen) == 1:
-                rec.logits = _bump(rec.logits)
-
-    monkeypatch.setattr(PrefillInstance, "_compute_uncached", first_differs)
+    seen = _watch_no_cache_passes(monkeypatch, bump=1)
     demo.short_prompts(3)
     assert len(seen) == 1 + 3  # the untimed pass, then the 3 timed no-cache tries
     assert demo.verifier.mismatched_logits == 0 and demo.verifier.wrong_pages == 0
@@ -169,7 +167,7 @@ def test_a_no_cache_rerun_says_which_chunk_and_layer_went_another_way(
     calls: list[int] = []
 
     def count(self: PrefillInstance, q: Any, rec: Any) -> None:
-        calls.append(rec.tokens)
+        calls.append(rec.tokens)  # when the pass starts (readers run between no-cache passes)
         orig(self, q, rec)
 
     monkeypatch.setattr(PrefillInstance, "_compute_uncached", count)
