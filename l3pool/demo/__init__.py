@@ -276,15 +276,16 @@ def deterministic_cuda() -> None:
     attention of one layer of the 1-token last chunk (layer 28 in one pass, 19 in another). For
     that chunk (q 1 x 32 heads, K/V 4097 x 8 heads) torch 2.11 picks cuDNN's attention; with it
     disabled (flash attention picked instead) 15 passes gave 1 result, and with only the math
-    backend 18 passes gave 1. So cuDNN's SDPA is off here too (`torch.backends.cuda.
-    enable_cudnn_sdp(False)`; the report's `setup.sdpa_cudnn` says it). The KV pages were
-    byte-identical in every case: the differing logits were the forward pass's own variation,
-    not the cache."""
+    backend 18 passes gave 1. The real models therefore run partial chunks without cuDNN's
+    attention (hf.PARTIAL_CHUNK_BACKENDS; the report's `setup.sdpa_cudnn` says where it ran); full
+    chunks keep it (bit-identical in every pass; without it the llama-8b 32K-64K-token run did not
+    finish in 558 s, against 511 s with it).
+    The KV pages were byte-identical in every case: the differing logits were the forward pass's
+    own variation, not the cache."""
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:

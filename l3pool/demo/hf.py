@@ -25,6 +25,7 @@ logits without, bit for bit, also with cuBLAS/SDPA on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -32,9 +33,19 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from l2core.spec import ConfigError, KVSpec
 from l3pool.demo.model import l1_buffers
+
+# Deterministic CUDA mode: the attention backends of a partial chunk (cuDNN's left out). Measured on
+# the H200 (bench/results/2026-12-03-h200-forward-variance/, torch 2.11): the attention of a 1-token
+# last chunk, which torch runs on cuDNN, gave 3 different results in 24 passes, while full 2048-token
+# chunks on cuDNN gave bit-identical KV in all of them; with cuDNN off that chunk gave 1 result in 15.
+# Turning cuDNN off for every chunk cost too much at 32K-64K tokens (the llama-8b long run no longer
+# fit in its 558 s: with a mask, a chunk's attention falls back to the memory-efficient kernel), so
+# full chunks keep it. Where between 1 and 2048 query tokens the variation stops was not measured.
+PARTIAL_CHUNK_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # name -> (family, transformers config arguments). Sizes: Llama-3-8B; DeepSeek-V3 attention with a
 # dense MLP (its published hidden/intermediate sizes), fewer layers by default (see README).
@@ -234,6 +245,25 @@ class HFModel:
         self._view = L1View(cfg.family, [], self._r)
         _, l1cache = _cache_classes()
         self._cache = l1cache(self._view, cfg.num_layers)
+        # cuDNN's attention for full chunks only (PARTIAL_CHUNK_BACKENDS); on in deterministic CUDA mode
+        self.partial_chunks_without_cudnn = self.device.type == "cuda"
+
+    @property
+    def sdpa_cudnn(self) -> str:
+        """Where cuDNN's attention may run (the report's `setup.sdpa_cudnn`)."""
+        if self.device.type != "cuda":
+            return "unused (cpu)"
+        if not torch.backends.cuda.cudnn_sdp_enabled():
+            return "off"
+        return "full chunks only" if self._restrict_partial() else "all chunks"
+
+    def _restrict_partial(self) -> bool:
+        return self.partial_chunks_without_cudnn and torch.are_deterministic_algorithms_enabled()
+
+    def _attention(self, q_tokens: int) -> contextlib.AbstractContextManager[Any]:
+        if q_tokens == self.cfg.chunk or not self._restrict_partial():
+            return contextlib.nullcontext()
+        return sdpa_kernel(PARTIAL_CHUNK_BACKENDS)
 
     def new_l1(self, slots: int) -> list[torch.Tensor]:
         return l1_buffers(self.cfg.kv_spec(), slots, self.device)
@@ -273,8 +303,9 @@ class HFModel:
                 v.before_layer = before_layer if c0 == start else None
                 v.keep = keep if c1 == n else None
                 pos = torch.arange(c0, c1, device=self.device)[None]
-                out = self.hf.model(input_ids=tok[None, c0:c1], position_ids=pos, past_key_values=self._cache,
-                                    use_cache=True)  # fmt: skip
+                with self._attention(c1 - c0):
+                    out = self.hf.model(input_ids=tok[None, c0:c1], position_ids=pos, past_key_values=self._cache,
+                                        use_cache=True)  # fmt: skip
                 hidden = out.last_hidden_state[0, -1:]
         finally:
             v.bufs, v.before_layer, v.keep = [], None, None

@@ -513,6 +513,7 @@ class Demo:
             finally:
                 for q in qs.values():
                     q.close()
+            log.info("demo: round %d of %d replayed", rnd + 1, self.opts.rounds)
             if rnd < self.opts.rounds - 1:
                 self.drop(ns)
         return runs, colds

@@ -144,7 +144,7 @@ def run(
             "setup": {
                 "device": str(dev),
                 "deterministic_kernels": torch.are_deterministic_algorithms_enabled(),
-                "sdpa_cudnn": torch.backends.cuda.cudnn_sdp_enabled(),  # off in deterministic_cuda
+                "sdpa_cudnn": demo.model.sdpa_cudnn if isinstance(demo.model, HFModel) else None,
                 "model": opts.model.describe() if isinstance(opts.model, HFConfig) else asdict(opts.model),
                 "model_flops_per_token": opts.model.flops_per_token(),
                 "kv_bytes_per_token": spec.token_bytes,

@@ -85,6 +85,40 @@ def test_hf_model_over_l1_is_bit_identical_with_a_loaded_prefix(name: str) -> No
         m.prefill(toks, 16, slots2, bufs2)
 
 
+def test_partial_chunks_run_without_cudnn_attention_in_deterministic_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic CUDA mode: cuDNN's SDPA is left out of partial chunks only (hf.PARTIAL_CHUNK_BACKENDS;
+    it varied on a 1-token chunk on the H200). Checked on the CPU by switching the policy on: which
+    chunks get the restricted backends, what the report says, and that the logits do not change."""
+    import l3pool.demo.hf as hf
+
+    m = HFModel(HFConfig("llama-tiny", page_size=16, chunk=64))
+    toks = np.random.default_rng(2).integers(0, m.cfg.vocab, 129)  # chunks of 64, 64 and 1 tokens
+    ref = m.prefill(toks, 0, torch.arange(129), m.new_l1(256))
+    assert m.sdpa_cudnn == "unused (cpu)"
+    seen: list[list[object]] = []
+    real = hf.sdpa_kernel
+
+    def spy(backends: list[object]) -> object:
+        seen.append(list(backends))
+        return real(backends)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hf, "sdpa_kernel", spy)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        m.partial_chunks_without_cudnn = True  # what a CUDA model sets
+        got = m.prefill(toks, 0, torch.arange(129), m.new_l1(256))
+        assert seen == []  # not deterministic: every chunk as torch picks
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        got = m.prefill(toks, 0, torch.arange(129), m.new_l1(256))
+        assert seen == [hf.PARTIAL_CHUNK_BACKENDS]  # the 1-token chunk only
+        assert hf.SDPBackend.CUDNN_ATTENTION not in seen[0]
+        m.prefill(toks[:128], 0, torch.arange(128), m.new_l1(256))
+        assert len(seen) == 1  # two full chunks: none restricted
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert torch.equal(ref, got)
+
+
 def test_hf_instance_uses_hits_up_to_a_chunk_boundary() -> None:
     m = HFModel(HFConfig("llama-tiny", page_size=16, chunk=64))
     inst = PrefillInstance("t", m, l1_tokens=1024, l2_tokens=2048)
