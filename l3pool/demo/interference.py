@@ -82,12 +82,13 @@ class _Plain(_Traffic):
 
 
 class _Engine(_Traffic):
-    def __init__(self, inst: PrefillInstance, tokens: int, layout: str) -> None:
+    def __init__(self, inst: PrefillInstance, tokens: int, layout: str, **engine: Any) -> None:
+        """`engine`: TransferEngine's own options (max_sms, layers_per_step; bench.interference)."""
         super().__init__()
         spec = inst.spec
         n = max(1, min(tokens, (2 << 30) // spec.token_bytes) // spec.page_size)  # pages, <= 2 GiB as `plain`
         self.pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=n * spec.page_size))  # type: ignore[arg-type]
-        self.eng = TransferEngine(self.pool, inst.model.new_l1(n * spec.page_size))
+        self.eng = TransferEngine(self.pool, inst.model.new_l1(n * spec.page_size), **engine)
         dev = inst.device
         self.slots = torch.arange(n * spec.page_size, dtype=torch.int64, device=dev)
         self.pages = np.arange(n, dtype=np.int64)

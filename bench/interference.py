@@ -1,0 +1,130 @@
+"""Which part of the cache's own copy path slows the forward pass: the interference measurement of
+`l3pool demo` (l3pool/demo/interference.py) with TransferEngine variants in one rotation.
+
+    PYTHONPATH=. python -m bench.interference [--model llama-8b] [--tokens 46087] [--tries 3] [--json] [--out FILE]
+
+The same no-cache prefill of `--tokens` random tokens is timed alone, with plain host<->device DMAs
+of one request's KV on a side stream (the floor any copy path costs), and with the TransferEngine's
+per-layer loads + backups at full duty, once per variant:
+  default         max_sms 16 (the SMs its gather/scatter kernels may use), one load step per layer
+  sms4            max_sms 4: fewer SMs taken from the compute while a gather/scatter runs
+  one_step        layers_per_step = all layers: one kernel batch per load instead of one per layer
+                  (less work for the engine thread's Python, which competes for the GIL with the
+                  thread launching the forward pass)
+  sms4_one_step   both
+Every try runs every kind once, in a rotated order; each slowdown is paired with the try's own
+"alone" pass (median and min..max over tries). A variant is only "better" than the default when
+its slowdown spread lies below the default's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "sms4": {"max_sms": 4},
+    "one_step": {"layers_per_step": 0},  # 0: all layers (filled in below)
+    "sms4_one_step": {"max_sms": 4, "layers_per_step": 0},
+}
+
+
+def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
+    from l3pool.demo import deterministic_cuda
+    from l3pool.demo.engine import PrefillInstance
+    from l3pool.demo.hf import HFConfig, HFModel
+    from l3pool.demo.interference import _Engine, _Plain
+    from l3pool.demo.timing import med_spread
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda":
+        deterministic_cuda()
+    m = HFModel(HFConfig(model), dev)
+    layers = m.cfg.num_layers
+    page = m.cfg.page_size
+    l1 = -(-tokens // page) * page + page
+    inst = PrefillInstance("interference", m, l1_tokens=l1, l2_tokens=4 * page, use_cache=False)
+    toks = np.random.default_rng(0).integers(0, m.cfg.vocab, tokens)
+    kv = inst.spec.token_bytes * tokens
+    traffic: dict[str, Any] = {"plain": _Plain(inst.device, kv)}
+    for name, kw in VARIANTS.items():
+        kw = {k: (layers if k == "layers_per_step" and v == 0 else v) for k, v in kw.items()}
+        traffic[name] = _Engine(inst, tokens, "page_first_direct", **kw)
+    kinds = ["alone", *traffic]
+    ms: dict[str, list[float]] = {k: [] for k in kinds}
+    gbps: dict[str, list[float]] = {k: [] for k in traffic}
+    try:
+        inst.prefill(toks)  # warm
+        for t in range(tries):
+            for k in kinds[t % len(kinds) :] + kinds[: t % len(kinds)]:
+                tr = traffic.get(k)
+                with tr if tr is not None else contextlib.nullcontext():
+                    ms[k].append(inst.prefill(toks).total_s * 1e3)
+                if tr is not None:
+                    gbps[k].append(tr.bytes / tr.secs / 1e9)
+            print(f"try {t + 1} of {tries} done", file=sys.stderr, flush=True)
+    finally:
+        for tr in traffic.values():
+            tr.close()
+        inst.close()
+    rows = {}
+    for k in traffic:
+        slow = [y / x - 1 for x, y in zip(ms["alone"], ms[k], strict=True)]
+        rows[k] = {
+            "forward_ms": med_spread(ms[k]),
+            "slowdown": round(float(np.median(slow)), 4),
+            "slowdown_spread": [round(min(slow), 4), round(max(slow), 4)],
+            "copy_GBps": med_spread(gbps[k]),
+            "options": VARIANTS.get(k, "plain DMAs"),
+        }
+    base = rows["default"]["slowdown_spread"]
+    for k in VARIANTS:
+        if k != "default":
+            lo, hi = rows[k]["slowdown_spread"]
+            rows[k]["vs_default"] = "lower" if hi < base[0] else "higher" if lo > base[1] else "inconclusive"
+    return {
+        "model": model,
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+        "tokens": tokens,
+        "tries": tries,
+        "alone_ms": med_spread(ms["alone"]),
+        "rows": rows,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.interference", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--model", default="llama-8b")
+    ap.add_argument("--tokens", type=int, default=46087, help="prompt length (the llama-8b long run's interference prompt)")
+    ap.add_argument("--tries", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.tokens < 1 or a.tries < 1:
+        ap.error("--tokens and --tries must be >= 1")
+    res = run(a.model, a.tokens, a.tries)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    if a.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print(f"{res['model']} on {res['device']}, {res['tokens']} tokens, alone {res['alone_ms']['median']:.1f} ms")
+        for k, r in res["rows"].items():
+            print(f"{k:14s} slowdown {r['slowdown']:+.1%} ({r['slowdown_spread'][0]:+.1%}..{r['slowdown_spread'][1]:+.1%}) "
+                  f"{r['copy_GBps']['median']:.1f} GB/s {r.get('vs_default', '')}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
