@@ -24,6 +24,8 @@
 #            turns of 33K, 39-42K, 46-51K, 58-62K: 723K tokens), 3 instances, no HF reference,
 #            no side study (both shown at 24-31K by llama/mla); measured 2026-12-03: 511 s and
 #            406 s (mla at 8 layers) after a ~45 s build                                     23     9
+# interference  bench.interference: the forward pass (llama-8b, 46K tokens) alone, with plain DMAs,
+#            and with the cache's TransferEngine path in 4 variants (SM budget, steps per load)  23     3
 # split      bench.split_read + the NCCL byte check (needs 2 GPUs: nvidia-h200-x2)   22     3
 #
 # Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle (carried with the call). The
@@ -40,13 +42,13 @@
 # each step's exit code is printed and collected in OUTDIR/exit-codes.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|llama-long|mla-long|split OUTDIR [DATE]}
+group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|llama-long|mla-long|interference|split OUTDIR [DATE]}
 out=${2:?usage: bench/gpu-runs.sh GROUP OUTDIR [DATE]}
 day=${3:-$(date +%F)}
 case $group in
-  suite | l3 | index | swa | routing | routing-llama | routing-llama-busy | llama | mla | llama-long | mla-long | split) ;;
+  suite | l3 | index | swa | routing | routing-llama | routing-llama-busy | llama | mla | llama-long | mla-long | interference | split) ;;
   *)
-    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|llama-long|mla-long|split" >&2
+    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|llama-long|mla-long|interference|split" >&2
     exit 2 ;;
 esac
 mkdir -p "$out"
@@ -115,6 +117,8 @@ case $group in
     step "$group" $((590 - SECONDS)) python3 -m l3pool demo --model "$model" "${layers[@]}" --instances 3 --queue-depth 1 \
       --sessions 4 --turns 4 --min-context 32768 --max-context 65536 --reuse 0.82 --placement affinity \
       --l2-tokens 98304 --segment-size 16GB --no-side --no-progress --out "$out/demo-$group" ;;
+  interference)
+    step interference 400 python3 -m bench.interference --tries 5 --json --out "$out/$day-h200-interference.json" ;;
   split)
     step split 300 python3 -m bench.split_read --json --out "$out/$day-h200x2-split-read.json"
     step split-test 200 python3 -m pytest -q -p no:cacheprovider tests/l2core/test_split_read.py -k two_gpus ;;

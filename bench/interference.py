@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from l2core.spec import ConfigError
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "sms4": {"max_sms": 4},
@@ -55,9 +57,10 @@ def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
     toks = np.random.default_rng(0).integers(0, m.cfg.vocab, tokens)
     kv = inst.spec.token_bytes * tokens
     traffic: dict[str, Any] = {"plain": _Plain(inst.device, kv)}
+    options: dict[str, Any] = {"plain": "plain DMAs on a side stream"}
     for name, kw in VARIANTS.items():
-        kw = {k: (layers if k == "layers_per_step" and v == 0 else v) for k, v in kw.items()}
-        traffic[name] = _Engine(inst, tokens, "page_first_direct", **kw)
+        options[name] = {k: (layers if k == "layers_per_step" and v == 0 else v) for k, v in kw.items()}
+        traffic[name] = _Engine(inst, tokens, "page_first_direct", **options[name])
     kinds = ["alone", *traffic]
     ms: dict[str, list[float]] = {k: [] for k in kinds}
     gbps: dict[str, list[float]] = {k: [] for k in traffic}
@@ -83,7 +86,7 @@ def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
             "slowdown": round(float(np.median(slow)), 4),
             "slowdown_spread": [round(min(slow), 4), round(max(slow), 4)],
             "copy_GBps": med_spread(gbps[k]),
-            "options": VARIANTS.get(k, "plain DMAs"),
+            "options": options[k],
         }
     base = rows["default"]["slowdown_spread"]
     for k in VARIANTS:
@@ -105,14 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.interference", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--model", default="llama-8b")
-    ap.add_argument("--tokens", type=int, default=46087, help="prompt length (the llama-8b long run's interference prompt)")
+    ap.add_argument("--tokens", type=int, default=46087, help="prompt length (the llama-8b long run's)")
     ap.add_argument("--tries", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.tokens < 1 or a.tries < 1:
         ap.error("--tokens and --tries must be >= 1")
-    res = run(a.model, a.tokens, a.tries)
+    try:
+        res = run(a.model, a.tokens, a.tries)
+    except ConfigError as e:
+        ap.error(str(e))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
@@ -121,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{res['model']} on {res['device']}, {res['tokens']} tokens, alone {res['alone_ms']['median']:.1f} ms")
         for k, r in res["rows"].items():
-            print(f"{k:14s} slowdown {r['slowdown']:+.1%} ({r['slowdown_spread'][0]:+.1%}..{r['slowdown_spread'][1]:+.1%}) "
+            lo, hi = r["slowdown_spread"]
+            print(f"{k:14s} slowdown {r['slowdown']:+.1%} ({lo:+.1%}..{hi:+.1%}) "
                   f"{r['copy_GBps']['median']:.1f} GB/s {r.get('vs_default', '')}")  # fmt: skip
     return 0
 

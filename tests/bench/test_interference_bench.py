@@ -1,0 +1,42 @@
+"""bench.interference on the CPU at a tiny shape: the JSON contract (every kind timed every try,
+the variants' resolved engine options, bytes moved), and bad arguments are one argparse line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import interference
+
+
+def test_interference_bench_json_contract(tmp_path: Path) -> None:
+    out = tmp_path / "i.json"
+    assert interference.main(["--model", "llama-tiny", "--tokens", "200", "--tries", "3", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["tokens"] == 200 and rep["tries"] == 3 and rep["alone_ms"]["runs"] == 3
+    assert set(rep["rows"]) == {"plain", *interference.VARIANTS}
+    for k, row in rep["rows"].items():
+        assert row["forward_ms"]["runs"] == 3 and row["copy_GBps"]["min"] > 0, k  # bytes moved in every try
+        lo, hi = row["slowdown_spread"]
+        assert lo <= row["slowdown"] <= hi
+        if k not in ("plain", "default"):
+            assert row["vs_default"] in ("lower", "higher", "inconclusive")
+    assert rep["rows"]["one_step"]["options"] == {"layers_per_step": 2}  # llama-tiny: all of its 2 layers
+    assert rep["rows"]["sms4_one_step"]["options"] == {"max_sms": 4, "layers_per_step": 2}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tokens", "0"], "--tokens and --tries must be >= 1"),
+        (["--tries", "0"], "--tokens and --tries must be >= 1"),
+        (["--model", "gpt-9"], "unknown model 'gpt-9'"),
+    ],
+)
+def test_bad_arguments_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        interference.main(["--model", "llama-tiny", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err, err
