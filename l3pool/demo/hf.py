@@ -43,8 +43,10 @@ from l3pool.demo.model import l1_buffers
 # last chunk, which torch runs on cuDNN, gave 3 different results in 24 passes, while full 2048-token
 # chunks on cuDNN gave bit-identical KV in all of them; with cuDNN off that chunk gave 1 result in 15.
 # Turning cuDNN off for every chunk cost too much at 32K-64K tokens (the llama-8b long run no longer
-# fit in its 558 s: with a mask, a chunk's attention falls back to the memory-efficient kernel), so
-# full chunks keep it. Where between 1 and 2048 query tokens the variation stops was not measured.
+# fit in its 558 s; likely, not logged: with a mask, flash is not eligible and torch falls back to
+# the memory-efficient kernel), so full chunks keep it. Where between 1 and 2048 query tokens the
+# variation stops was not measured; the third long run (bench/results/2026-12-03-h200-demo-llama-8b-
+# long-run3/) compared 128 logits with this rule, all identical.
 PARTIAL_CHUNK_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # name -> (family, transformers config arguments). Sizes: Llama-3-8B; DeepSeek-V3 attention with a
