@@ -9,7 +9,11 @@ on a thread of its own that counts the bytes it moved:
   spec and layout and scratch device buffers, one request's pages loaded host -> device layer by
   layer, then backed up device -> host, back to back. Both run at full duty, more than a cache
   moves during one prefill: an upper bound on the slowdown.
-Tries rotate (alone, plain, engine); each slowdown is paired per try; medians with their spread.
+- `paced` (when the caller gives a rate): the same TransferEngine path in small steps, paced to
+  the L2 <-> L1 bytes per second of prefill that the trace's L1+L2+L3 configuration moved (its
+  loads plus its backups): the slowdown at the cache's own measured rate, not at full duty.
+Tries rotate (alone, plain, engine[, paced]); each slowdown is paired per try; medians with their
+spread.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ from l3pool.demo.timing import med_spread
 
 
 class _Traffic:
-    """A thread that repeats `_step()` (which returns the bytes it moved) until stopped."""
+    """A thread that repeats `_step()` (which returns the bytes it moved) until stopped; with
+    `rate` (bytes/s) it waits after a step until its average is back at that rate."""
 
-    def __init__(self) -> None:
+    def __init__(self, rate: float | None = None) -> None:
         self.stop = threading.Event()
         self.bytes = 0
+        self.rate = rate
         self.thread: threading.Thread | None = None
 
     def _step(self) -> int:
@@ -42,6 +48,10 @@ class _Traffic:
     def _loop(self) -> None:
         while not self.stop.is_set():
             self.bytes += self._step()
+            if self.rate:
+                ahead = self.bytes / self.rate - (time.perf_counter() - self.t0)
+                if ahead > 0:
+                    self.stop.wait(ahead)
 
     def __enter__(self) -> _Traffic:
         self.stop.clear()
@@ -82,11 +92,14 @@ class _Plain(_Traffic):
 
 
 class _Engine(_Traffic):
-    def __init__(self, inst: PrefillInstance, tokens: int, layout: str, **engine: Any) -> None:
-        """`engine`: TransferEngine's own options (max_sms, layers_per_step; bench.interference)."""
-        super().__init__()
+    def __init__(
+        self, inst: PrefillInstance, tokens: int, layout: str, rate: float | None = None, **engine: Any
+    ) -> None:
+        """`tokens` moved per step (<= 2 GiB, as `plain`); `rate`: see _Traffic; `engine`:
+        TransferEngine's own options (max_sms, layers_per_step; bench.interference)."""
+        super().__init__(rate)
         spec = inst.spec
-        n = max(1, min(tokens, (2 << 30) // spec.token_bytes) // spec.page_size)  # pages, <= 2 GiB as `plain`
+        n = max(1, min(tokens, (2 << 30) // spec.token_bytes) // spec.page_size)  # pages
         self.pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=n * spec.page_size))  # type: ignore[arg-type]
         self.eng = TransferEngine(self.pool, inst.model.new_l1(n * spec.page_size), **engine)
         dev = inst.device
@@ -125,28 +138,47 @@ def _paired(alone: list[float], loaded: list[float]) -> dict[str, Any]:
     }
 
 
-def measure(inst: PrefillInstance, toks: np.ndarray, tries: int, layout: str = "page_first_direct") -> dict[str, Any]:
+PACED_STEP_S = 0.05  # a paced step moves about this long's worth of its rate (at least one page)
+
+
+def measure(
+    inst: PrefillInstance,
+    toks: np.ndarray,
+    tries: int,
+    layout: str = "page_first_direct",
+    paced_GBps: float | None = None,
+) -> dict[str, Any]:
     """Forward pass of `toks` on a no-cache instance alone vs with concurrent copies (plain DMAs,
-    and the cache's own TransferEngine path); tries rotate so no kind always follows another."""
+    the cache's own TransferEngine path, and that path paced to `paced_GBps` when given); tries
+    rotate so no kind always follows another."""
+    if paced_GBps is not None and not paced_GBps > 0:
+        raise ValueError(f"paced_GBps must be > 0, got {paced_GBps}")
     kv = inst.spec.token_bytes * int(toks.size)
-    plain, engine = _Plain(inst.device, kv), _Engine(inst, int(toks.size), layout)
+    traffic: dict[str, _Traffic] = {"plain": _Plain(inst.device, kv), "engine": _Engine(inst, int(toks.size), layout)}
+    if paced_GBps is not None:
+        step = max(inst.spec.page_size, int(paced_GBps * 1e9 * PACED_STEP_S / 2 / inst.spec.token_bytes))
+        traffic["paced"] = _Engine(inst, step, layout, rate=paced_GBps * 1e9)
     try:
         inst.prefill(toks)  # warm
-        ms: dict[str, list[float]] = {"alone": [], "plain": [], "engine": []}
-        gbps: dict[str, list[float]] = {"plain": [], "engine": []}
+        ms: dict[str, list[float]] = {"alone": [], **{k: [] for k in traffic}}
+        gbps: dict[str, list[float]] = {k: [] for k in traffic}
         kinds = list(ms)
         for t in range(tries):
-            for k in kinds[t % 3 :] + kinds[: t % 3]:
+            r = t % len(kinds)
+            for k in kinds[r:] + kinds[:r]:
                 if k == "alone":
                     ms[k].append(inst.prefill(toks).total_s * 1e3)
                     continue
-                tr = plain if k == "plain" else engine
+                tr = traffic[k]
                 with tr:
                     ms[k].append(inst.prefill(toks).total_s * 1e3)
                 gbps[k].append(tr.bytes / tr.secs / 1e9)
     finally:
-        plain.close()
-        engine.close()
+        for tr in traffic.values():
+            tr.close()
+    plain, engine = traffic["plain"], traffic["engine"]
+    assert isinstance(plain, _Plain) and isinstance(engine, _Engine)
+    paced = traffic.get("paced")
     return {
         "tokens": int(toks.size),
         "compute_alone_ms": med_spread(ms["alone"]),
@@ -163,4 +195,14 @@ def measure(inst: PrefillInstance, toks: np.ndarray, tries: int, layout: str = "
             "how": f"l2core TransferEngine ({layout} L2, the model's KV spec): per-layer loads then a backup of "
             "one request's pages, back to back, submitted from a side stream",
         },
+        "engine_paced": {
+            "compute_with_paced_traffic_ms": med_spread(ms["paced"]),
+            **_paired(ms["alone"], ms["paced"]),
+            "target_GBps": round(paced_GBps, 6),
+            "copy_GBps": med_spread(gbps["paced"]),
+            "how": "the same TransferEngine path in steps of ~50 ms of the rate, paced to the L2 <-> L1 bytes "
+            "per second of prefill the trace's L1+L2+L3 configuration moved (loads + backups)",
+        }
+        if paced is not None and paced_GBps is not None
+        else None,
     }

@@ -687,14 +687,15 @@ class Demo:
             "points": [{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()} for p in points],
         }
 
-    def interference(self, toks: np.ndarray) -> dict[str, Any]:
+    def interference(self, toks: np.ndarray, paced_GBps: float | None = None) -> dict[str, Any]:
         """The same no-cache forward pass alone and with concurrent L2 <-> L1 traffic (plain copies
-        of one request's KV, and the cache's own TransferEngine path; interference.py), `rounds`
-        interleaved tries each; the copy bandwidth reached."""
+        of one request's KV, the cache's own TransferEngine path, and that path paced to
+        `paced_GBps`: the trace's own rate; interference.py), `rounds` interleaved tries each; the
+        copy bandwidth reached."""
         from l3pool.demo.interference import measure
 
         inst = self.instance("interference", "no_cache")
         try:
-            return measure(inst, toks, max(3, self.opts.rounds), self.opts.l2_layout)
+            return measure(inst, toks, max(3, self.opts.rounds), self.opts.l2_layout, paced_GBps)
         finally:
             inst.close()

@@ -20,16 +20,18 @@ def interference_line(x: dict[str, Any]) -> str:
             f"{x['compute_with_l2_traffic_ms']['median']:.1f} ms with L2 traffic (medians); paired slowdown "
             f"{x['slowdown']:+.1%} (tries {lo:+.1%}..{hi:+.1%}{noise}), "
             f"{x['copy_GBps']['median']:.1f} GB/s copied"
-            + _engine_part(x.get("engine")))  # fmt: skip
+            + _engine_part(x.get("engine"), "through the transfer engine")
+            + _engine_part(x.get("engine_paced"), "paced to the trace's rate"))  # fmt: skip
 
 
-def _engine_part(e: dict[str, Any] | None) -> str:
-    """The cache's own copy path beside the plain copies (absent in reports before it was measured)."""
+def _engine_part(e: dict[str, Any] | None, what: str) -> str:
+    """The cache's own copy path beside the plain copies, at full duty and paced to the trace's
+    own rate (each absent in reports from before it was measured)."""
     if not e:
         return ""
     lo, hi = e["slowdown_spread"]
     noise = ": within noise" if lo <= 0 <= hi else ""
-    return (f"; through the transfer engine {e['slowdown']:+.1%} (tries {lo:+.1%}..{hi:+.1%}{noise}), "
+    return (f"; {what} {e['slowdown']:+.1%} (tries {lo:+.1%}..{hi:+.1%}{noise}), "
             f"{e['copy_GBps']['median']:.1f} GB/s")  # fmt: skip
 
 

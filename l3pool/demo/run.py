@@ -100,7 +100,7 @@ def run(
     fit = demo.fit(requests, nc_ms)
     phase("fit done; interference / HF reference")
     demo.drop(demo.trace_ns)
-    inter = demo.interference(requests[len(requests) // 2].tokens) if opts.interference else None
+    inter = demo.interference(requests[len(requests) // 2].tokens, trace_l2_rate(rep)) if opts.interference else None
     hf_ref = hf_reference(demo, requests, rep) if opts.hf_reference and isinstance(demo.model, HFModel) else None
     sav = pol = swp = None
     if opts.side:
@@ -169,6 +169,16 @@ def run(
             rep[f"{what}_saved_spread_s"] = sav[what]["spread_s"]
             rep[f"{what}_saved_verdict"] = sav[what]["verdict"]
     return rep
+
+
+def trace_l2_rate(rep: dict[str, Any]) -> float | None:
+    """GB/s of L2 <-> L1 traffic (loads + backups) per second of prefill in the trace's L1+L2+L3
+    configuration (the last round's bytes over the rounds' median total prefill time); None
+    without any."""
+    t = rep["tiers"]
+    moved = t["L2_to_L1"]["bytes"] + t["L1_to_L2_backup"]["bytes"]
+    secs = rep["prefill_s"]["l1_l2_l3"]
+    return moved / secs / 1e9 if moved > 0 and secs > 0 else None
 
 
 def device_name(dev: torch.device) -> str:

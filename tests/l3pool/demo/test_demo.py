@@ -242,6 +242,11 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     e = x["engine"]  # the cache's own copy path beside the same forward pass, paired per try
     assert e["compute_with_engine_traffic_ms"]["runs"] == 3 and e["copy_GBps"]["median"] > 0
     assert e["bytes_per_round"] > 0 and e["slowdown_spread"][0] <= e["slowdown"] <= e["slowdown_spread"][1]
+    p = x["engine_paced"]  # the same path paced to the trace's own L2 <-> L1 rate
+    t = rep["tiers"]
+    rate = (t["L2_to_L1"]["bytes"] + t["L1_to_L2_backup"]["bytes"]) / rep["prefill_s"]["l1_l2_l3"] / 1e9
+    assert p["target_GBps"] == pytest.approx(rate, rel=1e-2) and p["compute_with_paced_traffic_ms"]["runs"] == 3
+    assert 0 < p["copy_GBps"]["median"] <= 1.5 * p["target_GBps"] + 0.1  # paced, not full duty
     assert rep["tiers"]["L3_to_L2"]["bytes"] > 0 and rep["tiers"]["L2_to_L3_put"]["bytes"] > 0
     assert rep["tiers"]["L1_to_L2_backup"]["bytes"] > 0  # the background backup thread wrote
     assert rep["setup"]["queue_depth"] == 2

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
+import numpy as np
 import pytest
 import torch
 
-from l3pool.demo import deterministic_cuda
+from l3pool.demo import deterministic_cuda, interference
 from l3pool.demo.engine import Record
 from l3pool.demo.replay import MAX_MISMATCHES, Verifier
 from l3pool.demo.report import interference_line
+from l3pool.demo.run import trace_l2_rate
 
 
 class _Inst:
@@ -99,3 +102,31 @@ def test_interference_row_heads_with_the_paired_slowdown_and_its_range() -> None
     assert "transfer engine" not in interference_line(x)  # a report from before the engine row
     x["engine"] = {"slowdown": 0.031, "slowdown_spread": [0.01, 0.05], "copy_GBps": {"median": 40.2}}
     assert interference_line(x).endswith("; through the transfer engine +3.1% (tries +1.0%..+5.0%), 40.2 GB/s")
+    x["engine_paced"] = {"slowdown": 0.002, "slowdown_spread": [-0.01, 0.01], "copy_GBps": {"median": 1.8}}
+    paced = "; paced to the trace's rate +0.2% (tries -1.0%..+1.0%: within noise), 1.8 GB/s"
+    assert interference_line(x).endswith(paced)
+
+
+def test_paced_traffic_keeps_to_its_rate() -> None:
+    """A paced traffic thread never runs more than one step ahead of its rate; unpaced, it runs free."""
+
+    class Steps(interference._Traffic):
+        def _step(self) -> int:
+            time.sleep(0.001)
+            return 10_000
+
+    with Steps(rate=200_000) as paced:  # 20 steps a second at most
+        time.sleep(0.3)
+    assert 0 < paced.bytes <= 200_000 * paced.secs + 10_000
+    with Steps() as free:
+        time.sleep(0.3)
+    assert free.bytes > 3 * paced.bytes
+    with pytest.raises(ValueError, match="paced_GBps must be > 0"):
+        interference.measure(None, np.zeros(1), 1, paced_GBps=0.0)  # type: ignore[arg-type]
+
+
+def test_trace_l2_rate_is_loads_plus_backups_per_second_of_prefill() -> None:
+    rep = {"tiers": {"L2_to_L1": {"bytes": 3e9}, "L1_to_L2_backup": {"bytes": 1e9}}, "prefill_s": {"l1_l2_l3": 2.0}}
+    assert trace_l2_rate(rep) == pytest.approx(2.0)
+    rep["tiers"]["L2_to_L1"]["bytes"] = rep["tiers"]["L1_to_L2_backup"]["bytes"] = 0
+    assert trace_l2_rate(rep) is None  # nothing moved: no paced row
