@@ -43,7 +43,7 @@ def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
     from l3pool.demo import deterministic_cuda
     from l3pool.demo.engine import PrefillInstance
     from l3pool.demo.hf import HFConfig, HFModel
-    from l3pool.demo.interference import _Engine, _Plain
+    from l3pool.demo.interference import EngineTraffic, PlainTraffic, Traffic, paired_slowdown
     from l3pool.demo.timing import med_spread
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,15 +56,17 @@ def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
     inst = PrefillInstance("interference", m, l1_tokens=l1, l2_tokens=4 * page, use_cache=False)
     toks = np.random.default_rng(0).integers(0, m.cfg.vocab, tokens)
     kv = inst.spec.token_bytes * tokens
-    traffic: dict[str, Any] = {"plain": _Plain(inst.device, kv)}
     options: dict[str, Any] = {"plain": "plain DMAs on a side stream"}
     for name, kw in VARIANTS.items():
         options[name] = {k: (layers if k == "layers_per_step" and v == 0 else v) for k, v in kw.items()}
-        traffic[name] = _Engine(inst, tokens, "page_first_direct", **options[name])
-    kinds = ["alone", *traffic]
+    kinds = ["alone", *options]
     ms: dict[str, list[float]] = {k: [] for k in kinds}
-    gbps: dict[str, list[float]] = {k: [] for k in traffic}
-    try:
+    gbps: dict[str, list[float]] = {k: [] for k in options}
+    traffic: dict[str, Traffic] = {}
+    try:  # what was built is closed, also when building the next one fails
+        traffic["plain"] = PlainTraffic(inst.device, kv)
+        for name in VARIANTS:
+            traffic[name] = EngineTraffic(inst, tokens, "page_first_direct", **options[name])
         inst.prefill(toks)  # warm
         for t in range(tries):
             for k in kinds[t % len(kinds) :] + kinds[: t % len(kinds)]:
@@ -80,11 +82,9 @@ def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
         inst.close()
     rows = {}
     for k in traffic:
-        slow = [y / x - 1 for x, y in zip(ms["alone"], ms[k], strict=True)]
         rows[k] = {
             "forward_ms": med_spread(ms[k]),
-            "slowdown": round(float(np.median(slow)), 4),
-            "slowdown_spread": [round(min(slow), 4), round(max(slow), 4)],
+            **paired_slowdown(ms["alone"], ms[k]),
             "copy_GBps": med_spread(gbps[k]),
             "options": options[k],
         }

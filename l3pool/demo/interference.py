@@ -32,7 +32,7 @@ from l3pool.demo.engine import PrefillInstance
 from l3pool.demo.timing import med_spread
 
 
-class _Traffic:
+class Traffic:
     """A thread that repeats `_step()` (which returns the bytes it moved) until stopped; with
     `rate` (bytes/s) it waits after a step until its average is back at that rate."""
 
@@ -53,7 +53,7 @@ class _Traffic:
                 if ahead > 0:
                     self.stop.wait(ahead)
 
-    def __enter__(self) -> _Traffic:
+    def __enter__(self) -> Traffic:
         self.stop.clear()
         self.bytes, self.t0 = 0, time.perf_counter()
         self.thread = threading.Thread(target=self._loop, name="l2-traffic", daemon=True)
@@ -70,7 +70,7 @@ class _Traffic:
         pass
 
 
-class _Plain(_Traffic):
+class PlainTraffic(Traffic):
     def __init__(self, device: torch.device, nbytes: int) -> None:
         super().__init__()
         cuda = device.type == "cuda"
@@ -91,11 +91,11 @@ class _Plain(_Traffic):
         return 2 * self.host.numel()
 
 
-class _Engine(_Traffic):
+class EngineTraffic(Traffic):
     def __init__(
         self, inst: PrefillInstance, tokens: int, layout: str, rate: float | None = None, **engine: Any
     ) -> None:
-        """`tokens` moved per step (<= 2 GiB, as `plain`); `rate`: see _Traffic; `engine`:
+        """`tokens` moved per step (<= 2 GiB, as `plain`); `rate`: see Traffic; `engine`:
         TransferEngine's own options (max_sms, layers_per_step; bench.interference)."""
         super().__init__(rate)
         spec = inst.spec
@@ -129,7 +129,7 @@ class _Engine(_Traffic):
         self.pool.close()
 
 
-def _paired(alone: list[float], loaded: list[float]) -> dict[str, Any]:
+def paired_slowdown(alone: list[float], loaded: list[float]) -> dict[str, Any]:
     slow = [y / x - 1 for x, y in zip(alone, loaded, strict=True)]
     return {
         "slowdown": round(float(np.median(slow)), 4),  # per-try pairs: not (median with) / (median alone)
@@ -154,11 +154,13 @@ def measure(
     if paced_GBps is not None and not paced_GBps > 0:
         raise ValueError(f"paced_GBps must be > 0, got {paced_GBps}")
     kv = inst.spec.token_bytes * int(toks.size)
-    traffic: dict[str, _Traffic] = {"plain": _Plain(inst.device, kv), "engine": _Engine(inst, int(toks.size), layout)}
-    if paced_GBps is not None:
-        step = max(inst.spec.page_size, int(paced_GBps * 1e9 * PACED_STEP_S / 2 / inst.spec.token_bytes))
-        traffic["paced"] = _Engine(inst, step, layout, rate=paced_GBps * 1e9)
-    try:
+    traffic: dict[str, Traffic] = {}
+    try:  # what was built is closed, also when building the next one fails
+        traffic["plain"] = PlainTraffic(inst.device, kv)
+        traffic["engine"] = EngineTraffic(inst, int(toks.size), layout)
+        if paced_GBps is not None:
+            step = max(inst.spec.page_size, int(paced_GBps * 1e9 * PACED_STEP_S / 2 / inst.spec.token_bytes))
+            traffic["paced"] = EngineTraffic(inst, step, layout, rate=paced_GBps * 1e9)
         inst.prefill(toks)  # warm
         ms: dict[str, list[float]] = {"alone": [], **{k: [] for k in traffic}}
         gbps: dict[str, list[float]] = {k: [] for k in traffic}
@@ -177,19 +179,19 @@ def measure(
         for tr in traffic.values():
             tr.close()
     plain, engine = traffic["plain"], traffic["engine"]
-    assert isinstance(plain, _Plain) and isinstance(engine, _Engine)
+    assert isinstance(plain, PlainTraffic) and isinstance(engine, EngineTraffic)
     paced = traffic.get("paced")
     return {
         "tokens": int(toks.size),
         "compute_alone_ms": med_spread(ms["alone"]),
         "compute_with_l2_traffic_ms": med_spread(ms["plain"]),
-        **_paired(ms["alone"], ms["plain"]),
+        **paired_slowdown(ms["alone"], ms["plain"]),
         "copy_GBps": med_spread(gbps["plain"]),
         "copy_buffer_bytes": plain.host.numel(),
         "how": "host<->device copies of one request's KV on a side stream/thread during the same prefill",
         "engine": {
             "compute_with_engine_traffic_ms": med_spread(ms["engine"]),
-            **_paired(ms["alone"], ms["engine"]),
+            **paired_slowdown(ms["alone"], ms["engine"]),
             "copy_GBps": med_spread(gbps["engine"]),
             "bytes_per_round": 2 * engine.nbytes,
             "how": f"l2core TransferEngine ({layout} L2, the model's KV spec): per-layer loads then a backup of "
@@ -197,7 +199,7 @@ def measure(
         },
         "engine_paced": {
             "compute_with_paced_traffic_ms": med_spread(ms["paced"]),
-            **_paired(ms["alone"], ms["paced"]),
+            **paired_slowdown(ms["alone"], ms["paced"]),
             "target_GBps": round(paced_GBps, 6),
             "copy_GBps": med_spread(gbps["paced"]),
             "how": "the same TransferEngine path in steps of ~50 ms of the rate, paced to the L2 <-> L1 bytes "

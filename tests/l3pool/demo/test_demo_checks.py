@@ -110,7 +110,7 @@ def test_interference_row_heads_with_the_paired_slowdown_and_its_range() -> None
 def test_paced_traffic_keeps_to_its_rate() -> None:
     """A paced traffic thread never runs more than one step ahead of its rate; unpaced, it runs free."""
 
-    class Steps(interference._Traffic):
+    class Steps(interference.Traffic):
         def _step(self) -> int:
             time.sleep(0.001)
             return 10_000
