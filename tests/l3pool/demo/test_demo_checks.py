@@ -102,8 +102,8 @@ def test_interference_row_heads_with_the_paired_slowdown_and_its_range() -> None
     assert "transfer engine" not in interference_line(x)  # a report from before the engine row
     x["engine"] = {"slowdown": 0.031, "slowdown_spread": [0.01, 0.05], "copy_GBps": {"median": 40.2}}
     assert interference_line(x).endswith("; through the transfer engine +3.1% (tries +1.0%..+5.0%), 40.2 GB/s")
-    x["engine_paced"] = {"slowdown": 0.002, "slowdown_spread": [-0.01, 0.01], "copy_GBps": {"median": 1.8}}
-    paced = "; paced to the trace's rate +0.2% (tries -1.0%..+1.0%: within noise), 1.8 GB/s"
+    x["engine_paced"] = {"slowdown": 0.002, "slowdown_spread": [-0.01, 0.01], "copy_GBps": {"median": 0.0171}}
+    paced = "; paced to the trace's rate +0.2% (tries -1.0%..+1.0%: within noise), 0.0171 GB/s"
     assert interference_line(x).endswith(paced)
 
 
