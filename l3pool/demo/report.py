@@ -31,8 +31,9 @@ def _engine_part(e: dict[str, Any] | None, what: str) -> str:
         return ""
     lo, hi = e["slowdown_spread"]
     noise = ": within noise" if lo <= 0 <= hi else ""
+    gbps = f"{e['copy_GBps']['median']:.3g}"  # 3 digits: a paced CPU rate is ~0.02 GB/s
     return (f"; {what} {e['slowdown']:+.1%} (tries {lo:+.1%}..{hi:+.1%}{noise}), "
-            f"{e['copy_GBps']['median']:.3g} GB/s")  # fmt: skip (3 digits: a paced CPU rate is ~0.02 GB/s)
+            f"{gbps} GB/s")  # fmt: skip
 
 
 def table(rep: dict[str, Any]) -> str:
