@@ -9,8 +9,8 @@ per-layer loads + backups at full duty, once per variant:
   default         max_sms 16 (the SMs its gather/scatter kernels may use), one load step per layer
   sms4            max_sms 4: fewer SMs taken from the compute while a gather/scatter runs
   one_step        layers_per_step = all layers: one kernel batch per load instead of one per layer
-                  (less work for the engine thread's Python, which competes for the GIL with the
-                  thread launching the forward pass)
+                  (fewer Python steps and driver calls on the engine's thread, which compete with
+                  the thread launching the forward pass for the GIL and the CUDA driver)
   sms4_one_step   both
 Every try runs every kind once, in a rotated order; each slowdown is paired with the try's own
 "alone" pass (median and min..max over tries). A variant is only "better" than the default when
