@@ -20,10 +20,11 @@ its slowdown spread lies below the default's.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,14 @@ def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
     from l3pool.demo import deterministic_cuda
     from l3pool.demo.engine import PrefillInstance
     from l3pool.demo.hf import HFConfig, HFModel
-    from l3pool.demo.interference import EngineTraffic, PlainTraffic, Traffic, paired_slowdown
+    from l3pool.demo.interference import (
+        GBPS_DIGITS,
+        EngineTraffic,
+        PlainTraffic,
+        Traffic,
+        paired_slowdown,
+        rotation,
+    )
     from l3pool.demo.timing import med_spread
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,33 +67,21 @@ def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
     options: dict[str, Any] = {"plain": "plain DMAs on a side stream"}
     for name, kw in VARIANTS.items():
         options[name] = {k: (layers if k == "layers_per_step" and v == 0 else v) for k, v in kw.items()}
-    kinds = ["alone", *options]
-    ms: dict[str, list[float]] = {k: [] for k in kinds}
-    gbps: dict[str, list[float]] = {k: [] for k in options}
-    traffic: dict[str, Traffic] = {}
-    try:  # what was built is closed, also when building the next one fails
-        traffic["plain"] = PlainTraffic(inst.device, kv)
-        for name in VARIANTS:
-            traffic[name] = EngineTraffic(inst, tokens, "page_first_direct", **options[name])
-        inst.prefill(toks)  # warm
-        for t in range(tries):
-            for k in kinds[t % len(kinds) :] + kinds[: t % len(kinds)]:
-                tr = traffic.get(k)
-                with tr if tr is not None else contextlib.nullcontext():
-                    ms[k].append(inst.prefill(toks).total_s * 1e3)
-                if tr is not None:
-                    gbps[k].append(tr.bytes / tr.secs / 1e9)
-            print(f"try {t + 1} of {tries} done", file=sys.stderr, flush=True)
+    build: dict[str, Callable[[], Traffic]] = {"plain": lambda: PlainTraffic(inst.device, kv)}
+    for name in VARIANTS:
+        build[name] = functools.partial(EngineTraffic, inst, tokens, "page_first_direct", **options[name])
+    try:
+        ms, gbps, _ = rotation(
+            inst, toks, tries, build, lambda t: print(f"try {t + 1} of {tries} done", file=sys.stderr, flush=True)
+        )
     finally:
-        for tr in traffic.values():
-            tr.close()
         inst.close()
     rows = {}
-    for k in traffic:
+    for k in build:
         rows[k] = {
             "forward_ms": med_spread(ms[k]),
             **paired_slowdown(ms["alone"], ms[k]),
-            "copy_GBps": med_spread(gbps[k]),
+            "copy_GBps": med_spread(gbps[k], GBPS_DIGITS),
             "options": options[k],
         }
     base = rows["default"]["slowdown_spread"]

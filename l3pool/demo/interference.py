@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -138,7 +139,45 @@ def paired_slowdown(alone: list[float], loaded: list[float]) -> dict[str, Any]:
     }
 
 
+# copy rates keep 6 decimals: a tiny CPU run copies ~0.001 GB/s, which 3 decimals could round to 0
+GBPS_DIGITS = 6
 PACED_STEP_S = 0.05  # a paced step moves about this long's worth of its rate (at least one page)
+
+
+def rotation(
+    inst: PrefillInstance,
+    toks: np.ndarray,
+    tries: int,
+    build: dict[str, Callable[[], Traffic]],
+    after_try: Callable[[int], None] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, Traffic]]:
+    """Builds each kind of traffic, warms up, then times the forward pass of `toks` `tries` times
+    per kind: alone and beside each traffic, in an order rotated per try (no kind always follows
+    another). Returns the times (ms) per kind ("alone" and each of `build`), the GB/s each traffic
+    reached per try, and the (closed) traffic objects. Whatever was built is closed, also when
+    building the next one fails."""
+    traffic: dict[str, Traffic] = {}
+    try:
+        for k, make in build.items():
+            traffic[k] = make()
+        inst.prefill(toks)  # warm
+        ms: dict[str, list[float]] = {"alone": [], **{k: [] for k in traffic}}
+        gbps: dict[str, list[float]] = {k: [] for k in traffic}
+        kinds = list(ms)
+        for t in range(tries):
+            r = t % len(kinds)
+            for k in kinds[r:] + kinds[:r]:
+                tr = traffic.get(k)
+                with tr if tr is not None else contextlib.nullcontext():
+                    ms[k].append(inst.prefill(toks).total_s * 1e3)
+                if tr is not None:
+                    gbps[k].append(tr.bytes / tr.secs / 1e9)
+            if after_try is not None:
+                after_try(t)
+    finally:
+        for tr in traffic.values():
+            tr.close()
+    return ms, gbps, traffic
 
 
 def measure(
@@ -149,50 +188,32 @@ def measure(
     paced_GBps: float | None = None,
 ) -> dict[str, Any]:
     """Forward pass of `toks` on a no-cache instance alone vs with concurrent copies (plain DMAs,
-    the cache's own TransferEngine path, and that path paced to `paced_GBps` when given); tries
-    rotate so no kind always follows another."""
+    the cache's own TransferEngine path, and that path paced to `paced_GBps` when given)."""
     if paced_GBps is not None and not paced_GBps > 0:
         raise ValueError(f"paced_GBps must be > 0, got {paced_GBps}")
     kv = inst.spec.token_bytes * int(toks.size)
-    traffic: dict[str, Traffic] = {}
-    try:  # what was built is closed, also when building the next one fails
-        traffic["plain"] = PlainTraffic(inst.device, kv)
-        traffic["engine"] = EngineTraffic(inst, int(toks.size), layout)
-        if paced_GBps is not None:
-            step = max(inst.spec.page_size, int(paced_GBps * 1e9 * PACED_STEP_S / 2 / inst.spec.token_bytes))
-            traffic["paced"] = EngineTraffic(inst, step, layout, rate=paced_GBps * 1e9)
-        inst.prefill(toks)  # warm
-        ms: dict[str, list[float]] = {"alone": [], **{k: [] for k in traffic}}
-        gbps: dict[str, list[float]] = {k: [] for k in traffic}
-        kinds = list(ms)
-        for t in range(tries):
-            r = t % len(kinds)
-            for k in kinds[r:] + kinds[:r]:
-                if k == "alone":
-                    ms[k].append(inst.prefill(toks).total_s * 1e3)
-                    continue
-                tr = traffic[k]
-                with tr:
-                    ms[k].append(inst.prefill(toks).total_s * 1e3)
-                gbps[k].append(tr.bytes / tr.secs / 1e9)
-    finally:
-        for tr in traffic.values():
-            tr.close()
+    build: dict[str, Callable[[], Traffic]] = {
+        "plain": lambda: PlainTraffic(inst.device, kv),
+        "engine": lambda: EngineTraffic(inst, int(toks.size), layout),
+    }
+    if paced_GBps is not None:
+        step = max(inst.spec.page_size, int(paced_GBps * 1e9 * PACED_STEP_S / 2 / inst.spec.token_bytes))
+        build["paced"] = lambda: EngineTraffic(inst, step, layout, rate=paced_GBps * 1e9)
+    ms, gbps, traffic = rotation(inst, toks, tries, build)
     plain, engine = traffic["plain"], traffic["engine"]
     assert isinstance(plain, PlainTraffic) and isinstance(engine, EngineTraffic)
-    paced = traffic.get("paced")
     return {
         "tokens": int(toks.size),
         "compute_alone_ms": med_spread(ms["alone"]),
         "compute_with_l2_traffic_ms": med_spread(ms["plain"]),
         **paired_slowdown(ms["alone"], ms["plain"]),
-        "copy_GBps": med_spread(gbps["plain"]),
+        "copy_GBps": med_spread(gbps["plain"], GBPS_DIGITS),
         "copy_buffer_bytes": plain.host.numel(),
         "how": "host<->device copies of one request's KV on a side stream/thread during the same prefill",
         "engine": {
             "compute_with_engine_traffic_ms": med_spread(ms["engine"]),
             **paired_slowdown(ms["alone"], ms["engine"]),
-            "copy_GBps": med_spread(gbps["engine"]),
+            "copy_GBps": med_spread(gbps["engine"], GBPS_DIGITS),
             "bytes_per_round": 2 * engine.nbytes,
             "how": f"l2core TransferEngine ({layout} L2, the model's KV spec): per-layer loads then a backup of "
             "one request's pages, back to back, submitted from a side stream",
@@ -201,10 +222,10 @@ def measure(
             "compute_with_paced_traffic_ms": med_spread(ms["paced"]),
             **paired_slowdown(ms["alone"], ms["paced"]),
             "target_GBps": round(paced_GBps, 6),
-            "copy_GBps": med_spread(gbps["paced"]),
+            "copy_GBps": med_spread(gbps["paced"], GBPS_DIGITS),
             "how": "the same TransferEngine path in steps of ~50 ms of the rate, paced to the L2 <-> L1 bytes "
             "per second of prefill the trace's L1+L2+L3 configuration moved (loads + backups)",
         }
-        if paced is not None and paced_GBps is not None
+        if paced_GBps is not None
         else None,
     }
