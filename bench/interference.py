@@ -6,12 +6,16 @@
 The same no-cache prefill of `--tokens` random tokens is timed alone, with plain host<->device DMAs
 of one request's KV on a side stream (the floor any copy path costs), and with the TransferEngine's
 per-layer loads + backups at full duty, once per variant:
-  default         max_sms 16 (the SMs its gather/scatter kernels may use), one load step per layer
+  default         max_sms 16 (the SMs its gather/scatter kernels may use), one load step per layer,
+                  loads on a stream of the highest priority
   sms4            max_sms 4: fewer SMs taken from the compute while a gather/scatter runs
   one_step        layers_per_step = all layers: one kernel batch per load instead of one per layer
                   (fewer Python steps and driver calls on the engine's thread, which compete with
                   the thread launching the forward pass for the GIL and the CUDA driver)
-  sms4_one_step   both
+  load_prio0      loads at the default stream priority (the compute's): whether the load's
+                  high-priority scatter kernels pushing ahead of the forward pass's blocks cost it
+  loads_only      only the loads, back to back  } which direction costs the compute: per GB/s,
+  backups_only    only the backups              } compared with each other and with `plain`
 Every try runs every kind once, in a rotated order; each slowdown is paired with the try's own
 "alone" pass (median and min..max over tries). A variant is only "better" than the default when
 its slowdown spread lies below the default's.
@@ -36,7 +40,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "sms4": {"max_sms": 4},
     "one_step": {"layers_per_step": 0},  # 0: all layers (filled in below)
-    "sms4_one_step": {"max_sms": 4, "layers_per_step": 0},
+    "load_prio0": {"load_priority": 0},
+    "loads_only": {"directions": ["load"]},
+    "backups_only": {"directions": ["backup"]},
 }
 
 
@@ -69,7 +75,8 @@ def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
         options[name] = {k: (layers if k == "layers_per_step" and v == 0 else v) for k, v in kw.items()}
     build: dict[str, Callable[[], Traffic]] = {"plain": lambda: PlainTraffic(inst.device, kv)}
     for name in VARIANTS:
-        build[name] = functools.partial(EngineTraffic, inst, tokens, "page_first_direct", **options[name])
+        kw = {k: tuple(v) if k == "directions" else v for k, v in options[name].items()}
+        build[name] = functools.partial(EngineTraffic, inst, tokens, "page_first_direct", **kw)
     try:
         ms, gbps, _ = rotation(
             inst, toks, tries, build, lambda t: print(f"try {t + 1} of {tries} done", file=sys.stderr, flush=True)
@@ -84,6 +91,8 @@ def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
             "copy_GBps": med_spread(gbps[k], GBPS_DIGITS),
             "options": options[k],
         }
+        # slowdown per 10 GB/s moved: compares the kinds per byte (they reach different rates)
+        rows[k]["slowdown_per_10GBps"] = round(10 * rows[k]["slowdown"] / max(rows[k]["copy_GBps"]["median"], 1e-9), 6)
     base = rows["default"]["slowdown_spread"]
     for k in VARIANTS:
         if k != "default":
@@ -125,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         for k, r in res["rows"].items():
             lo, hi = r["slowdown_spread"]
             print(f"{k:14s} slowdown {r['slowdown']:+.1%} ({lo:+.1%}..{hi:+.1%}) "
-                  f"{r['copy_GBps']['median']:.1f} GB/s {r.get('vs_default', '')}")  # fmt: skip
+                  f"{r['copy_GBps']['median']:.1f} GB/s, {r['slowdown_per_10GBps']:+.2%} per 10 GB/s "
+                  f"{r.get('vs_default', '')}")  # fmt: skip
     return 0
 
 

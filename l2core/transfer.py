@@ -39,6 +39,12 @@ from .split_read import SplitRead
 
 log = logging.getLogger(__name__)
 
+# Loads get the highest stream priority (CUDA clamps -100 to its greatest): the forward pass waits
+# on them layer by layer, so their short scatter kernels must not queue behind its blocks
+# (bench.cache on an H200: exposed load 0.12 -> 0.09 of the load with staged per-layer copies).
+# Backups run at the default priority (0), the compute's own.
+LOAD_PRIORITY = -100
+
 JobKind = Literal["backup", "load"]
 
 
@@ -89,12 +95,15 @@ class TransferEngine:
         max_sms: int = ops.DEFAULT_MAX_SMS,
         layers_per_step: int = 1,
         split: SplitRead | None = None,
+        load_priority: int = LOAD_PRIORITY,
     ) -> None:
         spec = pool.spec
         if len(bufs) != spec.num_layers * spec.num_kv:
             raise ValueError(f"expected {spec.num_layers * spec.num_kv} device buffers, got {len(bufs)}")
         if layers_per_step < 1:
             raise ValueError("layers_per_step must be >= 1")
+        if isinstance(load_priority, bool) or not isinstance(load_priority, int):
+            raise TypeError(f"load_priority must be an int, got {type(load_priority).__name__}")
         ops._check_buffers(bufs, pool.layout, (0, spec.num_layers))  # once, up front
         self.pool, self.bufs = pool, list(bufs)
         self.device = self.bufs[0].device
@@ -103,6 +112,7 @@ class TransferEngine:
             split.bind(pool.layout, self.device, self.provider)  # MLA only (ConfigError otherwise)
         self.split = split  # MLA split reads across TP ranks (l2core.split_read), or None
         self.method, self.max_sms, self.layers_per_step = method, max_sms, layers_per_step
+        self.load_priority = load_priority
         self.stats = EngineStats()
         self._ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}
@@ -142,10 +152,7 @@ class TransferEngine:
 
     # -- the two worker threads ----------------------------------------------------------------
     def _run(self, kind: JobKind) -> None:
-        # Loads get the highest stream priority: the forward pass waits on them layer by layer,
-        # so their short scatter kernels must not queue behind its blocks (bench.cache on an
-        # H200: exposed load 0.12 -> 0.09 of the load with staged per-layer copies).
-        stream = self.provider.new_stream(self.device, -100 if kind == "load" else 0)
+        stream = self.provider.new_stream(self.device, self.load_priority if kind == "load" else 0)
         flag = self.provider.error_flag()  # set by asynchronous kernels on a bad slot
         q = self._queues[kind]
         while True:

@@ -94,11 +94,21 @@ class PlainTraffic(Traffic):
 
 class EngineTraffic(Traffic):
     def __init__(
-        self, inst: PrefillInstance, tokens: int, layout: str, rate: float | None = None, **engine: Any
+        self,
+        inst: PrefillInstance,
+        tokens: int,
+        layout: str,
+        rate: float | None = None,
+        directions: tuple[str, ...] = ("load", "backup"),
+        **engine: Any,
     ) -> None:
-        """`tokens` moved per step (<= 2 GiB, as `plain`); `rate`: see Traffic; `engine`:
-        TransferEngine's own options (max_sms, layers_per_step; bench.interference)."""
+        """`tokens` moved per step (<= 2 GiB, as `plain`); `rate`: see Traffic; `directions`: a step
+        runs a load, a backup, or both (in that order); `engine`: TransferEngine's own options
+        (max_sms, layers_per_step, load_priority; bench.interference)."""
         super().__init__(rate)
+        if not directions or not set(directions) <= {"load", "backup"} or len(set(directions)) != len(directions):
+            raise ValueError(f"directions must be 'load' and/or 'backup' once each, got {directions!r}")
+        self.directions = tuple(directions)
         spec = inst.spec
         n = max(1, min(tokens, (2 << 30) // spec.token_bytes) // spec.page_size)  # pages
         self.pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=n * spec.page_size))  # type: ignore[arg-type]
@@ -112,15 +122,17 @@ class EngineTraffic(Traffic):
         self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
 
     def _step(self) -> int:
-        with self._side():
-            jid = self.eng.submit_load(self.slots, self.pages)
-        self.eng.wait([jid])
-        with self._side():
-            jid = self.eng.submit_backup(self.slots, self.pages)
-        res = self.eng.wait([jid])
-        if not all(r.ok for r in res):
-            raise RuntimeError(f"interference traffic failed: {res[0].error}")
-        return 2 * self.nbytes
+        for d in self.directions:
+            with self._side():
+                jid = (
+                    self.eng.submit_load(self.slots, self.pages)
+                    if d == "load"
+                    else self.eng.submit_backup(self.slots, self.pages)
+                )
+            (res,) = self.eng.wait([jid])
+            if not res.ok:
+                raise RuntimeError(f"interference traffic failed: {res.error}")
+        return len(self.directions) * self.nbytes
 
     def _side(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

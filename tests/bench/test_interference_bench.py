@@ -24,7 +24,12 @@ def test_interference_bench_json_contract(tmp_path: Path) -> None:
         if k not in ("plain", "default"):
             assert row["vs_default"] in ("lower", "higher", "inconclusive")
     assert rep["rows"]["one_step"]["options"] == {"layers_per_step": 2}  # llama-tiny: all of its 2 layers
-    assert rep["rows"]["sms4_one_step"]["options"] == {"max_sms": 4, "layers_per_step": 2}
+    assert rep["rows"]["load_prio0"]["options"] == {"load_priority": 0}
+    assert rep["rows"]["loads_only"]["options"] == {"directions": ["load"]}
+    for k, row in rep["rows"].items():
+        assert row["slowdown_per_10GBps"] == pytest.approx(
+            10 * row["slowdown"] / row["copy_GBps"]["median"], abs=1e-5
+        ), k
 
 
 @pytest.mark.parametrize(

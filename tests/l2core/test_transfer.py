@@ -199,3 +199,22 @@ def test_wait_layer_returns_while_later_layers_are_pending(
     assert r.ok and all(loaded(layer) for layer in range(spec.num_layers))
     want = [(b, min(spec.num_layers, b + k)) for b in range(0, spec.num_layers, k)]
     assert steps == want
+
+
+def test_load_priority_sets_the_load_streams_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads get LOAD_PRIORITY unless told otherwise, backups the default (0); a non-int is refused."""
+    from l2core import transfer
+
+    _, pool, src, _ = _setup("cpu")
+    seen: list[int] = []
+    prov = transfer.provider_for(torch.device("cpu"))
+    real = prov.new_stream
+    monkeypatch.setattr(type(prov), "new_stream", lambda self, dev, prio: seen.append(prio) or real(dev, prio))
+    for kw, want in [({}, transfer.LOAD_PRIORITY), ({"load_priority": 0}, 0), ({"load_priority": -3}, -3)]:
+        seen.clear()
+        eng = TransferEngine(pool, src, **kw)
+        eng.close()
+        assert sorted(seen) == sorted([want, 0]), kw
+    for bad in (0.5, True, "high"):
+        with pytest.raises(TypeError, match="load_priority must be an int"):
+            TransferEngine(pool, src, load_priority=bad)  # type: ignore[arg-type]

@@ -130,3 +130,28 @@ def test_trace_l2_rate_is_loads_plus_backups_per_second_of_prefill() -> None:
     assert trace_l2_rate(rep) == pytest.approx(2.0)
     rep["tiers"]["L2_to_L1"]["bytes"] = rep["tiers"]["L1_to_L2_backup"]["bytes"] = 0
     assert trace_l2_rate(rep) is None  # nothing moved: no paced row
+
+
+@pytest.mark.parametrize(("directions", "steps"), [(("load",), 1), (("backup",), 1), (("load", "backup"), 2)])
+def test_engine_traffic_moves_its_directions_bytes(directions: tuple[str, ...], steps: int) -> None:
+    """A step of the engine's traffic runs the jobs of its directions (counted by the engine) and
+    reports their bytes; a bad direction is a ValueError before anything is allocated."""
+    from l3pool.demo.engine import PrefillInstance
+    from l3pool.demo.model import ModelConfig, RefModel
+
+    m = RefModel(ModelConfig(layers=2, hidden=64, heads=2, head_dim=32, kv_lora_rank=64, rope_dim=16, mlp=128,
+                             vocab=512, page_size=16))  # fmt: skip
+    inst = PrefillInstance("t", m, l1_tokens=64, l2_tokens=64, use_cache=False)
+    tr = interference.EngineTraffic(inst, 48, "page_first_direct", directions=directions)
+    try:
+        assert tr.nbytes == 3 * inst.spec.page_bytes
+        assert tr._step() == steps * tr.nbytes
+        st = tr.eng.stats
+        assert (st.bytes_loaded > 0, st.bytes_backed_up > 0) == ("load" in directions, "backup" in directions)
+        assert st.failed == 0 and st.completed == steps
+    finally:
+        tr.close()
+        inst.close()
+    for bad in [(), ("load", "load"), ("restore",)]:
+        with pytest.raises(ValueError, match="directions must be"):
+            interference.EngineTraffic(inst, 48, "page_first_direct", directions=bad)
