@@ -25,8 +25,9 @@
 #            no side study (both shown at 24-31K by llama/mla); measured 2026-12-03: 511 s and
 #            406 s (mla at 8 layers) after a ~45 s build                                     23     9
 # interference  bench.interference: the forward pass (llama-8b, 46K tokens) alone, with plain DMAs,
-#            and with the cache's TransferEngine path in 6 variants (SM budget, steps per load,
-#            load stream priority, one direction only)                                23     5
+#            and with the cache's TransferEngine path in 7 variants (SM budget, steps per load,
+#            load stream priority, one direction only, L2 layout of the loads); IARGS="--tries 3
+#            --variants loads_only,layer_first_loads" narrows it                            23     5
 # split      bench.split_read + the NCCL byte check (needs 2 GPUs: nvidia-h200-x2)   22     3
 #
 # Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle (carried with the call). The
@@ -119,7 +120,8 @@ case $group in
       --sessions 4 --turns 4 --min-context 32768 --max-context 65536 --reuse 0.82 --placement affinity \
       --l2-tokens 98304 --segment-size 16GB --no-side --no-progress --out "$out/demo-$group" ;;
   interference)
-    step interference 500 python3 -m bench.interference --tries 5 --json --out "$out/$day-h200-interference.json" ;;
+    # shellcheck disable=SC2086  # IARGS: extra bench.interference arguments, word-split on purpose
+    step interference 540 python3 -m bench.interference --tries 5 ${IARGS:-} --json --out "$out/$day-h200-interference.json" ;;
   split)
     step split 300 python3 -m bench.split_read --json --out "$out/$day-h200x2-split-read.json"
     step split-test 200 python3 -m pytest -q -p no:cacheprovider tests/l2core/test_split_read.py -k two_gpus ;;

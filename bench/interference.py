@@ -16,6 +16,10 @@ per-layer loads + backups at full duty, once per variant:
                   high-priority scatter kernels pushing ahead of the forward pass's blocks cost it
   loads_only      only the loads, back to back  } which direction costs the compute: per GB/s,
   backups_only    only the backups              } compared with each other and with `plain`
+  layer_first_loads  only the loads, from a layer_first L2: a layer of consecutive pages is one
+                  host run per K/V there (merged into large DMAs), where page_first_direct has one
+                  run per page (128 KB for llama-8b): whether many small H2D DMAs are the cost
+`--variants a,b` runs a subset (the default is always run: the others are compared with it).
 Every try runs every kind once, in a rotated order; each slowdown is paired with the try's own
 "alone" pass (median and min..max over tries). A variant is only "better" than the default when
 its slowdown spread lies below the default's.
@@ -43,10 +47,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "load_prio0": {"load_priority": 0},
     "loads_only": {"directions": ["load"]},
     "backups_only": {"directions": ["backup"]},
+    "layer_first_loads": {"directions": ["load"], "layout": "layer_first"},
 }
+LAYOUT = "page_first_direct"  # the demo's L2 layout
 
 
-def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
+def run(model: str, tokens: int, tries: int, variants: list[str] | None = None) -> dict[str, Any]:
     from l3pool.demo import deterministic_cuda
     from l3pool.demo.engine import PrefillInstance
     from l3pool.demo.hf import HFConfig, HFModel
@@ -71,12 +77,15 @@ def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
     toks = np.random.default_rng(0).integers(0, m.cfg.vocab, tokens)
     kv = inst.spec.token_bytes * tokens
     options: dict[str, Any] = {"plain": "plain DMAs on a side stream"}
-    for name, kw in VARIANTS.items():
+    names = ["default", *[v for v in (variants or VARIANTS) if v != "default"]]
+    for name in names:
+        kw = VARIANTS[name]
         options[name] = {k: (layers if k == "layers_per_step" and v == 0 else v) for k, v in kw.items()}
     build: dict[str, Callable[[], Traffic]] = {"plain": lambda: PlainTraffic(inst.device, kv)}
-    for name in VARIANTS:
+    for name in names:
         kw = {k: tuple(v) if k == "directions" else v for k, v in options[name].items()}
-        build[name] = functools.partial(EngineTraffic, inst, tokens, "page_first_direct", **kw)
+        layout = kw.pop("layout", LAYOUT)
+        build[name] = functools.partial(EngineTraffic, inst, tokens, layout, **kw)
     try:
         ms, gbps, _ = rotation(
             inst, toks, tries, build, lambda t: print(f"try {t + 1} of {tries} done", file=sys.stderr, flush=True)
@@ -94,7 +103,7 @@ def run(model: str, tokens: int, tries: int) -> dict[str, Any]:
         # slowdown per 10 GB/s moved: compares the kinds per byte (they reach different rates)
         rows[k]["slowdown_per_10GBps"] = round(10 * rows[k]["slowdown"] / max(rows[k]["copy_GBps"]["median"], 1e-9), 6)
     base = rows["default"]["slowdown_spread"]
-    for k in VARIANTS:
+    for k in names:
         if k != "default":
             lo, hi = rows[k]["slowdown_spread"]
             rows[k]["vs_default"] = "lower" if hi < base[0] else "higher" if lo > base[1] else "inconclusive"
@@ -115,13 +124,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--tokens", type=int, default=46087, help="prompt length (the llama-8b long run's)")
     ap.add_argument("--tries", type=int, default=3)
+    ap.add_argument("--variants", default=None, help=f"comma-separated subset of: {', '.join(VARIANTS)}")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.tokens < 1 or a.tries < 1:
         ap.error("--tokens and --tries must be >= 1")
+    variants = None
+    if a.variants is not None:
+        variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+        bad = [v for v in variants if v not in VARIANTS]
+        if bad or not variants:
+            ap.error(f"unknown variant(s) {', '.join(bad) or '(none given)'}: choose from {', '.join(VARIANTS)}")
     try:
-        res = run(a.model, a.tokens, a.tries)
+        res = run(a.model, a.tokens, a.tries, variants)
     except ConfigError as e:
         ap.error(str(e))
     if a.out:

@@ -26,10 +26,20 @@ def test_interference_bench_json_contract(tmp_path: Path) -> None:
     assert rep["rows"]["one_step"]["options"] == {"layers_per_step": 2}  # llama-tiny: all of its 2 layers
     assert rep["rows"]["load_prio0"]["options"] == {"load_priority": 0}
     assert rep["rows"]["loads_only"]["options"] == {"directions": ["load"]}
+    assert rep["rows"]["layer_first_loads"]["options"] == {"directions": ["load"], "layout": "layer_first"}
     for k, row in rep["rows"].items():
         assert row["slowdown_per_10GBps"] == pytest.approx(
             10 * row["slowdown"] / row["copy_GBps"]["median"], abs=1e-5
         ), k
+
+
+def test_a_subset_of_variants_is_compared_with_the_default(tmp_path: Path) -> None:
+    out = tmp_path / "i.json"
+    argv = ["--model", "llama-tiny", "--tokens", "100", "--tries", "1", "--variants", "loads_only, sms4", "--out"]
+    assert interference.main([*argv, str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["plain", "default", "loads_only", "sms4"]
+    assert rows["sms4"]["vs_default"] in ("lower", "higher", "inconclusive")
 
 
 @pytest.mark.parametrize(
@@ -38,6 +48,8 @@ def test_interference_bench_json_contract(tmp_path: Path) -> None:
         (["--tokens", "0"], "--tokens and --tries must be >= 1"),
         (["--tries", "0"], "--tokens and --tries must be >= 1"),
         (["--model", "gpt-9"], "unknown model 'gpt-9'"),
+        (["--variants", "sms4,turbo"], "unknown variant(s) turbo: choose from default, sms4"),
+        (["--variants", ","], "unknown variant(s) (none given)"),
     ],
 )
 def test_bad_arguments_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
