@@ -20,6 +20,9 @@ per-layer loads + backups at full duty, once per variant:
                   host run per K/V there (merged into large DMAs), where page_first_direct has one
                   run per page (128 KB for llama-8b): whether many small H2D DMAs are the cost
 `--variants a,b` runs a subset (the default is always run: the others are compared with it).
+`--paced-GBps R` adds `paced`: the default path in ~50 ms steps paced to R GB/s (the demo's
+`interference.engine_paced`; the llama-8b long trace moved 1.82 GB/s between L2 and L1 during
+prefill, bench/results/2026-12-03-h200-demo-llama-8b-long-run3).
 Every try runs every kind once, in a rotated order; each slowdown is paired with the try's own
 "alone" pass (median and min..max over tries). A variant is only "better" than the default when
 its slowdown spread lies below the default's.
@@ -52,7 +55,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 LAYOUT = "page_first_direct"  # the demo's L2 layout
 
 
-def run(model: str, tokens: int, tries: int, variants: list[str] | None = None) -> dict[str, Any]:
+def run(
+    model: str, tokens: int, tries: int, variants: list[str] | None = None, paced_GBps: float | None = None
+) -> dict[str, Any]:
     from l3pool.demo import deterministic_cuda
     from l3pool.demo.engine import PrefillInstance
     from l3pool.demo.hf import HFConfig, HFModel
@@ -61,6 +66,7 @@ def run(model: str, tokens: int, tries: int, variants: list[str] | None = None) 
         EngineTraffic,
         PlainTraffic,
         Traffic,
+        paced_traffic,
         paired_slowdown,
         rotation,
     )
@@ -86,6 +92,9 @@ def run(model: str, tokens: int, tries: int, variants: list[str] | None = None) 
         kw = {k: tuple(v) if k == "directions" else v for k, v in options[name].items()}
         layout = kw.pop("layout", LAYOUT)
         build[name] = functools.partial(EngineTraffic, inst, tokens, layout, **kw)
+    if paced_GBps is not None:
+        options["paced"] = {"paced_GBps": paced_GBps}
+        build["paced"] = functools.partial(paced_traffic, inst, paced_GBps, LAYOUT)
     try:
         ms, gbps, _ = rotation(
             inst, toks, tries, build, lambda t: print(f"try {t + 1} of {tries} done", file=sys.stderr, flush=True)
@@ -103,7 +112,7 @@ def run(model: str, tokens: int, tries: int, variants: list[str] | None = None) 
         # slowdown per 10 GB/s moved: compares the kinds per byte (they reach different rates)
         rows[k]["slowdown_per_10GBps"] = round(10 * rows[k]["slowdown"] / max(rows[k]["copy_GBps"]["median"], 1e-9), 6)
     base = rows["default"]["slowdown_spread"]
-    for k in names:
+    for k in [*names, *(["paced"] if paced_GBps is not None else [])]:
         if k != "default":
             lo, hi = rows[k]["slowdown_spread"]
             rows[k]["vs_default"] = "lower" if hi < base[0] else "higher" if lo > base[1] else "inconclusive"
@@ -125,11 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=46087, help="prompt length (the llama-8b long run's)")
     ap.add_argument("--tries", type=int, default=3)
     ap.add_argument("--variants", default=None, help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    ap.add_argument("--paced-GBps", type=float, default=None, help="add the default path paced to this rate")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.tokens < 1 or a.tries < 1:
         ap.error("--tokens and --tries must be >= 1")
+    if a.paced_GBps is not None and not a.paced_GBps > 0:
+        ap.error("--paced-GBps must be > 0")
     variants = None
     if a.variants is not None:
         variants = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -137,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         if bad or not variants:
             ap.error(f"unknown variant(s) {', '.join(bad) or '(none given)'}: choose from {', '.join(VARIANTS)}")
     try:
-        res = run(a.model, a.tokens, a.tries, variants)
+        res = run(a.model, a.tokens, a.tries, variants, a.paced_GBps)
     except ConfigError as e:
         ap.error(str(e))
     if a.out:

@@ -156,6 +156,15 @@ GBPS_DIGITS = 6
 PACED_STEP_S = 0.05  # a paced step moves about this long's worth of its rate (at least one page)
 
 
+def paced_traffic(inst: PrefillInstance, GBps: float, layout: str) -> EngineTraffic:
+    """The TransferEngine path (a load then a backup per step) paced to `GBps`, in steps of about
+    PACED_STEP_S of that rate."""
+    if not GBps > 0:
+        raise ValueError(f"paced_GBps must be > 0, got {GBps}")
+    step = max(inst.spec.page_size, int(GBps * 1e9 * PACED_STEP_S / 2 / inst.spec.token_bytes))
+    return EngineTraffic(inst, step, layout, rate=GBps * 1e9)
+
+
 def rotation(
     inst: PrefillInstance,
     toks: np.ndarray,
@@ -209,8 +218,7 @@ def measure(
         "engine": lambda: EngineTraffic(inst, int(toks.size), layout),
     }
     if paced_GBps is not None:
-        step = max(inst.spec.page_size, int(paced_GBps * 1e9 * PACED_STEP_S / 2 / inst.spec.token_bytes))
-        build["paced"] = lambda: EngineTraffic(inst, step, layout, rate=paced_GBps * 1e9)
+        build["paced"] = lambda: paced_traffic(inst, paced_GBps, layout)
     ms, gbps, traffic = rotation(inst, toks, tries, build)
     plain, engine = traffic["plain"], traffic["engine"]
     assert isinstance(plain, PlainTraffic) and isinstance(engine, EngineTraffic)

@@ -35,11 +35,13 @@ def test_interference_bench_json_contract(tmp_path: Path) -> None:
 
 def test_a_subset_of_variants_is_compared_with_the_default(tmp_path: Path) -> None:
     out = tmp_path / "i.json"
-    argv = ["--model", "llama-tiny", "--tokens", "100", "--tries", "1", "--variants", "loads_only, sms4", "--out"]
-    assert interference.main([*argv, str(out)]) == 0
+    argv = ["--model", "llama-tiny", "--tokens", "100", "--tries", "1", "--variants", "loads_only, sms4"]
+    assert interference.main([*argv, "--paced-GBps", "0.001", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert list(rows) == ["plain", "default", "loads_only", "sms4"]
+    assert list(rows) == ["plain", "default", "loads_only", "sms4", "paced"]
     assert rows["sms4"]["vs_default"] in ("lower", "higher", "inconclusive")
+    assert rows["paced"]["options"] == {"paced_GBps": 0.001} and "vs_default" in rows["paced"]
+    assert 0 < rows["paced"]["copy_GBps"]["median"] < rows["default"]["copy_GBps"]["median"]
 
 
 @pytest.mark.parametrize(
@@ -50,6 +52,8 @@ def test_a_subset_of_variants_is_compared_with_the_default(tmp_path: Path) -> No
         (["--model", "gpt-9"], "unknown model 'gpt-9'"),
         (["--variants", "sms4,turbo"], "unknown variant(s) turbo: choose from default, sms4"),
         (["--variants", ","], "unknown variant(s) (none given)"),
+        (["--paced-GBps", "0"], "--paced-GBps must be > 0"),
+        (["--paced-GBps", "fast"], "invalid float value"),
     ],
 )
 def test_bad_arguments_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
