@@ -27,7 +27,8 @@
 # interference  bench.interference: the forward pass (llama-8b, 46K tokens) alone, with plain DMAs,
 #            and with the cache's TransferEngine path in 7 variants (SM budget, steps per load,
 #            load stream priority, one direction only, L2 layout of the loads); IARGS="--tries 3
-#            --variants loads_only,layer_first_loads" narrows it                            23     5
+#            --variants loads_only,layer_first_loads --paced-GBps 1.83" narrows it and adds the
+#            default path paced to the llama-8b long trace's L2<->L1 rate                   23     5
 # split      bench.split_read + the NCCL byte check (needs 2 GPUs: nvidia-h200-x2)   22     3
 #
 # Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle (carried with the call). The
