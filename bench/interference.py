@@ -19,6 +19,9 @@ per-layer loads + backups at full duty, once per variant:
   layer_first_loads  only the loads, from a layer_first L2: a layer of consecutive pages is one
                   host run per K/V there (merged into large DMAs), where page_first_direct has one
                   run per page (128 KB for llama-8b): whether many small H2D DMAs are the cost
+  naive_loads     only the loads, method "naive": one cudaMemcpyAsync per (page, layer, K/V)
+                  straight into the L1 slots, no staging buffer and no scatter kernel (CPU-bound by
+                  its driver calls, so a slower rate): whether the staged path's kernel is the cost
 `--variants a,b` runs a subset (the default is always run: the others are compared with it).
 `--paced-GBps R` adds `paced`: the default path in ~50 ms steps paced to R GB/s (the demo's
 `interference.engine_paced`; the llama-8b long trace moved 1.82 GB/s between L2 and L1 during
@@ -51,6 +54,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "loads_only": {"directions": ["load"]},
     "backups_only": {"directions": ["backup"]},
     "layer_first_loads": {"directions": ["load"], "layout": "layer_first"},
+    "naive_loads": {"directions": ["load"], "method": "naive"},
 }
 LAYOUT = "page_first_direct"  # the demo's L2 layout
 

@@ -27,6 +27,7 @@ def test_interference_bench_json_contract(tmp_path: Path) -> None:
     assert rep["rows"]["load_prio0"]["options"] == {"load_priority": 0}
     assert rep["rows"]["loads_only"]["options"] == {"directions": ["load"]}
     assert rep["rows"]["layer_first_loads"]["options"] == {"directions": ["load"], "layout": "layer_first"}
+    assert rep["rows"]["naive_loads"]["options"] == {"directions": ["load"], "method": "naive"}
     for k, row in rep["rows"].items():
         assert row["slowdown_per_10GBps"] == pytest.approx(
             10 * row["slowdown"] / row["copy_GBps"]["median"], abs=1e-5
