@@ -24,7 +24,7 @@ per-layer loads + backups at full duty, once per variant:
                   its driver calls, so a slower rate): whether the staged path's kernel is the cost
 `--variants a,b` runs a subset (the default is always run: the others are compared with it).
 `--paced-GBps R` adds `paced`: the default path in ~50 ms steps paced to R GB/s (the demo's
-`interference.engine_paced`; the llama-8b long trace moved 1.82 GB/s between L2 and L1 during
+`interference.engine_paced`; the llama-8b long trace moved 1.83 GB/s between L2 and L1 during
 prefill, bench/results/2026-12-03-h200-demo-llama-8b-long-run3).
 Every try runs every kind once, in a rotated order; each slowdown is paired with the try's own
 "alone" pass (median and min..max over tries). A variant is only "better" than the default when
