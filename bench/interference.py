@@ -51,10 +51,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sms4": {"max_sms": 4},
     "one_step": {"layers_per_step": 0},  # 0: all layers (filled in below)
     "load_prio0": {"load_priority": 0},
-    "loads_only": {"directions": ["load"]},
-    "backups_only": {"directions": ["backup"]},
-    "layer_first_loads": {"directions": ["load"], "layout": "layer_first"},
-    "naive_loads": {"directions": ["load"], "method": "naive"},
+    "loads_only": {"directions": ("load",)},
+    "backups_only": {"directions": ("backup",)},
+    "layer_first_loads": {"directions": ("load",), "layout": "layer_first"},
+    "naive_loads": {"directions": ("load",), "method": "naive"},
 }
 LAYOUT = "page_first_direct"  # the demo's L2 layout
 
@@ -93,7 +93,7 @@ def run(
         options[name] = {k: (layers if k == "layers_per_step" and v == 0 else v) for k, v in kw.items()}
     build: dict[str, Callable[[], Traffic]] = {"plain": lambda: PlainTraffic(inst.device, kv)}
     for name in names:
-        kw = {k: tuple(v) if k == "directions" else v for k, v in options[name].items()}
+        kw = dict(options[name])
         layout = kw.pop("layout", LAYOUT)
         build[name] = functools.partial(EngineTraffic, inst, tokens, layout, **kw)
     if paced_GBps is not None:
@@ -116,8 +116,8 @@ def run(
         # slowdown per 10 GB/s moved: compares the kinds per byte (they reach different rates)
         rows[k]["slowdown_per_10GBps"] = round(10 * rows[k]["slowdown"] / max(rows[k]["copy_GBps"]["median"], 1e-9), 6)
     base = rows["default"]["slowdown_spread"]
-    for k in [*names, *(["paced"] if paced_GBps is not None else [])]:
-        if k != "default":
+    for k in rows:
+        if k not in ("plain", "default"):
             lo, hi = rows[k]["slowdown_spread"]
             rows[k]["vs_default"] = "lower" if hi < base[0] else "higher" if lo > base[1] else "inconclusive"
     return {

@@ -123,12 +123,9 @@ class EngineTraffic(Traffic):
 
     def _step(self) -> int:
         for d in self.directions:
+            submit = self.eng.submit_load if d == "load" else self.eng.submit_backup
             with self._side():
-                jid = (
-                    self.eng.submit_load(self.slots, self.pages)
-                    if d == "load"
-                    else self.eng.submit_backup(self.slots, self.pages)
-                )
+                jid = submit(self.slots, self.pages)
             (res,) = self.eng.wait([jid])
             if not res.ok:
                 raise RuntimeError(f"interference traffic failed: {res.error}")
