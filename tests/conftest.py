@@ -109,3 +109,14 @@ def _restore_environ() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_state() -> Iterator[None]:
+    """torch's process-wide settings (deterministic mode, SDPA backends, default dtype, threads) as
+    they were before the test: one fixture for the whole suite (tests/support/torch_state.py)."""
+    from tests.support import torch_state
+
+    saved = torch_state.snapshot()
+    yield
+    torch_state.restore(saved)

@@ -26,14 +26,17 @@ logits without, bit for bit, also with cuBLAS/SDPA on a GPU.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from l2core.spec import ConfigError, KVSpec
 from l3pool.demo.model import l1_buffers
@@ -48,6 +51,54 @@ from l3pool.demo.model import l1_buffers
 # variation stops was not measured; the third long run (bench/results/2026-12-03-h200-demo-llama-8b-
 # long-run3/) compared 128 logits with this rule, all identical.
 PARTIAL_CHUNK_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+# The engine's attention (registered with transformers as PREFIX_ATTENTION). A chunk after cached
+# tokens attends to everything before it plus itself causally: the causal mask aligned to the
+# bottom-right corner of the [chunk, context] score matrix. transformers' "sdpa" builds that as an
+# explicit mask tensor, which keeps SDPA off its fast kernels (H200, llama-8b, 32K tokens: HF's own
+# chunked prefill 2.07 s against 1.40 s for one forward, bench/results/2026-12-04-h200-prefill/
+# has the table). torch's `causal_lower_right` bias states the same mask without a tensor, and SDPA
+# runs it on flash attention (MHA/GQA: equal head dims) or the memory-efficient kernel (MLA: value
+# dim 128 against 192). A 1-token chunk needs no mask at all.
+PREFIX_ATTENTION = "l3pool_prefix_causal"
+
+
+def prefix_causal_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention of `query` ([1, heads, m, d], the last m of n positions) over `key`/`value`
+    ([1, kv_heads, n, d]): query i sees keys 0 .. n - m + i. transformers' attention-function
+    signature; the output is [1, m, heads, d_v]. The engine never pads, so no mask comes in."""
+    if attention_mask is not None:
+        raise ValueError("the prefix attention takes no attention mask (one unpadded sequence per call)")
+    m, n = query.shape[2], key.shape[2]
+    if m > n:
+        raise ValueError(f"{m} query tokens over {n} keys: the keys must include the queries")
+    extra: dict[str, Any] = {}
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    if groups > 1:
+        if query.device.type == "cuda" and key.shape[-1] == value.shape[-1] <= 256:
+            extra["enable_gqa"] = True  # flash attention reads the shared K/V heads itself
+        else:
+            key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
+    if m == 1:
+        mask, causal = None, False  # the last position sees every key
+    elif m == n:
+        mask, causal = None, True
+    else:
+        mask, causal = causal_lower_right(m, n), False
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling, **extra
+    )
+    return out.transpose(1, 2).contiguous(), None
+
 
 # name -> (family, transformers config arguments). Sizes: Llama-3-8B; DeepSeek-V3 attention with a
 # dense MLP (its published hidden/intermediate sizes), fewer layers by default (see README).
@@ -235,7 +286,8 @@ class HFModel:
         tf = _transformers()
         self.cfg, self.device = cfg, torch.device(device)
         hc = hf_config(cfg)
-        hc._attn_implementation = "sdpa"
+        tf.AttentionInterface.register(PREFIX_ATTENTION, prefix_causal_attention)
+        hc._attn_implementation = PREFIX_ATTENTION
         torch.manual_seed(cfg.seed)
         cls = tf.LlamaForCausalLM if cfg.family == "llama" else tf.DeepseekV3ForCausalLM
         with torch.device(self.device):
@@ -313,17 +365,38 @@ class HFModel:
             v.bufs, v.before_layer, v.keep = [], None, None
         return self.hf.lm_head(hidden)[0].float()
 
+    def with_chunk(self, chunk: int) -> HFModel:
+        """This model (the same weights and L1 adapter) prefilling in chunks of `chunk` tokens; one
+        call at a time across both, as with one model."""
+        m = copy.copy(self)
+        m.cfg = replace(self.cfg, chunk=chunk)  # validated: a multiple of the page size
+        m.align = chunk
+        return m
+
+    @contextlib.contextmanager
+    def hf_attention(self) -> Iterator[None]:
+        """transformers' own "sdpa" attention (its masks) instead of the engine's, for the block."""
+        cfg = self.hf.config
+        prev, cfg._attn_implementation = cfg._attn_implementation, "sdpa"
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = prev
+
     @torch.no_grad()
-    def reference_prefill(self, tokens: np.ndarray, chunked: bool = True) -> torch.Tensor:
-        """HF transformers' own prefill (its DynamicCache; in the same chunks, or one forward):
-        what the no-cache engine is compared against."""
+    def reference_prefill(self, tokens: np.ndarray, chunked: bool = True, chunk: int | None = None) -> torch.Tensor:
+        """HF transformers' own prefill, its own attention ("sdpa") and DynamicCache, in chunks of
+        `chunk` tokens (default the engine's) or as one forward: what the no-cache engine is
+        compared against."""
         tf = _transformers()
         tok = torch.as_tensor(tokens, dtype=torch.int64).to(self.device)[None]
-        if not chunked:
-            return self.hf(input_ids=tok, logits_to_keep=1).logits[0, -1].float()
-        cache = tf.DynamicCache(config=self.hf.config)
-        hidden = torch.empty(0)
-        for c0 in range(0, tok.shape[1], self.cfg.chunk):
-            out = self.hf.model(input_ids=tok[:, c0 : c0 + self.cfg.chunk], past_key_values=cache, use_cache=True)
-            hidden = out.last_hidden_state[0, -1:]
-        return self.hf.lm_head(hidden)[0].float()
+        C = chunk or self.cfg.chunk
+        with self.hf_attention():
+            if not chunked:
+                return self.hf(input_ids=tok, logits_to_keep=1).logits[0, -1].float()
+            cache = tf.DynamicCache(config=self.hf.config)
+            hidden = torch.empty(0)
+            for c0 in range(0, tok.shape[1], C):
+                out = self.hf.model(input_ids=tok[:, c0 : c0 + C], past_key_values=cache, use_cache=True)
+                hidden = out.last_hidden_state[0, -1:]
+            return self.hf.lm_head(hidden)[0].float()

@@ -209,3 +209,82 @@ def test_demo_options_refuse_an_unknown_placement() -> None:
 
     with pytest.raises(ConfigError, match="unknown placement 'sticky'"):
         DemoOptions(model=HFConfig("llama-tiny"), workload=WorkloadConfig(), placement="sticky")
+
+
+# -- the engine's prefix attention (hf.prefix_causal_attention) ---------------------------------------
+def _masked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last m of n positions, written out in float64 (no SDPA)."""
+    m, n = q.shape[2], k.shape[2]
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1).double(), v.repeat_interleave(g, 1).double()
+    s = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    allowed = torch.ones(m, n, dtype=torch.bool).tril(n - m)
+    return (s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "heads", "kv_heads", "dv"),
+    [(16, 48, 4, 2, 8), (16, 16, 4, 2, 8), (1, 40, 4, 1, 8), (7, 30, 4, 4, 6), (30, 30, 2, 2, 6)],
+)
+def test_prefix_attention_is_bottom_right_causal(m: int, n: int, heads: int, kv_heads: int, dv: int) -> None:
+    import types
+
+    from l3pool.demo.hf import prefix_causal_attention
+
+    g = torch.Generator().manual_seed(m * 100 + n)
+    q = torch.randn(1, heads, m, 8, generator=g)
+    k = torch.randn(1, kv_heads, n, 8, generator=g)
+    v = torch.randn(1, kv_heads, n, dv, generator=g)
+    mod = types.SimpleNamespace(num_key_value_groups=heads // kv_heads)
+    out, w = prefix_causal_attention(mod, q, k, v, None)  # type: ignore[arg-type]
+    assert w is None and out.shape == (1, m, heads, dv)
+    assert torch.allclose(out.double(), _masked_reference(q, k, v), atol=1e-5)
+
+
+def test_prefix_attention_refuses_a_mask_and_more_queries_than_keys() -> None:
+    import types
+
+    from l3pool.demo.hf import prefix_causal_attention
+
+    mod = types.SimpleNamespace(num_key_value_groups=1)
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match="no attention mask"):
+        prefix_causal_attention(mod, q, k, k, torch.ones(1, 1, 4, 6, dtype=torch.bool))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="7 query tokens over 6 keys"):
+        prefix_causal_attention(mod, torch.randn(1, 2, 7, 8), k, k, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "mla-tiny"])
+def test_the_engine_runs_its_prefix_attention_and_the_reference_runs_hfs(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's chunks go through hf.prefix_causal_attention (no mask tensor), HF's reference
+    through transformers' own "sdpa"; both give the same logits."""
+    from transformers import AttentionInterface
+
+    import l3pool.demo.hf as hf
+
+    m = HFModel(HFConfig(name, page_size=16, chunk=64))
+    calls: list[tuple[int, int]] = []
+    real = hf.prefix_causal_attention
+
+    def spy(mod: object, q: torch.Tensor, k: torch.Tensor, *a: object, **kw: object) -> object:
+        calls.append((q.shape[2], k.shape[2]))
+        return real(mod, q, k, *a, **kw)  # type: ignore[arg-type]
+
+    AttentionInterface.register(hf.PREFIX_ATTENTION, spy)
+    try:
+        toks = np.random.default_rng(5).integers(0, m.cfg.vocab, 150)
+        got = m.prefill(toks, 0, torch.arange(150), m.new_l1(256))
+        L = m.cfg.num_layers
+        assert calls == [(64, 64)] * L + [(64, 128)] * L + [(22, 150)] * L  # chunks after cached tokens
+        ref = m.reference_prefill(toks)
+        assert len(calls) == 3 * L  # HF's own attention: not ours
+        assert m.hf.config._attn_implementation == hf.PREFIX_ATTENTION  # switched back after the reference
+    finally:
+        AttentionInterface.register(hf.PREFIX_ATTENTION, real)
+    assert torch.allclose(got, ref, atol=1e-4)
+    other = m.with_chunk(128)
+    assert other.cfg.chunk == 128 and other.align == 128 and other.hf is m.hf and m.cfg.chunk == 64
+    with pytest.raises(ConfigError, match="multiple of page_size"):
+        m.with_chunk(100)
