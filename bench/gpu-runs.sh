@@ -29,9 +29,12 @@
 #            load stream priority, one direction only, L2 layout of the loads); IARGS="--tries 3
 #            --variants loads_only,layer_first_loads --paced-GBps 1.83" narrows it and adds the
 #            default path paced to the llama-8b long trace's L2<->L1 rate                   23     5
+# prefill    bench.prefill: HF's one forward, HF's chunked prefill and the engine (its prefix attention,
+#            and HF's "sdpa" in its place) at 32K tokens, chunks 2,048 and 8,192, both kernel modes:
+#            llama-8b, then deepseek-mla at 12 layers (no native build needed)                 34     7
 # split      bench.split_read + the NCCL byte check (needs 2 GPUs: nvidia-h200-x2)   22     3
 #
-# Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle (carried with the call). The
+# Expects the GPU bundle (`bash scripts/gpu-bundle.sh gpu-bundle`) in ./gpu-bundle (carried with the call). The
 # global index's transport, pyzmq, is not in the GPU host's image: index and routing need its wheel
 # in ./.whl (carried too), fetched on a machine with pip:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -45,13 +48,13 @@
 # each step's exit code is printed and collected in OUTDIR/exit-codes.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|llama-long|mla-long|interference|split OUTDIR [DATE]}
+group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|llama-long|mla-long|interference|prefill|split OUTDIR [DATE]}
 out=${2:?usage: bench/gpu-runs.sh GROUP OUTDIR [DATE]}
 day=${3:-$(date +%F)}
 case $group in
-  suite | l3 | index | swa | routing | routing-llama | routing-llama-busy | llama | mla | llama-long | mla-long | interference | split) ;;
+  suite | l3 | index | swa | routing | routing-llama | routing-llama-busy | llama | mla | llama-long | mla-long | interference | prefill | split) ;;
   *)
-    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|llama-long|mla-long|interference|split" >&2
+    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|llama-long|mla-long|interference|prefill|split" >&2
     exit 2 ;;
 esac
 mkdir -p "$out"
@@ -80,7 +83,7 @@ step() {  # step NAME SECONDS CMD...: one bounded step, its output in OUTDIR/NAM
 }
 
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$out/gpu.txt" 2>&1
-step native-build 240 python3 -c "from l2core import _native; _native.load(); print('native extension loaded')"
+[ "$group" = prefill ] || step native-build 240 python3 -c "from l2core import _native; _native.load(); print('native extension loaded')"
 
 case $group in
   suite)  # without sglang (not in the host's image): its tests skip, as the adapter tests do
@@ -123,6 +126,11 @@ case $group in
   interference)
     # shellcheck disable=SC2086  # IARGS: extra bench.interference arguments, word-split on purpose
     step interference 540 python3 -m bench.interference --tries 5 ${IARGS:-} --json --out "$out/$day-h200-interference.json" ;;
+  prefill)
+    step prefill-llama 330 python3 -m bench.prefill --model llama-8b --tokens 32768 --chunks 2048,8192 --tries 3 \
+      --json --out "$out/$day-h200-prefill-llama-8b.json"
+    step prefill-mla $((590 - SECONDS)) python3 -m bench.prefill --model deepseek-mla --layers 12 --tokens 32768 \
+      --chunks 2048,8192 --tries 3 --json --out "$out/$day-h200-prefill-deepseek-mla-12l.json" ;;
   split)
     step split 300 python3 -m bench.split_read --json --out "$out/$day-h200x2-split-read.json"
     step split-test 200 python3 -m pytest -q -p no:cacheprovider tests/l2core/test_split_read.py -k two_gpus ;;

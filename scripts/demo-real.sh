@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo at real model scale on an H200 host without a package registry (issue 23), one shape per
 # call: `bash scripts/demo-real.sh llama-8b OUTDIR` or `bash scripts/demo-real.sh deepseek-mla OUTDIR`.
-# Expects the GPU bundle (shared/tools/gpu-bundle.sh) in ./gpu-bundle; transformers, torch, tqdm come
+# Expects the GPU bundle (`bash scripts/gpu-bundle.sh gpu-bundle`) in ./gpu-bundle; transformers, torch, tqdm come
 # from the host's image. Measured on one H200 (2026-12-02): 323 s for llama-8b, 277 s for
 # deepseek-mla (12 layers), + ~60 s for the first native build.
 set -euo pipefail
