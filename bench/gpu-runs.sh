@@ -31,7 +31,7 @@
 #            default path paced to the llama-8b long trace's L2<->L1 rate                   23     5
 # prefill    bench.prefill: HF's one forward, HF's chunked prefill and the engine (its prefix attention,
 #            and HF's "sdpa" in its place) at 32K tokens, chunks 2,048 and 8,192, both kernel modes:
-#            llama-8b, then deepseek-mla at 12 layers (no native build needed)                 34     7
+#            llama-8b, then deepseek-mla at 12 layers (no native build needed); PARGS narrows it   34     9
 # split      bench.split_read + the NCCL byte check (needs 2 GPUs: nvidia-h200-x2)   22     3
 #
 # Expects the GPU bundle (`bash scripts/gpu-bundle.sh gpu-bundle`) in ./gpu-bundle (carried with the call). The
@@ -127,10 +127,12 @@ case $group in
     # shellcheck disable=SC2086  # IARGS: extra bench.interference arguments, word-split on purpose
     step interference 540 python3 -m bench.interference --tries 5 ${IARGS:-} --json --out "$out/$day-h200-interference.json" ;;
   prefill)
+    # shellcheck disable=SC2086  # PARGS: extra bench.prefill arguments (e.g. "--methods split --no-hf-chunked")
     step prefill-llama 330 python3 -m bench.prefill --model llama-8b --tokens 32768 --chunks 2048,8192 --tries 3 \
-      --json --out "$out/$day-h200-prefill-llama-8b.json"
+      ${PARGS:-} --json --out "$out/$day-h200-prefill-llama-8b.json"
+    # shellcheck disable=SC2086
     step prefill-mla $((590 - SECONDS)) python3 -m bench.prefill --model deepseek-mla --layers 12 --tokens 32768 \
-      --chunks 2048,8192 --tries 3 --json --out "$out/$day-h200-prefill-deepseek-mla-12l.json" ;;
+      --chunks 2048,8192 --tries 3 ${PARGS:-} --json --out "$out/$day-h200-prefill-deepseek-mla-12l.json" ;;
   split)
     step split 300 python3 -m bench.split_read --json --out "$out/$day-h200x2-split-read.json"
     step split-test 200 python3 -m pytest -q -p no:cacheprovider tests/l2core/test_split_read.py -k two_gpus ;;

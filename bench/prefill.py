@@ -1,27 +1,30 @@
 """The no-cache baseline against the fastest prefill of the same model: HF transformers' one
 forward, its own chunked prefill, and the demo's engine (`l3pool.demo.hf.HFModel.prefill` into
-L1 buffers, no cache), in one process per kernel mode.
+L1 buffers, no cache) with each way it can attend a chunk after cached tokens, one process per
+kernel mode.
 
     PYTHONPATH=. python -m bench.prefill [--model llama-8b] [--layers 0] [--tokens 32768]
-        [--chunks 2048,8192] [--tries 3] [--modes default,deterministic] [--json] [--out FILE]
+        [--chunks 2048,8192] [--methods split,lower_right,hf_sdpa] [--no-hf-chunked] [--tries 3]
+        [--modes default,deterministic] [--json] [--out FILE]
 
 Rows, per kernel mode (`default`: torch as it comes; `deterministic`: the demo's own setting,
 `l3pool.demo.deterministic_cuda`, i.e. torch.use_deterministic_algorithms + CUBLAS_WORKSPACE_CONFIG):
-  hf_one_forward        HF's model over the whole prompt at once (is_causal SDPA: the fast kernels)
-  hf_chunked_C          HF's DynamicCache in chunks of C tokens, HF's "sdpa" attention (a chunk
-                        after cached tokens carries an explicit mask tensor)
-  engine_C              the engine, chunks of C: its prefix attention (hf.PREFIX_ATTENTION: the
-                        bottom-right causal bias, no mask tensor)
-  engine_hf_attention_C the engine with HF's "sdpa" attention instead (the engine before
-                        hf.PREFIX_ATTENTION existed: what the 2026-12-03 tables were measured on)
+  hf_one_forward       HF's model over the whole prompt at once (is_causal SDPA: the fast kernels)
+  hf_chunked_C         HF's DynamicCache in chunks of C tokens, HF's "sdpa" attention (a chunk after
+                       cached tokens carries an explicit mask tensor)
+  engine_METHOD_C      the engine in chunks of C, attending by hf.PREFIX_METHODS[METHOD]: `split`
+                       (the default: prefix without a mask + own chunk causal, merged by log-sum-exp),
+                       `lower_right` (torch's causal_lower_right bias), `hf_sdpa` (transformers' own
+                       sdpa: the engine before these methods, what the 2026-12-03 tables ran on)
 Each mode runs in its own subprocess (cuBLAS reads its workspace setting once per process). Every
 configuration runs once untimed (warm-up), then `--tries` times in an order rotated per try; a
 row is the median with min..max, and `vs_one_forward` the median and range of the per-try ratios
-to hf_one_forward of the same try (target: engine_C <= 1.1x). Checks per mode:
-`engine_repeatable` (every engine pass's logits bit-identical to the first of its chunk size),
-`cached_prefix_identical` (the engine resuming after a chunk-aligned prefix already in its L1
-buffers gives the no-cache logits bit for bit, the cache's exactness rule), and
-`max_abs_diff_vs_hf_chunked` (the engine computes the function HF computes, up to bf16 rounding).
+to hf_one_forward of the same try (target: the engine <= 1.1x in every try). Checks per engine row:
+`engine_repeatable` (every pass's logits bit-identical to its first), `cached_prefix_identical`
+(resuming after a chunk-aligned prefix the same variant computed into the L1 buffers gives the
+no-cache logits bit for bit: the cache's exactness rule), `max_abs_diff_vs_hf_one_forward` (the
+same function as HF's, up to bf16 rounding; random weights amplify rounding over the layers). On
+CUDA, `attention_probe` times one chunk's attention alone per method against an explicit mask.
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
+
+from l3pool.demo.hf import PREFIX_METHODS
 
 MODES = ("default", "deterministic")
 TARGET = 1.1  # engine_C / hf_one_forward, same kernel mode
@@ -47,7 +53,9 @@ def _sync(dev: Any) -> None:
         torch.cuda.synchronize(dev)
 
 
-def measure(model: str, layers: int, tokens: int, chunks: list[int], tries: int, mode: str) -> dict[str, Any]:
+def measure(
+    model: str, layers: int, tokens: int, chunks: list[int], tries: int, mode: str, methods: list[str], hf_chunked: bool
+) -> dict[str, Any]:
     """One kernel mode in this process (see the module docstring)."""
     import numpy as np
     import torch
@@ -61,28 +69,17 @@ def measure(model: str, layers: int, tokens: int, chunks: list[int], tries: int,
         deterministic_cuda()
     torch.set_flush_denormal(True)
     base = HFModel(HFConfig(model, layers=layers, chunk=chunks[0]), dev)
-    models = {C: base.with_chunk(C) for C in chunks}  # one set of weights
     toks = np.random.default_rng(0).integers(0, base.cfg.vocab, tokens)
     bufs = base.new_l1(tokens)
     slots = torch.arange(tokens)
     logits: dict[str, list[Any]] = {}
-
-    def engine(C: int, hf_attn: bool) -> Callable[[], Any]:
-        m = models[C]
-
-        def run() -> Any:
-            if hf_attn:
-                with m.hf_attention():
-                    return m.prefill(toks, 0, slots, bufs)
-            return m.prefill(toks, 0, slots, bufs)
-
-        return run
-
+    engines = {(meth, C): base.variant(chunk=C, prefix_attention=meth) for C in chunks for meth in methods}
     configs: dict[str, Callable[[], Any]] = {"hf_one_forward": lambda: base.reference_prefill(toks, chunked=False)}
     for C in chunks:
-        configs[f"hf_chunked_{C}"] = lambda C=C: base.reference_prefill(toks, chunk=C)
-        configs[f"engine_{C}"] = engine(C, False)
-        configs[f"engine_hf_attention_{C}"] = engine(C, True)
+        if hf_chunked:
+            configs[f"hf_chunked_{C}"] = lambda C=C: base.reference_prefill(toks, chunk=C)
+        for meth in methods:
+            configs[f"engine_{meth}_{C}"] = lambda e=engines[meth, C]: e.prefill(toks, 0, slots, bufs)
     ms: dict[str, list[float]] = {k: [] for k in configs}
     names = list(configs)
     for t in range(tries + 1):  # try 0: the warm-up
@@ -103,21 +100,22 @@ def measure(model: str, layers: int, tokens: int, chunks: list[int], tries: int,
         rows[k] = {"ms": med_spread(xs, 1), "vs_one_forward": round(statistics.median(r), 3),
                    "vs_one_forward_range": [round(min(r), 3), round(max(r), 3)]}  # fmt: skip
     checks: dict[str, Any] = {}
-    for C in chunks:
-        k = f"engine_{C}"
+    for (meth, C), eng in engines.items():
+        k = f"engine_{meth}_{C}"
         first = logits[k][0]
-        hf = logits[f"hf_chunked_{C}"][0]
+        one = logits["hf_one_forward"][0]
         start = (tokens // 2) // C * C
         cached: bool | None = None
-        if start > 0:  # the first chunks' KV are in bufs (the last pass wrote them): resume after them
-            got = models[C].prefill(toks, start, slots, bufs).detach().cpu()
+        if start > 0:  # the first chunks' KV: recompute them with this variant, then resume after them
+            eng.prefill(toks, 0, slots, bufs)
+            got = eng.prefill(toks, start, slots, bufs).detach().cpu()
             cached = bool(torch.equal(got, first))
         checks[k] = {
             "engine_repeatable": all(torch.equal(x, first) for x in logits[k]),
             "cached_prefix_identical": cached,
             "cached_prefix_tokens": start,
-            "max_abs_diff_vs_hf_chunked": round(float((first - hf).abs().max()), 4),
-            "logit_scale": round(float(hf.abs().max()), 4),
+            "max_abs_diff_vs_hf_one_forward": round(float((first - one).abs().max()), 4),
+            "logit_scale": round(float(one.abs().max()), 4),
             "meets_target": rows[k]["vs_one_forward_range"][1] <= TARGET,
         }
     return {
@@ -140,6 +138,7 @@ def attention_probe(m: Any, tokens: int, chunk: int, tries: int) -> dict[str, An
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
+    from l3pool.demo.hf import prefix_causal_attention
     from l3pool.demo.timing import med_spread
 
     a = m.hf.config
@@ -156,9 +155,11 @@ def attention_probe(m: Any, tokens: int, chunk: int, tries: int) -> dict[str, An
     kr, vr = (x.repeat_interleave(g, dim=1) for x in (k, v))
     bias = causal_lower_right(chunk, tokens)
     mask = torch.ones(chunk, tokens, dtype=torch.bool, device=dev).tril(tokens - chunk)
+    mod = types.SimpleNamespace(num_key_value_groups=g)
     ways: dict[str, Callable[[], Any]] = {
         "lower_right_repeated": lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=bias),
         "explicit_mask": lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask),
+        "split": lambda: prefix_causal_attention(mod, q, k, v, None, method="split")[0].transpose(1, 2),  # type: ignore[arg-type]
     }
     if g > 1 and dqk == dv:
         ways["lower_right_gqa"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
@@ -181,7 +182,16 @@ def attention_probe(m: Any, tokens: int, chunk: int, tries: int) -> dict[str, An
     return out
 
 
-def run(model: str, layers: int, tokens: int, chunks: list[int], tries: int, modes: list[str]) -> dict[str, Any]:
+def run(
+    model: str,
+    layers: int,
+    tokens: int,
+    chunks: list[int],
+    tries: int,
+    modes: list[str],
+    methods: list[str],
+    hf_chunked: bool = True,
+) -> dict[str, Any]:
     """Every mode in its own subprocess of this module; the merged report."""
     import torch
 
@@ -190,6 +200,7 @@ def run(model: str, layers: int, tokens: int, chunks: list[int], tries: int, mod
         "layers": layers or None,
         "tokens": tokens,
         "chunks": chunks,
+        "methods": methods,
         "tries": tries,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
@@ -208,7 +219,8 @@ def run(model: str, layers: int, tokens: int, chunks: list[int], tries: int, mod
         if mode == "default":  # torch's kernels as they come: no workspace setting of the demo's
             env.pop("CUBLAS_WORKSPACE_CONFIG", None)
         cmd = [sys.executable, "-m", "bench.prefill", "--_one-mode", mode, "--model", model, "--layers", str(layers),
-               "--tokens", str(tokens), "--chunks", ",".join(map(str, chunks)), "--tries", str(tries)]  # fmt: skip
+               "--tokens", str(tokens), "--chunks", ",".join(map(str, chunks)), "--tries", str(tries),
+               "--methods", ",".join(methods)] + ([] if hf_chunked else ["--no-hf-chunked"])  # fmt: skip
         p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
         if p.returncode != 0:
             res["modes"][mode] = {"error": f"exit code {p.returncode}"}
@@ -231,8 +243,8 @@ def table(res: dict[str, Any]) -> str:
                          f"x{r['vs_one_forward']:.3f} ({lo:.3f}-{hi:.3f})")  # fmt: skip
         for k, c in m["checks"].items():
             lines.append(f"  {mode:13s} {k}: repeatable {c['engine_repeatable']}, cached prefix of "
-                         f"{c['cached_prefix_tokens']} identical {c['cached_prefix_identical']}, max |diff| vs HF "
-                         f"{c['max_abs_diff_vs_hf_chunked']} (logits up to {c['logit_scale']}), "
+                         f"{c['cached_prefix_tokens']} identical {c['cached_prefix_identical']}, max |diff| "
+                         f"{c['max_abs_diff_vs_hf_one_forward']} (logits up to {c['logit_scale']}), "
                          f"target met {c['meets_target']}")  # fmt: skip
         for k, r in (m.get("attention_probe") or {}).items():
             if isinstance(r, dict):
@@ -257,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=0, help="0: the shape's own")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--chunks", default="2048,8192", help="chunk sizes (tokens), comma-separated")
+    ap.add_argument("--methods", default=",".join(PREFIX_METHODS), help="the engine's prefix attention methods")
+    ap.add_argument("--no-hf-chunked", action="store_true", help="leave out HF's chunked prefill rows")
     ap.add_argument("--tries", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of: {', '.join(MODES)}")
     ap.add_argument("--json", action="store_true")
@@ -269,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         ap.error(f"--modes: choose from {', '.join(MODES)}, got {a.modes!r}")
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    if not methods or any(m not in PREFIX_METHODS for m in methods):
+        ap.error(f"--methods: choose from {', '.join(PREFIX_METHODS)}, got {a.methods!r}")
     from l2core.spec import ConfigError
     from l3pool.demo.hf import HFConfig
 
@@ -276,9 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         for C in chunks:  # a bad shape or chunk fails here, before any subprocess
             HFConfig(a.model, layers=a.layers, chunk=C)
         if a.one_mode is not None:
-            print(json.dumps(measure(a.model, a.layers, a.tokens, chunks, a.tries, a.one_mode)))
+            rep = measure(a.model, a.layers, a.tokens, chunks, a.tries, a.one_mode, methods, not a.no_hf_chunked)
+            print(json.dumps(rep))
             return 0
-        res = run(a.model, a.layers, a.tokens, chunks, a.tries, modes)
+        res = run(a.model, a.layers, a.tokens, chunks, a.tries, modes, methods, not a.no_hf_chunked)
     except ConfigError as e:
         ap.error(str(e))
     if a.out:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -52,15 +53,63 @@ from l3pool.demo.model import l1_buffers
 # long-run3/) compared 128 logits with this rule, all identical.
 PARTIAL_CHUNK_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-# The engine's attention (registered with transformers as PREFIX_ATTENTION). A chunk after cached
-# tokens attends to everything before it plus itself causally: the causal mask aligned to the
-# bottom-right corner of the [chunk, context] score matrix. transformers' "sdpa" builds that as an
-# explicit mask tensor, which keeps SDPA off its fast kernels (H200, llama-8b, 32K tokens: HF's own
-# chunked prefill 2.07 s against 1.40 s for one forward, bench/results/2026-12-04-h200-prefill/
-# has the table). torch's `causal_lower_right` bias states the same mask without a tensor, and SDPA
-# runs it on flash attention (MHA/GQA: equal head dims) or the memory-efficient kernel (MLA: value
-# dim 128 against 192). A 1-token chunk needs no mask at all.
-PREFIX_ATTENTION = "l3pool_prefix_causal"
+# The engine's attention (registered with transformers as PREFIX_ATTENTION[method]). A chunk after
+# cached tokens attends to everything before it plus itself causally: the causal mask aligned to the
+# bottom-right corner of the [chunk, context] score matrix. transformers' "sdpa" states that as a mask
+# tensor. Measured on the H200 (bench/results/2026-12-04-h200-prefill/, llama-8b, 32K tokens, 2,048-token
+# chunks): HF's chunked prefill 1.50x its one forward; torch's `causal_lower_right` bias (method
+# "lower_right") runs on flash attention, 1.29x, and in deterministic mode 9.7x; for MLA's head dims
+# (192 / 128) it falls to the memory-efficient kernel, 2.8x. The one forward runs its causal attention
+# on faster kernels than flash 2 there. Method "split" (the default) states the mask without one: the
+# chunk's queries attend to the prefix with no mask and to their own chunk with the ordinary causal
+# mask, each on the fastest kernel torch has that returns its log-sum-exp (cuDNN, else flash, else the
+# memory-efficient kernel; written out on the CPU), and the two halves are merged exactly by
+# their log-sum-exps. Both methods compute the same function; they round differently, so the method
+# is part of the model's fingerprint (cached KV of one never serves the other).
+PREFIX_METHODS = ("split", "lower_right", "hf_sdpa")  # hf_sdpa: transformers' own (the engine before these)
+PREFIX_ATTENTION = {"split": "l3pool_prefix_split", "lower_right": "l3pool_prefix_lower_right", "hf_sdpa": "sdpa"}
+_aten = torch.ops.aten
+_LSE_KERNEL: dict[tuple[int, int, int], str] = {}  # (device index, qk dim, v dim) -> the kernel that took it
+
+
+def _attend_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [1, H, m, d] over k/v [1, H, n, d / dv] (causal: top-left, m == n) with its
+    log-sum-exp: ([1, H, m, dv], [1, H, m] float32)."""
+    if q.device.type != "cuda":  # written out in float32 (the CPU runs the tiny shapes only)
+        s = (q.float() @ k.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        lse = s.logsumexp(-1)
+        return ((s - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
+    key = (q.device.index or 0, q.shape[-1], v.shape[-1])
+    kinds = ["cudnn", "flash", "efficient"]
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()  # off inside sdpa_kernel(PARTIAL_CHUNK_BACKENDS)
+    if not cudnn:
+        kinds.remove("cudnn")
+    known = _LSE_KERNEL.get(key)
+    if known in kinds:
+        kinds = [known] + [x for x in kinds if x != known]
+    err: Exception | None = None
+    for kind in kinds:
+        try:
+            if kind == "cudnn":
+                r = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+                o, lse = r[0], r[1]
+            elif kind == "flash":
+                r = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+                o, lse = r[0], r[1]
+            else:
+                r = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+                o, lse = r[0], r[1][..., : q.shape[2]]
+        except RuntimeError as e:  # this kernel does not take the shape: the next one
+            err = e
+            continue
+        if known is None and cudnn:
+            _LSE_KERNEL[key] = kind
+        return o, lse.reshape(o.shape[:3]).float()
+    raise RuntimeError(f"no attention kernel took q {tuple(q.shape)} over k {tuple(k.shape)}: {err}")
 
 
 def prefix_causal_attention(
@@ -71,6 +120,7 @@ def prefix_causal_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    method: str = "split",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention of `query` ([1, heads, m, d], the last m of n positions) over `key`/`value`
@@ -81,13 +131,21 @@ def prefix_causal_attention(
     m, n = query.shape[2], key.shape[2]
     if m > n:
         raise ValueError(f"{m} query tokens over {n} keys: the keys must include the queries")
-    extra: dict[str, Any] = {}
     groups = int(getattr(module, "num_key_value_groups", 1))
+    split = method == "split" and 1 < m < n
+    extra: dict[str, Any] = {}
     if groups > 1:
-        if query.device.type == "cuda" and key.shape[-1] == value.shape[-1] <= 256:
+        if not split and query.device.type == "cuda" and key.shape[-1] == value.shape[-1] <= 256:
             extra["enable_gqa"] = True  # flash attention reads the shared K/V heads itself
         else:
             key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
+    if split:
+        p = n - m
+        o1, l1 = _attend_lse(query, key[:, :, :p], value[:, :, :p], False, scaling)
+        o2, l2 = _attend_lse(query, key[:, :, p:], value[:, :, p:], True, scaling)
+        lse = torch.logaddexp(l1, l2)
+        out = (o1.float() * (l1 - lse).exp_()[..., None] + o2.float() * (l2 - lse).exp_()[..., None]).to(query.dtype)
+        return out.transpose(1, 2).contiguous(), None
     if m == 1:
         mask, causal = None, False  # the last position sees every key
     elif m == n:
@@ -132,6 +190,7 @@ class HFConfig:
     page_size: int = 64
     chunk: int = 2048  # prefill chunk (tokens), a multiple of page_size
     seed: int = 0
+    prefix_attention: str = "split"  # PREFIX_METHODS: how a chunk after cached tokens attends
 
     def __post_init__(self) -> None:
         if self.name not in SHAPES:
@@ -144,6 +203,8 @@ class HFConfig:
             raise ConfigError(f"model layers must be >= 0, got {self.layers!r}")
         if self.chunk % self.page_size:
             raise ConfigError(f"chunk {self.chunk} must be a multiple of page_size {self.page_size}")
+        if self.prefix_attention not in PREFIX_METHODS:
+            raise ConfigError(f"unknown prefix attention {self.prefix_attention!r}; known: {', '.join(PREFIX_METHODS)}")
 
     @property
     def family(self) -> str:
@@ -176,7 +237,7 @@ class HFConfig:
     @property
     def fingerprint(self) -> str:
         h = hashlib.blake2b(repr(sorted(self.hf_args().items())).encode(), digest_size=6).hexdigest()
-        return f"l3pool-demo-hf-{self.name}-{self.num_layers}l-{h}-s{self.seed}"
+        return f"l3pool-demo-hf-{self.name}-{self.num_layers}l-{h}-s{self.seed}-{self.prefix_attention}"
 
     def flops_per_token(self) -> int:
         """Dense matmul FLOPs per token (attention over the context not included)."""
@@ -286,8 +347,11 @@ class HFModel:
         tf = _transformers()
         self.cfg, self.device = cfg, torch.device(device)
         hc = hf_config(cfg)
-        tf.AttentionInterface.register(PREFIX_ATTENTION, prefix_causal_attention)
-        hc._attn_implementation = PREFIX_ATTENTION
+        for meth in ("split", "lower_right"):
+            tf.AttentionInterface.register(
+                PREFIX_ATTENTION[meth], functools.partial(prefix_causal_attention, method=meth)
+            )
+        hc._attn_implementation = PREFIX_ATTENTION[cfg.prefix_attention]
         torch.manual_seed(cfg.seed)
         cls = tf.LlamaForCausalLM if cfg.family == "llama" else tf.DeepseekV3ForCausalLM
         with torch.device(self.device):
@@ -350,6 +414,7 @@ class HFModel:
         v = self._view
         v.bufs = bufs
         hidden = torch.empty(0)
+        impl = PREFIX_ATTENTION[self.cfg.prefix_attention]
         try:
             for c0 in range(start, n, C):
                 c1 = min(c0 + C, n)
@@ -357,7 +422,7 @@ class HFModel:
                 v.before_layer = before_layer if c0 == start else None
                 v.keep = keep if c1 == n else None
                 pos = torch.arange(c0, c1, device=self.device)[None]
-                with self._attention(c1 - c0):
+                with self._attention(c1 - c0), self._attention_impl(impl):
                     out = self.hf.model(input_ids=tok[None, c0:c1], position_ids=pos, past_key_values=self._cache,
                                         use_cache=True)  # fmt: skip
                 hidden = out.last_hidden_state[0, -1:]
@@ -365,19 +430,23 @@ class HFModel:
             v.bufs, v.before_layer, v.keep = [], None, None
         return self.hf.lm_head(hidden)[0].float()
 
-    def with_chunk(self, chunk: int) -> HFModel:
-        """This model (the same weights and L1 adapter) prefilling in chunks of `chunk` tokens; one
-        call at a time across both, as with one model."""
+    def variant(self, **cfg: Any) -> HFModel:
+        """This model (the same weights and L1 adapter) with other HFConfig fields that leave the
+        weights alone (`chunk`, `prefix_attention`); one call at a time across them all."""
+        bad = set(cfg) - {"chunk", "prefix_attention"}
+        if bad:
+            raise ConfigError(f"a variant changes chunk or prefix_attention only, not {', '.join(sorted(bad))}")
         m = copy.copy(self)
-        m.cfg = replace(self.cfg, chunk=chunk)  # validated: a multiple of the page size
-        m.align = chunk
+        m.cfg = replace(self.cfg, **cfg)  # validated
+        m.align = m.cfg.chunk
         return m
 
     @contextlib.contextmanager
-    def hf_attention(self) -> Iterator[None]:
-        """transformers' own "sdpa" attention (its masks) instead of the engine's, for the block."""
+    def _attention_impl(self, name: str) -> Iterator[None]:
+        """transformers' attention implementation `name` for the block (the config is shared by
+        every variant of this model)."""
         cfg = self.hf.config
-        prev, cfg._attn_implementation = cfg._attn_implementation, "sdpa"
+        prev, cfg._attn_implementation = cfg._attn_implementation, name
         try:
             yield
         finally:
@@ -391,7 +460,7 @@ class HFModel:
         tf = _transformers()
         tok = torch.as_tensor(tokens, dtype=torch.int64).to(self.device)[None]
         C = chunk or self.cfg.chunk
-        with self.hf_attention():
+        with self._attention_impl("sdpa"):
             if not chunked:
                 return self.hf(input_ids=tok, logits_to_keep=1).logits[0, -1].float()
             cache = tf.DynamicCache(config=self.hf.config)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import prefill
+from l3pool.demo.hf import PREFIX_METHODS
 
 
 def test_prefill_bench_json_contract(tmp_path: Path) -> None:
@@ -18,7 +19,9 @@ def test_prefill_bench_json_contract(tmp_path: Path) -> None:
     assert prefill.main(argv) == 0
     rep = json.loads(out.read_text())
     assert rep["tokens"] == 300 and rep["chunks"] == [64, 128] and set(rep["modes"]) == set(prefill.MODES)
-    rows = {"hf_one_forward"} | {f"{k}_{c}" for c in (64, 128) for k in ("hf_chunked", "engine", "engine_hf_attention")}
+    rows = {"hf_one_forward"} | {
+        f"{k}_{c}" for c in (64, 128) for k in ("hf_chunked", *(f"engine_{m}" for m in PREFIX_METHODS))
+    }
     for mode, m in rep["modes"].items():
         assert m["deterministic_algorithms"] is (mode == "deterministic")
         assert set(m["rows"]) == rows
@@ -26,12 +29,22 @@ def test_prefill_bench_json_contract(tmp_path: Path) -> None:
             lo, hi = r["vs_one_forward_range"]
             assert r["ms"]["runs"] == 2 and lo <= r["vs_one_forward"] <= hi, k
         assert m["rows"]["hf_one_forward"]["vs_one_forward_range"] == [1.0, 1.0]
-        for c in (64, 128):
-            chk = m["checks"][f"engine_{c}"]
-            assert chk["engine_repeatable"] and chk["cached_prefix_identical"], (mode, c)
+        assert len(m["checks"]) == 2 * len(PREFIX_METHODS)
+        for k, chk in m["checks"].items():
+            assert chk["engine_repeatable"] and chk["cached_prefix_identical"], (mode, k)
             assert chk["cached_prefix_tokens"] == 128  # half of 300, down to a chunk boundary of both
-            assert chk["max_abs_diff_vs_hf_chunked"] < 1e-3 < chk["logit_scale"]
+            assert chk["max_abs_diff_vs_hf_one_forward"] < 1e-2 < chk["logit_scale"]  # bf16 rounding only
         assert m["attention_probe"] is None  # CUDA only
+
+
+def test_a_subset_of_methods_without_hf_chunked(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    argv = ["--model", "mla-tiny", "--tokens", "200", "--chunks", "64", "--tries", "1", "--methods", "split",
+            "--no-hf-chunked", "--modes", "deterministic", "--out", str(out)]  # fmt: skip
+    assert prefill.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert rep["methods"] == ["split"] and list(rep["modes"]) == ["deterministic"]
+    assert set(rep["modes"]["deterministic"]["rows"]) == {"hf_one_forward", "engine_split_64"}
 
 
 @pytest.mark.parametrize(
@@ -43,6 +56,7 @@ def test_prefill_bench_json_contract(tmp_path: Path) -> None:
         (["--chunks", "0"], "--chunks takes comma-separated positive integers"),
         (["--chunks", "100"], "chunk 100 must be a multiple of page_size 64"),
         (["--modes", "fast"], "--modes: choose from default, deterministic"),
+        (["--methods", "split,flex"], "--methods: choose from split, lower_right, hf_sdpa"),
         (["--model", "gpt-9"], "unknown model 'gpt-9'"),
     ],
 )
