@@ -535,38 +535,51 @@ class IndexService:
                 return
             try:
                 b = decode_events(body)
-            except WireError as e:
+            except Exception as e:  # WireError; anything else is a decoder bug, still this message's only
                 self.bad_messages += 1
                 metrics.INDEX_BAD_MESSAGES.inc()
-                log.debug("index: dropped a malformed event message: %s", e)
+                if isinstance(e, WireError):
+                    log.debug("index: dropped a malformed event message: %s", e)
+                else:
+                    log.exception("index: decoding an event message failed; dropped")
                 continue
             s = self._src.get(b.instance)
             if s is None:
                 self.unknown_messages += 1
                 continue
-            s.last_seen = time.monotonic()
-            if not s.live:
-                if (s.dealer is not None or s.replacing) and not s.again:
-                    s.buffer.append(b)
-                    if len(s.buffer) > MAX_BUFFERED:
-                        s.dropped += len(s.buffer)
-                        s.buffer = []
-                        s.gaps += 1
-                        s.again = s.replacing  # the snapshot is stored already: another one after it
-                continue
-            if b.epoch != s.epoch:
-                s.epochs += 1
+            try:
+                self._event(s, b)
+            except Exception as e:  # a bug: said, counted, and this source alone resynchronised
+                self.loop_errors += 1
+                log.exception("index: an event of %s failed; resynchronising it", b.instance)
+                s.last_error = f"event error: {type(e).__name__}: {e}"
                 self._resync(b.instance, s)
-            elif b.heartbeat and b.seq == s.seq:
-                continue
-            elif not b.heartbeat and b.seq == s.seq + 1:
-                self._apply(b.instance, s, b)
-            else:
-                if b.seq > s.seq:
+
+    def _event(self, s: _Source, b: EventBatch) -> None:
+        """One decoded event message of a known source."""
+        s.last_seen = time.monotonic()
+        if not s.live:
+            if (s.dealer is not None or s.replacing) and not s.again:
+                s.buffer.append(b)
+                if len(s.buffer) > MAX_BUFFERED:
+                    s.dropped += len(s.buffer)
+                    s.buffer = []
                     s.gaps += 1
-                else:
-                    s.duplicates += 1
-                self._resync(b.instance, s)
+                    s.again = s.replacing  # the snapshot is stored already: another one after it
+            return
+        if b.epoch != s.epoch:
+            s.epochs += 1
+            self._resync(b.instance, s)
+        elif b.heartbeat and b.seq == s.seq:
+            return
+        elif not b.heartbeat and b.seq == s.seq + 1:
+            self._apply(b.instance, s, b)
+        else:
+            if b.seq > s.seq:
+                s.gaps += 1
+            else:
+                s.duplicates += 1
+            self._resync(b.instance, s)
 
     # -- queries (their own thread) -------------------------------------------------------------
     def _answer(self, body: bytes) -> bytes:

@@ -76,7 +76,7 @@ import numpy as np
 
 from l2core import _native
 from l3pool.index.types import PrefixHits, TierPrefix
-from l3pool.pool.kv_events import TIER_NAMES, keys64
+from l3pool.pool.kv_events import TIER_NAMES, keys64, ops_error
 from l3pool.values import BadValue, int_in, number_at_least
 
 
@@ -351,26 +351,17 @@ class GlobalIndex:
             s = self._settled(instance)
             with self._mu:
                 salt_, stamp = self._salt(namespace), self._stamp()
-            if len(keys) > self.apply_keys:  # the native call checks the ops against the keys
-                self._check_ops(ops, len(keys))
+            self._check_ops(ops, len(keys))  # native.apply checks them too, one call's part at a time
             refused = self._apply_parts(s, salt_, ops, keys, stamp)
             self.applied_keys += len(keys)
             return refused
 
     @staticmethod
     def _check_ops(ops: np.ndarray, n_keys: int) -> None:
-        """What native.apply checks of its ops, before a batch is split into parts (none applied
-        when one is bad)."""
-        if ops.ndim != 2 or ops.shape[1] != 3:
-            raise ValueError("ops must be an (n, 3) int64 array")
-        if len(ops) and (ops[:, 0].min() < 0 or ops[:, 0].max() > 2):
-            raise ValueError("tier must be 0 (L1), 1 (L2) or 2 (pool)")
-        if len(ops) and (ops[:, 1].min() < 0 or ops[:, 1].max() > 1):
-            raise ValueError("op must be 0 (remove) or 1 (store)")
-        if len(ops) and ops[:, 2].min() < 0:
-            raise ValueError("negative key count")
-        if int(ops[:, 2].sum()) != n_keys:
-            raise ValueError(f"ops name {int(ops[:, 2].sum())} keys, {n_keys} given")
+        """What native.apply checks of its ops (each count against the keys left: no sum wraps),
+        before any part of a batch is applied (none is when one op is bad)."""
+        if (err := ops_error(ops, n_keys)) is not None:
+            raise ValueError(err)
 
     def replace(self, instance: str, namespace: str, tiers: dict[str, np.ndarray]) -> int:
         """An instance's whole L1/L2 contents (a snapshot): its old entries cleared, these set;

@@ -1,0 +1,214 @@
+"""Fault tests against a real `l3pool index` process (a subprocess serving a real etcd's sources):
+hostile event messages from a registered source, hostile queries, one connection flooding the
+query port. Each test checks the process survives, counts what it refused, and that nothing of
+the bad input reached another source or the index's state."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from l3pool.index.client import IndexClient, IndexUnavailable
+from l3pool.pool import kv_events as kv
+from l3pool.pool.etcd import LeaseKeeper
+from l3pool.pool.metadata import Metadata
+from l3pool.procenv import python_env
+
+from ..conftest import EtcdServer
+from .test_index_service import Instance
+
+KEYS = list(range(1, 41))
+
+
+def _port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = int(s.getsockname()[1])
+    s.close()
+    return p
+
+
+@dataclass
+class IndexProc:
+    proc: subprocess.Popen[str]
+    endpoint: str
+    insts: list[Instance]
+
+    def status(self) -> dict[str, Any]:
+        with IndexClient(self.endpoint, timeout_s=5.0) as c:
+            return c.status()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def rss(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+    def live(self, iid: str) -> bool:
+        return bool(self.status()["instances"].get(iid, {}).get("live"))
+
+    def answered(self, inst: Instance) -> bool:
+        with IndexClient(self.endpoint, timeout_s=5.0) as c:
+            return c.query(np.array(KEYS, np.uint64), inst.ns).of(inst.iid) == inst.truth(KEYS)
+
+
+def start_index(etcd: EtcdServer, prefix: str, *extra: str) -> subprocess.Popen[str]:
+    """`l3pool index` serving `prefix` of `etcd` (its first stdout line: the endpoint, JSON)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "l3pool.cli", "index", "--etcd", etcd.endpoints, "--key-prefix", prefix,
+         "--listen", f"tcp://127.0.0.1:{_port()}", "--capacity-pages", "10000", "--poll", "0.2", "--json", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(),
+    )  # fmt: skip
+
+
+def wait_for(fn: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if fn():
+                return
+        except IndexUnavailable:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {fn}")
+
+
+@pytest.fixture
+def index_proc(etcd_server: EtcdServer, prefix: str) -> Iterator[IndexProc]:
+    """A real `l3pool index` with two scripted sources registered in etcd, both live, each holding
+    KEYS[:5] in L1."""
+    c = etcd_server.client()
+    md = Metadata(c, prefix)
+    insts = [Instance("src-a"), Instance("src-b")]
+    keepers: list[LeaseKeeper] = []
+    proc = start_index(etcd_server, prefix)
+    try:
+        assert proc.stdout is not None
+        endpoint = json.loads(proc.stdout.readline())["endpoint"]
+        ip = IndexProc(proc, endpoint, insts)
+        for i in insts:
+            i.event((0, 1, KEYS[:5]))
+            keepers.append(md.register_kv_source(i.info(), ttl=10))
+        wait_for(lambda: all(ip.live(i.iid) for i in insts))
+        time.sleep(0.3)  # the SUB's subscriptions reach the PUBs (ZeroMQ's slow joiner)
+        yield ip
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        for k in keepers:
+            k.close(revoke=True)
+        for i in insts:
+            i.close()
+        c.delete_prefix(prefix + "/")
+        c.close()
+
+
+def _event(inst: Instance, ops: list[int], keys: bytes, sent_at: Any = None, ns: Any = None) -> bytes:
+    """A message of `inst` with its next seq (what a broken or hostile publisher might send)."""
+    inst.seq += 1
+    sent = time.time() if sent_at is None else sent_at
+    return msgpack.packb([1, "ev", inst.iid, inst.epoch, inst.seq, inst.ns if ns is None else ns, ops, keys, sent])
+
+
+def _counters(st: dict[str, Any], iid: str) -> tuple[int, int, int]:
+    d = st["instances"][iid]
+    return d["resyncs"], d["gaps"], d["events"]
+
+
+def _bad_message_leaves_the_rest_alone(ip: IndexProc, msg: bytes) -> dict[str, Any]:
+    """Send `msg` from src-a; the index survives, counts it, src-b is untouched (no resync, no
+    gap), src-a heals by its own resync, and the answers are both sources' truth."""
+    a, b = ip.insts
+    before = ip.status()
+    a.send(msg)
+    b.send(b.event((1, 1, KEYS[5:9])))  # the other source goes on
+    wait_for(lambda: ip.status()["instances"]["src-b"]["seq"] == b.seq)
+    a.send(a.event((0, 1, KEYS[5:7])))  # src-a's next one: a gap after the refused one, so a resync
+    wait_for(lambda: ip.answered(a) and ip.answered(b) and ip.live("src-a"))
+    assert ip.alive(), ip.proc.stderr.read() if ip.proc.stderr else ""
+    after = ip.status()
+    assert after["bad_messages"] == before["bad_messages"] + 1
+    assert after["loop_errors"] == 0
+    rb, gb, eb = _counters(before, "src-b")
+    assert _counters(after, "src-b") == (rb, gb, eb + 1)  # one event more, no resync, no gap
+    assert after["instances"]["src-a"]["resyncs"] == before["instances"]["src-a"]["resyncs"] + 1
+    return after
+
+
+# -- D1: counts that wrap around 64 bits ----------------------------------------------------------
+WRAP_OPS = [0, 1, 1 << 62] * 4 + [0, 1, 1]  # 4 * 2^62 + 1 == 1 (mod 2^64): one key's worth
+
+
+def test_wrapped_op_counts_are_refused_by_the_decoder() -> None:
+    msg = msgpack.packb([1, "ev", "i", 1, 1, "", WRAP_OPS, b"\1" * 8, 0.0])
+    with pytest.raises(kv.WireError, match="ops name 4611686018427387904 keys in one op, 1 given"):
+        kv.decode_events(msg)
+    # counts that sum to the keys only modulo 2^64, none alone above them: refused by their sum
+    n = 1 << 20
+    msg = msgpack.packb([1, "ev", "i", 1, 1, "", [0, 1, n] * 4, b"\1" * 8 * n, 0.0])
+    with pytest.raises(kv.WireError, match=f"ops name {4 * n} keys, {n} given"):
+        kv.decode_events(msg)
+
+
+_NATIVE_WRAP = """
+import numpy as np
+from l2core import _native
+from l3pool.index.table import GlobalIndex
+ops = np.array({ops}, dtype=np.int64).reshape(-1, 3)
+keys = np.ones(1, np.uint64)
+gi = GlobalIndex(1000)
+gi.add_instance("a")
+for call in (lambda: gi.apply("a", "", ops, keys), lambda: gi.native.apply(0, ops, keys, 0, 1)):
+    try:
+        call()
+    except ValueError as e:
+        print("refused:", e, flush=True)
+gi.check()
+print("entries", gi.stats()["entries"])
+"""
+
+
+def test_wrapped_op_counts_are_refused_by_the_table_and_the_native_call() -> None:
+    """GlobalIndex.apply and KvIndex.apply itself (no Python check before it) with counts that wrap
+    around to the key count: before, the native loop read 2^62 keys of a 1-key buffer (SIGSEGV:
+    run in a subprocess so the suite survives)."""
+    code = _NATIVE_WRAP.format(ops=WRAP_OPS)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    lines = r.stdout.splitlines()
+    assert lines[0] == "refused: ops name 4611686018427387904 keys in one op, 1 given", lines
+    assert lines[1] == "refused: ops name more keys than the 1 given: op 0 names 4611686018427387904, 1 left", lines
+    assert lines[2] == "entries 0"
+
+
+@pytest.mark.usefixtures("native")
+def test_a_wrapping_message_from_a_registered_source_is_one_bad_message(index_proc: IndexProc) -> None:
+    """Before: the `l3pool index` process died of SIGSEGV on this message."""
+    after = _bad_message_leaves_the_rest_alone(index_proc, _event(index_proc.insts[0], WRAP_OPS, b"\1" * 8))
+    assert after["index"]["entries"] == 9  # KEYS[:9]: nothing of the bad message
+
+
+# -- D2: an op integer of 2^63 or more --------------------------------------------------------------
+@pytest.mark.parametrize("ops", [[0, 1, 1 << 63], [(1 << 64) - 1, 1, 1], [0, 1 << 63, 1]])
+def test_an_op_integer_beyond_int64_is_a_wire_error(ops: list[int]) -> None:
+    msg = msgpack.packb([1, "ev", "i", 1, 1, "", ops, b"\1" * 8, 0.0])
+    with pytest.raises(kv.WireError, match="int64 range"):
+        kv.decode_events(msg)
+
+
+@pytest.mark.usefixtures("native")
+def test_an_op_beyond_int64_touches_no_other_source(index_proc: IndexProc) -> None:
+    """Before: OverflowError out of the decoder, the loop's catch-all resynchronised every source."""
+    _bad_message_leaves_the_rest_alone(index_proc, _event(index_proc.insts[0], [0, 1, 1 << 63], b"\1" * 8))
