@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import queue
 import threading
@@ -523,8 +524,8 @@ class IndexService:
         s.seq = b.seq
         s.events += 1
         metrics.INDEX_EVENTS_APPLIED.inc()
-        if b.sent_at:
-            self._lag.append(time.time() - b.sent_at)
+        if b.sent_at and math.isfinite(lag := time.time() - b.sent_at):  # the decoder refuses non-finite ones
+            self._lag.append(lag)
 
     def _events(self) -> None:
         zmq = _zmq()

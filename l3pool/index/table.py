@@ -76,8 +76,11 @@ import numpy as np
 
 from l2core import _native
 from l3pool.index.types import PrefixHits, TierPrefix
-from l3pool.pool.kv_events import TIER_NAMES, keys64, ops_error
+from l3pool.pool.kv_events import TIER_NAMES, check_namespace, keys64, ops_error
 from l3pool.values import BadValue, int_in, number_at_least
+
+
+SALT_CACHE = 1024  # namespaces whose salt is kept (each at most kv_events.MAX_NAMESPACE bytes)
 
 
 class IndexFull(RuntimeError):
@@ -211,12 +214,17 @@ class GlobalIndex:
     def _is_live(self, s: int) -> bool:
         return bool((int(self._live[s // 64]) >> (s % 64)) & 1)
 
-    def _salt(self, namespace: str) -> int:
+    def _salt(self, namespace: str, keep: bool = True) -> int:
+        """The namespace's salt, from a cache of the last SALT_CACHE namespaces changes used
+        (`keep`: an event batch, a snapshot). A query's namespace is looked up, never added: a
+        query leaves nothing behind, and the cache stays bounded whatever the queries name."""
         v = self._salts.get(namespace)
         if v is None:
-            if not isinstance(namespace, str):
-                raise ValueError("namespace must be a string")
-            v = self._salts[namespace] = salt(namespace)
+            v = salt(check_namespace(namespace))  # WireError (a ValueError) for a bad one
+            if keep:
+                while len(self._salts) >= SALT_CACHE:  # the oldest out (dict order: insertion)
+                    del self._salts[next(iter(self._salts))]
+                self._salts[namespace] = v
         return v
 
     def _stamp(self) -> int:
@@ -433,7 +441,7 @@ class GlobalIndex:
         """`query`'s answer as plain lists, no object per instance (what the service sends):
         (pages, pool prefix, live instance names, their l1, l2, l3 prefixes in the same order)."""
         keys = keys64(page_hashes)
-        salt_ = self._salt(namespace)
+        salt_ = self._salt(namespace, keep=False)
         self._read()
         try:
             pool, l1, l2, l3 = self.native.query(keys, salt_, max(1, self._stamp() - 4), self._live)
@@ -470,6 +478,7 @@ class GlobalIndex:
                 "sweep_parts": self.sweeps,
                 "apply_calls": self.apply_calls,
                 "deferred_erases": self.deferred_erases,
+                "namespaces_cached": len(self._salts),
                 "l3_ttl_s": self.l3_ttl_s,
                 "instances": per,
             }

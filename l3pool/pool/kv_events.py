@@ -12,7 +12,8 @@ Event message (ZeroMQ PUB, one frame, msgpack array):
       keys: bytes, sum(count) * 8 (the ops' keys, concatenated); every integer of ops fits int64
             and each count is checked against the keys left after the ops before it (no sum of
             counts can wrap around)
-      sent_at: the publisher's wall clock (unix s, float) when the message's oldest operation was
+      namespace: at most MAX_NAMESPACE bytes (UTF-8)
+      sent_at: the publisher's wall clock (unix s, finite float) when the message's oldest operation was
             queued (a heartbeat: when it was sent), so the index's event lag counts the batching too
     `seq` grows by one per message of the instance's `epoch` (a random 63-bit id per publisher
     process). A heartbeat is an event message with no ops and the last seq sent: it lets a
@@ -27,6 +28,7 @@ Error reply: [1, "err", message]
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -41,6 +43,7 @@ TIER_CODES = {"l1": 0, "l2": 1, "l3": 2}
 TIER_NAMES = ("l1", "l2", "l3")
 REMOVE, STORE = 0, 1
 MAX_KEYS = 1 << 24  # per message / per snapshot tier: a bound on what a decoder accepts
+MAX_NAMESPACE = 256  # bytes (UTF-8) of a namespace: an event's, a snapshot's, a query's (ns_id: 16)
 
 
 class WireError(ValueError):
@@ -133,8 +136,17 @@ def _check_head(msg: list[Any], kind: str, n: int) -> None:
         raise WireError("instance must be a non-empty string")
     if not isinstance(epoch, int) or not isinstance(seq, int) or epoch < 0 or seq < 0:
         raise WireError("epoch and seq must be non-negative integers")
+    check_namespace(ns)
+
+
+def check_namespace(ns: Any) -> str:
+    """`ns` when it is a namespace this side accepts (a str of at most MAX_NAMESPACE UTF-8 bytes),
+    else WireError (nothing is kept of it)."""
     if not isinstance(ns, str):
         raise WireError("namespace must be a string")
+    if len(ns) > MAX_NAMESPACE or len(ns.encode("utf-8", "surrogatepass")) > MAX_NAMESPACE:
+        raise WireError(f"namespace longer than {MAX_NAMESPACE} bytes (UTF-8)")
+    return ns
 
 
 def ops_error(ops: np.ndarray, n_keys: int) -> str | None:
@@ -172,8 +184,8 @@ def decode_events(buf: bytes) -> EventBatch:
     msg = _unpack(buf)
     _check_head(msg, "ev", 9)
     ops_l, kb, sent_at = msg[6], msg[7], msg[8]
-    if not isinstance(sent_at, (int, float)):
-        raise WireError("sent_at must be a number")
+    if isinstance(sent_at, bool) or not isinstance(sent_at, (int, float)) or not math.isfinite(sent_at):
+        raise WireError(f"sent_at must be a finite number, got {sent_at!r}")
     if not isinstance(ops_l, list) or len(ops_l) % 3 or not all(isinstance(x, int) for x in ops_l):
         raise WireError("ops must be a flat list of (tier, op, count) integer triples")
     try:

@@ -6,6 +6,7 @@ the bad input reached another source or the index's state."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from l3pool.index.client import IndexClient, IndexUnavailable
+from l3pool.index.client import IndexClient, IndexRequestError, IndexUnavailable
 from l3pool.pool import kv_events as kv
 from l3pool.pool.etcd import LeaseKeeper
 from l3pool.pool.metadata import Metadata
@@ -212,3 +213,82 @@ def test_an_op_integer_beyond_int64_is_a_wire_error(ops: list[int]) -> None:
 def test_an_op_beyond_int64_touches_no_other_source(index_proc: IndexProc) -> None:
     """Before: OverflowError out of the decoder, the loop's catch-all resynchronised every source."""
     _bad_message_leaves_the_rest_alone(index_proc, _event(index_proc.insts[0], [0, 1, 1 << 63], b"\1" * 8))
+
+
+# -- D3: namespaces are bounded, and a bad query leaves nothing behind ---------------------------
+def test_namespaces_are_bounded_on_the_wire_and_in_the_salt_cache() -> None:
+    ok, long_ = "é" * (kv.MAX_NAMESPACE // 2), "é" * (kv.MAX_NAMESPACE // 2) + "x"
+    assert kv.check_namespace(ok) == ok
+    for bad in (long_, "x" * (1 << 20), 5, None):
+        with pytest.raises(kv.WireError, match="namespace"):
+            kv.check_namespace(bad)
+    with pytest.raises(kv.WireError, match="namespace longer than 256 bytes"):
+        kv.decode_events(msgpack.packb([1, "ev", "i", 1, 1, long_, [], b"", 0.0]))
+    with pytest.raises(kv.WireError, match="namespace longer"):
+        kv.decode_snapshot(kv.encode_snapshot("i", 1, 1, "x" * 300, {}))
+
+
+@pytest.mark.usefixtures("native")
+def test_the_salt_cache_keeps_the_last_namespaces_of_changes_and_none_of_queries() -> None:
+    from l3pool.index.table import SALT_CACHE, GlobalIndex, salt
+
+    gi = GlobalIndex(10_000)
+    gi.add_instance("a")
+    gi.set_live("a", True)
+    k = np.arange(1, 4, dtype=np.uint64)
+    for i in range(SALT_CACHE + 50):
+        gi.apply("a", f"ns{i}", np.array([[0, 1, 3]], np.int64), k)
+    assert gi.stats()["namespaces_cached"] == SALT_CACHE
+    assert "ns0" not in gi._salts and gi._salts[f"ns{SALT_CACHE + 49}"] == salt(f"ns{SALT_CACHE + 49}")
+    assert gi.query(k, "ns0").of("a").l1 == 3  # evicted from the cache, still answered right
+    for i in range(3000):
+        gi.query(k, f"q{i}")
+    assert gi.stats()["namespaces_cached"] == SALT_CACHE and not any(n.startswith("q") for n in gi._salts)
+    queries = gi.queries
+    with pytest.raises(ValueError, match="namespace longer"):
+        gi.query(k, "x" * (1 << 20))
+    with pytest.raises(ValueError, match="namespace longer"):
+        gi.apply("a", "x" * 300, np.array([[0, 1, 3]], np.int64), k)
+    assert gi.queries == queries and gi.stats()["namespaces_cached"] == SALT_CACHE
+
+
+@pytest.mark.usefixtures("native")
+def test_huge_namespaces_do_not_grow_the_index_process(index_proc: IndexProc) -> None:
+    """Before: 64 queries naming a 1 MiB namespace each grew the process by 67 MiB (cached
+    forever); now each is one refused request, nothing kept."""
+    before, rss0 = index_proc.status(), index_proc.rss()
+    with IndexClient(index_proc.endpoint, timeout_s=5.0) as c:
+        for i in range(64):
+            with pytest.raises(IndexRequestError, match="namespace longer"):
+                c.query(np.arange(1, 5, dtype=np.uint64), chr(65 + i % 26) * (1 << 20))
+        for i in range(500):  # valid but never seen: answered, not kept
+            assert c.query(np.arange(1, 5, dtype=np.uint64), f"q{i}").pages == 4
+    grown = index_proc.rss() - rss0
+    after = index_proc.status()
+    assert grown < 16 << 20, f"grew by {grown / 2**20:.1f} MiB"
+    assert after["bad_messages"] == before["bad_messages"] + 64
+    assert after["index"]["queries"] == before["index"]["queries"] + 500  # the refused ones not counted
+    assert after["index"]["namespaces_cached"] == before["index"]["namespaces_cached"]
+
+
+@pytest.mark.usefixtures("native")
+def test_an_event_with_a_huge_namespace_is_one_bad_message(index_proc: IndexProc) -> None:
+    a = index_proc.insts[0]
+    after = _bad_message_leaves_the_rest_alone(index_proc, _event(a, [0, 1, 1], b"\1" * 8, ns="n" * (1 << 20)))
+    assert after["index"]["namespaces_cached"] == 1  # "ns", the sources' own
+
+
+# -- D4: a non-finite sent_at -----------------------------------------------------------------------
+@pytest.mark.parametrize("sent_at", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_sent_at_is_a_wire_error(sent_at: float) -> None:
+    with pytest.raises(kv.WireError, match="sent_at must be a finite number"):
+        kv.decode_events(msgpack.packb([1, "ev", "i", 1, 1, "", [], b"", sent_at]))
+
+
+@pytest.mark.usefixtures("native")
+def test_a_non_finite_sent_at_leaves_the_lag_statistics_finite(index_proc: IndexProc) -> None:
+    """Before: the NaN was sampled and the event lag's p50 and p99 read NaN."""
+    a = index_proc.insts[0]
+    after = _bad_message_leaves_the_rest_alone(index_proc, _event(a, [0, 1, 1], b"\1" * 8, sent_at=math.nan))
+    lag = after["event_lag_ms"]
+    assert lag["samples"] >= 1 and math.isfinite(lag["p50"]) and math.isfinite(lag["p99"]), lag
