@@ -620,7 +620,8 @@ class IndexService:
             "etcd_ok": self.etcd_ok,
             "etcd_errors": self.etcd_errors,
             "membership": self._membership_status(),
-            "bad_messages": self.bad_messages + self.bad_requests,
+            "bad_messages": self.bad_messages + self.bad_requests + self._queries.bad_frames,
+            "bad_frames": self._queries.bad_frames,  # query connections closed for a frame beyond MAX_FRAME
             "loop_errors": self.loop_errors,
             "unknown_messages": self.unknown_messages,
             "refused_keys": self.refused_keys,

@@ -10,6 +10,7 @@ import math
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 from l3pool.index.client import IndexClient, IndexRequestError, IndexUnavailable
+from l3pool.index.queries import QueryServer, frame, parse_endpoint
 from l3pool.pool import kv_events as kv
 from l3pool.pool.etcd import LeaseKeeper
 from l3pool.pool.metadata import Metadata
@@ -292,3 +294,95 @@ def test_a_non_finite_sent_at_leaves_the_lag_statistics_finite(index_proc: Index
     after = _bad_message_leaves_the_rest_alone(index_proc, _event(a, [0, 1, 1], b"\1" * 8, sent_at=math.nan))
     lag = after["event_lag_ms"]
     assert lag["samples"] >= 1 and math.isfinite(lag["p50"]) and math.isfinite(lag["p99"]), lag
+
+
+# -- D6: connections served fairly; bad frames counted ------------------------------------------------
+def _recv_frames(s: socket.socket, n: int, timeout: float = 30.0) -> list[bytes]:
+    s.settimeout(timeout)
+    buf, out = bytearray(), []
+    while len(out) < n:
+        chunk = s.recv(1 << 20)
+        assert chunk, f"closed after {len(out)} answers"
+        buf += chunk
+        while len(buf) >= 4 and len(buf) >= 4 + (k := int.from_bytes(buf[:4], "little")):
+            out.append(bytes(buf[4 : 4 + k]))
+            del buf[: 4 + k]
+    return out
+
+
+def test_the_query_server_answers_one_request_of_each_connection_per_turn() -> None:
+    """A QueryServer (real sockets) whose answer function records the order: one connection's
+    3,000 pipelined requests and another's one, both buffered before the first is answered.
+    Before: the other's came 3,001st (every buffered request of a connection was answered in
+    one go); now second."""
+    order: list[bytes] = []
+    first, go = threading.Event(), threading.Event()
+
+    def answer(body: bytes) -> bytes:
+        if not order:
+            first.set()
+            go.wait(10)  # the other client's request is in meanwhile
+        order.append(body[:1])
+        return b"ok"
+
+    srv = QueryServer("tcp://127.0.0.1:0", answer).start()
+    host, port = parse_endpoint(srv.endpoint)
+    flood, other = socket.create_connection((host, port)), socket.create_connection((host, port))
+    try:
+        flood.sendall(frame(b"F") * 3000)
+        assert first.wait(10)
+        other.sendall(frame(b"O"))
+        time.sleep(0.2)  # in the server's socket buffer
+        go.set()
+        assert _recv_frames(other, 1) == [b"ok"]
+        assert len(_recv_frames(flood, 3000)) == 3000
+    finally:
+        go.set()
+        flood.close()
+        other.close()
+        srv.close()
+    assert len(order) == 3001 and order.index(b"O") <= 2, order.index(b"O")
+    assert srv.requests == 3001 and srv.bad_frames == 0
+
+
+@pytest.mark.usefixtures("native")
+def test_pipelining_connections_do_not_hold_the_others(index_proc: IndexProc) -> None:
+    """Four connections pipelining 3,000 status requests each, another client's queries meanwhile.
+    Before: the queries waited for every buffered status answer (a turn of the server answered
+    all of a connection's buffered requests: max 110-170 ms here); now for one per connection."""
+    port = int(index_proc.endpoint.rsplit(":", 1)[1])
+    floods = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    keys = np.array(KEYS, np.uint64)
+    waits = []
+    try:
+        with IndexClient(index_proc.endpoint, timeout_s=5.0) as c:
+            c.query(keys, "ns")  # connected
+            for f in floods:
+                f.sendall(frame(kv.encode_request("status")) * 3000)
+            for _ in range(20):
+                t0 = time.perf_counter()
+                assert c.query(keys, "ns").of("src-a").l1 == 5
+                waits.append(time.perf_counter() - t0)
+        answers = [_recv_frames(f, 3000) for f in floods]  # every one answered, none lost
+    finally:
+        for f in floods:
+            f.close()
+    assert all([kv.decode_request(a)[0] for a in ans] == ["ok"] * 3000 for ans in answers)
+    print(f"query latency behind 4 x 3,000 pipelined status requests: max {max(waits) * 1e3:.1f} ms, "
+          f"first {waits[0] * 1e3:.1f} ms")  # fmt: skip
+    assert max(waits) < 0.05, [round(w * 1e3, 1) for w in waits]
+
+
+@pytest.mark.usefixtures("native")
+def test_a_closed_bad_frame_is_counted_in_status(index_proc: IndexProc) -> None:
+    before = index_proc.status()
+    port = int(index_proc.endpoint.rsplit(":", 1)[1])
+    for head in ((1 << 31).to_bytes(4, "little"), b"\xff\xff\xff\xff"):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(head + b"junk")
+        s.settimeout(5)
+        assert s.recv(16) == b""  # closed by the index
+        s.close()
+    after = index_proc.status()
+    assert after["bad_frames"] == before.get("bad_frames", 0) + 2
+    assert after["bad_messages"] == before["bad_messages"] + 2
