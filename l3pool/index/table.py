@@ -79,7 +79,6 @@ from l3pool.index.types import PrefixHits, TierPrefix
 from l3pool.pool.kv_events import TIER_NAMES, check_namespace, keys64, ops_error
 from l3pool.values import BadValue, int_in, number_at_least
 
-
 SALT_CACHE = 1024  # namespaces whose salt is kept (each at most kv_events.MAX_NAMESPACE bytes)
 
 
