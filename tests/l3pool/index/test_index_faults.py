@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -386,3 +388,75 @@ def test_a_closed_bad_frame_is_counted_in_status(index_proc: IndexProc) -> None:
     after = index_proc.status()
     assert after["bad_frames"] == before.get("bad_frames", 0) + 2
     assert after["bad_messages"] == before["bad_messages"] + 2
+
+
+# -- D5: a routing decision within 50 ms, whatever the index does ---------------------------------
+def _stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped (state T)."""
+    states = []
+    for t in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{t}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return all(s in ("T", "t") for s in states)
+
+
+@pytest.mark.usefixtures("native")
+def test_a_routing_decision_takes_at_most_50_ms_with_the_index_stopped(index_proc: IndexProc) -> None:
+    """The real `l3pool index` SIGSTOPped: a router asking through GuardedIndex decides within
+    50 ms every time (before, through IndexClient: the client's whole timeout, 1 s by default),
+    on the last known answer of a request it asked before, on load alone for a new one, the
+    source and reason on the answer; SIGCONT: the index's own answers again."""
+    from l3pool.index.guard import GuardedIndex
+    from l3pool.router.router import Router
+
+    pid, keys, new = index_proc.proc.pid, np.array(KEYS, np.uint64), np.array(KEYS[::-1], np.uint64)
+    router = Router("cache_aware", ["src-a", "src-b"], page_size=16, page_bytes=1 << 16)
+    guard = GuardedIndex(index_proc.endpoint, deadline_s=0.03, cooldown_s=0.3)
+    n = [0]
+
+    def decide(k: np.ndarray) -> tuple[Any, Any, float]:
+        n[0] += 1
+        t0 = time.perf_counter()
+        hits = guard.query(k, "ns")
+        d = router.route(f"r{n[0]}", tokens=16 * len(k), hits=hits)
+        took = time.perf_counter() - t0
+        router.finished(d.request_id)
+        return hits, d, took
+
+    hits, d, _ = decide(keys)
+    assert hits.source == "index" and hits.of("src-a").l1 == 5 and d.chosen.l1 == 5
+    plain = IndexClient(index_proc.endpoint)  # what a router had: the client's own 1 s timeout
+    plain.query(keys, "ns")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        wait_for(lambda: _stopped(pid), 5)  # every thread (a group stop is not done when kill returns)
+        with pytest.raises(IndexUnavailable, match="within 1000 ms"):
+            plain.query(keys, "ns")
+        assert time.perf_counter() - t0 >= 0.99
+        took, seen = [], set()
+        end = time.monotonic() + 1.5  # probes (one deadline each) after 0.3 s and 0.6 s more: doubling
+        while time.monotonic() < end:
+            for k, source in ((keys, "last_known"), (new, "none")):
+                hits, d, t = decide(k)
+                took.append(t)
+                assert hits.source == source and hits.pages == len(k), hits
+                assert "did not answer within 30 ms" in hits.reason or "breaker open" in hits.reason
+                seen.add(hits.reason.split(" ", 2)[1])
+                if source == "last_known":
+                    assert hits.of("src-a").l1 == 5 and d.chosen.l1 == 5  # priced as it was known
+                else:
+                    assert d.chosen.l1 == d.chosen.l2 == d.chosen.l3 == 0  # load only
+            time.sleep(0.005)
+        st = guard.stats()
+        print(f"{len(took)} decisions with the index stopped: max {max(took) * 1e3:.1f} ms, "
+              f"p50 {sorted(took)[len(took) // 2] * 1e3:.2f} ms; {st['probes']} probes")  # fmt: skip
+        assert max(took) <= 0.05, sorted(took)[-5:]
+        assert st["breaker"] in ("open", "probing") and 2 <= st["probes"] <= 3 and st["opened"] == 1
+        assert seen == {"index", "open"}  # "the index at ... did not answer", "breaker open (...)"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        plain.close()
+    wait_for(lambda: guard.query(keys, "ns").source == "index", 5)
+    assert guard.stats()["breaker"] == "closed" and index_proc.alive()
+    guard.close()
