@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from l3pool.index.client import IndexClient, IndexRequestError, IndexUnavailable
 from l3pool.index.types import PrefixHits
 from l3pool.pool.kv_events import keys64
 
+log = logging.getLogger(__name__)
 CLOSED, OPEN, PROBING = "closed", "open", "probing"
 
 
@@ -125,6 +127,10 @@ class GuardedIndex:
                     self.counts["refused"] += 1
                     if self.state == PROBING:
                         self.state, self._cooldown = CLOSED, self.cooldown_s
+            except Exception as e:  # a bug on the way: said, and treated as no answer (never stuck probing)
+                log.exception("index guard: a query failed")
+                why = f"query failed: {type(e).__name__}: {e}"
+                self._failed(why)
             else:
                 with self._mu:
                     self.state, self._cooldown, self.last_error = CLOSED, self.cooldown_s, ""

@@ -32,6 +32,12 @@ does (lease ended, deregistered); an instance silent for `silent_s` (no heartbea
 answered for until a snapshot comes again. A restarted index starts from nothing and resynchronises every
 registered instance before answering for it. While etcd is unreachable the last known sources
 are kept. A pool member leaving drops every L3 hint (GlobalIndex.clear_pool).
+
+Bad input touches nothing else: a message that does not decode (kv_events.WireError: wrapping
+op counts, integers beyond int64, an oversized namespace, a non-finite sent_at, ...) is counted
+in `bad_messages` and dropped (its source resynchronises on the gap it leaves); one that fails
+to apply resynchronises its own source only; a bad request is answered an error and changes no
+state; a query connection sending a frame beyond MAX_FRAME is closed (`bad_frames`).
 """
 
 from __future__ import annotations

@@ -170,3 +170,19 @@ def test_the_guard_imports_without_torch() -> None:
     code = "import sys; from l3pool.index import GuardedIndex as G; assert 'torch' not in sys.modules, G; print('ok')"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_an_unexpected_error_is_no_answer_not_a_stuck_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    with IndexService(_index(), silent_s=60) as svc, GuardedIndex(svc.endpoint, cooldown_s=0.05) as g:
+        c = g._client()
+
+        def broken(*a: object) -> PrefixHits:
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(c, "query", broken)
+        assert g.query(KEYS, "ns").source == "none" and "RuntimeError: injected" in g.stats()["last_error"]
+        time.sleep(0.06)
+        assert g.query(KEYS, "ns").source == "none" and g.stats()["probes"] == 1  # the probe failed too
+        monkeypatch.undo()
+        time.sleep(0.11)
+        assert g.query(KEYS, "ns").source == "index" and g.stats()["breaker"] == "closed"
