@@ -39,6 +39,7 @@ from l3pool.pool.kv_events import (
     TIER_CODES,
     SourceInfo,
     WireError,
+    check_namespace,
     decode_request,
     encode_error,
     encode_events,
@@ -120,8 +121,7 @@ class KvEventPublisher:
         from l3pool.pool.metadata import check_id
 
         check_id("instance id", instance_id)
-        if not isinstance(namespace, str):
-            raise ValueError("namespace must be a string")
+        check_namespace(namespace)  # what the index accepts (a WireError is a ValueError)
         for name, v in (("queue_pages", queue_pages), ("l3_hints", l3_hints), ("sndhwm", sndhwm)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -2,10 +2,15 @@
 own events (l3pool/cache/events.py), outside the engine. See types.py for what a query answers,
 DESIGN.md "KV events and the global index" for the design.
 
-    from l3pool.index import GlobalIndex, IndexService, IndexClient, PrefixHits, TierPrefix
+    from l3pool.index import GlobalIndex, IndexService, IndexClient, GuardedIndex, PrefixHits, TierPrefix
 
-The names load lazily: `IndexClient` and the types stay torch-free; `GlobalIndex` and
-`IndexService` load l2core's native table (torch) when first named.
+A router asks through `GuardedIndex` (guard.py): an answer within a deadline (30 ms by default)
+whatever the index does, a breaker that stops asking a hung index, and a fallback marked on the
+answer (`PrefixHits.source`: "index" | "last_known" | "none", `.reason`) for the decision to
+record.
+
+The names load lazily: `IndexClient`, `GuardedIndex` and the types stay torch-free;
+`GlobalIndex` and `IndexService` load l2core's native table (torch) when first named.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ _LAZY = {
     "IndexClient": "l3pool.index.client",
     "IndexUnavailable": "l3pool.index.client",
     "IndexRequestError": "l3pool.index.client",
+    "GuardedIndex": "l3pool.index.guard",
 }
 
 __all__ = ["PrefixHits", "TierPrefix", *_LAZY]

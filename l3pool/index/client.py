@@ -10,7 +10,8 @@ connection the service closed meanwhile (it restarted) is opened again once per 
 that gets no answer within `timeout_s`, or an index that refuses the connection, raises
 `IndexUnavailable` (the connection is then dropped, so the next call starts clean); an error the
 service answered raises `IndexRequestError`. Not thread-safe: one client per thread. Torch-free
-(imports neither the index table nor l2core).
+(imports neither the index table nor l2core). A router asks through guard.GuardedIndex instead:
+its answers come within a deadline whatever the index does (a breaker, a fallback it names).
 """
 
 from __future__ import annotations

@@ -12,12 +12,14 @@ the median and put the 99th percentile in the milliseconds (REQ -> ROUTER vs thi
 the serving thread directly, and the client's own thread receives the answer.
 
 `QueryServer` serves one listening socket on a thread of its own (`selectors`, non-blocking
-sockets: one thread for every connection); `answer(body) -> body` is called on that thread.
+sockets: one thread for every connection, served in turn: one request of each per turn, see
+QueryServer); `answer(body) -> body` is called on that thread.
 Torch-free (the client imports `parse_endpoint` and `frame` from here).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import selectors
@@ -31,6 +33,7 @@ from l3pool.pool.kv_events import MAX_KEYS
 log = logging.getLogger(__name__)
 MAX_FRAME = 8 * MAX_KEYS + 4096  # a request of MAX_KEYS page keys and its head
 MAX_UNSENT = 64 << 20  # answers a client has not read: beyond this its connection is dropped
+OUT_HIGH = 1 << 20  # answers a client has not read: beyond this its requests wait (it reads first)
 _LEN = struct.Struct("<I")
 
 
@@ -51,15 +54,27 @@ def frame(body: bytes) -> bytes:
 
 
 class _Conn:
-    __slots__ = ("inbuf", "outbuf", "sock", "writing")
+    __slots__ = ("closed", "events", "inbuf", "outbuf", "queued", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.inbuf, self.outbuf, self.writing = sock, bytearray(), bytearray(), False
+        self.sock, self.inbuf, self.outbuf = sock, bytearray(), bytearray()
+        self.events = 0  # what the selector watches for it (0: not registered)
+        self.queued = self.closed = False
+
+    def has_frame(self) -> bool:
+        """A whole request is buffered (its length checked against MAX_FRAME when read)."""
+        return len(self.inbuf) >= 4 and len(self.inbuf) >= 4 + _LEN.unpack_from(self.inbuf)[0]
 
 
 class QueryServer:
     """Listens on `endpoint` at construction (ValueError when it cannot); `start()` serves on a
-    thread named `name`; `close()` stops it and closes every socket."""
+    thread named `name`; `close()` stops it and closes every socket.
+
+    Fair: each turn answers one request of every connection that has one buffered, in turn, so a
+    client pipelining thousands of requests delays another client's request by one answer of
+    its own, not by all of them. A connection with a whole request buffered is not read from
+    until that is answered (at most one 64 KiB read beyond a request is buffered), and one with
+    OUT_HIGH bytes of answers unread is neither answered nor read from until it reads them."""
 
     def __init__(self, endpoint: str, answer: Callable[[bytes], bytes], name: str = "l3pool-index-query") -> None:
         host, port = parse_endpoint(endpoint)
@@ -85,7 +100,9 @@ class QueryServer:
         self._rfd, self._wfd = os.pipe()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.connections = self.bad_frames = 0
+        self._ready: collections.deque[_Conn] = collections.deque()  # a whole request buffered, in turn
+        self._conns: set[_Conn] = set()
+        self.connections = self.bad_frames = self.requests = 0  # bad_frames: connections closed for one
 
     def start(self) -> QueryServer:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -110,17 +127,17 @@ class QueryServer:
         sel.register(self._rfd, selectors.EVENT_READ, "stop")
         try:
             while not self._stop:
-                for key, events in sel.select():
+                for key, events in sel.select(0 if self._ready else None):
                     if key.data == "stop":
                         return
                     if key.data is None:
                         self._accept(sel)
                     else:
                         self._serve(sel, key.data, events)
+                self._turn(sel)
         finally:
-            for key in list(sel.get_map().values()):
-                if isinstance(key.data, _Conn):
-                    key.data.sock.close()
+            for c in list(self._conns):
+                c.sock.close()
             sel.close()
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
@@ -135,15 +152,39 @@ class QueryServer:
             s.setblocking(False)
             if s.family != socket.AF_UNIX:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sel.register(s, selectors.EVENT_READ, _Conn(s))
+            c = _Conn(s)
+            self._conns.add(c)
+            self._watch(sel, c)
             self.connections += 1
 
     def _drop(self, sel: selectors.BaseSelector, c: _Conn) -> None:
-        sel.unregister(c.sock)
+        if c.events:
+            sel.unregister(c.sock)
         c.sock.close()
+        c.closed, c.events = True, 0
+        self._conns.discard(c)
+
+    def _watch(self, sel: selectors.BaseSelector, c: _Conn) -> None:
+        """Into the turn while a request is buffered and its answers are not piling up unread;
+        write while answers are unsent; read unless stalled on those (`_serve` reads nothing
+        while a whole request is buffered: no selector change on the way of one request)."""
+        frame_in = c.has_frame()
+        stalled = len(c.outbuf) >= OUT_HIGH
+        want = (0 if frame_in and stalled else selectors.EVENT_READ) | (selectors.EVENT_WRITE if c.outbuf else 0)
+        if want != c.events:  # never 0: a stalled connection has answers to write
+            if c.events:
+                sel.modify(c.sock, want, c)
+            else:
+                sel.register(c.sock, want, c)
+            c.events = want
+        if frame_in and not stalled and not c.queued:
+            c.queued = True
+            self._ready.append(c)
 
     def _serve(self, sel: selectors.BaseSelector, c: _Conn, events: int) -> None:
-        if events & selectors.EVENT_READ:
+        """The selector's events of one connection: read what came (no answer here: `_turn`),
+        send what is unsent."""
+        if events & selectors.EVENT_READ and not c.has_frame():
             try:
                 data = c.sock.recv(1 << 16)
             except (BlockingIOError, InterruptedError):
@@ -155,30 +196,49 @@ class QueryServer:
                 return
             if data:
                 c.inbuf += data
-                while len(c.inbuf) >= 4:
-                    n = _LEN.unpack_from(c.inbuf)[0]
-                    if n > MAX_FRAME:  # not our protocol, or a broken client: no way to resynchronise
-                        self.bad_frames += 1
-                        log.debug("index: a %d-byte request frame; connection closed", n)
-                        self._drop(sel, c)
-                        return
-                    if len(c.inbuf) < 4 + n:
-                        break
-                    body = bytes(c.inbuf[4 : 4 + n])
-                    del c.inbuf[: 4 + n]
-                    c.outbuf += frame(self.answer(body))
-        if c.outbuf:
-            try:
-                sent = c.sock.send(c.outbuf)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
+                if len(c.inbuf) >= 4 and _LEN.unpack_from(c.inbuf)[0] > MAX_FRAME:
+                    # not our protocol, or a broken client: no way to resynchronise
+                    self.bad_frames += 1
+                    log.debug("index: a %d-byte request frame; connection closed", _LEN.unpack_from(c.inbuf)[0])
+                    self._drop(sel, c)
+                    return
+        if events & selectors.EVENT_WRITE and not self._flush(sel, c):
+            return
+        self._watch(sel, c)
+
+    def _turn(self, sel: selectors.BaseSelector) -> None:
+        """One request of each connection queued now, in turn (a connection with more buffered
+        goes to the back of the queue)."""
+        for _ in range(len(self._ready)):
+            c = self._ready.popleft()
+            c.queued = False
+            if c.closed:
+                continue
+            n = _LEN.unpack_from(c.inbuf)[0]
+            body = bytes(c.inbuf[4 : 4 + n])
+            del c.inbuf[: 4 + n]
+            self.requests += 1
+            c.outbuf += frame(self.answer(body))
+            if len(c.inbuf) >= 4 and _LEN.unpack_from(c.inbuf)[0] > MAX_FRAME:
+                self.bad_frames += 1
                 self._drop(sel, c)
-                return
-            del c.outbuf[:sent]
-            if len(c.outbuf) > MAX_UNSENT:  # it sends and never reads
-                self._drop(sel, c)
-                return
-        if bool(c.outbuf) != c.writing:  # wait for room to send the rest (or stop waiting)
-            c.writing = bool(c.outbuf)
-            sel.modify(c.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if c.writing else 0), c)
+                continue
+            if self._flush(sel, c):
+                self._watch(sel, c)
+
+    def _flush(self, sel: selectors.BaseSelector, c: _Conn) -> bool:
+        """Send what the socket takes of the connection's answers; False when it was dropped."""
+        if not c.outbuf:
+            return True
+        try:
+            sent = c.sock.send(c.outbuf)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._drop(sel, c)
+            return False
+        del c.outbuf[:sent]
+        if len(c.outbuf) > MAX_UNSENT:  # one answer larger than a client will ever read
+            self._drop(sel, c)
+            return False
+        return True

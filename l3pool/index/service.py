@@ -32,12 +32,19 @@ does (lease ended, deregistered); an instance silent for `silent_s` (no heartbea
 answered for until a snapshot comes again. A restarted index starts from nothing and resynchronises every
 registered instance before answering for it. While etcd is unreachable the last known sources
 are kept. A pool member leaving drops every L3 hint (GlobalIndex.clear_pool).
+
+Bad input touches nothing else: a message that does not decode (kv_events.WireError: wrapping
+op counts, integers beyond int64, an oversized namespace, a non-finite sent_at, ...) is counted
+in `bad_messages` and dropped (its source resynchronises on the gap it leaves); one that fails
+to apply resynchronises its own source only; a bad request is answered an error and changes no
+state; a query connection sending a frame beyond MAX_FRAME is closed (`bad_frames`).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import queue
 import threading
@@ -523,8 +530,8 @@ class IndexService:
         s.seq = b.seq
         s.events += 1
         metrics.INDEX_EVENTS_APPLIED.inc()
-        if b.sent_at:
-            self._lag.append(time.time() - b.sent_at)
+        if b.sent_at and math.isfinite(lag := time.time() - b.sent_at):  # the decoder refuses non-finite ones
+            self._lag.append(lag)
 
     def _events(self) -> None:
         zmq = _zmq()
@@ -535,38 +542,51 @@ class IndexService:
                 return
             try:
                 b = decode_events(body)
-            except WireError as e:
+            except Exception as e:  # WireError; anything else is a decoder bug, still this message's only
                 self.bad_messages += 1
                 metrics.INDEX_BAD_MESSAGES.inc()
-                log.debug("index: dropped a malformed event message: %s", e)
+                if isinstance(e, WireError):
+                    log.debug("index: dropped a malformed event message: %s", e)
+                else:
+                    log.exception("index: decoding an event message failed; dropped")
                 continue
             s = self._src.get(b.instance)
             if s is None:
                 self.unknown_messages += 1
                 continue
-            s.last_seen = time.monotonic()
-            if not s.live:
-                if (s.dealer is not None or s.replacing) and not s.again:
-                    s.buffer.append(b)
-                    if len(s.buffer) > MAX_BUFFERED:
-                        s.dropped += len(s.buffer)
-                        s.buffer = []
-                        s.gaps += 1
-                        s.again = s.replacing  # the snapshot is stored already: another one after it
-                continue
-            if b.epoch != s.epoch:
-                s.epochs += 1
+            try:
+                self._event(s, b)
+            except Exception as e:  # a bug: said, counted, and this source alone resynchronised
+                self.loop_errors += 1
+                log.exception("index: an event of %s failed; resynchronising it", b.instance)
+                s.last_error = f"event error: {type(e).__name__}: {e}"
                 self._resync(b.instance, s)
-            elif b.heartbeat and b.seq == s.seq:
-                continue
-            elif not b.heartbeat and b.seq == s.seq + 1:
-                self._apply(b.instance, s, b)
-            else:
-                if b.seq > s.seq:
+
+    def _event(self, s: _Source, b: EventBatch) -> None:
+        """One decoded event message of a known source."""
+        s.last_seen = time.monotonic()
+        if not s.live:
+            if (s.dealer is not None or s.replacing) and not s.again:
+                s.buffer.append(b)
+                if len(s.buffer) > MAX_BUFFERED:
+                    s.dropped += len(s.buffer)
+                    s.buffer = []
                     s.gaps += 1
-                else:
-                    s.duplicates += 1
-                self._resync(b.instance, s)
+                    s.again = s.replacing  # the snapshot is stored already: another one after it
+            return
+        if b.epoch != s.epoch:
+            s.epochs += 1
+            self._resync(b.instance, s)
+        elif b.heartbeat and b.seq == s.seq:
+            return
+        elif not b.heartbeat and b.seq == s.seq + 1:
+            self._apply(b.instance, s, b)
+        else:
+            if b.seq > s.seq:
+                s.gaps += 1
+            else:
+                s.duplicates += 1
+            self._resync(b.instance, s)
 
     # -- queries (their own thread) -------------------------------------------------------------
     def _answer(self, body: bytes) -> bytes:
@@ -606,7 +626,8 @@ class IndexService:
             "etcd_ok": self.etcd_ok,
             "etcd_errors": self.etcd_errors,
             "membership": self._membership_status(),
-            "bad_messages": self.bad_messages + self.bad_requests,
+            "bad_messages": self.bad_messages + self.bad_requests + self._queries.bad_frames,
+            "bad_frames": self._queries.bad_frames,  # query connections closed for a frame beyond MAX_FRAME
             "loop_errors": self.loop_errors,
             "unknown_messages": self.unknown_messages,
             "refused_keys": self.refused_keys,

@@ -76,8 +76,10 @@ import numpy as np
 
 from l2core import _native
 from l3pool.index.types import PrefixHits, TierPrefix
-from l3pool.pool.kv_events import TIER_NAMES, keys64
+from l3pool.pool.kv_events import TIER_NAMES, check_namespace, keys64, ops_error
 from l3pool.values import BadValue, int_in, number_at_least
+
+SALT_CACHE = 1024  # namespaces whose salt is kept (each at most kv_events.MAX_NAMESPACE bytes)
 
 
 class IndexFull(RuntimeError):
@@ -211,12 +213,17 @@ class GlobalIndex:
     def _is_live(self, s: int) -> bool:
         return bool((int(self._live[s // 64]) >> (s % 64)) & 1)
 
-    def _salt(self, namespace: str) -> int:
+    def _salt(self, namespace: str, keep: bool = True) -> int:
+        """The namespace's salt, from a cache of the last SALT_CACHE namespaces changes used
+        (`keep`: an event batch, a snapshot). A query's namespace is looked up, never added: a
+        query leaves nothing behind, and the cache stays bounded whatever the queries name."""
         v = self._salts.get(namespace)
         if v is None:
-            if not isinstance(namespace, str):
-                raise ValueError("namespace must be a string")
-            v = self._salts[namespace] = salt(namespace)
+            v = salt(check_namespace(namespace))  # WireError (a ValueError) for a bad one
+            if keep:
+                while len(self._salts) >= SALT_CACHE:  # the oldest out (dict order: insertion)
+                    del self._salts[next(iter(self._salts))]
+                self._salts[namespace] = v
         return v
 
     def _stamp(self) -> int:
@@ -351,26 +358,17 @@ class GlobalIndex:
             s = self._settled(instance)
             with self._mu:
                 salt_, stamp = self._salt(namespace), self._stamp()
-            if len(keys) > self.apply_keys:  # the native call checks the ops against the keys
-                self._check_ops(ops, len(keys))
+            self._check_ops(ops, len(keys))  # native.apply checks them too, one call's part at a time
             refused = self._apply_parts(s, salt_, ops, keys, stamp)
             self.applied_keys += len(keys)
             return refused
 
     @staticmethod
     def _check_ops(ops: np.ndarray, n_keys: int) -> None:
-        """What native.apply checks of its ops, before a batch is split into parts (none applied
-        when one is bad)."""
-        if ops.ndim != 2 or ops.shape[1] != 3:
-            raise ValueError("ops must be an (n, 3) int64 array")
-        if len(ops) and (ops[:, 0].min() < 0 or ops[:, 0].max() > 2):
-            raise ValueError("tier must be 0 (L1), 1 (L2) or 2 (pool)")
-        if len(ops) and (ops[:, 1].min() < 0 or ops[:, 1].max() > 1):
-            raise ValueError("op must be 0 (remove) or 1 (store)")
-        if len(ops) and ops[:, 2].min() < 0:
-            raise ValueError("negative key count")
-        if int(ops[:, 2].sum()) != n_keys:
-            raise ValueError(f"ops name {int(ops[:, 2].sum())} keys, {n_keys} given")
+        """What native.apply checks of its ops (each count against the keys left: no sum wraps),
+        before any part of a batch is applied (none is when one op is bad)."""
+        if (err := ops_error(ops, n_keys)) is not None:
+            raise ValueError(err)
 
     def replace(self, instance: str, namespace: str, tiers: dict[str, np.ndarray]) -> int:
         """An instance's whole L1/L2 contents (a snapshot): its old entries cleared, these set;
@@ -442,7 +440,7 @@ class GlobalIndex:
         """`query`'s answer as plain lists, no object per instance (what the service sends):
         (pages, pool prefix, live instance names, their l1, l2, l3 prefixes in the same order)."""
         keys = keys64(page_hashes)
-        salt_ = self._salt(namespace)
+        salt_ = self._salt(namespace, keep=False)
         self._read()
         try:
             pool, l1, l2, l3 = self.native.query(keys, salt_, max(1, self._stamp() - 4), self._live)
@@ -479,6 +477,7 @@ class GlobalIndex:
                 "sweep_parts": self.sweeps,
                 "apply_calls": self.apply_calls,
                 "deferred_erases": self.deferred_erases,
+                "namespaces_cached": len(self._salts),
                 "l3_ttl_s": self.l3_ttl_s,
                 "instances": per,
             }

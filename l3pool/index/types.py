@@ -10,6 +10,11 @@ A query takes one request's page hashes (in order) and answers, per instance, ho
 The tiers are cumulative so that a router prices `l1` pages as free, `l2 - l1` pages at the
 instance's measured L2 -> L1 bandwidth, `l3 - l2` at its measured L3 -> L2 bandwidth, and the rest
 as compute. `pool_l3` is the longest prefix held by the shared pool alone (any instance can fetch it).
+
+`source` says where an answer comes from: "index" (the global index answered it), "last_known"
+(the index did not answer in time: its last answer to the same request, guard.GuardedIndex) or
+"none" (no answer known: empty, so a router decides by load alone); `reason` says why it is not
+the index's own answer ("" when it is). A routing decision should record both.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TIERS = ("l1", "l2", "l3")
+SOURCES = ("index", "last_known", "none")
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,12 @@ class PrefixHits:
     pages: int  # pages in the request
     pool_l3: int = 0
     per_instance: dict[str, TierPrefix] = field(default_factory=dict)
+    source: str = "index"  # index | last_known | none (see the module docstring)
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
 
     def of(self, instance: str) -> TierPrefix:
         """The instance's prefixes; an instance the index knows nothing about still reaches the pool."""

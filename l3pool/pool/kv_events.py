@@ -9,8 +9,11 @@ Event message (ZeroMQ PUB, one frame, msgpack array):
     [1, "ev", instance, epoch, seq, namespace, ops, keys, sent_at]
       ops:  flat list of (tier, op, count) triples, tier 0 = L1, 1 = L2, 2 = L3 (written to the
             pool by this instance); op 1 = store, 0 = remove; applied in order
-      keys: bytes, sum(count) * 8 (the ops' keys, concatenated)
-      sent_at: the publisher's wall clock (unix s, float) when the message's oldest operation was
+      keys: bytes, sum(count) * 8 (the ops' keys, concatenated); every integer of ops fits int64
+            and each count is checked against the keys left after the ops before it (no sum of
+            counts can wrap around)
+      namespace: at most MAX_NAMESPACE bytes (UTF-8)
+      sent_at: the publisher's wall clock (unix s, finite float) when the message's oldest operation was
             queued (a heartbeat: when it was sent), so the index's event lag counts the batching too
     `seq` grows by one per message of the instance's `epoch` (a random 63-bit id per publisher
     process). A heartbeat is an event message with no ops and the last seq sent: it lets a
@@ -25,6 +28,7 @@ Error reply: [1, "err", message]
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -39,6 +43,7 @@ TIER_CODES = {"l1": 0, "l2": 1, "l3": 2}
 TIER_NAMES = ("l1", "l2", "l3")
 REMOVE, STORE = 0, 1
 MAX_KEYS = 1 << 24  # per message / per snapshot tier: a bound on what a decoder accepts
+MAX_NAMESPACE = 256  # bytes (UTF-8) of a namespace: an event's, a snapshot's, a query's (ns_id: 16)
 
 
 class WireError(ValueError):
@@ -131,8 +136,42 @@ def _check_head(msg: list[Any], kind: str, n: int) -> None:
         raise WireError("instance must be a non-empty string")
     if not isinstance(epoch, int) or not isinstance(seq, int) or epoch < 0 or seq < 0:
         raise WireError("epoch and seq must be non-negative integers")
+    check_namespace(ns)
+
+
+def check_namespace(ns: Any) -> str:
+    """`ns` when it is a namespace this side accepts (a str of at most MAX_NAMESPACE UTF-8 bytes),
+    else WireError (nothing is kept of it)."""
     if not isinstance(ns, str):
         raise WireError("namespace must be a string")
+    if len(ns) > MAX_NAMESPACE or len(ns.encode("utf-8", "surrogatepass")) > MAX_NAMESPACE:
+        raise WireError(f"namespace longer than {MAX_NAMESPACE} bytes (UTF-8)")
+    return ns
+
+
+def ops_error(ops: np.ndarray, n_keys: int) -> str | None:
+    """Why `ops` ((n, 3) int64 tier/op/count triples) does not name exactly `n_keys` keys in known
+    tiers and operations, or None. Vectorised; every count is checked against the keys there are
+    before any sum is taken (each count <= n_keys, so the sum of n of them is exact below 2^63: a
+    message's counts cannot wrap around to the key count)."""
+    if ops.ndim != 2 or ops.shape[1] != 3:
+        return "ops must be an (n, 3) int64 array"
+    if not len(ops):
+        return None if n_keys == 0 else f"ops name 0 keys, {n_keys} given"
+    if ops[:, 0].min() < 0 or ops[:, 0].max() > 2:
+        return "tier must be 0 (L1), 1 (L2) or 2 (pool)"
+    if ops[:, 1].min() < 0 or ops[:, 1].max() > 1:
+        return "op must be 0 (remove) or 1 (store)"
+    cnt = ops[:, 2]
+    if cnt.min() < 0:
+        return "negative key count"
+    if (mx := int(cnt.max())) > n_keys:
+        return f"ops name {mx} keys in one op, {n_keys} given"
+    if len(cnt) * n_keys >= 1 << 63:  # pragma: no cover - beyond any buffer; exact anyway
+        total = sum(int(c) for c in cnt)
+    else:
+        total = int(cnt.sum())
+    return None if total == n_keys else f"ops name {total} keys, {n_keys} given"
 
 
 def _key_buf(b: Any, what: str) -> np.ndarray:
@@ -145,19 +184,17 @@ def decode_events(buf: bytes) -> EventBatch:
     msg = _unpack(buf)
     _check_head(msg, "ev", 9)
     ops_l, kb, sent_at = msg[6], msg[7], msg[8]
-    if not isinstance(sent_at, (int, float)):
-        raise WireError("sent_at must be a number")
+    if isinstance(sent_at, bool) or not isinstance(sent_at, (int, float)) or not math.isfinite(sent_at):
+        raise WireError(f"sent_at must be a finite number, got {sent_at!r}")
     if not isinstance(ops_l, list) or len(ops_l) % 3 or not all(isinstance(x, int) for x in ops_l):
         raise WireError("ops must be a flat list of (tier, op, count) integer triples")
-    ops = np.asarray(ops_l, dtype=np.int64).reshape(-1, 3)
+    try:
+        ops = np.asarray(ops_l, dtype=np.int64).reshape(-1, 3)
+    except OverflowError:  # msgpack's uint64 above 2^63 - 1
+        raise WireError("an op's integer is out of the int64 range") from None
     keys = _key_buf(kb, "keys")
-    if ops.size:
-        if ((ops[:, 0] < 0) | (ops[:, 0] > 2)).any() or ((ops[:, 1] != 0) & (ops[:, 1] != 1)).any():
-            raise WireError("an op names an unknown tier or operation")
-        if (ops[:, 2] < 0).any() or int(ops[:, 2].sum()) != len(keys):
-            raise WireError(f"ops count {int(ops[:, 2].sum())} keys but the message carries {len(keys)}")
-    elif len(keys):
-        raise WireError("a heartbeat carries no keys")
+    if (err := ops_error(ops, len(keys))) is not None:
+        raise WireError(err if ops.size else "a heartbeat carries no keys")
     return EventBatch(msg[2], msg[3], msg[4], msg[5], ops, keys, float(sent_at))
 
 

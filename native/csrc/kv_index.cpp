@@ -67,16 +67,24 @@ void KvIndex::erase(uint64_t i) {
 int64_t KvIndex::apply(int64_t inst, const int64_t* ops, int64_t n_ops, const uint64_t* keys, int64_t n_keys,
                        uint64_t salt, uint64_t stamp) {
   if (inst < 0 || inst >= 64 * W_) throw std::out_of_range("instance slot " + std::to_string(inst) + " out of range");
-  int64_t total = 0;
+  if (n_ops < 0 || n_keys < 0) throw std::invalid_argument("negative op or key count");
+  // each count against the keys left after the ops before it: no sum is taken, so no count can
+  // wrap a total around to n_keys (and the loop below never reads past the key buffer)
+  int64_t left = n_keys;
   for (int64_t o = 0; o < n_ops; ++o) {
     const int64_t tier = ops[3 * o], set = ops[3 * o + 1], cnt = ops[3 * o + 2];
     if (tier < 0 || tier > 2) throw std::invalid_argument("tier must be 0 (L1), 1 (L2) or 2 (pool)");
     if (set != 0 && set != 1) throw std::invalid_argument("op must be 0 (remove) or 1 (store)");
     if (cnt < 0) throw std::invalid_argument("negative key count");
-    total += cnt;
+    if (cnt > left)
+      throw std::invalid_argument("ops name more keys than the " + std::to_string(n_keys) + " given: op " +
+                                  std::to_string(o) + " names " + std::to_string(cnt) + ", " +
+                                  std::to_string(left) + " left");
+    left -= cnt;
   }
-  if (total != n_keys)
-    throw std::invalid_argument("ops name " + std::to_string(total) + " keys, " + std::to_string(n_keys) + " given");
+  if (left != 0)
+    throw std::invalid_argument("ops name " + std::to_string(n_keys - left) + " keys, " + std::to_string(n_keys) +
+                                " given");
   const uint64_t w = static_cast<uint64_t>(inst) / 64, bit = 1ULL << (inst % 64);
   int64_t refused = 0;
   const uint64_t* kp = keys;
