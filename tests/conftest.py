@@ -30,6 +30,8 @@ if (_threads := _xdist_threads()) is not None:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.support import torch_state  # noqa: E402
+
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
@@ -111,12 +113,16 @@ def _restore_environ() -> Iterator[None]:
     os.environ.update(saved)
 
 
+_TORCH_BASELINE = torch_state.snapshot()  # torch's settings as this process started, before any test
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_state() -> Iterator[None]:
     """torch's process-wide settings (deterministic mode, SDPA backends, default dtype, threads) as
-    they were before the test: one fixture for the whole suite (tests/support/torch_state.py)."""
-    from tests.support import torch_state
-
-    saved = torch_state.snapshot()
+    the process started, before and after every test: one fixture for the whole suite
+    (tests/support/torch_state.py). Before as well as after: a module- or session-scoped fixture
+    (set up before this one) that ran the demo in-process would otherwise leave deterministic mode
+    on for its module and every module after it in the worker (seen on the H200 under -n 8)."""
+    torch_state.restore(_TORCH_BASELINE)
     yield
-    torch_state.restore(saved)
+    torch_state.restore(_TORCH_BASELINE)

@@ -34,21 +34,37 @@ def test_b_sees_the_defaults():
 """
 
 
+# a module-scoped fixture that leaves deterministic mode on (as a module running the demo once does):
+# its own module's tests and the next module's must start from torch's defaults
+INNER_MODULE = """
+import pytest
+import torch
+
+@pytest.fixture(scope="module")
+def demo_ran():
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+def test_c_after_a_module_fixture(demo_ran):
+    assert not torch.are_deterministic_algorithms_enabled()
+"""
+
+
 def _inner(tmp_path: Path, *plugin: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_inner.py").write_text(INNER.format(threads=torch.get_num_threads()))
+    (tmp_path / "test_inner_module.py").write_text(INNER_MODULE)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch.get_num_threads())}
     env.pop("PYTEST_XDIST_WORKER_COUNT", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *plugin,
-           "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")]  # fmt: skip
+           "--rootdir", str(tmp_path), str(tmp_path)]  # fmt: skip
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_a_leaking_test_does_not_reach_the_next_one(tmp_path: Path) -> None:
     with_fixture = _inner(tmp_path, "-p", "tests.conftest")
     assert with_fixture.returncode == 0, with_fixture.stdout + with_fixture.stderr
-    assert "2 passed" in with_fixture.stdout
+    assert "3 passed" in with_fixture.stdout
     without = _inner(tmp_path)
-    assert without.returncode == 1 and "1 failed, 1 passed" in without.stdout, without.stdout
+    assert without.returncode == 1 and "2 failed, 1 passed" in without.stdout, without.stdout
 
 
 def test_restore_names_what_changed_and_puts_it_back() -> None:
@@ -64,6 +80,7 @@ def test_restore_names_what_changed_and_puts_it_back() -> None:
 
 
 def test_the_state_of_this_test_is_the_suites_default() -> None:
-    """Whatever ran before in this worker (the demo's deterministic mode, SDPA restrictions)."""
+    """Whatever ran before in this worker (the demo's deterministic mode, SDPA restrictions), in a
+    test or in a module-scoped fixture."""
     s = torch_state.snapshot()
     assert not s.deterministic and all(s.sdpa) and s.default_dtype == torch.float32

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import prefill
 from l3pool.demo.hf import PREFIX_METHODS
@@ -34,7 +35,12 @@ def test_prefill_bench_json_contract(tmp_path: Path) -> None:
             assert chk["engine_repeatable"] and chk["cached_prefix_identical"], (mode, k)
             assert chk["cached_prefix_tokens"] == 128  # half of 300, down to a chunk boundary of both
             assert chk["max_abs_diff_vs_hf_one_forward"] < 1e-2 < chk["logit_scale"]  # bf16 rounding only
-        assert m["attention_probe"] is None  # CUDA only
+        probe = m["attention_probe"]
+        if torch.cuda.is_available():  # one chunk's attention alone per way, each against an explicit mask
+            assert {"split", "lower_right_repeated", "explicit_mask"} <= set(probe)
+            assert probe["split"]["max_abs_diff_vs_explicit"] < 0.05, probe
+        else:
+            assert probe is None
 
 
 def test_a_subset_of_methods_without_hf_chunked(tmp_path: Path) -> None:
