@@ -21,6 +21,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -341,6 +342,15 @@ def agent_args(etcd: EtcdServer, master: MasterServer, prefix: str, *extra: str)
         prefix,
         *extra,
     ]
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now (connections to it are refused until used)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = int(s.getsockname()[1])
+    s.close()
+    return port
 
 
 def slack() -> float:

@@ -4,7 +4,6 @@ status shows it live, the final status comes as JSON) and one-line errors for ba
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,7 @@ from l3pool.index.client import IndexClient, IndexUnavailable
 from l3pool.pool.metadata import Metadata
 from l3pool.procenv import python_env
 
-from ..conftest import EtcdServer
-
-
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = int(s.getsockname()[1])
-    s.close()
-    return p
+from ..conftest import EtcdServer, free_port
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -45,7 +36,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     ],
 )
 def test_bad_input_is_one_error_line(args: list[str], code: int, words: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    port = str(_port())
+    port = str(free_port())
     r = _cli(*[a.replace("{port}", port) for a in args])
     assert r.returncode == code, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and words in r.stderr, r.stderr
@@ -62,7 +53,7 @@ def test_no_etcd_given(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_serve_status_and_final_json(etcd_server: EtcdServer, prefix: str) -> None:
-    listen = f"tcp://127.0.0.1:{_port()}"
+    listen = f"tcp://127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "l3pool.cli", "index", "--etcd", etcd_server.endpoints, "--key-prefix", prefix,
          "--listen", listen, "--capacity-pages", "10000", "--duration", "12", "--poll", "0.2", "--json"],

@@ -29,18 +29,10 @@ from l3pool.pool.etcd import LeaseKeeper
 from l3pool.pool.metadata import Metadata
 from l3pool.procenv import python_env
 
-from ..conftest import EtcdServer
+from ..conftest import EtcdServer, free_port
 from .test_index_service import Instance
 
 KEYS = list(range(1, 41))
-
-
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = int(s.getsockname()[1])
-    s.close()
-    return p
 
 
 @dataclass
@@ -72,7 +64,7 @@ def start_index(etcd: EtcdServer, prefix: str, *extra: str) -> subprocess.Popen[
     """`l3pool index` serving `prefix` of `etcd` (its first stdout line: the endpoint, JSON)."""
     return subprocess.Popen(
         [sys.executable, "-m", "l3pool.cli", "index", "--etcd", etcd.endpoints, "--key-prefix", prefix,
-         "--listen", f"tcp://127.0.0.1:{_port()}", "--capacity-pages", "10000", "--poll", "0.2", "--json", *extra],
+         "--listen", f"tcp://127.0.0.1:{free_port()}", "--capacity-pages", "10000", "--poll", "0.2", "--json", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(),
     )  # fmt: skip
 

@@ -16,13 +16,7 @@ import pytest
 
 from l3pool.pool.donors import DeadDonors, rpc_address
 
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = int(s.getsockname()[1])
-    s.close()  # nothing listens there now: connections are refused
-    return port
+from ..conftest import free_port
 
 
 @pytest.fixture
@@ -38,7 +32,7 @@ def test_marks_are_rechecked_and_forgotten() -> None:
     """A marked endpoint stays dead while it refuses connections, is tried again once it accepts
     them (re-checked every retry_s), and is forgotten after forget_s."""
     d = DeadDonors(retry_s=0.05, forget_s=0.5)
-    port = _free_port()
+    port = free_port()
     ep, other = f"127.0.0.1:{port}", "127.0.0.1:1"
     assert d.mark([ep, other, ep], 0.0, "get") == 2
     assert d.counts["dead_endpoints_marked"] == 2 and len(d) == 2
@@ -65,7 +59,7 @@ def test_an_endpoint_that_accepts_is_never_marked(listening: str) -> None:
 
 def test_puts_are_steered_to_live_endpoints_only_while_one_is_dead(listening: str) -> None:
     d = DeadDonors(retry_s=1.0, forget_s=10.0)
-    dead = f"127.0.0.1:{_free_port()}"
+    dead = f"127.0.0.1:{free_port()}"
     live2 = "127.0.0.1:2"  # refuses too, but is never handed to mark(): only seen
     d.saw([dead, listening, live2])
     assert d.steer() is None  # nothing dead: Mooncake places it
@@ -84,8 +78,8 @@ def test_http_metadata_gives_the_address_to_connect_to(listening: str) -> None:
     `mooncake/rpc_meta/<segment>` record (read with the key URL-encoded) names its transfer
     engine's RPC address, and that decides; no record: nothing proves it dead, it is not marked."""
     host, port = listening.rsplit(":", 1)
-    segment = f"127.0.0.1:{_free_port()}"  # refuses connects, like a live donor's segment name
-    dead_segment, dead_rpc = "127.0.0.1:3", _free_port()
+    segment = f"127.0.0.1:{free_port()}"  # refuses connects, like a live donor's segment name
+    dead_segment, dead_rpc = "127.0.0.1:3", free_port()
     records = {
         f"mooncake/rpc_meta/{segment}": {"ip_or_host_name": host, "rpc_port": int(port)},
         f"mooncake/rpc_meta/{dead_segment}": {"ip_or_host_name": "127.0.0.1", "rpc_port": dead_rpc},
