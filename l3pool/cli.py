@@ -216,8 +216,14 @@ def output_file(path: str | os.PathLike[str], what: str) -> Path:
     if p.is_dir():
         raise UserError(f"{what} {p}: is a directory", "give a file name")
     output_dir(p.parent, what)
-    if p.exists() and not os.access(p, os.W_OK):
-        raise UserError(f"{what} {p}: not writable")
+    existed = p.exists()
+    try:  # by opening it: os.access says yes to root on a read-only or special file system
+        with open(p, "ab"):
+            pass
+    except OSError as e:
+        raise UserError(f"{what} {p}: not writable: {e.strerror or e}", "pick another path") from None
+    if not existed:
+        p.unlink(missing_ok=True)  # nothing left behind if the run fails before writing it
     return p
 
 

@@ -32,7 +32,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from l3pool.paths import open_log, runtime_dir
 
@@ -51,6 +51,23 @@ _current: NativeLog | None = None
 def native_log() -> Path | None:
     """The file Mooncake's native log lines go to right now (None: they go to stderr)."""
     return _current.path if _current is not None else None
+
+
+LOG_FRAME_INTERVAL_S = 30.0  # a progress bar into a file or pipe: a frame at most this often
+
+
+def progress_bar(total: int, desc: str, *, disable: bool = False, unit: str = "step") -> Any:
+    """A tqdm bar on the current `sys.stderr`. On a terminal it redraws as usual; into a file or a
+    pipe (a log) it writes a frame at most every LOG_FRAME_INTERVAL_S seconds and at the end, not
+    one per step (hundreds of carriage-return frames in a demo's log otherwise)."""
+    from tqdm import tqdm
+
+    try:
+        tty = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    kw: dict[str, Any] = {} if tty else {"mininterval": LOG_FRAME_INTERVAL_S, "maxinterval": LOG_FRAME_INTERVAL_S}
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=disable, **kw)
 
 
 class TqdmHandler(logging.Handler):

@@ -289,9 +289,8 @@ def deterministic_cuda() -> None:
 
 
 def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
-    from tqdm import tqdm
-
     from l3pool.demo.run import run
+    from l3pool.logs import progress_bar
     from l3pool.pool.etcd import EtcdClient, EtcdSecurity, security_from_args
     from l3pool.pool.metadata import Metadata
 
@@ -300,7 +299,7 @@ def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
         log.info("demo: %s", how)
         store = ep.store()
         md = Metadata(EtcdClient(ep.etcd, timeout=2.0, security=sec)) if ep.etcd else None
-        bar = tqdm(total=1, desc="demo", unit="step", file=sys.stderr, disable=a.no_progress)
+        bar = progress_bar(1, "demo", disable=a.no_progress)
         try:
             rep = run(opts, store, md, bar)
         finally:

@@ -286,14 +286,13 @@ def _wrong_pages(view: Any, res: Any, want: Any) -> int:
 
 
 def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
-    from tqdm import tqdm
-
     from l2core import HostKVPool, L2Config
+    from l3pool.logs import progress_bar
     from l3pool.pool.client import L3Client
     from l3pool.pool.prefetch import Prefetcher
 
     check_fits(ps, ep)
-    bar = tqdm(total=2 * ps.requests + 1, desc="prefetch-check", unit="step", file=sys.stderr, disable=not progress)
+    bar = progress_bar(2 * ps.requests + 1, "prefetch-check", disable=not progress)
     bar.set_postfix_str("writing")
     try:
         writer = run_writer(ps, ep)
@@ -465,10 +464,15 @@ def _cmd(args: argparse.Namespace) -> int:
             rep = run_test(ps, ep, args, progress=not args.no_progress)
     except (RuntimeError, OSError) as e:  # ClusterError, StoreError
         return fail("l3pool prefetch-check", str(e), code=1)
-    if args.plot:
-        _plot(rep, args.plot)
     out = {k: v for k, v in rep.items() if not k.startswith("_")}
-    print(json.dumps(out, indent=1) if args.json else _table(out))
+    print(
+        json.dumps(out, indent=1) if args.json else _table(out), flush=True
+    )  # the report first, whatever the plot does
+    if args.plot:
+        try:
+            _plot(rep, args.plot)
+        except OSError as e:
+            return fail("l3pool prefetch-check", f"--plot {args.plot}: not written: {e.strerror or e}", code=1)
     return 0 if rep["correct"] else 1
 
 

@@ -158,6 +158,11 @@ def _cases(tmp: Path) -> list[Case]:
             (*L, "prefetch-check", "--plot", str(afile / "p.png"), *dead),
             "is a file, not a directory",
         ),
+        Case(  # root may write anywhere by os.access, not in /proc: refused before any work, nothing left there
+            "prefetch-plot-unwritable",
+            (*L, "prefetch-check", "--plot", "/proc/l3pool-plot.png", *dead),
+            "--plot /proc/l3pool-plot.png: not writable",
+        ),
         Case(
             "prefetch-segment-too-small",  # no cluster running there: it would start one, refused first
             (*L, "prefetch-check", "--segment-size", "1KB", "--state-dir", str(empty)),
@@ -661,3 +666,15 @@ def test_accelerator_out_of_memory_is_one_line_with_a_hint() -> None:
     assert lines[1].startswith("l3pool x: hint: ") and "--queue-depth" in lines[1], lines
     other = _guarded_child("import torch; raise RuntimeError('a bug')", reader_closed=False)
     assert other.returncode == 1 and "Traceback" in other.stderr and "RuntimeError: a bug" in other.stderr
+
+
+def test_output_file_checks_by_opening_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    from l3pool.cli import UserError, output_file
+
+    new = tmp_path / "sub" / "report.png"
+    assert output_file(new, "--plot") == new and not new.exists() and new.parent.is_dir()  # checked, not left
+    old = tmp_path / "kept.json"
+    old.write_text("earlier report")
+    assert output_file(old, "--out") == old and old.read_text() == "earlier report"  # not truncated
+    with pytest.raises(UserError, match=r"--plot /proc/l3pool-x\.png: not writable"):
+        output_file("/proc/l3pool-x.png", "--plot")
