@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +47,8 @@ class Estimate:
     queued_tokens: int
     queued_blocks: int = 0  # blocks of the unfinished requests routed there
     queued_new_blocks: int = 0  # their blocks not hit (what they compute)
+    queued_requests: int = 0  # the unfinished requests routed there (SGLang's load)
+    behind: float = 0.0  # expected requests that will wait behind this one there (see Router.estimate)
     cost: float = 0.0
 
     @property
@@ -57,12 +60,24 @@ class Estimate:
     def total_s(self) -> float:
         return self.queue_s + self.work_s
 
+    @property
+    def idle(self) -> bool:
+        """Nothing routed there is unfinished: the instance would start this request at once."""
+        return self.queued_requests == 0 and self.queue_s <= 0.0
+
+    @property
+    def marginal_s(self) -> float:
+        """The request's TTFT there plus the delay its work adds to the requests expected behind
+        it there: what routing it there costs the fleet's summed TTFT (cache_aware's price)."""
+        return self.total_s + self.work_s * self.behind
+
     def as_dict(self) -> dict[str, float | int | str]:
         return {
             "instance": self.instance, "l1": self.l1, "l2": self.l2, "l3": self.l3,
             "compute_tokens": self.compute_tokens, "compute_s": round(self.compute_s, 6),
             "l2_s": round(self.l2_s, 6), "l3_s": round(self.l3_s, 6), "l3_exposed_s": round(self.l3_exposed_s, 6),
             "queue_s": round(self.queue_s, 6), "queued_tokens": self.queued_tokens,
+            "queued_requests": self.queued_requests, "behind": round(self.behind, 4),
             "total_s": round(self.total_s, 6), "cost": round(self.cost, 6),
         }  # fmt: skip
 
@@ -71,9 +86,11 @@ class Policy(Protocol):
     name: str
 
     def select(
-        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int, keys: Sequence[bytes] = ()
     ) -> tuple[int, str, list[float]]:
-        """(index into `ests` of the pick, reason, cost per estimate)."""
+        """(index into `ests` of the pick, reason, cost per estimate). `keys`: the request's page
+        hashes (cumulative prefixes), for policies that keep their own view of what each instance
+        holds (sglang_like); the others price the estimates alone."""
         ...
 
     def routed(self, instance: str, session: str | None) -> None:
@@ -98,7 +115,7 @@ class RoundRobin:
         self._first = 0
 
     def select(
-        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int, keys: Sequence[bytes] = ()
     ) -> tuple[int, str, list[float]]:
         if self.per_session and session is not None:
             st = self._seen.get(session)
@@ -132,7 +149,7 @@ class DynamoLike:
         return self.w * prefill + e.queued_blocks + request_blocks
 
     def select(
-        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int, keys: Sequence[bytes] = ()
     ) -> tuple[int, str, list[float]]:
         blocks = -(-tokens // page_size)
         costs = [self.cost(e, blocks) for e in ests]
@@ -143,11 +160,23 @@ class DynamoLike:
 
 
 class CacheAware:
+    """The lowest marginal cost with work conservation (README "The rule"): `Estimate.marginal_s`
+    = the request's TTFT there + its work x the requests expected to wait behind it there
+    (`lookahead` scales that second term; 0 prices the request's own TTFT alone). Work
+    conservation first: when the pick has a queue and an idle candidate would give this request a
+    lower TTFT (its prefix fetched there from L3, or recomputed), the idle one gets it (`idle`).
+    Session affinity within that: a session stays on its last instance while that one's marginal
+    cost is within `margin` (relative) + `slack_s` of the best - unless it has a queue and an idle
+    candidate would start the request sooner; affinity never beats work conservation."""
+
     name = "cache_aware"
 
-    def __init__(self, margin: float = 0.25, slack_s: float = 0.0, sessions: int = 65536) -> None:
+    def __init__(
+        self, margin: float = 0.1, slack_s: float = 0.0, lookahead: float = 1.0, sessions: int = 65536
+    ) -> None:
         self.margin = finite("affinity margin", margin)
         self.slack_s = finite("affinity slack_s", slack_s)
+        self.lookahead = finite("lookahead", lookahead)
         self._home: dict[str, str] = {}
         self._cap = sessions
 
@@ -155,16 +184,24 @@ class CacheAware:
         return self._home.get(session)
 
     def select(
-        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int, keys: Sequence[bytes] = ()
     ) -> tuple[int, str, list[float]]:
-        costs = [e.total_s for e in ests]
+        costs = [e.total_s + self.lookahead * e.work_s * e.behind for e in ests]
         best = min(range(len(ests)), key=costs.__getitem__)
+        fastest = min(range(len(ests)), key=lambda i: ests[i].total_s)
+        reason = "lowest_ttft" if ests[best].total_s <= ests[fastest].total_s else "lowest_marginal"
         home = self._home.get(session) if session is not None else None
         if home is not None and home != ests[best].instance:
             for i, e in enumerate(ests):
                 if e.instance == home and costs[i] <= costs[best] * (1 + self.margin) + self.slack_s:
-                    return i, "affinity", costs
-        return best, "lowest_ttft", costs
+                    best, reason = i, "affinity"
+                    break
+        pick = ests[best]
+        if not pick.idle:  # work conservation: an idle instance that starts it sooner takes it
+            idle = [i for i, e in enumerate(ests) if e.idle and e.total_s < pick.total_s]
+            if idle:
+                return min(idle, key=lambda i: (ests[i].total_s, costs[i])), "idle", costs
+        return best, reason, costs
 
     def routed(self, instance: str, session: str | None) -> None:
         if session is None:
@@ -175,7 +212,73 @@ class CacheAware:
             self._home.pop(next(iter(self._home)))
 
 
-POLICIES = {"cache_aware": CacheAware, "round_robin": RoundRobin, "dynamo_like": DynamoLike}
+class SglangLike:
+    """SGLang's cache-aware router (sgl-router, `policy cache_aware`; read in sgl-project/sglang
+    sgl-router/src/policies/cache_aware.rs at commit 026f853b and its defaults in
+    sgl-router/py_src/sglang_router/router_args.py at commit 083d6013), rewritten here:
+
+    - load: each worker's requests in flight (routed by this router, not finished);
+    - imbalanced when max_load - min_load > `balance_abs_threshold` (default 64) AND max_load >
+      min_load x `balance_rel_threshold` (default 1.5): then the least-loaded worker (shortest
+      queue), first on ties;
+    - else the worker whose approximate tree holds the longest prefix of the request, when the
+      match rate (matched / request tokens) exceeds `cache_threshold` (default 0.3); else the
+      worker with the smallest tree (the most cache room, as the router believes it);
+    - the request's prefix is inserted into the chosen worker's tree in every case.
+
+    The tree is the router's own approximation, learned from its decisions: SGLang keeps a radix
+    tree over the request text per worker; here each worker's set of the page hashes routed to it
+    (`keys`: cumulative-prefix hashes, so a page's hash stands for its whole prefix). It never sees
+    the true cache state - neither L1/L2 evictions nor the shared L3 pool - and reads no estimate
+    but the in-flight counts. SGLang evicts its trees' LRU leaves above `max_tree_size` (2^26
+    characters, every 120 s): far above any trace here, so there is no eviction. Ties between
+    equal matches go to the least-loaded, then the first candidate (SGLang's tree returns one
+    tenant of the matched node)."""
+
+    name = "sglang_like"
+
+    def __init__(
+        self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5
+    ) -> None:
+        self.cache_threshold = finite("cache_threshold", cache_threshold)
+        self.balance_abs_threshold = finite("balance_abs_threshold", balance_abs_threshold)
+        self.balance_rel_threshold = finite("balance_rel_threshold", balance_rel_threshold)
+        self.trees: dict[str, set[bytes]] = {}
+        self._keys: Sequence[bytes] = ()
+
+    def match(self, instance: str, keys: Sequence[bytes]) -> int:
+        """Pages of `keys` the instance's tree holds as a prefix."""
+        tree = self.trees.get(instance, set())
+        n = 0
+        while n < len(keys) and keys[n] in tree:
+            n += 1
+        return n
+
+    def select(
+        self, ests: list[Estimate], session: str | None, page_size: int, tokens: int, keys: Sequence[bytes] = ()
+    ) -> tuple[int, str, list[float]]:
+        self._keys = keys
+        loads = [e.queued_requests for e in ests]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
+            k = min(range(len(ests)), key=loads.__getitem__)
+            return k, "shortest_queue", [float(x) for x in loads]
+        matched = [self.match(e.instance, keys) for e in ests]
+        best = min(range(len(ests)), key=lambda i: (-matched[i], loads[i]))
+        rate = min(matched[best] * page_size, tokens) / tokens
+        if rate > self.cache_threshold:
+            return best, "prefix_match", [-float(m) for m in matched]
+        sizes = [len(self.trees.get(e.instance, ())) for e in ests]
+        return min(range(len(ests)), key=sizes.__getitem__), "smallest_tree", [float(x) for x in sizes]
+
+    def routed(self, instance: str, session: str | None) -> None:
+        self.trees.setdefault(instance, set()).update(self._keys)
+        self._keys = ()
+
+
+POLICIES = {
+    "cache_aware": CacheAware, "round_robin": RoundRobin, "dynamo_like": DynamoLike, "sglang_like": SglangLike,
+}  # fmt: skip
 # The default: on the H200's llama-8b routing trace (bench/results/2026-12-02-h200-demo-routing-llama)
 # it beat round_robin in every one of 5 paired repeats (total prefill x0.59, mean TTFT x0.63, the
 # self-check unbiased) and tied dynamo_like (x0.98, inconclusive: the same instance for 69 % of requests).

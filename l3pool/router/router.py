@@ -23,6 +23,8 @@ load starts, as for any prefetch.
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +32,8 @@ from typing import Any
 from l3pool.index.types import PrefixHits, TierPrefix
 from l3pool.router.model import ComputeModel, InstanceModel, RouterError, finite
 from l3pool.router.policy import Estimate, Policy, make_policy
+
+ARRIVAL_WINDOW = 32  # arrivals the rate is measured over
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ class Decision:
     request_id: str
     instance: str
     policy: str
-    reason: str  # lowest_ttft | affinity | spill | round_robin | lowest_cost
+    reason: str  # cache_aware: lowest_ttft | lowest_marginal | idle | affinity | spill; round_robin;
+    # dynamo_like: lowest_cost; sglang_like: prefix_match | smallest_tree | shortest_queue
     estimates: dict[str, Estimate] = field(default_factory=dict)
     prefetch: PrefetchOrder | None = None
 
@@ -75,6 +80,12 @@ class _Pending:
     tokens: int
     blocks: int
     new_blocks: int
+    session: str | None = None
+    keys: frozenset[bytes] = frozenset()  # its page hashes (route(keys=)): in L1 there once it ran
+    # how it was priced, to price it again with what was measured since (until progress() says)
+    compute: tuple[int, int] | None = None  # (computed tokens, cached tokens)
+    fetch_bytes: tuple[int, int] = (0, 0)  # (L2 -> L1, exposed share of the L3 -> L2 bytes)
+    measured: bool = False  # progress() gave its remaining work: keep that
 
 
 class Router:
@@ -99,6 +110,8 @@ class Router:
         if not self.instances:
             raise RouterError("a router needs at least one instance")
         self._pending: dict[str, _Pending] = {}
+        self._arrivals: deque[float] = deque(maxlen=ARRIVAL_WINDOW)  # route(now=) times, for the rate
+        self._picks: deque[str] = deque(maxlen=ARRIVAL_WINDOW)  # the last decisions' instances
 
     # -- membership -----------------------------------------------------------------------------
     def add(self, inst: str | InstanceModel) -> InstanceModel:
@@ -130,9 +143,20 @@ class Router:
     def compute_model(self, instance: str) -> ComputeModel:
         return self._get(instance).compute
 
+    def _work(self, p: _Pending) -> float:
+        """A routed request's work as priced now: what progress() said, else its compute and
+        fetches priced again by the instance's current fit and bandwidths (a request routed before
+        the first prefill was timed was priced by the default rate)."""
+        m = self.instances.get(p.instance)
+        if p.measured or p.compute is None or m is None:
+            return p.work_s
+        n, c = p.compute
+        b2, b3 = p.fetch_bytes
+        return m.compute.predict(n, c) + m.bw["l2"].seconds(b2) + m.bw["l3"].seconds(b3)
+
     def queued_s(self, instance: str) -> float:
         self._get(instance)
-        return sum(p.work_s for p in self._pending.values() if p.instance == instance)
+        return sum(self._work(p) for p in self._pending.values() if p.instance == instance)
 
     def queued_tokens(self, instance: str) -> int:
         self._get(instance)
@@ -153,24 +177,71 @@ class Router:
         if p is None:
             raise RouterError(f"unknown request {request_id!r}: never routed or already finished")
         p.work_s = finite("remaining_s", remaining_s)
+        p.measured = True
+
+    def arrival_rate(self) -> float:
+        """Requests per second routed over the last ARRIVAL_WINDOW `route(now=)` calls (0 before two
+        timed arrivals, or when every call came without `now`)."""
+        a = self._arrivals
+        if len(a) < 2 or a[-1] <= a[0]:
+            return 0.0
+        return (len(a) - 1) / (a[-1] - a[0])
+
+    def share(self, instance: str, candidates: Sequence[str]) -> float:
+        """The share of the arrivals expected at `instance`: its share of the last ARRIVAL_WINDOW
+        decisions, smoothed by one decision per candidate (an instance nothing went to yet gets a
+        small share, not none; before any decision every candidate gets 1/n)."""
+        return (sum(1 for p in self._picks if p == instance) + 1) / (len(self._picks) + len(candidates))
 
     # -- routing --------------------------------------------------------------------------------
-    def estimate(self, instance: str, tokens: int, prefix: TierPrefix) -> Estimate:
+    def session_prefix(self, instance: str, session: str | None, keys: Sequence[bytes]) -> int:
+        """Leading pages of `keys` that an unfinished request of the same session routed to
+        `instance` will have put in its L1 before this one starts there (FIFO: after it): a
+        session's previous turn still queued or running on its instance."""
+        best = 0
+        if session is None or not keys:
+            return best
+        for p in self._pending.values():
+            if p.instance == instance and p.session == session and p.keys:
+                n = 0
+                while n < len(keys) and keys[n] in p.keys:
+                    n += 1
+                best = max(best, n)
+        return best
+
+    def estimate(
+        self,
+        instance: str,
+        tokens: int,
+        prefix: TierPrefix,
+        rate: float = 0.0,
+        session: str | None = None,
+        keys: Sequence[bytes] = (),
+    ) -> Estimate:
+        """Instance `instance`'s price for the request; `rate`: arrivals per second expected at
+        this instance (the fleet's measured rate over the candidates), which makes `behind` = the
+        requests expected to arrive there while this one's backlog (queue + its work) lasts, each
+        delayed by its work (FIFO: nobody is behind it when it arrives)."""
         m = self._get(instance)
         P, pb = self.page_size, self.page_bytes
         lim = max(0, (tokens - 1) // P)  # the last token is always computed
+        q = self.session_prefix(instance, session, keys)
+        if q > prefix.l1:  # the session's earlier turn queued there lands in L1 before this one starts
+            prefix = TierPrefix(q, max(q, prefix.l2), max(q, prefix.l3))
         l1, l2, l3 = min(prefix.l1, lim), min(prefix.l2, lim), min(prefix.l3, lim)
         mine = [p for p in self._pending.values() if p.instance == instance]
-        queue_s = sum(p.work_s for p in mine)
+        queue_s = sum(self._work(p) for p in mine)
         hit_tok = l3 * P
         compute_tokens = tokens - hit_tok
         compute_s = m.compute.predict(compute_tokens, hit_tok)
         l2_s = m.bw["l2"].seconds((l3 - l1) * pb)
         l3_s = m.bw["l3"].seconds((l3 - l2) * pb)
         exposed = max(0.0, l3_s - queue_s) if self.prefetch_hides_queue else l3_s
+        behind = rate * (queue_s + compute_s + l2_s + exposed)
         return Estimate(
             instance, l1, l2, l3, compute_tokens, compute_s, l2_s, l3_s, exposed, queue_s,
             sum(p.tokens for p in mine), sum(p.blocks for p in mine), sum(p.new_blocks for p in mine),
+            len(mine), behind,
         )  # fmt: skip
 
     def route(
@@ -181,9 +252,16 @@ class Router:
         *,
         session: str | None = None,
         candidates: Sequence[str] | None = None,
+        keys: Sequence[bytes] = (),
+        now: float | None = None,
     ) -> Decision:
         """Price every candidate (default: every known instance) and route the request to the
-        policy's pick; its estimated work joins that instance's queue until finished()."""
+        policy's pick; its estimated work joins that instance's queue until finished().
+        `keys`: the request's page hashes (the index query's), for policies that keep their own
+        view of the instances' caches (sglang_like). `now`: the arrival time (seconds, any
+        monotonic clock, the same on every call): the router measures the arrival rate from it,
+        which prices the wait a request adds for those behind it (Estimate.behind); without it
+        that term stays 0."""
         if not isinstance(request_id, str) or not request_id:
             raise RouterError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._pending:
@@ -201,18 +279,31 @@ class Router:
             raise RouterError(f"candidates repeat an instance: {names}")
         for n in names:
             self._get(n)
-        ests = [self.estimate(n, tokens, hits.of(n)) for n in names]
-        k, reason, costs = self.policy.select(ests, session, self.page_size, tokens)
+        if now is not None:
+            t = finite("now", now, lo=-math.inf)
+            if self._arrivals and t < self._arrivals[-1]:
+                raise RouterError(f"now went back: {t} after {self._arrivals[-1]}")
+            self._arrivals.append(t)
+        lam = self.arrival_rate()
+        ests = [self.estimate(n, tokens, hits.of(n), lam * self.share(n, names), session, keys) for n in names]
+        k, reason, costs = self.policy.select(ests, session, self.page_size, tokens, keys)
         ests = [replace(e, cost=float(c)) for e, c in zip(ests, costs, strict=True)]
         pick = ests[k]
-        if reason == "lowest_ttft":
+        if reason in ("lowest_ttft", "lowest_marginal"):  # "idle" says why it moved already
             best_hit = min(ests, key=lambda e: e.total_s - e.queue_s - e.l3_exposed_s + e.l3_s)
             if best_hit.instance != pick.instance and best_hit.l2 > pick.l2:
                 reason = "spill"
         order = PrefetchOrder(pick.instance, pick.l2, pick.l3) if pick.l3 > pick.l2 else None
         self.policy.routed(pick.instance, session)
+        self._picks.append(pick.instance)
         blocks = -(-tokens // self.page_size)
-        self._pending[request_id] = _Pending(pick.instance, pick.work_s, tokens, blocks, blocks - pick.l3)
+        pb = self.page_bytes
+        exposed_pages = (pick.l3 - pick.l2) * (pick.l3_exposed_s / pick.l3_s if pick.l3_s > 0 else 0.0)
+        self._pending[request_id] = _Pending(
+            pick.instance, pick.work_s, tokens, blocks, blocks - pick.l3, session,
+            frozenset(keys) if session else frozenset(), (pick.compute_tokens, pick.l3 * self.page_size),
+            ((pick.l3 - pick.l1) * pb, round(exposed_pages * pb)),
+        )  # fmt: skip
         return Decision(request_id, pick.instance, self.policy.name, reason, {e.instance: e for e in ests}, order)
 
     def finished(
