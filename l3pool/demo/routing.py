@@ -16,14 +16,16 @@ PrefixHits) in process from the caches' own indexes and one pool lookup: the fal
 pyzmq, and the reference each decision's index answer is compared with (`index_stale`: the
 answer for the chosen instance lagged its cache's state, e.g. events still in flight).
 
-Per policy the report gives `prefill_s` (median total prefill time over the repeats, with its
+Per policy the report gives, first, `ttft_mean_s` and `ttft_p90_s` (the mean and the 90th
+percentile of the requests' virtual-time TTFT per repeat, medians over the repeats with their
+min/max and `_runs`) - what routing is for, and what `paired`/`verdict` judge first - then
+`prefill_s` (median total prefill time over the repeats, with its
 min/max), `prefill_cpu_s` (this process's CPU seconds inside the prefill calls: a diagnostic, not
 a verdict metric - it counts every thread of the process, so a concurrent backup or prefetch of
 another request is charged to the one computing, it leaves out what the pool's agents spend
 serving L3 reads, torch's spinning threads charge descheduled time to it on a loaded CPU (on the
 shared 2-core CI machine it tracked the wall time), and on a GPU a synchronising host thread spins
-too),
-`ttft_mean_s` (virtual time, see run_routed), `hit_rate` per tier (of all tokens), `l3_bytes`
+too), `hit_rate` per tier (of all tokens), `l3_bytes`
 (bytes fetched from L3), `load_imbalance` (max / mean prompt tokens routed per instance), the
 decisions' reasons, how many prefetch orders were given and how many landed (every page the
 instance's match found in L3 arrived in L2 before the request's L1 load started), and the
@@ -69,6 +71,9 @@ if TYPE_CHECKING:
     from l3pool.pool.metadata import Metadata
 
 MIN_INSTANCES = 3
+# what paired / verdict compare, in the report's order: TTFT (what routing is for) first, then
+# the total prefill time (the work the fleet did)
+PAIRED_METRICS = ("ttft_mean_s", "ttft_p90_s", "prefill_s")
 
 
 def parse_policies(arg: str | None) -> tuple[str, ...]:
@@ -265,7 +270,7 @@ def run_routed(
                 running = [x for x in running if x[0] > now]
                 hs = page_hashes(r.tokens, P)
                 hits = index.query(hs)
-                d = router.route(str(i), r.length, hits, session=str(r.session))
+                d = router.route(str(i), r.length, hits, session=str(r.session), keys=hs, now=now)
                 if index is not local and hits.of(d.instance) != local.query(hs).of(d.instance):
                     run.index_stale += 1
                 q = insts[d.instance].arrive(r.tokens)
@@ -330,6 +335,7 @@ def summarize(runs: list[RoutedRun], P: int) -> dict[str, Any]:
     """One policy's repeats: medians with their spread, and the checks of every repeat."""
     tot = [r.prefill_s for r in runs]
     ttft = [statistics.fmean(r.ttft_s) for r in runs]
+    p90 = [float(np.percentile(r.ttft_s, 90)) for r in runs]
     cpu = [r.cpu_s for r in runs]
     last = runs[len(runs) // 2]
     loads = np.array([[x for x in r.routed_tokens.values()] for r in runs], dtype=float)
@@ -338,14 +344,17 @@ def summarize(runs: list[RoutedRun], P: int) -> dict[str, Any]:
     for r in runs:
         reasons.update(r.reasons)
     return {
+        "ttft_mean_s": round(statistics.median(ttft), 4),
+        "ttft_mean_s_spread": [round(min(ttft), 4), round(max(ttft), 4)],
+        "ttft_mean_s_runs": [round(t, 4) for t in ttft],
+        "ttft_p90_s": round(statistics.median(p90), 4),
+        "ttft_p90_s_spread": [round(min(p90), 4), round(max(p90), 4)],
+        "ttft_p90_s_runs": [round(t, 4) for t in p90],
         "prefill_s": round(statistics.median(tot), 4),
         "prefill_s_spread": [round(min(tot), 4), round(max(tot), 4)],
         "prefill_s_runs": [round(t, 4) for t in tot],
-        "ttft_mean_s_runs": [round(t, 4) for t in ttft],
         "prefill_cpu_s": round(statistics.median(cpu), 4),
         "prefill_cpu_s_spread": [round(min(cpu), 4), round(max(cpu), 4)],
-        "ttft_mean_s": round(statistics.median(ttft), 4),
-        "ttft_mean_s_spread": [round(min(ttft), 4), round(max(ttft), 4)],
         "hit_rate": _hit_rate([x for r in runs for x in r.recs], P),
         "l3_bytes": int(statistics.median([sum(x.l3_get_bytes for x in r.recs) for r in runs])),
         "load_imbalance": round(statistics.median(imb), 4),
@@ -474,8 +483,8 @@ def _biased(check: dict[str, Any] | None, name: str) -> bool:
 def paired(pol: dict[str, dict[str, Any]], check: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """cache_aware against each other policy repeat by repeat: in repeat k every policy ran
     back to back (order rotated), so the ratio cache_aware_k / other_k cancels what drifts between
-    repeats (other load on the machine, clocks, caches). Per metric (total prefill time, mean
-    TTFT): the ratios' median and range, and `faster` when every repeat's ratio is < 1, `slower`
+    repeats (other load on the machine, clocks, caches). Per metric (PAIRED_METRICS: mean TTFT,
+    p90 TTFT, total prefill time): the ratios' median and range, and `faster` when every repeat's ratio is < 1, `slower`
     when every one is > 1, else `inconclusive` (with n repeats a chance ordering gives `faster`
     with probability 2^-n: use >= 5); `biased` instead when the self-check found the work no policy
     can change timed differently against that policy."""
@@ -483,7 +492,7 @@ def paired(pol: dict[str, dict[str, Any]], check: dict[str, Any] | None = None) 
     out: dict[str, dict[str, Any]] = {}
     if ca is None:
         return out
-    for metric in ("prefill_s", "ttft_mean_s"):
+    for metric in PAIRED_METRICS:
         mine = ca.get(f"{metric}_runs")
         if not mine:
             continue
@@ -503,15 +512,15 @@ def paired(pol: dict[str, dict[str, Any]], check: dict[str, Any] | None = None) 
 
 
 def verdict(pol: dict[str, dict[str, Any]], check: dict[str, Any] | None = None) -> dict[str, dict[str, str]]:
-    """cache_aware against each other policy, per metric (total prefill wall time, its CPU time,
-    mean TTFT; a metric the rows lack is skipped): `faster`
+    """cache_aware against each other policy, per metric (mean and p90 TTFT, total prefill wall
+    time, its CPU time; a metric the rows lack is skipped): `faster`
     when its slowest repeat beats the other's fastest, `slower` the other way round, else
     `inconclusive` (the spreads overlap); `biased` as in `paired`."""
     ca = pol.get("cache_aware")
     out: dict[str, dict[str, str]] = {}
     if ca is None:
         return out
-    for metric in ("prefill_s", "prefill_cpu_s", "ttft_mean_s"):
+    for metric in (*PAIRED_METRICS, "prefill_cpu_s"):
         if f"{metric}_spread" not in ca:
             continue
         row_out = out[metric] = {}
@@ -539,15 +548,39 @@ def failures(section: dict[str, Any] | None) -> list[str]:
 
 
 def table(section: dict[str, Any]) -> str:
+    """The routing report: per policy the TTFT (mean, p90) and cache_aware's paired verdicts on
+    them first - what routing is for - then the total prefill time and where the tokens came from."""
     lines = [f"routing ({section['instances']} instances, {section['repeats']} repeats, median [min, max]):"]
+    for name, r in section["policies"].items():
+        m, p = r["ttft_mean_s_spread"], r.get("ttft_p90_s_spread")
+        lines.append(
+            f"  {name:12s} TTFT mean {r['ttft_mean_s']:.3f} s [{m[0]:.3f}, {m[1]:.3f}]"
+            + (f"  p90 {r['ttft_p90_s']:.3f} s [{p[0]:.3f}, {p[1]:.3f}]" if p else "")
+        )
+    paired_rows = section.get("paired", {})
+    for metric in PAIRED_METRICS:
+        for name, d in paired_rows.get(metric, {}).items():
+            if metric == "prefill_s":
+                continue  # after the TTFT rows
+            lo, hi = d["range"]
+            lines.append(
+                f"  cache_aware / {name} on {metric}, paired per repeat: {d['ratio']:.3f} [{lo:.3f}, {hi:.3f}] over "
+                f"{d['repeats']} repeats: {d['verdict']}"
+            )
+    lines.append("  total prefill and tiers:")
     for name, r in section["policies"].items():
         h = r["hit_rate"]
         lo, hi = r["prefill_s_spread"]
         lines.append(
             f"  {name:12s} prefill {r['prefill_s']:8.3f} s [{lo:.3f}, {hi:.3f}]  "
             f"hits L1 {h['L1']:.2f} L2 {h['L2']:.2f} L3 {h['L3']:.2f}  "
-            f"CPU {r['prefill_cpu_s']:.2f} s  L3 {r['l3_bytes'] / 1e6:6.1f} MB  imbalance {r['load_imbalance']:.2f}  "
-            f"TTFT {r['ttft_mean_s']:.3f} s [{r['ttft_mean_s_spread'][0]:.3f}, {r['ttft_mean_s_spread'][1]:.3f}]"
+            f"CPU {r['prefill_cpu_s']:.2f} s  L3 {r['l3_bytes'] / 1e6:6.1f} MB  imbalance {r['load_imbalance']:.2f}"
+        )
+    for name, d in paired_rows.get("prefill_s", {}).items():
+        lo, hi = d["range"]
+        lines.append(
+            f"  cache_aware / {name} on prefill_s, paired per repeat: {d['ratio']:.3f} [{lo:.3f}, {hi:.3f}] over "
+            f"{d['repeats']} repeats: {d['verdict']}"
         )
     chk = section.get("self_check") or {}
     for name, c in chk.items():
@@ -559,12 +592,5 @@ def table(section: dict[str, Any]) -> str:
             )
     for metric, vs in section.get("verdict", {}).items():
         for name, v in vs.items():
-            lines.append(f"  cache_aware vs {name} on {metric}: {v}")
-    for metric, vs in section.get("paired", {}).items():
-        for name, d in vs.items():
-            lo, hi = d["range"]
-            lines.append(
-                f"  cache_aware / {name} on {metric}, paired per repeat: {d['ratio']:.3f} [{lo:.3f}, {hi:.3f}] over "
-                f"{d['repeats']} repeats: {d['verdict']}"
-            )
+            lines.append(f"  cache_aware vs {name} on {metric} (spreads): {v}")
     return "\n".join(lines)

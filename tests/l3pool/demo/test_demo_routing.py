@@ -18,7 +18,7 @@ TINY = ["--quick", "--layers", "2", "--sessions", "3", "--turns", "3", "--min-co
 
 def test_parse_policies() -> None:
     assert parse_policies(None) == ()
-    assert parse_policies("all") == ("cache_aware", "round_robin", "dynamo_like")
+    assert parse_policies("all") == ("cache_aware", "round_robin", "dynamo_like", "sglang_like")
     assert parse_policies("round_robin, cache_aware,round_robin") == ("round_robin", "cache_aware")
     for bad in ("fastest", "cache_aware,nope", ","):
         with pytest.raises(ValueError, match="--routing: unknown policy"):
@@ -50,8 +50,8 @@ def test_verdict_needs_the_spreads_apart() -> None:
         "dynamo_like": {"prefill_s_spread": [0.1, 0.4], "ttft_mean_s_spread": [2.1, 3.0]},
     }
     assert verdict(pol) == {
-        "prefill_s": {"round_robin": "faster", "dynamo_like": "slower"},
         "ttft_mean_s": {"round_robin": "inconclusive", "dynamo_like": "faster"},
+        "prefill_s": {"round_robin": "faster", "dynamo_like": "slower"},
     }
     assert verdict({"round_robin": row}) == {}
 
@@ -137,11 +137,15 @@ def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert rc == 0, rep.get("routing")
     rt = rep["routing"]
     assert rt["instances"] >= 3 and rt["repeats"] >= 3  # >= 3 repeats whatever --repeats says
-    assert set(rt["policies"]) == {"round_robin", "cache_aware", "dynamo_like"}
+    assert set(rt["policies"]) == {"round_robin", "cache_aware", "dynamo_like", "sglang_like"}
     requests = rep["trace"]["requests"]
     for name, row in rt["policies"].items():
         lo, hi = row["prefill_s_spread"]
         assert lo <= row["prefill_s"] <= hi and len(row["prefill_s_runs"]) == rt["repeats"]
+        for m in ("ttft_mean_s", "ttft_p90_s"):  # TTFT first in the row, then the prefill time
+            lo, hi = row[f"{m}_spread"]
+            assert 0 < lo <= row[m] <= hi and len(row[f"{m}_runs"]) == rt["repeats"]
+        assert list(row)[:2] == ["ttft_mean_s", "ttft_mean_s_spread"]
         lo, hi = row["prefill_cpu_s_spread"]
         assert 0 < lo <= row["prefill_cpu_s"] <= hi
         assert set(row["hit_rate"]) == {"L1", "L2", "L3", "miss"}
@@ -162,16 +166,19 @@ def test_demo_routing_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert rr["prefetch_orders"] > 0 and rr["hit_rate"]["L3"] > 0 and rr["l3_bytes"] > 0
     assert set(rr["reasons"]) == {"round_robin"}
     assert set(rt["policies"]["dynamo_like"]["reasons"]) == {"lowest_cost"}
-    assert set(rt["policies"]["cache_aware"]["reasons"]) <= {"lowest_ttft", "affinity", "spill"}
-    assert set(rt["verdict"]) == {"prefill_s", "prefill_cpu_s", "ttft_mean_s"}
-    assert set(rt["paired"]) == {"prefill_s", "ttft_mean_s"}
-    assert set(rt["paired"]["prefill_s"]) == {"round_robin", "dynamo_like"}
+    ca_reasons = {"lowest_ttft", "lowest_marginal", "idle", "affinity", "spill"}
+    assert set(rt["policies"]["cache_aware"]["reasons"]) <= ca_reasons
+    assert set(rt["policies"]["sglang_like"]["reasons"]) <= {"prefix_match", "smallest_tree", "shortest_queue"}
+    assert list(rt["verdict"]) == ["ttft_mean_s", "ttft_p90_s", "prefill_s", "prefill_cpu_s"]
+    assert list(rt["paired"]) == ["ttft_mean_s", "ttft_p90_s", "prefill_s"]  # TTFT first
+    assert set(rt["paired"]["prefill_s"]) == {"round_robin", "dynamo_like", "sglang_like"}
+    text = routing.table(rt)
+    assert text.index("on ttft_mean_s, paired") < text.index("on ttft_p90_s, paired") < text.index("prefill ")
     assert rt["offered_load"] == 2.0 and rt["arrival_gap_s"] > 0
     chk = rt["self_check"]  # at least the trace's first request hits nothing in any run
-    assert chk["no_hit_requests"] >= 1 and set(chk) == {"no_hit_requests", "round_robin", "dynamo_like"}
-    assert all(
-        0 <= chk[n]["same_picks"] <= 1 and isinstance(chk[n]["biased"], bool) for n in ("round_robin", "dynamo_like")
-    )
+    others = ("round_robin", "dynamo_like", "sglang_like")
+    assert chk["no_hit_requests"] >= 1 and set(chk) == {"no_hit_requests", *others}
+    assert all(0 <= chk[n]["same_picks"] <= 1 and isinstance(chk[n]["biased"], bool) for n in others)
     # the router queried H1's global index (events over ZeroMQ) when pyzmq is there; its answers
     # for the chosen instance lag the caches' own state at most for a few requests (events in flight)
     try:
