@@ -126,10 +126,15 @@ class ComputeModel:
 
 
 class Bandwidth:
-    """One tier's measured fetch rate (bytes/s) from cumulative (bytes, seconds) counters."""
+    """One tier's measured fetch rate (bytes/s) from cumulative (bytes, seconds) counters. With a
+    `shared` one (the router's fleet rate of that tier: every instance's measurements), a tier this
+    instance never used is priced at the fleet's measured rate, not the default - the instances
+    share the pool and the network, and an instance the router never sent a fetch to would
+    otherwise keep the default's price forever (it never gets measured if that price loses)."""
 
-    def __init__(self, default_bps: float, alpha: float = 0.5) -> None:
+    def __init__(self, default_bps: float, alpha: float = 0.5, shared: Bandwidth | None = None) -> None:
         self.default_bps = finite("default_bps", default_bps, strict=True)
+        self.shared = shared
         self.alpha = finite("alpha", alpha, strict=True)
         if self.alpha > 1:
             raise RouterError(f"alpha must be in (0, 1], got {alpha}")
@@ -138,7 +143,11 @@ class Bandwidth:
 
     @property
     def bps(self) -> float:
-        return self.default_bps if self._rate is None else self._rate
+        if self._rate is not None:
+            return self._rate
+        if self.shared is not None and self.shared.measured:
+            return self.shared.bps
+        return self.default_bps
 
     @property
     def measured(self) -> bool:
@@ -150,6 +159,8 @@ class Bandwidth:
 
     def _update(self, r: float) -> None:
         self._rate = r if self._rate is None else self.alpha * r + (1 - self.alpha) * self._rate
+        if self.shared is not None:
+            self.shared._update(r)
 
     def observe(self, total_bytes: float, total_s: float) -> None:
         """The cache's cumulative counters now; the rate over the delta since the last call."""
@@ -175,7 +186,13 @@ class Bandwidth:
 class InstanceModel:
     """One candidate instance: its compute model and its tiers' bandwidths."""
 
-    def __init__(self, name: str, compute: ComputeModel | None = None, bps: Mapping[str, float] | None = None):
+    def __init__(
+        self,
+        name: str,
+        compute: ComputeModel | None = None,
+        bps: Mapping[str, float] | None = None,
+        shared_bw: Mapping[str, Bandwidth] | None = None,
+    ):
         if not isinstance(name, str) or not name:
             raise RouterError(f"an instance name must be a non-empty string, got {name!r}")
         self.name = name
@@ -184,7 +201,7 @@ class InstanceModel:
         unknown = set(dflt) - set(FETCH_TIERS)
         if unknown:
             raise RouterError(f"unknown tiers {sorted(unknown)}: bandwidths are for {FETCH_TIERS}")
-        self.bw = {t: Bandwidth(dflt[t]) for t in FETCH_TIERS}
+        self.bw = {t: Bandwidth(dflt[t], shared=(shared_bw or {}).get(t)) for t in FETCH_TIERS}
 
     def observe(self, stats: Mapping[str, Any] | Any) -> None:
         """Read the tiers' cumulative moved bytes / seconds from `TieredCache.stats()` (a dict) or a

@@ -30,10 +30,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from l3pool.index.types import PrefixHits, TierPrefix
-from l3pool.router.model import ComputeModel, InstanceModel, RouterError, finite
+from l3pool.router.model import DEFAULT_BPS, Bandwidth, ComputeModel, InstanceModel, RouterError, finite
 from l3pool.router.policy import Estimate, Policy, make_policy
 
 ARRIVAL_WINDOW = 32  # arrivals the rate is measured over
+MAX_RHO = 0.9  # the utilization the busy-period stretch 1 / (1 - rho) is capped at (x10)
 
 
 @dataclass(frozen=True)
@@ -105,13 +106,15 @@ class Router:
         self.prefetch_hides_queue = prefetch_hides_queue
         self.instances: dict[str, InstanceModel] = {}
         self.fleet = ComputeModel()  # every instance's samples: the price of one not yet fitted
+        # every instance's bandwidth measurements per tier: the price of a tier one never used
+        self.fleet_bw = {t: Bandwidth(b) for t, b in DEFAULT_BPS.items()}
         for i in instances:
             self.add(i)
         if not self.instances:
             raise RouterError("a router needs at least one instance")
         self._pending: dict[str, _Pending] = {}
         self._arrivals: deque[float] = deque(maxlen=ARRIVAL_WINDOW)  # route(now=) times, for the rate
-        self._picks: deque[str] = deque(maxlen=ARRIVAL_WINDOW)  # the last decisions' instances
+        self._picks: deque[tuple[str, float]] = deque(maxlen=ARRIVAL_WINDOW)  # the last decisions: (instance, work)
 
     # -- membership -----------------------------------------------------------------------------
     def add(self, inst: str | InstanceModel) -> InstanceModel:
@@ -120,6 +123,9 @@ class Router:
             raise RouterError(f"instance {m.name!r} is already known")
         if m.compute.shared is None and m.compute is not self.fleet:
             m.compute.shared = self.fleet
+        for t, b in m.bw.items():
+            if b.shared is None:
+                b.shared = self.fleet_bw[t]
         self.instances[m.name] = m
         return m
 
@@ -191,7 +197,14 @@ class Router:
         """The share of the arrivals expected at `instance`: its share of the last ARRIVAL_WINDOW
         decisions, smoothed by one decision per candidate (an instance nothing went to yet gets a
         small share, not none; before any decision every candidate gets 1/n)."""
-        return (sum(1 for p in self._picks if p == instance) + 1) / (len(self._picks) + len(candidates))
+        return (sum(1 for p, _ in self._picks if p == instance) + 1) / (len(self._picks) + len(candidates))
+
+    def utilization(self, instance: str, candidates: Sequence[str]) -> float:
+        """rho: the share of its time `instance` is expected busy = the arrival rate x the work of
+        the recent decisions that went there per decision (smoothed as `share`), at most MAX_RHO."""
+        lam = self.arrival_rate()
+        work = sum(w for p, w in self._picks if p == instance)
+        return min(MAX_RHO, lam * work / (len(self._picks) + len(candidates)))
 
     # -- routing --------------------------------------------------------------------------------
     def session_prefix(self, instance: str, session: str | None, keys: Sequence[bytes]) -> int:
@@ -285,7 +298,14 @@ class Router:
                 raise RouterError(f"now went back: {t} after {self._arrivals[-1]}")
             self._arrivals.append(t)
         lam = self.arrival_rate()
-        ests = [self.estimate(n, tokens, hits.of(n), lam * self.share(n, names), session, keys) for n in names]
+        # expected arrivals at n per second, stretched by its busy period: work added to a backlog
+        # delays every request that arrives before the backlog drains, which takes 1 / (1 - rho) of it
+        ests = [
+            self.estimate(
+                n, tokens, hits.of(n), lam * self.share(n, names) / (1 - self.utilization(n, names)), session, keys
+            )
+            for n in names
+        ]
         k, reason, costs = self.policy.select(ests, session, self.page_size, tokens, keys)
         ests = [replace(e, cost=float(c)) for e, c in zip(ests, costs, strict=True)]
         pick = ests[k]
@@ -295,7 +315,7 @@ class Router:
                 reason = "spill"
         order = PrefetchOrder(pick.instance, pick.l2, pick.l3) if pick.l3 > pick.l2 else None
         self.policy.routed(pick.instance, session)
-        self._picks.append(pick.instance)
+        self._picks.append((pick.instance, pick.work_s))
         blocks = -(-tokens // self.page_size)
         pb = self.page_bytes
         exposed_pages = (pick.l3 - pick.l2) * (pick.l3_exposed_s / pick.l3_s if pick.l3_s > 0 else 0.0)

@@ -65,7 +65,8 @@ def test_affinity_keeps_a_session_home_where_it_pays() -> None:
 
 def test_the_marginal_cost_prices_the_requests_expected_behind() -> None:
     """With arrival times the router measures the rate; each candidate's `behind` = its share of
-    the recent decisions x the rate x the backlog this request would leave there, and cache_aware
+    the recent decisions x the rate x the backlog this request would leave there, stretched by
+    1 / (1 - rho) (the backlog drains at 1 - rho while arrivals keep coming), and cache_aware
     minimises TTFT + work x behind. Without `now` the term is 0 (own TTFT alone)."""
     r = router(names=("a", "b", "c"))
     assert r.arrival_rate() == 0.0
@@ -76,11 +77,12 @@ def test_the_marginal_cost_prices_the_requests_expected_behind() -> None:
     assert r.arrival_rate() == pytest.approx(10.0)
     names = ["a", "b", "c"]
     shares = {n: r.share(n, names) for n in names}
-    assert sum(shares.values()) == pytest.approx(1.0)
+    rho = {n: r.utilization(n, names) for n in names}
+    assert sum(shares.values()) == pytest.approx(1.0) and all(0 < x <= 0.9 for x in rho.values())
     d = r.route("q", TOK, PrefixHits(pages=32), now=0.4)
     lam = 10.0  # 5 timed arrivals over 0.4 s
     for n, e in d.estimates.items():
-        assert e.behind == pytest.approx(lam * shares[n] * (e.queue_s + e.work_s))
+        assert e.behind == pytest.approx(lam * shares[n] / (1 - rho[n]) * (e.queue_s + e.work_s))
         assert e.marginal_s == pytest.approx(e.total_s + e.work_s * e.behind)
         assert e.cost == pytest.approx(e.marginal_s)
     assert d.instance == min(d.estimates.values(), key=lambda e: e.marginal_s).instance
@@ -143,3 +145,17 @@ def test_sglang_like_balances_only_beyond_both_thresholds() -> None:
     # with the default thresholds (64 requests apart) a small fleet never balances
     r2 = router(SglangLike(), names=("a", "b"))
     assert {r2.route(f"q{i}", TOK, PrefixHits(pages=32), keys=k).instance for i in range(10)} == {"a"}
+
+
+def test_a_tier_an_instance_never_used_is_priced_at_the_fleets_measured_rate() -> None:
+    """Only `a` ever fetched from the pool (measured 4 GB/s): `b`, never sent a fetch, prices its
+    L3 pages at the fleet's rate, not the 2 GB/s default - else a pessimistic default would keep
+    it from ever being picked, hence measured. Its own measurement, once there, wins."""
+    r = router()
+    assert r.instances["b"].bw["l3"].bps == 2e9  # nothing measured anywhere: the default
+    r.observe("a", {"moved_bytes": {"l2": 0, "l3": 4e9}, "moved_s": {"l2": 0.0, "l3": 1.0}})
+    assert r.instances["a"].bw["l3"].bps == pytest.approx(4e9)
+    assert r.instances["b"].bw["l3"].bps == pytest.approx(4e9) and not r.instances["b"].bw["l3"].measured
+    assert r.instances["b"].bw["l2"].bps == 10e9  # no tier of the fleet's measured: still the default
+    r.observe("b", {"moved_bytes": {"l2": 0, "l3": 1e9}, "moved_s": {"l2": 0.0, "l3": 1.0}})
+    assert r.instances["b"].bw["l3"].bps == pytest.approx(1e9)
