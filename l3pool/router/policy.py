@@ -1,9 +1,11 @@
 """Routing policies as objects: each picks one instance from the router's per-instance estimates.
 
-- `CacheAware` (ours): the lowest expected TTFT (queued work + compute of the tokens the instance
-  must prefill + fetch of its L2/L3 hits at that tier's measured bandwidth), with session affinity:
-  a session stays on its last instance unless that instance's TTFT exceeds the best by more than
-  `margin` (relative) + `slack_s`.
+- `CacheAware` (ours): the lowest marginal cost - the request's expected TTFT there (queued work +
+  compute of the tokens the instance must prefill + fetch of its L2/L3 hits at that tier's
+  measured bandwidth) + its work x the requests expected to wait behind it there - with work
+  conservation (an idle candidate that gives the request a lower TTFT than the queued pick takes
+  it) and session affinity within `margin` that never overrides work conservation (README, "The
+  rule").
 - `RoundRobin`: the candidates in turn, blind to hits and load (the demo's old behaviour).
 - `DynamoLike`: Dynamo's KV-router cost as documented (docs.nvidia.com/dynamo, "Routing Concepts"):
   cost = w · max(active_prefill_blocks + request_blocks − overlap_credit, 0) + active_blocks +
@@ -12,6 +14,8 @@
   hit 0.25 — here the L3 pool stands in the disk/shared slot. `w` is `overlap_score_weight`
   (default 1). Prefill-only instances have no decode: active blocks are the blocks of the requests
   routed there and not finished. It ignores measured bandwidths and compute rates by design.
+- `SglangLike`: SGLang's cache-aware router (sgl-router) with its default thresholds: its own
+  approximate prefix tree per worker, shortest queue when the in-flight counts are imbalanced.
 """
 
 from __future__ import annotations
@@ -172,7 +176,11 @@ class CacheAware:
     name = "cache_aware"
 
     def __init__(
-        self, margin: float = 0.1, slack_s: float = 0.0, lookahead: float = 1.0, sessions: int = 65536
+        self,
+        margin: float = 0.25,
+        slack_s: float = 0.0,
+        lookahead: float = 1.0,
+        sessions: int = 65536,
     ) -> None:
         self.margin = finite("affinity margin", margin)
         self.slack_s = finite("affinity slack_s", slack_s)
@@ -279,9 +287,10 @@ class SglangLike:
 POLICIES = {
     "cache_aware": CacheAware, "round_robin": RoundRobin, "dynamo_like": DynamoLike, "sglang_like": SglangLike,
 }  # fmt: skip
-# The default: on the H200's llama-8b routing trace (bench/results/2026-12-02-h200-demo-routing-llama)
-# it beat round_robin in every one of 5 paired repeats (total prefill x0.59, mean TTFT x0.63, the
-# self-check unbiased) and tied dynamo_like (x0.98, inconclusive: the same instance for 69 % of requests).
+# The default. The rule before issue 35 (lowest own TTFT + affinity) beat round_robin on the H200's
+# llama-8b routing trace (bench/results/2026-12-02-h200-demo-routing-llama) but lost to dynamo_like
+# on mean TTFT on a trace it was not tuned on (issue 35); the marginal-cost rule's evidence is
+# bench.routing's grid (bench/results/2026-12-04-cpu-routing-grid*.json, simulated; README).
 DEFAULT_POLICY = "cache_aware"
 
 
