@@ -18,6 +18,10 @@
 #            --routing-load 1: the cached fleet idles half the time, the policies tie     19     5
 # routing-llama-busy  the same at the default load 2 (a fleet sized for its cached throughput):
 #            queues form, so the policies' load terms decide                            19     4
+# routing-grid  bench.routing --real: the demo's real model on two cells of the grid, every policy,
+#            3 paired repeats: llama-8b on issue 35's own trace (4 instances, 8 sessions x 3
+#            turns of 6-18K, reuse 0.7, load 2, seed 7) and deepseek-mla at 8 of 61 layers (3
+#            instances, 6 sessions x 3 turns of 4-8K, reuse 0.8, load 2); estimated, not measured 35     6-7
 # llama      the real-scale demo, llama-8b shape (deterministic kernels)             23     5
 # mla        the real-scale demo, DeepSeek MLA shape, 12 of 61 layers                23     5
 # llama-long, mla-long  the same shapes at 32K-64K tokens (4 sessions x 4 turns at reuse 0.82,
@@ -48,13 +52,13 @@
 # each step's exit code is printed and collected in OUTDIR/exit-codes.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|llama-long|mla-long|interference|prefill|split OUTDIR [DATE]}
+group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|routing-llama-busy|routing-grid|llama|mla|llama-long|mla-long|interference|prefill|split OUTDIR [DATE]}
 out=${2:?usage: bench/gpu-runs.sh GROUP OUTDIR [DATE]}
 day=${3:-$(date +%F)}
 case $group in
-  suite | l3 | index | swa | routing | routing-llama | routing-llama-busy | llama | mla | llama-long | mla-long | interference | prefill | split) ;;
+  suite | l3 | index | swa | routing | routing-llama | routing-llama-busy | routing-grid | llama | mla | llama-long | mla-long | interference | prefill | split) ;;
   *)
-    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|routing-llama-busy|llama|mla|llama-long|mla-long|interference|prefill|split" >&2
+    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|routing-llama-busy|routing-grid|llama|mla|llama-long|mla-long|interference|prefill|split" >&2
     exit 2 ;;
 esac
 mkdir -p "$out"
@@ -112,6 +116,13 @@ case $group in
     step routing-llama-busy 540 python3 -m l3pool demo --routing all --routing-load 2 --model llama-8b --instances 3 \
       --queue-depth 1 --sessions 6 --turns 3 --min-context 8192 --max-context 16384 --repeats 5 --rounds 1 \
       --segment-size 8GB --no-side --no-interference --no-progress --json --out "$out/routing-llama-busy" ;;
+  routing-grid)
+    step routing-grid-llama 330 python3 -m bench.routing --real --model llama-8b --instances 4 \
+      --sessions-per-instance 2 --load 2 --context 6-17.578125 --reuse 0.7 --turns 3 --first-seed 7 --seeds 1 \
+      --repeats 3 --segment-size 8GB --json --out "$out/$day-h200-routing-real-llama-8b.json"
+    step routing-grid-mla $((590 - SECONDS)) python3 -m bench.routing --real --model deepseek-mla --layers 8 \
+      --instances 3 --sessions-per-instance 2 --load 2 --context 4-8 --reuse 0.8 --turns 3 --seeds 1 --repeats 3 \
+      --json --out "$out/$day-h200-routing-real-deepseek-mla-8l.json" ;;
   llama)
     step llama 540 bash scripts/demo-real.sh llama-8b "$out/demo-llama-8b" ;;
   mla)

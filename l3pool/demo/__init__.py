@@ -128,7 +128,7 @@ def add_parser(subparsers: Any) -> None:
         nargs="?",
         const="default",  # parse_policies: the router's DEFAULT_POLICY (not imported here: CLI start-up)
         help="also route the trace through router policies on >= 3 instances: round_robin, cache_aware, "
-        "dynamo_like, a list, or all (compared); without a value: cache_aware, the default policy",
+        "dynamo_like, sglang_like, a list, or all (compared); without a value: cache_aware, the default policy",
     )
     p.add_argument(
         "--routing-load",
