@@ -166,7 +166,7 @@ class DynamoLike:
 class CacheAware:
     """The lowest marginal cost with work conservation (README "The rule"): `Estimate.marginal_s`
     = the request's TTFT there + its work x the requests expected to wait behind it there
-    (`lookahead` scales that second term; 0 prices the request's own TTFT alone). Work
+    (x `lookahead`, 0.5: see the README; 0 prices the request's own TTFT alone). Work
     conservation first: when the pick has a queue and an idle candidate would give this request a
     lower TTFT (its prefix fetched there from L3, or recomputed), the idle one gets it (`idle`).
     Session affinity within that: a session stays on its last instance while that one's marginal
@@ -179,7 +179,7 @@ class CacheAware:
         self,
         margin: float = 0.25,
         slack_s: float = 0.0,
-        lookahead: float = 1.0,
+        lookahead: float = 0.5,
         sessions: int = 65536,
     ) -> None:
         self.margin = finite("affinity margin", margin)

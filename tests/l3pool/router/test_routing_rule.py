@@ -67,7 +67,7 @@ def test_the_marginal_cost_prices_the_requests_expected_behind() -> None:
     """With arrival times the router measures the rate; each candidate's `behind` = its share of
     the recent decisions x the rate x the backlog this request would leave there, stretched by
     1 / (1 - rho) (the backlog drains at 1 - rho while arrivals keep coming), and cache_aware
-    minimises TTFT + work x behind. Without `now` the term is 0 (own TTFT alone)."""
+    minimises TTFT + lookahead x work x behind. Without `now` the term is 0 (own TTFT alone)."""
     r = router(names=("a", "b", "c"))
     assert r.arrival_rate() == 0.0
     assert r.route("n0", TOK, PrefixHits(pages=32)).estimates["a"].behind == 0  # no clock: no term
@@ -84,8 +84,8 @@ def test_the_marginal_cost_prices_the_requests_expected_behind() -> None:
     for n, e in d.estimates.items():
         assert e.behind == pytest.approx(lam * shares[n] / (1 - rho[n]) * (e.queue_s + e.work_s))
         assert e.marginal_s == pytest.approx(e.total_s + e.work_s * e.behind)
-        assert e.cost == pytest.approx(e.marginal_s)
-    assert d.instance == min(d.estimates.values(), key=lambda e: e.marginal_s).instance
+        assert e.cost == pytest.approx(e.total_s + 0.5 * e.work_s * e.behind)  # lookahead 0.5
+    assert d.instance == min(d.estimates.values(), key=lambda e: e.cost).instance
     with pytest.raises(Exception, match="now went back"):
         r.route("late", TOK, PrefixHits(pages=32), now=0.1)
 
