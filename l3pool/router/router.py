@@ -114,7 +114,7 @@ class Router:
             raise RouterError("a router needs at least one instance")
         self._pending: dict[str, _Pending] = {}
         self._arrivals: deque[float] = deque(maxlen=ARRIVAL_WINDOW)  # route(now=) times, for the rate
-        self._picks: deque[tuple[str, float]] = deque(maxlen=ARRIVAL_WINDOW)  # the last decisions: (instance, work)
+        self._picks: deque[_Pending] = deque(maxlen=ARRIVAL_WINDOW)  # the last decisions, as priced
 
     # -- membership -----------------------------------------------------------------------------
     def add(self, inst: str | InstanceModel) -> InstanceModel:
@@ -149,12 +149,12 @@ class Router:
     def compute_model(self, instance: str) -> ComputeModel:
         return self._get(instance).compute
 
-    def _work(self, p: _Pending) -> float:
-        """A routed request's work as priced now: what progress() said, else its compute and
-        fetches priced again by the instance's current fit and bandwidths (a request routed before
-        the first prefill was timed was priced by the default rate)."""
+    def _work(self, p: _Pending, whole: bool = False) -> float:
+        """A routed request's work as priced now: what progress() said (unless `whole`: all of it),
+        else its compute and fetches priced again by the instance's current fit and bandwidths (a
+        request routed before the first prefill was timed was priced by the default rate)."""
         m = self.instances.get(p.instance)
-        if p.measured or p.compute is None or m is None:
+        if (p.measured and not whole) or p.compute is None or m is None:
             return p.work_s
         n, c = p.compute
         b2, b3 = p.fetch_bytes
@@ -197,13 +197,14 @@ class Router:
         """The share of the arrivals expected at `instance`: its share of the last ARRIVAL_WINDOW
         decisions, smoothed by one decision per candidate (an instance nothing went to yet gets a
         small share, not none; before any decision every candidate gets 1/n)."""
-        return (sum(1 for p, _ in self._picks if p == instance) + 1) / (len(self._picks) + len(candidates))
+        return (sum(1 for p in self._picks if p.instance == instance) + 1) / (len(self._picks) + len(candidates))
 
     def utilization(self, instance: str, candidates: Sequence[str]) -> float:
         """rho: the share of its time `instance` is expected busy = the arrival rate x the work of
-        the recent decisions that went there per decision (smoothed as `share`), at most MAX_RHO."""
+        the recent decisions that went there (priced by the current fit) per decision (smoothed as
+        `share`), at most MAX_RHO."""
         lam = self.arrival_rate()
-        work = sum(w for p, w in self._picks if p == instance)
+        work = sum(self._work(p, whole=True) for p in self._picks if p.instance == instance)
         return min(MAX_RHO, lam * work / (len(self._picks) + len(candidates)))
 
     # -- routing --------------------------------------------------------------------------------
@@ -315,15 +316,15 @@ class Router:
                 reason = "spill"
         order = PrefetchOrder(pick.instance, pick.l2, pick.l3) if pick.l3 > pick.l2 else None
         self.policy.routed(pick.instance, session)
-        self._picks.append((pick.instance, pick.work_s))
         blocks = -(-tokens // self.page_size)
         pb = self.page_bytes
         exposed_pages = (pick.l3 - pick.l2) * (pick.l3_exposed_s / pick.l3_s if pick.l3_s > 0 else 0.0)
-        self._pending[request_id] = _Pending(
+        p = self._pending[request_id] = _Pending(
             pick.instance, pick.work_s, tokens, blocks, blocks - pick.l3, session,
             frozenset(keys) if session else frozenset(), (pick.compute_tokens, pick.l3 * self.page_size),
             ((pick.l3 - pick.l1) * pb, round(exposed_pages * pb)),
         )  # fmt: skip
+        self._picks.append(p)  # the utilization prices it again with the fit of the moment
         return Decision(request_id, pick.instance, self.policy.name, reason, {e.instance: e for e in ests}, order)
 
     def finished(
