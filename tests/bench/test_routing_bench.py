@@ -108,7 +108,7 @@ def test_the_shapes_are_calibrated_to_the_stated_facts() -> None:
     assert llama.page_bytes == 64 * 128 * 1024 and llama.l3_bps == 3e9 and llama.l2_bps == 50e9
 
 
-def test_real_mode_builds_a_demo_command_the_demo_accepts() -> None:
+def test_real_mode_builds_a_demo_command_the_demo_accepts(tmp_path: Path) -> None:
     import argparse
 
     from l3pool.demo import add_parser
@@ -116,7 +116,7 @@ def test_real_mode_builds_a_demo_command_the_demo_accepts() -> None:
     ap = argparse.ArgumentParser()
     add_parser(ap.add_subparsers())
     a = argparse.Namespace(model="llama-8b", layers=0, repeats=3, segment_size="8GB")
-    cmd = routing.demo_args(Cell(4, 2, 2.0, (6144, 18000), 0.7, 3), 7, a, ["cache_aware", "dynamo_like"], "/tmp/x")
+    cmd = routing.demo_args(Cell(4, 2, 2.0, (6144, 18000), 0.7, 3), 7, a, ["cache_aware", "dynamo_like"], str(tmp_path))
     d = ap.parse_args(cmd)
     assert (d.instances, d.sessions, d.turns, d.min_context, d.max_context, d.reuse, d.seed) == (
         4, 8, 3, 6144, 18000, 0.7, 7)  # fmt: skip
