@@ -11,8 +11,9 @@ compute fit of that instance and the instance's cache counters its measured tier
 
 The index is H1's `l3pool.index`, as a cluster runs it (`ServiceIndex`): each instance's cache
 publishes KV events over ZeroMQ, an IndexService keeps a GlobalIndex from them, the router's
-query is an IndexClient round trip. `LocalIndex` answers the same query (page hashes ->
-PrefixHits) in process from the caches' own indexes and one pool lookup: the fallback without
+query is a GuardedIndex round trip (an IndexClient under a deadline and a breaker; a decision
+records a fallback as `index_source`, counted in `index_fallbacks`). `LocalIndex` answers the
+same query (page hashes -> PrefixHits) in process from the caches' own indexes and one pool lookup: the fallback without
 pyzmq, and the reference each decision's index answer is compared with (`index_stale`: the
 answer for the chosen instance lagged its cache's state, e.g. events still in flight).
 
@@ -121,7 +122,7 @@ class ServiceIndex:
     """The router's view through l3pool.index, as a cluster runs it: every instance's cache
     publishes its KV events (a KvEventPublisher made from `EventOptions`, as `l3pool.cache.build`
     makes one, ZeroMQ), an IndexService keeps a GlobalIndex from them (resync from the instances'
-    snapshots at start), and each query is one IndexClient round trip. With a `registry` (the
+    snapshots at start), and each query is one GuardedIndex round trip. With a `registry` (the
     demo's etcd, under a key prefix of this run's own) the instances register their endpoints
     there and the index learns them through its etcd watch, as in a deployment; without one
     (no etcd) the sources are handed to the service directly."""
@@ -134,7 +135,7 @@ class ServiceIndex:
         timeout_s: float = 20.0,
     ) -> None:
         from l3pool.cache.events import EventOptions
-        from l3pool.index.client import IndexClient
+        from l3pool.index.guard import GuardedIndex
         from l3pool.index.service import IndexService
         from l3pool.index.table import GlobalIndex
 
@@ -154,7 +155,9 @@ class ServiceIndex:
             self.svc.start()
             if registry is None:
                 self.svc.set_sources({n: p.info() for n, p in self.pubs.items()})
-            self.client = IndexClient(self.svc.endpoint, timeout_s=5.0)
+            # as a router embeds it (a deadline, a breaker, a fallback the decision records), with a
+            # deadline for a shared 2-core CI machine rather than a cluster's 30 ms
+            self.client = GuardedIndex(self.svc.endpoint, deadline_s=1.0)
             deadline = time.monotonic() + timeout_s
             while set(self.svc.index.instances()) < set(insts):
                 if time.monotonic() > deadline:
@@ -207,6 +210,7 @@ class RoutedRun:
     orders: int = 0
     landed: int = 0
     index_stale: int = 0  # decisions whose index answer for the chosen instance differed from its cache
+    index_fallbacks: int = 0  # decisions priced without the index's answer (GuardedIndex: late or down)
     logits_identical: bool = False
     wrong_pages: int = 0
     decisions: list[dict[str, Any]] = field(default_factory=list)
@@ -273,6 +277,7 @@ def run_routed(
                 d = router.route(str(i), r.length, hits, session=str(r.session), keys=hs, now=now)
                 if index is not local and hits.of(d.instance) != local.query(hs).of(d.instance):
                     run.index_stale += 1
+                run.index_fallbacks += d.index_source != "index"
                 q = insts[d.instance].arrive(r.tokens)
                 run.orders += d.prefetch is not None
                 run.reasons[d.reason] += 1
@@ -363,6 +368,7 @@ def summarize(runs: list[RoutedRun], P: int) -> dict[str, Any]:
         "prefetch_orders": sum(r.orders for r in runs),
         "prefetch_landed": sum(r.landed for r in runs),
         "index_stale": sum(r.index_stale for r in runs),
+        "index_fallbacks": sum(r.index_fallbacks for r in runs),
         "logits_identical": all(r.logits_identical for r in runs),
         "wrong_pages": sum(r.wrong_pages for r in runs),
         "decisions_sample": last.decisions,
@@ -418,7 +424,7 @@ def compare(
         "arrival_gap_s": round(gap, 6),
         "offered_load": load,
         "index": (
-            "l3pool.index: KV events over ZeroMQ -> IndexService (GlobalIndex) -> IndexClient queries; "
+            "l3pool.index: KV events over ZeroMQ -> IndexService (GlobalIndex) -> GuardedIndex queries; "
             + (
                 "sources registered in etcd, learned by the index's watch"
                 if demo.metadata is not None

@@ -59,6 +59,11 @@ class Decision:
     # dynamo_like: lowest_cost; sglang_like: prefix_match | smallest_tree | shortest_queue
     estimates: dict[str, Estimate] = field(default_factory=dict)
     prefetch: PrefetchOrder | None = None
+    # where the hits came from (PrefixHits.source: index | last_known | none) and why not the index:
+    # with a hung index (l3pool.index.GuardedIndex) a decision is priced on the last known answer or
+    # on load alone, and says so here
+    index_source: str = "index"
+    index_reason: str = ""
 
     @property
     def chosen(self) -> Estimate:
@@ -67,6 +72,7 @@ class Decision:
     def as_dict(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id, "instance": self.instance, "policy": self.policy, "reason": self.reason,
+            "index_source": self.index_source, "index_reason": self.index_reason,
             "prefetch": None if self.prefetch is None else
             {"instance": self.prefetch.instance, "first_page": self.prefetch.first_page,
              "last_page": self.prefetch.last_page},
@@ -325,7 +331,8 @@ class Router:
             ((pick.l3 - pick.l1) * pb, round(exposed_pages * pb)),
         )  # fmt: skip
         self._picks.append(p)  # the utilization prices it again with the fit of the moment
-        return Decision(request_id, pick.instance, self.policy.name, reason, {e.instance: e for e in ests}, order)
+        return Decision(request_id, pick.instance, self.policy.name, reason, {e.instance: e for e in ests}, order,
+                        hits.source, hits.reason)  # fmt: skip
 
     def finished(
         self,

@@ -159,3 +159,18 @@ def test_a_tier_an_instance_never_used_is_priced_at_the_fleets_measured_rate() -
     assert r.instances["b"].bw["l2"].bps == 10e9  # no tier of the fleet's measured: still the default
     r.observe("b", {"moved_bytes": {"l2": 0, "l3": 1e9}, "moved_s": {"l2": 0.0, "l3": 1.0}})
     assert r.instances["b"].bw["l3"].bps == pytest.approx(1e9)
+
+
+def test_a_decision_records_where_its_hits_came_from() -> None:
+    """A router fed by l3pool.index.GuardedIndex: an answer from the last known state or none at
+    all (a hung index) is priced as given, and the decision says which it was."""
+    from l3pool.index.types import PrefixHits, TierPrefix
+    from l3pool.router import Router
+
+    r = Router("cache_aware", ["p0", "p1"], page_size=16, page_bytes=1024)
+    d = r.route("a", 64, PrefixHits(pages=4, pool_l3=2, per_instance={"p0": TierPrefix(2, 2, 2)}))
+    assert (d.index_source, d.index_reason) == ("index", "") and d.as_dict()["index_source"] == "index"
+    fallback = PrefixHits(pages=4, source="none", reason="index breaker open: no answer within 0.03 s")
+    d2 = r.route("b", 64, fallback)
+    assert d2.index_source == "none" and "breaker open" in d2.as_dict()["index_reason"]
+    assert all(e.l3 == 0 for e in d2.estimates.values())  # load alone: no instance holds anything
