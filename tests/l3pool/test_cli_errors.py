@@ -59,10 +59,13 @@ class Case:
     error_last: bool = True  # False: a report (doctor's FAIL lines), not a one-line error
     notorch: bool = False  # run where torch cannot be imported, with a $TMPDIR that must stay empty
     proc: str = ""  # why it runs as a real process (else in this one; notorch cases always do)
+    rc: int | None = None  # the exit code it must give (2: usage or bad input, 1: a dependency or runtime failure)
+    env: tuple[tuple[str, str], ...] = ()  # set in its environment
+    own_tmp: bool = False  # run with a $TMPDIR of its own, where no cluster state dir may be left
 
     @property
     def in_process(self) -> bool:
-        return not (self.proc or self.notorch)
+        return not (self.proc or self.notorch or self.own_tmp)
 
 
 # why a case runs as a real process (Case.proc)
@@ -185,6 +188,8 @@ def _cases(tmp: Path) -> list[Case]:
             "the test set (36 MiB) does not fit the local cluster's pool (2 x 16 MiB; Mooncake evicts above 90 %)",
             True,
             proc=CLUSTER,
+            rc=2,
+            own_tmp=True,  # the cluster it started: stopped, its state dir and logs removed
         ),
         Case(
             "prefetch-master-without-metadata",
@@ -194,7 +199,21 @@ def _cases(tmp: Path) -> list[Case]:
         Case(
             "prefetch-metadata-without-master",
             (*L, "prefetch-check", "--metadata", "http://x:1/metadata"),
-            "need --master too",
+            "--metadata needs --master too",
+            rc=2,
+        ),
+        Case(  # the L3POOL_ETCD `cluster up` tells users to export names a pool: that one, never a new one
+            "prefetch-etcd-env-no-such-cluster",
+            (*L, "prefetch-check", "--no-progress", "--state-dir", str(empty)),
+            f"L3POOL_ETCD {etcd}: no local cluster with that etcd is running in {empty}; give that pool's --master",
+            rc=2,
+            env=(("L3POOL_ETCD", etcd),),
+        ),
+        Case(
+            "prefetch-etcd-flag-no-such-cluster",
+            (*L, "prefetch-check", "--no-progress", "--etcd", etcd, "--state-dir", str(empty)),
+            f"--etcd {etcd}: no local cluster with that etcd is running in {empty}",
+            rc=2,
         ),
         # deploy
         Case("deploy-check-missing", (*L, "deploy", "check", str(tmp / "missing.toml")), "No such file"),
@@ -430,18 +449,20 @@ def results(cli_tmp: Path) -> dict[str, tuple[Case, subprocess.CompletedProcess[
     )
     cases = _cases(tmp)
     for c in cases:
-        if c.notorch:
+        if c.notorch or c.own_tmp:
             (tmp / f"tmp-{c.id}").mkdir()
     base = _base_env()
 
     def one(c: Case) -> subprocess.CompletedProcess[str]:
-        return _run(c.argv, REPO, notorch if c.notorch else None, tmp / f"tmp-{c.id}" if c.notorch else None, base)
+        own = c.notorch or c.own_tmp
+        return _run(c.argv, REPO, notorch if c.notorch else None, tmp / f"tmp-{c.id}" if own else None,
+                    base | dict(c.env))  # fmt: skip
 
     # the processes on one worker thread (a start costs ~0.3 s, 3 s with torch, of one core) while
     # this thread runs the others one after the other (each imports nothing new after the first)
     with ThreadPoolExecutor(max_workers=1) as pool:
         procs = {c.id: pool.submit(one, c) for c in cases if not c.in_process}
-        here = {c.id: _run_here(c.argv, REPO, python_env(base=base)) for c in cases if c.in_process}
+        here = {c.id: _run_here(c.argv, REPO, python_env(base=base | dict(c.env))) for c in cases if c.in_process}
         done = {i: f.result() for i, f in procs.items()} | here
     return {c.id: (c, done[c.id]) for c in cases}
 
@@ -455,6 +476,10 @@ def test_one_clear_line_no_traceback(case_id: str, results: dict[str, tuple[Case
     case, r = results[case_id]
     shown = f"rc={r.returncode}\nstdout:\n{r.stdout[-1500:]}\nstderr:\n{r.stderr[-3000:]}"
     assert r.returncode not in (0, None), shown
+    assert case.rc is None or r.returncode == case.rc, shown
+    if case.own_tmp:  # nothing of a cluster it started is left: no state dir, no log
+        left = [p for p in (cli_tmp / f"tmp-{case.id}").rglob("*") if "cluster" in p.name]
+        assert left == [], (left, shown)
     assert "Traceback" not in r.stdout and "Traceback" not in r.stderr, shown
     if not case.error_last:
         assert case.expect in r.stdout + r.stderr, shown
