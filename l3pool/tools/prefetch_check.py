@@ -179,6 +179,21 @@ def _set_bytes(ps: PrefixSet) -> int:
     return ps.requests * ps.pages * object_bytes(ps.spec().page_bytes)
 
 
+def check_host_memory(ps: PrefixSet) -> None:
+    """Refuse, before any cluster starts, a test set this host cannot hold: the reader's L2 pool
+    holds every request, the writer's one request (`--pages 100000` ended in ENOMEM)."""
+    from l3pool.pool.connection import mem_available
+
+    avail = mem_available()
+    need = (ps.requests + 1) * ps.pages * ps.spec().page_bytes
+    if avail is not None and need > avail:
+        raise UserError(
+            f"--pages {ps.pages} with --requests {ps.requests}: the test set and the writer's copy of one "
+            f"request need {format_size(need, '1GiB')} of this host's memory, more than is available "
+            f"({format_size(avail)}); lower --pages or --requests"
+        )
+
+
 def _pool_hint(ps: PrefixSet, ep: Endpoints) -> str:
     need = format_size(_set_bytes(ps), "1MiB")
     if ep.cluster is not None:  # started here: its size is ours to choose
@@ -460,6 +475,7 @@ def _cmd(args: argparse.Namespace) -> int:
             raise UserError("--plot needs matplotlib", "pip install matplotlib") from None
         output_file(args.plot, "--plot")
     ps = PrefixSet(args.layers, args.page_size, args.pages, args.requests, args.seed, uuid.uuid4().hex)
+    check_host_memory(ps)
     try:
         with endpoints(args) as ep:
             if ep.writer_netns and shutil.which("ip") is None:

@@ -34,9 +34,9 @@ from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata, check_id, check_prefi
 class PurgeError(RuntimeError):
     """A purge could not be done; the message is one line. `code` is the exit status."""
 
-    def __init__(self, message: str, code: int = 1) -> None:
+    def __init__(self, message: str, code: int = 1, hint: str | None = None) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.hint = code, hint
 
 
 def resolve(md: Metadata, namespace: str | None, model: str | None, tenant: str | None) -> dict[str, dict[str, Any]]:
@@ -135,7 +135,10 @@ def purge(args: argparse.Namespace) -> dict[str, Any]:
         report["failed"] = [r["namespace"] for r in rows if r["removed"] is None]
         return report
     except EtcdError as e:
-        raise PurgeError(str(e).splitlines()[0]) from None
+        from l3pool.cli import ETCD_HINT
+        from l3pool.pool.etcd import EtcdUnavailable
+
+        raise PurgeError(str(e).splitlines()[0], hint=ETCD_HINT if isinstance(e, EtcdUnavailable) else None) from None
     finally:
         etcd.close()
 
@@ -151,7 +154,9 @@ def _remove(rows: list[dict[str, Any]], master: str, args: argparse.Namespace) -
                 StoreConfig(master=master, metadata=args.metadata, local_hostname=args.host, tenant=tenant)
             )
         except StoreError as e:
-            raise PurgeError(str(e).splitlines()[0]) from None
+            from l3pool.cli import MASTER_HINT
+
+            raise PurgeError(str(e).splitlines()[0], hint=MASTER_HINT) from None
         try:
             for r in rows:
                 if (r["tenant"] or "") != tenant:
@@ -219,7 +224,7 @@ def run_purge(args: argparse.Namespace) -> int:
     except PurgeError as e:
         from l3pool.cli import fail
 
-        return fail("l3pool purge", str(e), code=e.code)
+        return fail("l3pool purge", str(e), e.hint, code=e.code)
     sys.stdout.write((json.dumps(report, indent=2) if args.json else render(report)) + "\n")
     return 1 if report.get("failed") else 0
 

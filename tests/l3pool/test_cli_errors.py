@@ -148,6 +148,14 @@ def _cases(tmp: Path) -> list[Case]:
             "demo-master-unreachable",
             (*L, "demo", "--quick", "--no-progress", "--out", str(tmp / "d"), *dead),
             f"mooncake master 127.0.0.1:{port} unreachable",
+            True,
+            rc=1,
+        ),
+        Case(  # the flags' names, not the workload's fields
+            "demo-context-order",
+            (*L, "demo", "--quick", "--max-context", "100", "--min-context", "5000", "--out", str(tmp / "dctx")),
+            "error: --max-context 100 < --min-context 5000: raise --max-context or lower --min-context",
+            rc=2,
         ),
         # prefetch-check: its writer subprocess fails against a dead master
         Case(
@@ -190,6 +198,13 @@ def _cases(tmp: Path) -> list[Case]:
             proc=CLUSTER,
             rc=2,
             own_tmp=True,  # the cluster it started: stopped, its state dir and logs removed
+        ),
+        Case(  # more than this host holds: refused before a cluster starts (was ENOMEM, or "raise --segment-size")
+            "prefetch-pages-exceed-host-memory",
+            (*L, "prefetch-check", "--pages", "10000000", "--state-dir", str(empty)),
+            "--pages 10000000 with --requests 4: the test set and the writer's copy of one request need 26.82 TiB of "
+            "this host's memory, more than is available",
+            rc=2,
         ),
         Case(
             "prefetch-master-without-metadata",
@@ -281,17 +296,35 @@ def _cases(tmp: Path) -> list[Case]:
             proc=CLUSTER,
         ),
         # inspect
-        Case("inspect-etcd-unreachable", (*L, "inspect", "--etcd", etcd), "etcd unreachable"),
+        # one class, one exit code and hint: an unreachable etcd is exit 1 with the same hint everywhere
+        Case("inspect-etcd-unreachable", (*L, "inspect", "--etcd", etcd), "etcd unreachable", True, rc=1),
         Case("inspect-no-cluster", (*L, "inspect", "--state-dir", str(empty)), "no pool to inspect", True),
         # chaos, purge, doctor, agent
         Case(
             "agent-etcd-unreachable",
             (*L, "agent", "--master", f"127.0.0.1:{port}", "--etcd", etcd, "--segment-size", "16MiB"),
             "etcd unreachable",
+            True,
             proc=AGENT,
+            rc=1,
+        ),
+        Case(
+            "index-etcd-unreachable", (*L, "index", "--etcd", etcd, "--duration", "1"), "etcd unreachable", True, rc=1
+        ),
+        Case(
+            "index-listen-garbage",  # refused at parse time: the flag, the value, the form; not a bind hint
+            (*L, "index", "--etcd", etcd, "--listen", "garbage"),
+            "argument --listen: expected tcp://HOST:PORT (e.g. tcp://127.0.0.1:5757), got 'garbage'",
+            rc=2,
         ),
         Case("chaos-unknown-scenario", (*L, "chaos", "--scenarios", "bogus"), "unknown scenario(s) bogus", True),
-        Case("purge-etcd-unreachable", (*L, "purge", "--etcd", etcd, "--model", "m", "--dry-run"), "etcd unreachable"),
+        Case(
+            "purge-etcd-unreachable",
+            (*L, "purge", "--etcd", etcd, "--model", "m", "--dry-run"),
+            "etcd unreachable",
+            True,
+            rc=1,
+        ),
         Case("doctor-bad-size", (*L, "doctor", "--l2-size", "lots"), "--l2-size: cannot parse 'lots'"),
         Case(
             "doctor-unreachable",
