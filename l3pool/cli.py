@@ -313,6 +313,7 @@ def _info(args: argparse.Namespace) -> int:
 _COMMANDS = (
     "l3pool.agent",
     "l3pool.tools.chaos",
+    "l3pool.tools.check_config",
     "l3pool.cluster.cli",
     "l3pool.demo",
     "l3pool.tools.deploy",

@@ -230,6 +230,14 @@ def _cases(tmp: Path) -> list[Case]:
             f"--etcd {etcd}: no local cluster with that etcd is running in {empty}",
             rc=2,
         ),
+        # check-config: an SGLang extra-config checked without SGLang (every problem: the last one last)
+        Case(
+            "check-config-unknown-key",
+            (*L, "check-config", '{"interface_v1": 1, "master": "10.0.0.1:50051", "segmnt_size": "1GB"}'),
+            "unknown extra-config key 'segmnt_size' for the l3pool backend: did you mean 'segment_size'?",
+            rc=2,
+        ),
+        Case("check-config-missing-file", (*L, "check-config", str(tmp / "absent.json")), "cannot read it", True, rc=2),
         # deploy
         Case("deploy-check-missing", (*L, "deploy", "check", str(tmp / "missing.toml")), "No such file"),
         Case("deploy-check-malformed", (*L, "deploy", "check", str(bad_toml)), "is not valid TOML", proc=ENTRY),
