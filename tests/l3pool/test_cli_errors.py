@@ -597,6 +597,20 @@ def test_tools_reuse_the_running_local_cluster(tmp_path: Path) -> None:
         assert rep["correct"] and rep["mode"] == f"running local cluster ({state.resolve()})"
         assert rep["leaked_pages"] == 0 and rep["interrupted_prefix_pages"][0] <= 16
 
+        # the L3POOL_ETCD `up` printed picks that cluster; one naming another pool is refused, not swapped
+        env_etcd = _base_env() | {"L3POOL_ETCD": ep["etcd"]}
+        r = _run(("l3pool", "prefetch-check", "--state-dir", str(state), "--pages", "8", "--requests", "1",
+                  "--batch", "8", "--json", "--no-progress"), REPO, base=env_etcd)  # fmt: skip
+        assert r.returncode == 0 and json.loads(r.stdout)["correct"], r.stderr[-3000:]
+        (other,) = free_ports(1)
+        r = _run(("l3pool", "prefetch-check", "--state-dir", str(state), "--no-progress"), REPO,
+                 base=_base_env() | {"L3POOL_ETCD": f"http://127.0.0.1:{other}"})  # fmt: skip
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert (
+            f"error: L3POOL_ETCD http://127.0.0.1:{other}: no local cluster with that etcd is running in {state}"
+            in (r.stderr)
+        )
+
         r = _run(("bench.l3", "--state-dir", str(state), "--pages", "2", "--rounds", "1", "--reps", "1", "--models",
                   "mla", "--layouts", "page_first_direct", "--json"), REPO)  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
