@@ -39,6 +39,7 @@ from l3pool.pool.etcd import (
 )
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata
 from l3pool.pool.trailer import object_bytes
+from l3pool.tables import table
 
 # the master's /metrics samples `inspect` summarises (mooncake_master 0.3.13 names), label -> sample
 MASTER_SUMMARY = {
@@ -197,10 +198,7 @@ def _table(title: str, header: list[str], rows: list[list[str]], count: int | No
     lines = [f"{title} ({len(rows) if count is None else count})"]
     if not rows:
         return [*lines, "  (none)", ""]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    fmt = "  " + "  ".join(f"{{:<{w}}}" for w in widths)
-    lines += [fmt.format(*header).rstrip(), *(fmt.format(*r).rstrip() for r in rows), ""]
-    return lines
+    return [*lines, *table(header, rows, indent="  "), ""]
 
 
 def render(report: dict[str, Any]) -> str:

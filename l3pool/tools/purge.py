@@ -29,6 +29,7 @@ from typing import Any
 
 from l3pool.pool.etcd import EtcdClient, EtcdError, add_security_args, check_settings, security_from_args
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata, check_id, check_prefix
+from l3pool.tables import table
 
 
 class PurgeError(RuntimeError):
@@ -173,16 +174,16 @@ def render(report: dict[str, Any]) -> str:
     def na(v: Any) -> str:
         return "-" if v is None else str(v)
 
-    head = f"{'namespace':18s} {'model':24s} {'tenant':10s} {'layout':18s} {'tp':5s} {'objects':>8s}"
-    head += "" if report["dry_run"] else f" {'removed':>8s} {'left':>6s}"
-    lines = [head]
+    header = ["namespace", "model", "tenant", "layout", "tp", "objects"]
+    header += [] if report["dry_run"] else ["removed", "left", ""]
+    rows = []
     for r in report["namespaces"]:
-        line = f"{r['namespace']:18s} {na(r['model']):24s} {na(r['tenant']) or '-':10s} {na(r['layout']):18s}"
-        line += f" {r['tp']:5s} {na(r['objects']):>8s}"
+        row = [r["namespace"], na(r["model"]), na(r["tenant"]) or "-", na(r["layout"]), r["tp"], na(r["objects"])]
         if not report["dry_run"]:
-            line += f" {na(r['removed']) if 'error' not in r else r['error']:>8s} {na(r['left']):>6s}"
-            line += "  (record forgotten)" if r["forgotten"] else ""
-        lines.append(line)
+            row += [na(r["removed"]) if "error" not in r else r["error"], na(r["left"]),
+                    "(record forgotten)" if r["forgotten"] else ""]  # fmt: skip
+        rows.append(row)
+    lines = table(header, rows, right={5, 6, 7}, free_last=True)
     n = len(report["namespaces"])
     if report["dry_run"]:
         known = [r["objects"] for r in report["namespaces"] if r["objects"] is not None]
