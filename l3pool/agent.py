@@ -342,10 +342,10 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
         try:
             check_reachable(s, etcd)
         except ConnectionError as e:  # a dependency unreachable: exit 1, as in every command
-            from l3pool.cli import ETCD_HINT, MASTER_HINT
+            from l3pool.cli import MASTER_HINT, etcd_hint
 
             msg = str(e)
-            hint = (ETCD_HINT if msg.startswith("etcd") else MASTER_HINT if "mooncake master" in msg
+            hint = (etcd_hint(from_env=False) if msg.startswith("etcd") else MASTER_HINT if "mooncake master" in msg
                     else "is the metadata server running at that address? (--metadata)")  # fmt: skip
             return _fail(1, msg, hint)
         if s.metrics_port:

@@ -15,8 +15,8 @@ one per class:
 
 `UserError` (default code 2; code=1 for an unreachable dependency) is raised where the mistake is
 found, `fail` prints it, `guarded` turns UserError and the layers' own errors (`_OPERATIONAL`)
-into that line and code. `ETCD_HINT` and `MASTER_HINT` are the one hint for an unreachable etcd
-or master.
+into that line and code. `ETCD_HINT` (`etcd_hint`) and `MASTER_HINT` are the one hint for an
+unreachable etcd or master.
 """
 
 from __future__ import annotations
@@ -158,7 +158,12 @@ def fail(prog: str, message: str, hint: str | None = None, code: int = 2) -> int
     return code
 
 
-ETCD_HINT = "is etcd running at that address? (--etcd, or L3POOL_ETCD)"
+def etcd_hint(from_env: bool = True) -> str:
+    """The hint of an unreachable etcd; `from_env`: the command also reads L3POOL_ETCD."""
+    return f"is etcd running at that address? (--etcd{', or L3POOL_ETCD' if from_env else ''})"
+
+
+ETCD_HINT = etcd_hint()
 MASTER_HINT = "is mooncake_master running at that address? (--master)"
 
 # Errors of the layers below that already carry a clear message about something outside this
