@@ -25,6 +25,9 @@ _UNITS = {
 }
 
 
+SIZE_RULE = "GB = 10^9 bytes, GiB = 2^30; KB/MB/TB and KiB/MiB/TiB alike"  # said in every size error
+
+
 class ConfigError(ValueError):
     """Bad configuration: raised at construction, never from deep inside the data path."""
 
@@ -54,11 +57,13 @@ def parse_size(value: int | str, what: str = "size") -> int:
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         if not m:
-            raise ConfigError(f"{what}: cannot parse {value!r}; use a number of bytes or a unit like '64GB', '512MiB'")
+            raise ConfigError(
+                f"{what}: cannot parse {value!r}; use a number of bytes or a unit like '64GB', '512MiB' ({SIZE_RULE})"
+            )
         number, unit = m.group(1), (m.group(2) or "B").lower()
         scaled = Decimal(number) * _UNITS[unit]  # exact: "4.1GB" is 4_100_000_000 bytes
         if scaled != scaled.to_integral_value():
-            raise ConfigError(f"{what}: {value!r} is not a whole number of bytes")
+            raise ConfigError(f"{what}: {value!r} is not a whole number of bytes ({SIZE_RULE})")
         n = int(scaled)
     else:
         raise ConfigError(f"{what}: expected int or str, got {type(value).__name__}")

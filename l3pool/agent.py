@@ -6,7 +6,7 @@ Lifecycle:
     1. validate every option (bad input: one line on stderr, exit 2);
     2. check that etcd answers and the master's RPC port accepts a TCP connection (and the HTTP
        metadata server's port, when the metadata is http://) — Mooncake's own setup retries an
-       unreachable master for minutes, so this comes first (unreachable: one line, exit 2);
+       unreachable master for minutes, so this comes first (unreachable: one line + a hint, exit 1);
     3. start a Mooncake client that mounts `--segment-size` bytes of DRAM (the donation; a donor's
        store never rebuilds its client — Mooncake re-mounts the segment on a restarted master
        itself, and a new client would mount a segment the member record does not name);
@@ -25,7 +25,7 @@ at once (nothing is registered in etcd yet; a log line says so before setup star
 a stop request arms `faulthandler.dump_traceback_later(--stop-timeout, exit=True)`: a C watchdog
 that needs no GIL dumps every thread's stack and exits 1 when shutdown hangs in Mooncake.
 Exit codes: 0 clean stop, 1 failure after start (Mooncake setup, etcd refusing the member, or a
-shutdown ended by the watchdog), 2 bad options or an unreachable dependency; killed by the signal
+shutdown ended by the watchdog) or an unreachable dependency at start, 2 bad options; killed by the signal
 (143 / -15) when stopped during Mooncake setup.
 
 Import-light on purpose (no torch, no l2core): a decode node's agent starts in well under a second.
@@ -301,10 +301,10 @@ class Agent:
             self.store.close()
 
 
-def _fail(code: int, message: str) -> int:
+def _fail(code: int, message: str, hint: str | None = None) -> int:
     from l3pool.cli import fail
 
-    return fail("l3pool agent", message, code=code)
+    return fail("l3pool agent", message, hint, code=code)
 
 
 def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
@@ -341,8 +341,13 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
     try:
         try:
             check_reachable(s, etcd)
-        except ConnectionError as e:
-            return _fail(2, str(e))
+        except ConnectionError as e:  # a dependency unreachable: exit 1, as in every command
+            from l3pool.cli import MASTER_HINT, etcd_hint
+
+            msg = str(e)
+            hint = (etcd_hint(from_env=False) if msg.startswith("etcd") else MASTER_HINT if "mooncake master" in msg
+                    else "is the metadata server running at that address? (--metadata)")  # fmt: skip
+            return _fail(1, msg, hint)
         if s.metrics_port:
             try:
                 server = metrics.serve(s.metrics_port, s.metrics_host, role="agent")

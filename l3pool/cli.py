@@ -1,4 +1,23 @@
-"""The `l3pool` command line."""
+"""The `l3pool` command line.
+
+Errors, in every command: one line `<prog>: error: <what>` on stderr, never a traceback, naming
+the flag (or config key) and the bad value and saying how to fix it (`--max-context 100 <
+--min-context 5000: raise --max-context or lower --min-context`), optionally followed by one
+`<prog>: hint: ...` line; under --json also `{"error": ..., "hint": ...}` on stdout. Exit codes,
+one per class:
+
+    0    success
+    1    a dependency unreachable (etcd, mooncake_master, the index, a writer process) or a
+         runtime failure (wrong bytes, a leak, a process that died): the command line was fine
+    2    usage or bad input (a flag's value, a config file, a size, a combination of flags):
+         change the command line or the file
+    130  interrupted (Ctrl-C); 141 the reader of stdout went away; 143 terminated (SIGTERM)
+
+`UserError` (default code 2; code=1 for an unreachable dependency) is raised where the mistake is
+found, `fail` prints it, `guarded` turns UserError and the layers' own errors (`_OPERATIONAL`)
+into that line and code. `ETCD_HINT` (`etcd_hint`) and `MASTER_HINT` are the one hint for an
+unreachable etcd or master.
+"""
 
 from __future__ import annotations
 
@@ -139,12 +158,20 @@ def fail(prog: str, message: str, hint: str | None = None, code: int = 2) -> int
     return code
 
 
+def etcd_hint(from_env: bool = True) -> str:
+    """The hint of an unreachable etcd; `from_env`: the command also reads L3POOL_ETCD."""
+    return f"is etcd running at that address? (--etcd{', or L3POOL_ETCD' if from_env else ''})"
+
+
+ETCD_HINT = etcd_hint()
+MASTER_HINT = "is mooncake_master running at that address? (--master)"
+
 # Errors of the layers below that already carry a clear message about something outside this
 # program (a dead endpoint, a cluster that cannot start, a bad size): looked up only in modules that
 # are already imported, so this module stays light (no mooncake, no torch).
 _OPERATIONAL = (
-    ("l3pool.pool.store", "StoreUnavailable", "is mooncake_master running at that address? (--master)"),
-    ("l3pool.pool.etcd", "EtcdUnavailable", "is etcd running at that address? (--etcd)"),
+    ("l3pool.pool.store", "StoreUnavailable", MASTER_HINT),
+    ("l3pool.pool.etcd", "EtcdUnavailable", ETCD_HINT),
     ("l3pool.cluster._os", "ClusterError", None),
     ("l3pool.cluster.local", "ClusterConfigError", None),
     ("l2core.units", "ConfigError", None),
@@ -291,6 +318,7 @@ def _info(args: argparse.Namespace) -> int:
 _COMMANDS = (
     "l3pool.agent",
     "l3pool.tools.chaos",
+    "l3pool.tools.check_config",
     "l3pool.cluster.cli",
     "l3pool.demo",
     "l3pool.tools.deploy",

@@ -51,7 +51,7 @@ names is refused. Where the keys come from, in SGLang's order (0.5.23 `MooncakeB
 3. keys still absent are read from MOONCAKE_MASTER, MOONCAKE_TE_META_DATA_SERVER,
    MOONCAKE_GLOBAL_SEGMENT_SIZE, MOONCAKE_PROTOCOL, MOONCAKE_DEVICE and MOONCAKE_TENANT_ID;
    otherwise our defaults apply (protocol "tcp" and segment 0, where SGLang's would be "rdma" and
-   "4gb").
+   4 GiB).
 `local_hostname` follows SGLang's per-process precedence instead: MOONCAKE_LOCAL_HOSTNAME, then
 LOCAL_HOSTNAME, then the extra-config's (or file's) value, then "127.0.0.1" — so one shared
 extra-config can be broadcast to every node while each node's environment names itself.
@@ -61,8 +61,18 @@ when switched on, are refused by name.
 
 Segment size per rank: like SGLang's Mooncake backend, the size (under either name) is what the
 whole SGLang instance donates; each of its `tp_size * pp_size` ranks runs one backend and donates
-`size // (tp_size * pp_size)` (TP=8, PP=2, "16gb": 1 GiB per rank, 16 GiB in all). A share
+`size // (tp_size * pp_size)` (TP=8, PP=2, "16GiB": 1 GiB per rank, 16 GiB in all). A share
 below Mooncake's 16 MiB minimum (other than 0) is refused at construction.
+
+Sizes, one rule for every key and variable (`l2core.units.parse_size`): GB = 10^9 bytes, GiB =
+2^30. Under SGLang's Mooncake names a plain "gb" ("16gb", "16GB") is refused: SGLang reads it as
+GiB, this rule as 10^9 bytes; write "16GiB" (SGLang's meaning) or bytes.
+
+Checked without SGLang or a cluster: `l3pool check-config FILE|JSON` (`check_extra_config`: every
+problem, unknown keys with a did-you-mean; `deploy render` runs it on what it renders). The HA
+master form `etcd://...` (the leader looked up in etcd) is refused: the backend's start-up check,
+health probe and rebuild talk to one master's host:port. A loopback `local_hostname` (the
+default 127.0.0.1 included) with a master elsewhere is warned about (`BackendConfig.warnings`).
 
 SGLang also reads `prefetch_threshold`, `prefetch_timeout_base`, `prefetch_timeout_per_ki_token`,
 `hicache_storage_pass_prefix_keys` and `tp_lcm_size` from the same JSON (it pops them before the
@@ -71,6 +81,7 @@ backend sees them); they are accepted and ignored here.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -80,12 +91,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from l2core.shm_segment import TPGroup, check_group
-from l2core.spec import ConfigError
-from l2core.units import parse_size
+from l2core.units import SIZE_RULE, ConfigError, parse_size
 from l3pool.cache.config import L3Settings, l3_settings
 from l3pool.pool.etcd import security_mapping
 from l3pool.pool.metadata import DEFAULT_PREFIX
 from l3pool.pool.store import MIN_SEGMENT_BYTES, StoreConfig
+from l3pool.values import unknown_key_hint
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +188,12 @@ class BackendConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> BackendConfig:
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None, *, warn: bool = True
+    ) -> BackendConfig:
         """Parse the extra-config; SGLang Mooncake names and `MOONCAKE_*` variables of `env`
-        (default: the process environment) fill in what the extra-config leaves out."""
+        (default: the process environment) fill in what the extra-config leaves out. `warn`: log
+        `warnings()` (a loopback local_hostname with a remote master)."""
         if extra is None:
             raise ConfigError("l3pool backend needs --hicache-storage-backend-extra-config with at least 'master'")
         if not isinstance(extra, Mapping):
@@ -188,9 +202,7 @@ class BackendConfig:
         extra, sglang_sized = _normalize_mooncake(extra, os.environ if env is None else env, frozenset(ours))
         unknown = sorted(set(extra) - ours - SGLANG_KEYS - SGLANG_CONTROLLER_KEYS - MOONCAKE_IGNORED)
         if unknown:
-            raise ConfigError(
-                f"unknown extra-config key(s) {unknown} for the l3pool backend; known: {sorted(ours | SGLANG_KEYS)}"
-            )
+            raise ConfigError("; ".join(unknown_key_problem(k) for k in unknown))
         if not _typed(extra, "interface_v1", (bool, int), 0):
             raise ConfigError(
                 'extra-config needs "interface_v1": 1 — without it SGLang uses the copying batch_get/batch_set '
@@ -201,6 +213,12 @@ class BackendConfig:
             raise ConfigError(
                 "extra-config is missing 'master' (the mooncake_master RPC address, host:port; "
                 "also read as 'master_server_address' or from MOONCAKE_MASTER)"
+            )
+        if master.startswith("etcd://"):
+            raise ConfigError(
+                f"extra-config 'master' {master!r}: Mooncake's high-availability form (the leader master looked "
+                "up in etcd) is not supported by the l3pool backend: its start-up check, health probe and "
+                "client rebuild talk to one master's host:port; give the leader's host:port"
             )
         if not _HOSTPORT.match(master):
             raise ConfigError(f"extra-config 'master' {master!r}: expected host:port")
@@ -237,7 +255,7 @@ class BackendConfig:
             raise ConfigError("extra-config 'tp_group' without \"tp_shared\": true")
         if tp_group is not None:
             check_group(f"{tp_group}-pp0", 0, 1)  # the name's characters and length, before any rank
-        return cls(
+        cfg = cls(
             master=master,
             tp_shared=tp_shared,
             tp_placement=placement,
@@ -253,6 +271,23 @@ class BackendConfig:
             extra={k: extra[k] for k in SGLANG_KEYS if k in extra},
             **{k: v for k, v in s.items() if v is not None},
         )
+        for w in cfg.warnings(given_hostname=s["local_hostname"] is not None) if warn else ():
+            log.warning("l3pool backend: %s", w)
+        return cfg
+
+    def warnings(self, given_hostname: bool = True) -> list[str]:
+        """What parses but cannot work across nodes: a loopback local_hostname (the default
+        127.0.0.1 included) with a master on another address, so peers would transfer to
+        themselves."""
+        mhost = self.master.rpartition(":")[0]
+        if not (_loopback(self.local_hostname) and not _loopback(mhost)):
+            return []
+        how = "" if given_hostname else " (the default)"
+        return [
+            f"extra-config 'local_hostname' {self.local_hostname!r}{how} is a loopback address but the master "
+            f"{self.master} is not: Mooncake peers on other nodes cannot reach this client; set 'local_hostname' "
+            "(or MOONCAKE_LOCAL_HOSTNAME) to this node's address"
+        ]
 
     def l3_settings(self) -> L3Settings:
         """The L3 clients' settings (`l3pool.cache.config.l3_settings`, checked when parsed)."""
@@ -307,6 +342,70 @@ class BackendConfig:
         return share
 
 
+# Every key an extra-config may hold: ours, SGLang's own, its controller's, SGLang's Mooncake names.
+KNOWN_KEYS = frozenset(
+    {f for f in BackendConfig.__dataclass_fields__ if f != "extra"}
+    | SGLANG_KEYS | SGLANG_CONTROLLER_KEYS | set(MOONCAKE_ALIASES) | MOONCAKE_IGNORED | set(MOONCAKE_REFUSED)
+)  # fmt: skip
+
+
+def unknown_key_problem(key: str, where: str = "extra-config ") -> str:
+    """The line for an unknown key: the closest known one, else every known key (aliases too)."""
+    return f"unknown {where}key {key!r} for the l3pool backend: {unknown_key_hint(key, sorted(KNOWN_KEYS))}"
+
+
+def _loopback(host: str) -> bool:
+    h = host.strip().strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+# What `check_extra_config` puts in place of a bad required key, to find the problems after it.
+_STAND_INS: dict[str, Any] = {"master": "127.0.0.1:1", "interface_v1": 1}
+
+
+def check_extra_config(
+    extra: Any, env: Mapping[str, str] | None = None
+) -> tuple[BackendConfig | None, list[str], list[str]]:
+    """Every problem of an extra-config, without SGLang or a cluster: (the parsed config or None,
+    problems, warnings). Unknown keys are listed at once (each with its did-you-mean); then the
+    parser's first error is noted and the key it names dropped (a required one replaced by a
+    stand-in), until it parses. Warnings (`BackendConfig.warnings`) only for a valid config."""
+    if not isinstance(extra, Mapping):
+        return None, [f"extra-config must be a JSON object, got {type(extra).__name__}"], []
+    d = dict(extra)
+    problems = [unknown_key_problem(k) for k in sorted(set(d) - KNOWN_KEYS)]
+    for k in set(d) - KNOWN_KEYS:
+        del d[k]
+    for _ in range(len(d) + len(_STAND_INS) + 1):
+        try:
+            cfg = BackendConfig.from_extra_config(d, env, warn=False)
+        except ConfigError as e:
+            problems.append(str(e))
+            msg = str(e)  # the key it names: quoted first ('tp_placement'), else a bare word (batch_pages)
+            named = [k for k in re.findall(r"['\"](\w+)['\"]", msg) + re.findall(r"\w+", msg) if k in KNOWN_KEYS]
+            key = next((k for k in named if k in d or k in _STAND_INS), None)
+            if key in _STAND_INS and d.get(key) != _STAND_INS[key]:
+                d[key] = _STAND_INS[key]
+            elif key in d:
+                del d[key]
+            else:
+                break
+            continue
+        if problems:
+            return None, problems, []
+        return cfg, [], cfg.warnings(given_hostname="local_hostname" in extra or _env_hostname(env))
+    return None, problems, []
+
+
+def _env_hostname(env: Mapping[str, str] | None) -> bool:
+    return any((os.environ if env is None else env).get(n) for n in LOCAL_HOSTNAME_ENV)
+
+
 def _l3_settings(batch_pages: int, layer_first_mode: str, stats_interval: float) -> L3Settings:
     """The cache builder's L3 client settings for SGLang's writer: its backup thread hands the
     backend one batch at a time (under `_write_lock`), of up to its own STORAGE_BATCH_SIZE (128)
@@ -325,7 +424,7 @@ def _normalize_mooncake(
     local_hostname from the environment first (module docstring).
 
     Returns the config under our names and whether `segment_size` came under SGLang's names
-    (`global_segment_size`, MOONCAKE_GLOBAL_SEGMENT_SIZE: read with SGLang's units, "4gb" = 4 GiB)."""
+    (`global_segment_size`, MOONCAKE_GLOBAL_SEGMENT_SIZE: ints are bytes, see `_sglang_size`)."""
     out, sglang_sized = _renamed(extra, "extra-config")
     path = env.get(CONFIG_PATH_ENV)
     if path and "master" in out:
@@ -341,7 +440,7 @@ def _normalize_mooncake(
             set(raw) - ours - set(MOONCAKE_ALIASES) - MOONCAKE_IGNORED - FILE_IGNORED - set(MOONCAKE_REFUSED)
         )
         if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown} for the l3pool backend")
+            raise ConfigError(f"{where}: " + "; ".join(unknown_key_problem(k, "") for k in unknown))
         from_file, file_sized = _renamed({k: v for k, v in raw.items() if k not in FILE_IGNORED}, where)
         for k, v in from_file.items():
             if k not in out:
@@ -416,19 +515,22 @@ def _sglang_tenant(value: Any) -> Any:
 
 
 def _sglang_size(value: Any) -> int:
-    """A size under SGLang's Mooncake names: an int is bytes; text ending in "gb" (any case) is
-    GiB, as sglang 0.5.23's `_parse_global_segment_size` reads it ("4gb" = 4 * 2**30); anything
-    else is parsed as our own sizes (bytes, "512MiB", ...)."""
+    """A size under SGLang's Mooncake names: an int is bytes; text is read by the one rule of every
+    l3pool size (`l2core.units.parse_size`: GB = 10^9, GiB = 2^30). Text in plain "gb" (any case,
+    "16gb") is refused: sglang 0.5.23's `_parse_global_segment_size` reads it as GiB, l3pool's rule
+    as 10^9 bytes, and a config that means 7 % more or less on one backend than on the other is
+    not taken silently either way."""
     what = "extra-config 'global_segment_size' (or MOONCAKE_GLOBAL_SEGMENT_SIZE, or the config file's)"
-    if isinstance(value, str) and value.strip().lower().endswith("gb"):
-        num = value.strip()[:-2].strip()
-        if not num.isdigit():
-            raise ConfigError(f"{what}: cannot parse {value!r}; SGLang's Mooncake names take whole GiB such as '4gb'")
-        return int(num) << 30
     if value == 0 or value == "0":
         return 0
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ConfigError(f"{what} must be int or str, got {type(value).__name__} {value!r}")
+    if isinstance(value, str) and re.fullmatch(r"\s*[\d.]+\s*gb\s*", value, re.IGNORECASE):
+        num = value.strip()[:-2].strip()
+        raise ConfigError(
+            f"{what} {value!r}: SGLang's Mooncake backend reads 'gb' as GiB (2^30), l3pool as GB (10^9): "
+            f"write '{num}GiB' (what SGLang means) or a number of bytes ({SIZE_RULE})"
+        )
     return parse_size(value, what)
 
 

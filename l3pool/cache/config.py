@@ -8,8 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from l2core.shm_segment import check_group
-from l2core.spec import ConfigError
-from l2core.units import check_int
+from l2core.units import ConfigError, check_int
 from l3pool.cache.policy import PREFETCH_POLICIES, WRITE_POLICIES
 from l3pool.values import BadValue, choice, number_at_least, unknown_key_hint
 

@@ -10,6 +10,8 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from l3pool.cluster.local import (
     read_state,
 )
 from l3pool.cluster.processes import alive
+from l3pool.paths import runtime_dir
 from l3pool.pool.metadata import DEFAULT_PREFIX
 
 if TYPE_CHECKING:
@@ -159,27 +162,59 @@ def pool_endpoints(
     segment_size: int | str = "1GB",
     name: str | None = None,
     state_dir: str | Path | None = None,
+    etcd_from: str = "--etcd",
 ) -> Iterator[Endpoints]:
     """The pool a tool or benchmark runs against (a context manager yielding `Endpoints`):
     `master` + `metadata` when given; else the local cluster `l3pool cluster up` left running
-    (`state_dir`, default the default name's); else a LocalCluster of 2 agents started here and
-    torn down on exit. For a local cluster this process's environment gets `client_env()` (the
-    tool is the application: it sets Mooncake's address variable for its own client)."""
+    (`state_dir`, default the default name's); with `etcd` (`etcd_from` names where it came from:
+    the flag or L3POOL_ETCD) only the running local cluster of that etcd, never a new one; else a
+    LocalCluster of 2 agents started here, in a state dir of its own, torn down and removed on exit.
+    For a local cluster this process's environment gets `client_env()` (the tool is the
+    application: it sets Mooncake's address variable for its own client)."""
     if master:
         if not metadata:
             raise ClusterConfigError("--master needs --metadata (the transfer-engine metadata URL)")
         yield Endpoints(master, metadata, host or "127.0.0.1", etcd)
         return
-    if metadata or etcd:
-        raise ClusterConfigError("--metadata/--etcd need --master too (or give none to use the local cluster)")
-    state = running_cluster(state_dir)
+    if metadata:
+        raise ClusterConfigError("--metadata needs --master too (or give none to use the local cluster)")
+    # --etcd, or the L3POOL_ETCD `l3pool cluster up` told the user to export: that pool or none
+    state = cluster_with_etcd(etcd, state_dir) if etcd else running_cluster(state_dir)
+    if etcd:
+        if state is None:
+            where = Path(state_dir) if state_dir else runtime_dir()
+            raise ClusterConfigError(
+                f"{etcd_from} {etcd}: no local cluster with that etcd is running in {where}; give that pool's "
+                f"--master and --metadata, or the --state-dir of its `l3pool cluster up` "
+                f"(or unset L3POOL_ETCD to start a cluster here)"
+            )
     if state is not None:
         os.environ.update(state["endpoints"].get("client_env") or mooncake_env(state["endpoints"]["client_host"]))
         log.info("using the running local cluster in %s", state["state_dir"])
         yield _from_state(state)
         return
-    with LocalCluster(agents=2, segment_size=segment_size, name=name or f"l3t{uuid.uuid4().hex[:6]}") as c:
-        os.environ.update(c.client_env())
-        wa = c.agents[-1]
-        yield Endpoints(c.master, c.metadata_url, c.client_host, c.etcd_endpoints, wa.netns,
-                        wa.ip if wa.netns else None, c.mode, c.admin_url, c.key_prefix, c)  # fmt: skip
+    name = name or f"l3t{uuid.uuid4().hex[:6]}"
+    own = Path(tempfile.mkdtemp(prefix=f"cluster-{name}-", dir=runtime_dir()))  # ours alone: removed at the end
+    cluster = LocalCluster(agents=2, segment_size=segment_size, name=name, state_dir=own)
+    try:
+        with cluster as c:
+            os.environ.update(c.client_env())
+            wa = c.agents[-1]
+            yield Endpoints(c.master, c.metadata_url, c.client_host, c.etcd_endpoints, wa.netns,
+                            wa.ip if wa.netns else None, c.mode, c.admin_url, c.key_prefix, c)  # fmt: skip
+    finally:
+        if read_state(own) is None:  # every process stopped (else `l3pool cluster down --state-dir` needs it)
+            shutil.rmtree(own, ignore_errors=True)
+
+
+def cluster_with_etcd(etcd: str, state_dir: str | Path | None = None) -> dict[str, Any] | None:
+    """The running local cluster whose etcd is `etcd`: the one in `state_dir` when given, else any
+    `l3pool cluster up` left running in its default dirs (`cluster`, `cluster-NAME`); else None."""
+    wanted = {e.strip().rstrip("/") for e in etcd.split(",") if e.strip()}
+    dirs = [Path(state_dir)] if state_dir else sorted(runtime_dir().glob("cluster*"))
+    for d in dirs:
+        state = running_cluster(d) if d.is_dir() else None
+        got = (state or {}).get("endpoints", {}).get("etcd") or ""
+        if state is not None and got.rstrip("/") in wanted:
+            return state
+    return None

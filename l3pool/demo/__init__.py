@@ -175,6 +175,10 @@ def _options(a: argparse.Namespace) -> Any:
         k: getattr(a, k) if getattr(a, k, None) is not None else base[k]
         for k in ("sessions", "turns", "min_context", "max_context")
     }
+    if pick["max_context"] < pick["min_context"]:  # in the flags' names (the workload's are internal)
+        shown = {k: f"{pick[k]}" + ("" if getattr(a, k, None) is not None else " (the default)") for k in pick}
+        raise DemoError(f"--max-context {shown['max_context']} < --min-context {shown['min_context']}: "
+                        "raise --max-context or lower --min-context")  # fmt: skip
     model: Any
     if real:
         import importlib.util
@@ -226,7 +230,7 @@ def _cmd(a: argparse.Namespace) -> int:
     from l3pool.cli import output_dir
     from l3pool.cluster.local import ClusterError
     from l3pool.pool.etcd import EtcdAuthError
-    from l3pool.pool.store import StoreError
+    from l3pool.pool.store import StoreError, StoreUnavailable
 
     output_dir(a.out, "--out")  # before the run: a path it cannot write fails now, not after minutes
     if a.attention == "hybrid":
@@ -237,8 +241,10 @@ def _cmd(a: argparse.Namespace) -> int:
         opts = _options(a)
         report = _run(a, opts)
     except (ConfigError, DemoError, ClusterError, StoreError, ValueError, EtcdAuthError) as e:
-        from l3pool.cli import fail
+        from l3pool.cli import MASTER_HINT, fail
 
+        if isinstance(e, (ClusterError, StoreError)):  # a dependency or the cluster failed: exit 1 (l3pool.cli)
+            return fail("l3pool demo", str(e), MASTER_HINT if isinstance(e, StoreUnavailable) else None, code=1)
         return fail("l3pool demo", str(e))
     ok = _write(a, report)
     return 0 if ok else 1

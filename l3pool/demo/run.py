@@ -67,7 +67,7 @@ def run(
     t0 = time.perf_counter()
     requests = generate(opts.workload)
     if not requests:
-        raise ConfigError("the workload is empty: raise max_context or lower min_context")
+        raise ConfigError("the workload is empty: raise --max-context or lower --min-context")
 
     def tick(what: str) -> None:
         if bar is not None:

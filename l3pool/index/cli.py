@@ -80,7 +80,9 @@ def run_index(args: argparse.Namespace) -> int:
                            watch=args.watch, resync_s=args.resync)  # fmt: skip
     except ValueError as e:
         etcd.close()
-        raise UserError(str(e), "another process may be listening there; choose --listen tcp://HOST:PORT") from None
+        in_use = "in use" in str(e)  # EADDRINUSE; other causes (no such address here) have no such hint
+        raise UserError(f"--listen: {e}", "another process is listening there: choose another "
+                        "--listen tcp://HOST:PORT" if in_use else "give an address of this host") from None  # fmt: skip
     old = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         with svc:
@@ -103,11 +105,24 @@ def run_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _endpoint(text: str) -> str:
+    """argparse type of --listen: tcp://HOST:PORT, checked at parse time (the flag, the value, the form)."""
+    from l3pool.index.queries import parse_endpoint
+
+    try:
+        parse_endpoint(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT (e.g. {DEFAULT_LISTEN}), got {text!r}") from None
+    return text
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("index", help="the global KV index: which instance holds which prefix, per tier")
     p.add_argument("--etcd", metavar="ENDPOINTS", help="the pool's etcd (or env L3POOL_ETCD)")
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help=f"etcd key prefix (default {DEFAULT_PREFIX})")
-    p.add_argument("--listen", default=DEFAULT_LISTEN, help=f"query endpoint (default {DEFAULT_LISTEN})")
+    p.add_argument(
+        "--listen", type=_endpoint, default=DEFAULT_LISTEN, help=f"query endpoint (default {DEFAULT_LISTEN})"
+    )
     p.add_argument("--capacity-pages", type=positive_int, default=1 << 22,
                    help="distinct pages the index holds at most (memory: ~40 B each at 64 instances)")  # fmt: skip
     p.add_argument("--max-instances", type=positive_int, default=64, help="instances indexed at once (default 64)")

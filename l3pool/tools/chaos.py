@@ -49,6 +49,7 @@ import numpy as np
 
 from l3pool.measure import percentile
 from l3pool.procenv import python_env
+from l3pool.tables import table
 
 log = logging.getLogger(__name__)
 
@@ -698,9 +699,7 @@ def render(rep: dict[str, Any]) -> str:
         rec = "-" if r["recover_s"] is None else f"{r['recover_s']:.2f}"
         rows.append([r["scenario"], str(r["pages_checked"]), str(r["wrong"]), str(r["false_ok"]), str(r["leaked"]),
                      rec, "pass" if r["passed"] else "FAIL", extra])  # fmt: skip
-    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
-    widths[-1] = 0
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [head, *rows]]
+    lines = table(head, rows, free_last=True)
     lines.append(f"{'PASS' if rep['passed'] else 'FAIL'} in {rep['elapsed_s']:.0f} s ({rep['cluster_mode']})")
     return "\n".join(lines)
 

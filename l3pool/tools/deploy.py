@@ -68,6 +68,26 @@ def adapter_extra_config(cfg: DeployConfig, node: PrefillNode) -> dict[str, Any]
     return {**ADAPTER, **{k: values[k] for k in ADAPTER_KEYS if values[k] != {}}}
 
 
+def check_adapter_configs(cfg: DeployConfig) -> list[str]:
+    """Every prefill node's rendered extra-config through the backend's own parser (what
+    `l3pool check-config` runs; no environment: the rendered config must stand alone), so that a
+    mistake shows here, not after SGLang loaded the weights. UserError listing the problems;
+    returns the warnings, one line each, naming the node."""
+    from l3pool.adapters.sglang_config import check_extra_config
+    from l3pool.cli import UserError
+
+    warnings = []
+    for node in cfg.prefill:
+        extra = adapter_extra_config(cfg, node)
+        _, problems, warned = check_extra_config(extra, env={})
+        if problems:
+            raise UserError(f"the extra-config rendered for prefill node {node.name!r} is refused by the l3pool "
+                            f"backend: {'; '.join(problems)}",
+                            f"check it alone: l3pool check-config {shlex.quote(json.dumps(extra))}")  # fmt: skip
+        warnings += [f"prefill node {node.name!r}: {w}" for w in warned]
+    return warnings
+
+
 def client_env(cfg: DeployConfig, host: str) -> dict[str, str]:
     """The environment of every Mooncake client process (agents, SGLang): the address it
     advertises, the port range it listens on (on all interfaces: the firewall rules cover it),
@@ -462,6 +482,8 @@ def _cmd_render(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"ok": False, "problems": [p.to_json() for p in problems]}, indent=2))
         return 2
+    for w in check_adapter_configs(cfg):  # SGLang's extra-config, before any script is written
+        print(f"l3pool deploy render: warning: {w}", file=sys.stderr)
     procs = plan(cfg)
     chosen = select(procs, args.node)
     if not chosen:

@@ -27,11 +27,19 @@ import time
 from typing import Any
 
 from l2core.units import format_size
-from l3pool.cli import UserError
+from l3pool.cli import ETCD_HINT, UserError
 from l3pool.pool.admin import AdminError, MasterAdmin
-from l3pool.pool.etcd import EtcdClient, EtcdError, EtcdSecurity, add_security_args, security_from_args
+from l3pool.pool.etcd import (
+    EtcdClient,
+    EtcdError,
+    EtcdSecurity,
+    EtcdUnavailable,
+    add_security_args,
+    security_from_args,
+)
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata
 from l3pool.pool.trailer import object_bytes
+from l3pool.tables import table
 
 # the master's /metrics samples `inspect` summarises (mooncake_master 0.3.13 names), label -> sample
 MASTER_SUMMARY = {
@@ -50,7 +58,11 @@ _NS_FIELDS = ("model", "attention", "layout", "dtype", "page_size", "page_bytes"
 
 
 class InspectError(RuntimeError):
-    """A source (etcd, the master admin) could not be read; the message is one line."""
+    """A source (etcd, the master admin) could not be read; the message is one line, `hint` a fix."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
 
 
 def _sum_counters(stats: dict[str, dict[str, Any]]) -> dict[str, int | float]:
@@ -74,7 +86,7 @@ def collect(
         md = Metadata(etcd, prefix)
         members, namespaces, stats, locks = md.members(), md.namespaces(), md.stats(), md.locks()
     except EtcdError as e:
-        raise InspectError(str(e)) from None
+        raise InspectError(str(e), ETCD_HINT if isinstance(e, EtcdUnavailable) else None) from None
     finally:
         etcd.close()
     now = time.time()
@@ -90,7 +102,8 @@ def collect(
             seg_usage = {s: admin.query_segment(s) for s in segments}
             m = admin.metrics()
         except AdminError as e:
-            raise InspectError(str(e)) from None
+            raise InspectError(str(e), "is mooncake_master's admin port there? (--master-admin, or "
+                               "L3POOL_MASTER_ADMIN)") from None  # fmt: skip
         owners = {mem.info.segment: mem.info.id for mem in members if mem.info.segment}
         master.update(
             keys=len(keys),
@@ -185,10 +198,7 @@ def _table(title: str, header: list[str], rows: list[list[str]], count: int | No
     lines = [f"{title} ({len(rows) if count is None else count})"]
     if not rows:
         return [*lines, "  (none)", ""]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    fmt = "  " + "  ".join(f"{{:<{w}}}" for w in widths)
-    lines += [fmt.format(*header).rstrip(), *(fmt.format(*r).rstrip() for r in rows), ""]
-    return lines
+    return [*lines, *table(header, rows, indent="  "), ""]
 
 
 def render(report: dict[str, Any]) -> str:
@@ -286,7 +296,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     except ValueError as e:  # bad endpoint, prefix or security setting
         raise UserError(str(e)) from None
     except InspectError as e:
-        raise UserError(str(e), code=1) from None
+        raise UserError(str(e), e.hint, code=1) from None
     sys.stdout.write((json.dumps(report, indent=2) if args.json else render(report)) + "\n")
     return 0
 

@@ -4,8 +4,9 @@
     l3pool prefetch-check --master H:P --metadata URL --host MY_IP     # a running pool
 
 1. A *writer* process puts a test prefix set (`--requests` prefixes of `--pages` pages whose bytes
-   come from `--seed`) from one node: without endpoints the local cluster `l3pool cluster up` left
-   running is used, else one is started (`LocalCluster(agents=2)`, torn down at the end); when it
+   come from `--seed`) from one node: without --master the local cluster `l3pool cluster up` left
+   running is used (with --etcd or $L3POOL_ETCD: the one of that etcd, else an error), else one is
+   started (`LocalCluster(agents=2)`, torn down and its state dir removed at the end); when it
    has network namespaces, the writer runs inside the last agent's namespace with that agent's IP;
    against a pool given by --master it is a separate process on this host.
 2. This process (root namespace, another node) prefetches every prefix into its own L2 pool
@@ -178,6 +179,21 @@ def _set_bytes(ps: PrefixSet) -> int:
     return ps.requests * ps.pages * object_bytes(ps.spec().page_bytes)
 
 
+def check_host_memory(ps: PrefixSet) -> None:
+    """Refuse, before any cluster starts, a test set this host cannot hold: the reader's L2 pool
+    holds every request, the writer's one request (`--pages 100000` ended in ENOMEM)."""
+    from l3pool.pool.connection import mem_available
+
+    avail = mem_available()
+    need = (ps.requests + 1) * ps.pages * ps.spec().page_bytes
+    if avail is not None and need > avail:
+        raise UserError(
+            f"--pages {ps.pages} with --requests {ps.requests}: the test set and the writer's copy of one "
+            f"request need {format_size(need, '1GiB')} of this host's memory, more than is available "
+            f"({format_size(avail)}); lower --pages or --requests"
+        )
+
+
 def _pool_hint(ps: PrefixSet, ep: Endpoints) -> str:
     need = format_size(_set_bytes(ps), "1MiB")
     if ep.cluster is not None:  # started here: its size is ours to choose
@@ -234,8 +250,10 @@ def _last_error(stderr: str) -> str:
 def endpoints(args: argparse.Namespace) -> contextlib.AbstractContextManager[Endpoints]:
     """The given pool, the local cluster `l3pool cluster up` left running, or a local cluster
     started here (and torn down on exit)."""
-    return pool_endpoints(args.master, args.metadata, args.host, args.etcd, segment_size=args.segment_size,
-                          name=args.name or f"l3pt{uuid.uuid4().hex[:4]}", state_dir=args.state_dir)  # fmt: skip
+    etcd = args.etcd or os.environ.get("L3POOL_ETCD") or None  # as `inspect` and `purge` find a pool
+    return pool_endpoints(args.master, args.metadata, args.host, etcd, segment_size=args.segment_size,
+                          name=args.name or f"l3pt{uuid.uuid4().hex[:4]}", state_dir=args.state_dir,
+                          etcd_from="--etcd" if args.etcd else "L3POOL_ETCD")  # fmt: skip
 
 
 # -- the test ------------------------------------------------------------------------------------
@@ -457,6 +475,7 @@ def _cmd(args: argparse.Namespace) -> int:
             raise UserError("--plot needs matplotlib", "pip install matplotlib") from None
         output_file(args.plot, "--plot")
     ps = PrefixSet(args.layers, args.page_size, args.pages, args.requests, args.seed, uuid.uuid4().hex)
+    check_host_memory(ps)
     try:
         with endpoints(args) as ep:
             if ep.writer_netns and shutil.which("ip") is None:
@@ -480,7 +499,12 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "prefetch-check", help="cross-node prefetch test: write from one node, prefetch + verify on another"
     )
-    add_pool_flags(p, etcd_help="etcd endpoints of a running pool (informational)", segment_size="1GB")
+    add_pool_flags(
+        p,
+        etcd_help="etcd endpoints of the pool (or env L3POOL_ETCD): with --master informational, "
+        "without it the running local cluster of that etcd",
+        segment_size="1GB",
+    )
     p.add_argument("--pages", type=positive_int, default=512, help="pages per request (default %(default)s)")
     p.add_argument("--batch", type=positive_int, default=32, help="prefetch batch, pages (default %(default)s)")
     p.add_argument("--requests", type=positive_int, default=4, help="test prefixes (default %(default)s)")

@@ -29,14 +29,15 @@ from typing import Any
 
 from l3pool.pool.etcd import EtcdClient, EtcdError, add_security_args, check_settings, security_from_args
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata, check_id, check_prefix
+from l3pool.tables import table
 
 
 class PurgeError(RuntimeError):
     """A purge could not be done; the message is one line. `code` is the exit status."""
 
-    def __init__(self, message: str, code: int = 1) -> None:
+    def __init__(self, message: str, code: int = 1, hint: str | None = None) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.hint = code, hint
 
 
 def resolve(md: Metadata, namespace: str | None, model: str | None, tenant: str | None) -> dict[str, dict[str, Any]]:
@@ -135,7 +136,10 @@ def purge(args: argparse.Namespace) -> dict[str, Any]:
         report["failed"] = [r["namespace"] for r in rows if r["removed"] is None]
         return report
     except EtcdError as e:
-        raise PurgeError(str(e).splitlines()[0]) from None
+        from l3pool.cli import ETCD_HINT
+        from l3pool.pool.etcd import EtcdUnavailable
+
+        raise PurgeError(str(e).splitlines()[0], hint=ETCD_HINT if isinstance(e, EtcdUnavailable) else None) from None
     finally:
         etcd.close()
 
@@ -151,7 +155,9 @@ def _remove(rows: list[dict[str, Any]], master: str, args: argparse.Namespace) -
                 StoreConfig(master=master, metadata=args.metadata, local_hostname=args.host, tenant=tenant)
             )
         except StoreError as e:
-            raise PurgeError(str(e).splitlines()[0]) from None
+            from l3pool.cli import MASTER_HINT
+
+            raise PurgeError(str(e).splitlines()[0], hint=MASTER_HINT) from None
         try:
             for r in rows:
                 if (r["tenant"] or "") != tenant:
@@ -168,16 +174,16 @@ def render(report: dict[str, Any]) -> str:
     def na(v: Any) -> str:
         return "-" if v is None else str(v)
 
-    head = f"{'namespace':18s} {'model':24s} {'tenant':10s} {'layout':18s} {'tp':5s} {'objects':>8s}"
-    head += "" if report["dry_run"] else f" {'removed':>8s} {'left':>6s}"
-    lines = [head]
+    header = ["namespace", "model", "tenant", "layout", "tp", "objects"]
+    header += [] if report["dry_run"] else ["removed", "left", ""]
+    rows = []
     for r in report["namespaces"]:
-        line = f"{r['namespace']:18s} {na(r['model']):24s} {na(r['tenant']) or '-':10s} {na(r['layout']):18s}"
-        line += f" {r['tp']:5s} {na(r['objects']):>8s}"
+        row = [r["namespace"], na(r["model"]), na(r["tenant"]) or "-", na(r["layout"]), r["tp"], na(r["objects"])]
         if not report["dry_run"]:
-            line += f" {na(r['removed']) if 'error' not in r else r['error']:>8s} {na(r['left']):>6s}"
-            line += "  (record forgotten)" if r["forgotten"] else ""
-        lines.append(line)
+            row += [na(r["removed"]) if "error" not in r else r["error"], na(r["left"]),
+                    "(record forgotten)" if r["forgotten"] else ""]  # fmt: skip
+        rows.append(row)
+    lines = table(header, rows, right={5, 6, 7}, free_last=True)
     n = len(report["namespaces"])
     if report["dry_run"]:
         known = [r["objects"] for r in report["namespaces"] if r["objects"] is not None]
@@ -219,7 +225,7 @@ def run_purge(args: argparse.Namespace) -> int:
     except PurgeError as e:
         from l3pool.cli import fail
 
-        return fail("l3pool purge", str(e), code=e.code)
+        return fail("l3pool purge", str(e), e.hint, code=e.code)
     sys.stdout.write((json.dumps(report, indent=2) if args.json else render(report)) + "\n")
     return 1 if report.get("failed") else 0
 

@@ -221,7 +221,7 @@ def _run_bad(args: list[str]) -> subprocess.CompletedProcess[str]:
         "etcd-unreachable",
     ],
 )
-def test_bad_settings_exit_2_with_one_line(
+def test_bad_settings_one_line_exit_2_unreachable_exit_1(
     etcd_server: EtcdServer, mooncake_master: MasterServer, prefix: str, override: dict[str, str], expect: str
 ) -> None:
     (free,) = free_ports(1)
@@ -237,9 +237,14 @@ def test_bad_settings_exit_2_with_one_line(
     t0 = time.monotonic()
     r = _run_bad([x for kv in opts.items() for x in kv])
     took = time.monotonic() - t0
-    assert r.returncode == 2, r.stderr
+    unreachable = "unreachable" in expect or "cannot reach" in expect  # a dependency: exit 1 and a hint
+    assert r.returncode == (1 if unreachable else 2), r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("l3pool agent: error: "), r.stderr
+    assert len(lines) == 1 + unreachable and lines[0].startswith("l3pool agent: error: "), r.stderr
+    assert not unreachable or lines[1] in (
+        "l3pool agent: hint: is etcd running at that address? (--etcd)",  # the agent reads no L3POOL_ETCD
+        "l3pool agent: hint: is mooncake_master running at that address? (--master)",
+    ), r.stderr
     assert expect.replace("{free}", str(free)) in lines[0]
     assert took < 8.0  # the reachability checks time out after 2 s; Mooncake's retries never start
     c = EtcdClient(etcd_server.endpoints)

@@ -59,10 +59,13 @@ class Case:
     error_last: bool = True  # False: a report (doctor's FAIL lines), not a one-line error
     notorch: bool = False  # run where torch cannot be imported, with a $TMPDIR that must stay empty
     proc: str = ""  # why it runs as a real process (else in this one; notorch cases always do)
+    rc: int | None = None  # the exit code it must give (2: usage or bad input, 1: a dependency or runtime failure)
+    env: tuple[tuple[str, str], ...] = ()  # set in its environment
+    own_tmp: bool = False  # run with a $TMPDIR of its own, where no cluster state dir may be left
 
     @property
     def in_process(self) -> bool:
-        return not (self.proc or self.notorch)
+        return not (self.proc or self.notorch or self.own_tmp)
 
 
 # why a case runs as a real process (Case.proc)
@@ -145,6 +148,14 @@ def _cases(tmp: Path) -> list[Case]:
             "demo-master-unreachable",
             (*L, "demo", "--quick", "--no-progress", "--out", str(tmp / "d"), *dead),
             f"mooncake master 127.0.0.1:{port} unreachable",
+            True,
+            rc=1,
+        ),
+        Case(  # the flags' names, not the workload's fields
+            "demo-context-order",
+            (*L, "demo", "--quick", "--max-context", "100", "--min-context", "5000", "--out", str(tmp / "dctx")),
+            "error: --max-context 100 < --min-context 5000: raise --max-context or lower --min-context",
+            rc=2,
         ),
         # prefetch-check: its writer subprocess fails against a dead master
         Case(
@@ -185,6 +196,15 @@ def _cases(tmp: Path) -> list[Case]:
             "the test set (36 MiB) does not fit the local cluster's pool (2 x 16 MiB; Mooncake evicts above 90 %)",
             True,
             proc=CLUSTER,
+            rc=2,
+            own_tmp=True,  # the cluster it started: stopped, its state dir and logs removed
+        ),
+        Case(  # more than this host holds: refused before a cluster starts (was ENOMEM, or "raise --segment-size")
+            "prefetch-pages-exceed-host-memory",
+            (*L, "prefetch-check", "--pages", "10000000", "--state-dir", str(empty)),
+            "--pages 10000000 with --requests 4: the test set and the writer's copy of one request need 26.82 TiB of "
+            "this host's memory, more than is available",
+            rc=2,
         ),
         Case(
             "prefetch-master-without-metadata",
@@ -194,8 +214,30 @@ def _cases(tmp: Path) -> list[Case]:
         Case(
             "prefetch-metadata-without-master",
             (*L, "prefetch-check", "--metadata", "http://x:1/metadata"),
-            "need --master too",
+            "--metadata needs --master too",
+            rc=2,
         ),
+        Case(  # the L3POOL_ETCD `cluster up` tells users to export names a pool: that one, never a new one
+            "prefetch-etcd-env-no-such-cluster",
+            (*L, "prefetch-check", "--no-progress", "--state-dir", str(empty)),
+            f"L3POOL_ETCD {etcd}: no local cluster with that etcd is running in {empty}; give that pool's --master",
+            rc=2,
+            env=(("L3POOL_ETCD", etcd),),
+        ),
+        Case(
+            "prefetch-etcd-flag-no-such-cluster",
+            (*L, "prefetch-check", "--no-progress", "--etcd", etcd, "--state-dir", str(empty)),
+            f"--etcd {etcd}: no local cluster with that etcd is running in {empty}",
+            rc=2,
+        ),
+        # check-config: an SGLang extra-config checked without SGLang (every problem: the last one last)
+        Case(
+            "check-config-unknown-key",
+            (*L, "check-config", '{"interface_v1": 1, "master": "10.0.0.1:50051", "segmnt_size": "1GB"}'),
+            "unknown extra-config key 'segmnt_size' for the l3pool backend: did you mean 'segment_size'?",
+            rc=2,
+        ),
+        Case("check-config-missing-file", (*L, "check-config", str(tmp / "absent.json")), "cannot read it", True, rc=2),
         # deploy
         Case("deploy-check-missing", (*L, "deploy", "check", str(tmp / "missing.toml")), "No such file"),
         Case("deploy-check-malformed", (*L, "deploy", "check", str(bad_toml)), "is not valid TOML", proc=ENTRY),
@@ -262,17 +304,35 @@ def _cases(tmp: Path) -> list[Case]:
             proc=CLUSTER,
         ),
         # inspect
-        Case("inspect-etcd-unreachable", (*L, "inspect", "--etcd", etcd), "etcd unreachable"),
+        # one class, one exit code and hint: an unreachable etcd is exit 1 with the same hint everywhere
+        Case("inspect-etcd-unreachable", (*L, "inspect", "--etcd", etcd), "etcd unreachable", True, rc=1),
         Case("inspect-no-cluster", (*L, "inspect", "--state-dir", str(empty)), "no pool to inspect", True),
         # chaos, purge, doctor, agent
         Case(
             "agent-etcd-unreachable",
             (*L, "agent", "--master", f"127.0.0.1:{port}", "--etcd", etcd, "--segment-size", "16MiB"),
             "etcd unreachable",
+            True,
             proc=AGENT,
+            rc=1,
+        ),
+        Case(
+            "index-etcd-unreachable", (*L, "index", "--etcd", etcd, "--duration", "1"), "etcd unreachable", True, rc=1
+        ),
+        Case(
+            "index-listen-garbage",  # refused at parse time: the flag, the value, the form; not a bind hint
+            (*L, "index", "--etcd", etcd, "--listen", "garbage"),
+            "argument --listen: expected tcp://HOST:PORT (e.g. tcp://127.0.0.1:5757), got 'garbage'",
+            rc=2,
         ),
         Case("chaos-unknown-scenario", (*L, "chaos", "--scenarios", "bogus"), "unknown scenario(s) bogus", True),
-        Case("purge-etcd-unreachable", (*L, "purge", "--etcd", etcd, "--model", "m", "--dry-run"), "etcd unreachable"),
+        Case(
+            "purge-etcd-unreachable",
+            (*L, "purge", "--etcd", etcd, "--model", "m", "--dry-run"),
+            "etcd unreachable",
+            True,
+            rc=1,
+        ),
         Case("doctor-bad-size", (*L, "doctor", "--l2-size", "lots"), "--l2-size: cannot parse 'lots'"),
         Case(
             "doctor-unreachable",
@@ -430,18 +490,20 @@ def results(cli_tmp: Path) -> dict[str, tuple[Case, subprocess.CompletedProcess[
     )
     cases = _cases(tmp)
     for c in cases:
-        if c.notorch:
+        if c.notorch or c.own_tmp:
             (tmp / f"tmp-{c.id}").mkdir()
     base = _base_env()
 
     def one(c: Case) -> subprocess.CompletedProcess[str]:
-        return _run(c.argv, REPO, notorch if c.notorch else None, tmp / f"tmp-{c.id}" if c.notorch else None, base)
+        own = c.notorch or c.own_tmp
+        return _run(c.argv, REPO, notorch if c.notorch else None, tmp / f"tmp-{c.id}" if own else None,
+                    base | dict(c.env))  # fmt: skip
 
     # the processes on one worker thread (a start costs ~0.3 s, 3 s with torch, of one core) while
     # this thread runs the others one after the other (each imports nothing new after the first)
     with ThreadPoolExecutor(max_workers=1) as pool:
         procs = {c.id: pool.submit(one, c) for c in cases if not c.in_process}
-        here = {c.id: _run_here(c.argv, REPO, python_env(base=base)) for c in cases if c.in_process}
+        here = {c.id: _run_here(c.argv, REPO, python_env(base=base | dict(c.env))) for c in cases if c.in_process}
         done = {i: f.result() for i, f in procs.items()} | here
     return {c.id: (c, done[c.id]) for c in cases}
 
@@ -455,6 +517,10 @@ def test_one_clear_line_no_traceback(case_id: str, results: dict[str, tuple[Case
     case, r = results[case_id]
     shown = f"rc={r.returncode}\nstdout:\n{r.stdout[-1500:]}\nstderr:\n{r.stderr[-3000:]}"
     assert r.returncode not in (0, None), shown
+    assert case.rc is None or r.returncode == case.rc, shown
+    if case.own_tmp:  # nothing of a cluster it started is left: no state dir, no log
+        left = [p for p in (cli_tmp / f"tmp-{case.id}").rglob("*") if "cluster" in p.name]
+        assert left == [], (left, shown)
     assert "Traceback" not in r.stdout and "Traceback" not in r.stderr, shown
     if not case.error_last:
         assert case.expect in r.stdout + r.stderr, shown
@@ -530,6 +596,20 @@ def test_tools_reuse_the_running_local_cluster(tmp_path: Path) -> None:
         rep = json.loads(r.stdout)
         assert rep["correct"] and rep["mode"] == f"running local cluster ({state.resolve()})"
         assert rep["leaked_pages"] == 0 and rep["interrupted_prefix_pages"][0] <= 16
+
+        # the L3POOL_ETCD `up` printed picks that cluster; one naming another pool is refused, not swapped
+        env_etcd = _base_env() | {"L3POOL_ETCD": ep["etcd"]}
+        r = _run(("l3pool", "prefetch-check", "--state-dir", str(state), "--pages", "8", "--requests", "1",
+                  "--batch", "8", "--json", "--no-progress"), REPO, base=env_etcd)  # fmt: skip
+        assert r.returncode == 0 and json.loads(r.stdout)["correct"], r.stderr[-3000:]
+        (other,) = free_ports(1)
+        r = _run(("l3pool", "prefetch-check", "--state-dir", str(state), "--no-progress"), REPO,
+                 base=_base_env() | {"L3POOL_ETCD": f"http://127.0.0.1:{other}"})  # fmt: skip
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert (
+            f"error: L3POOL_ETCD http://127.0.0.1:{other}: no local cluster with that etcd is running in {state}"
+            in (r.stderr)
+        )
 
         r = _run(("bench.l3", "--state-dir", str(state), "--pages", "2", "--rounds", "1", "--reps", "1", "--models",
                   "mla", "--layouts", "page_first_direct", "--json"), REPO)  # fmt: skip

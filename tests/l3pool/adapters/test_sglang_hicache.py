@@ -354,7 +354,7 @@ def test_loaded_through_sglang_dynamic_factory(
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"mastr": "x:1"}, "unknown extra-config key(s) ['mastr']"),
+        ({"mastr": "x:1"}, "unknown extra-config key 'mastr' for the l3pool backend: did you mean 'master'?"),
         ({"master": None}, "missing 'master'"),
         ({"master": 5051}, "'master' must be str"),
         ({"master": "no-port"}, "expected host:port"),
@@ -517,20 +517,20 @@ def test_sglang_mooncake_names_and_env_fallbacks() -> None:
     parse = BackendConfig.from_extra_config
     c = parse(
         _offline(
-            master_server_address="10.0.0.1:50051", global_segment_size="4gb", device_name="mlx5_0", tenant_id="t1"
+            master_server_address="10.0.0.1:50051", global_segment_size="4GiB", device_name="mlx5_0", tenant_id="t1"
         ),
         env={},
     )
     assert (c.master, c.segment_size, c.rdma_devices, c.tenant) == ("10.0.0.1:50051", 4 << 30, "mlx5_0", "t1")
-    # our own key keeps our units: GB is decimal there, GiB binary
+    # one rule for every size, under either name: GB is decimal, GiB binary
     assert parse(_offline(master="h:1", segment_size="4GB"), env={}).segment_size == 4 * 10**9
-    assert parse(_offline(master="h:1", global_segment_size="4GB"), env={}).segment_size == 4 << 30
+    assert parse(_offline(master="h:1", global_segment_size="4GiB"), env={}).segment_size == 4 << 30
     assert parse(_offline(master="h:1", global_segment_size=1 << 20), env={}).segment_size == 1 << 20
     assert parse(_offline(master="h:1", tenant_id="default"), env={}).tenant == ""
     env = {
         "MOONCAKE_MASTER": "10.0.0.9:50051",
         "MOONCAKE_TE_META_DATA_SERVER": "http://10.0.0.9:8080/metadata",
-        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "2gb",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "2GiB",
         "MOONCAKE_PROTOCOL": "rdma",
         "MOONCAKE_DEVICE": "mlx5_1",
         "MOONCAKE_LOCAL_HOSTNAME": "10.0.0.3",
@@ -551,7 +551,7 @@ def test_sglang_mooncake_names_and_env_fallbacks() -> None:
     assert parse(_offline(master="h:1", master_metrics_port=9003, check_server=False), env={}).master == "h:1"
     # device_name's JSON form: one device list per TP rank, in that rank's Mooncake client config
     assert _devices_for_rank('{"0": "mlx5_0", "1": "mlx5_1"}', 1) == "mlx5_1"
-    c = parse(_offline(master="h:1", device_name='{"0": "mlx5_0", "1": "mlx5_1"}', global_segment_size="4gb",
+    c = parse(_offline(master="h:1", device_name='{"0": "mlx5_0", "1": "mlx5_1"}', global_segment_size="4GiB",
                        local_buffer_size="32MiB", tenant_id="t1"), env={})  # fmt: skip
     sc = c.store_config(1, 2, 2)  # TP rank 1 of 2, 2 PP stages: a quarter of the instance's segment
     assert (sc.master, sc.rdma_devices, sc.segment_bytes, sc.local_buffer_bytes, sc.tenant) == (
@@ -564,12 +564,12 @@ def test_sglang_mooncake_names_and_env_fallbacks() -> None:
     ("extra", "env", "message"),
     [
         ({"master": "h:1", "master_server_address": "h:2"}, {}, "'master' twice"),
-        ({"master": "h:1", "segment_size": 0, "global_segment_size": "1gb"}, {}, "'segment_size' twice"),
+        ({"master": "h:1", "segment_size": 0, "global_segment_size": "1GiB"}, {}, "'segment_size' twice"),
         ({"master": "h:1", "tenant": "a", "tenant_id": "b"}, {}, "'tenant' twice"),
         ({"master": "h:1", "rdma_devices": "x", "device_name": "y"}, {}, "'rdma_devices' twice"),
         ({}, {}, "MOONCAKE_MASTER"),
         ({}, {"MOONCAKE_MASTER": "nohostport"}, "expected host:port"),
-        ({"master": "h:1", "global_segment_size": "1.5gb"}, {}, "whole GiB"),
+        ({"master": "h:1", "global_segment_size": "1.5gb"}, {}, "reads 'gb' as GiB (2^30), l3pool as GB"),
         ({"master": "h:1"}, {"MOONCAKE_GLOBAL_SEGMENT_SIZE": "lots"}, "MOONCAKE_GLOBAL_SEGMENT_SIZE"),
         ({"master": "h:1", "global_segment_size": [1]}, {}, "must be int or str"),
         ({"master": "h:1", "client_server_address": "h:3"}, {}, "standalone Mooncake client"),

@@ -200,21 +200,26 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_unreachable_etcd_exit_1_one_line() -> None:
+def test_unreachable_etcd_exit_1_one_line_and_the_hint() -> None:
     (port,) = free_ports(1)
     r = _cli("--etcd", f"127.0.0.1:{port}")
     assert r.returncode == 1 and r.stdout == ""
-    assert (
-        r.stderr.strip() == f"l3pool inspect: error: etcd unreachable: 127.0.0.1:{port}: [Errno 111] Connection refused"
-    )
+    assert r.stderr.strip().splitlines() == [
+        f"l3pool inspect: error: etcd unreachable: 127.0.0.1:{port}: [Errno 111] Connection refused",
+        "l3pool inspect: hint: is etcd running at that address? (--etcd, or L3POOL_ETCD)",
+    ]
 
 
-def test_unreachable_master_admin_exit_1_one_line(etcd_server: EtcdServer) -> None:
+def test_unreachable_master_admin_exit_1_one_line_and_the_hint(etcd_server: EtcdServer) -> None:
     (port,) = free_ports(1)
     r = _cli("--etcd", etcd_server.endpoints, "--master-admin", f"http://127.0.0.1:{port}")
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("l3pool inspect: error: mooncake master admin unreachable at")
+    assert len(lines) == 2 and lines[0].startswith("l3pool inspect: error: mooncake master admin unreachable at")
+    assert (
+        lines[1]
+        == "l3pool inspect: hint: is mooncake_master's admin port there? (--master-admin, or L3POOL_MASTER_ADMIN)"
+    )
 
 
 def test_missing_etcd_and_bad_input_exit_2(tmp_path: Path) -> None:

@@ -151,9 +151,12 @@ def test_unreachable_endpoints(pool: Pool, capsys: pytest.CaptureFixture[str]) -
     port = free_ports(1)[0]
     rc = main(["purge", "--etcd", f"http://127.0.0.1:{port}", "--model", "m-e", "--dry-run"])
     err = capsys.readouterr().err
-    assert rc == 1 and f"127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
+    lines = err.strip().splitlines()  # the error and the one hint of an unreachable etcd (l3pool.cli)
+    assert rc == 1 and f"127.0.0.1:{port}" in lines[0] and len(lines) == 2
+    assert lines[1] == "l3pool purge: hint: is etcd running at that address? (--etcd, or L3POOL_ETCD)"
     rc, _, err = purge(capsys, pool, "--namespace", ns, "--yes", "--master", f"127.0.0.1:{port}")
     assert rc == 1 and f"mooncake master 127.0.0.1:{port} unreachable" in err
+    assert err.strip().splitlines()[-1] == "l3pool purge: hint: is mooncake_master running at that address? (--master)"
     rc, _, err = purge(capsys, pool, "--namespace", ns, "--dry-run", "--master-admin", f"127.0.0.1:{port}")
     assert rc == 1 and "admin unreachable" in err
     with pytest.raises(SystemExit) as e:  # argparse: one selector only
