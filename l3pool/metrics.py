@@ -1,7 +1,8 @@
 """Every Prometheus metric l3pool exports, and the helper that serves them.
 
-One home: modules that count something import the metric objects from here; nothing else
-creates a metric. Names follow Prometheus conventions (`l3pool_` prefix, `_total` counters,
+One home: modules that count something import the metric objects from here; the only other
+metric modules are the index's scrape-time collector (l3pool/index/metrics.py) and the router's
+decision metrics (l3pool/router/metrics.py). Names follow Prometheus conventions (`l3pool_` prefix, `_total` counters,
 `_bytes_total` byte counters, `_seconds` histograms, plain names for gauges). Labels take values
 from small fixed sets only (operation, outcome, tier, owner, engine): never keys, namespaces,
 request ids or member ids, so a scrape stays the same size however long the process runs.
@@ -13,7 +14,13 @@ Two registries, one per role, so an endpoint exports only what its process can c
   serves the default registry (its own /metrics) carries ours too.
 - `AGENT_REGISTRY`: the node agent's families, its registration lease (owner member) and the
   `process_*` collector; `l3pool agent --metrics-port` serves only this one.
-Both carry `l3pool_build_info{version, python, mooncake}` (always 1). `serve()` drops
+- `INDEX_REGISTRY`: the global index's families, read from `IndexService.status()` at scrape
+  time by the collector in l3pool/index/metrics.py (no second tally), and `process_*`;
+  `l3pool index --metrics-port` serves it.
+Derived at scrape time, by collectors registered from their own package (one home per concept):
+the index's (l3pool/index/metrics.py) and the TieredCache occupancy gauges (below). The router's
+families are in l3pool/router/metrics.py (engine registry).
+All carry `l3pool_build_info{version, python, mooncake}` (always 1). `serve()` drops
 prometheus_client's `<name>_created` samples (a second, timestamp-valued series per counter and
 histogram that dashboards mistake for data), and every label value of the fixed sets is
 pre-initialised, so a series exists at 0 from the first scrape (rate() and absent() work).
@@ -73,9 +80,11 @@ except ImportError:  # an interpreter without it (the H200 host has it: checked 
 
 ENGINE_REGISTRY: Any = REGISTRY
 AGENT_REGISTRY: Any = CollectorRegistry(auto_describe=True) if AVAILABLE else None
+INDEX_REGISTRY: Any = CollectorRegistry(auto_describe=True) if AVAILABLE else None
 if AVAILABLE:
     ProcessCollector(registry=AGENT_REGISTRY)
-ROLES = ("engine", "agent")
+    ProcessCollector(registry=INDEX_REGISTRY)
+ROLES = ("engine", "agent", "index")
 # the fixed label values, pre-initialised below (OUTCOMES = pool.protocols.Outcome's values; a test checks)
 OUTCOMES = ("ok", "miss", "pool_full", "lease", "transfer_fail", "unavailable", "bad_request", "error", "pending")
 TIERS = ("l1", "l2", "l3")
@@ -284,9 +293,8 @@ KV_EVENTS_DROPPED = Counter(
     "KV event operations an instance dropped (queue full or transport at its high-water mark); healed by resync",
 )
 KV_SNAPSHOTS_SERVED = Counter("l3pool_kv_snapshots_served_total", "Tier snapshots an instance served to an index")
-INDEX_RESYNCS = Counter("l3pool_index_resyncs_total", "Instance resynchronisations the global index started")
-INDEX_EVENTS_APPLIED = Counter("l3pool_index_events_applied_total", "KV event messages the global index applied")
-INDEX_BAD_MESSAGES = Counter("l3pool_index_bad_messages_total", "Malformed messages the global index dropped")
+# the global index's own families are derived from IndexService.status() at scrape time
+# (l3pool/index/metrics.py) into INDEX_REGISTRY, served by `l3pool index --metrics-port`
 
 # -- engine adapters (adapters/) -----------------------------------------------------------------
 _ADAPTER_CALLS = Counter(
@@ -313,6 +321,7 @@ ADAPTER_HIT_TOKENS = _Children(_ADAPTER_HIT_TOKENS).preinit(*[(e,) for e in ENGI
 if AVAILABLE:
     _build_info(ENGINE_REGISTRY)
     _build_info(AGENT_REGISTRY)
+    _build_info(INDEX_REGISTRY)
 
 
 def add_tally(acc: dict[str, int], tallies: Iterable[tuple[str, int]]) -> None:
@@ -383,10 +392,10 @@ class _WithoutCreated(CollectorRegistry if AVAILABLE else object):  # type: igno
 
 
 def registry(role: str) -> Any:
-    """The registry of a role: "engine" (the default registry) or "agent"."""
+    """The registry of a role: "engine" (the default registry), "agent" or "index"."""
     if role not in ROLES:
         raise ValueError(f"metrics role {role!r}: expected one of {ROLES}")
-    return AGENT_REGISTRY if role == "agent" else ENGINE_REGISTRY
+    return {"agent": AGENT_REGISTRY, "index": INDEX_REGISTRY}.get(role, ENGINE_REGISTRY)
 
 
 def serve(port: int, host: str = "127.0.0.1", role: str = "engine") -> MetricsServer:

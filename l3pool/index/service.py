@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from l3pool import metrics
 from l3pool.index.queries import QueryServer
 from l3pool.index.table import GlobalIndex, IndexFull, checked
 from l3pool.index.watch import PrefixWatch
@@ -157,6 +156,7 @@ class IndexService:
         self._lag: collections.deque[float] = collections.deque(maxlen=10_000)
         self.bad_messages = self.unknown_messages = self.refused_keys = 0
         self.bad_requests = 0  # the query thread's own count (bad_messages in status() is the sum)
+        self.events_applied = self.resyncs = 0  # process totals (a source's own go when it leaves)
         self.etcd_errors = self.loop_errors = 0
         self.etcd_ok = metadata is None
         self._members: set[str] | None = None
@@ -453,7 +453,7 @@ class IndexService:
         self.index.set_live(iid, False)
         s.live, s.buffer = False, []
         s.resyncs += 1
-        metrics.INDEX_RESYNCS.inc()
+        self.resyncs += 1
         d = self._ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
         try:
@@ -490,7 +490,6 @@ class IndexService:
                 raise WireError(f"snapshot of {snap.instance!r} from {iid!r}'s endpoint")
         except WireError as e:
             self.bad_messages += 1
-            metrics.INDEX_BAD_MESSAGES.inc()
             s.last_error = str(e)
             s.retry_at = time.monotonic() + max(self.retry_s, s.backoff)
             return
@@ -529,7 +528,7 @@ class IndexService:
         self.refused_keys += self.index.apply(iid, b.namespace, b.ops, b.keys)
         s.seq = b.seq
         s.events += 1
-        metrics.INDEX_EVENTS_APPLIED.inc()
+        self.events_applied += 1
         if b.sent_at and math.isfinite(lag := time.time() - b.sent_at):  # the decoder refuses non-finite ones
             self._lag.append(lag)
 
@@ -544,7 +543,6 @@ class IndexService:
                 b = decode_events(body)
             except Exception as e:  # WireError; anything else is a decoder bug, still this message's only
                 self.bad_messages += 1
-                metrics.INDEX_BAD_MESSAGES.inc()
                 if isinstance(e, WireError):
                     log.debug("index: dropped a malformed event message: %s", e)
                 else:
@@ -600,7 +598,6 @@ class IndexService:
             raise WireError(f"unknown request {req[0]!r} with {len(req) - 1} arguments")
         except (WireError, ValueError) as e:
             self.bad_requests += 1
-            metrics.INDEX_BAD_MESSAGES.inc()
             return encode_error(str(e))
         except Exception as e:  # a bug answers an error; the query thread keeps serving
             log.exception("index: answering a request failed")
@@ -625,6 +622,8 @@ class IndexService:
             "endpoint": self.endpoint,
             "etcd_ok": self.etcd_ok,
             "etcd_errors": self.etcd_errors,
+            "events_applied": self.events_applied,
+            "resyncs": self.resyncs,
             "membership": self._membership_status(),
             "bad_messages": self.bad_messages + self.bad_requests + self._queries.bad_frames,
             "bad_frames": self._queries.bad_frames,  # query connections closed for a frame beyond MAX_FRAME
