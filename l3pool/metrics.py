@@ -420,6 +420,68 @@ class _CacheCollector:
 if AVAILABLE:
     ENGINE_REGISTRY.register(_CacheCollector())
 
+# -- circuit breakers (pool/breaker.py): the Mooncake store's and etcd clients', read at scrape time
+BREAKER_DEPENDENCIES = ("mooncake", "etcd")
+_breakers: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def watch_breaker(breaker: Any, dependency: str) -> None:
+    """Export this Breaker's state and counters (its `stats()`) under `dependency` (mooncake, etcd)."""
+    if dependency not in BREAKER_DEPENDENCIES:
+        raise ValueError(f"breaker dependency {dependency!r}: expected one of {BREAKER_DEPENDENCIES}")
+    _breakers[breaker] = dependency
+
+
+def unwatch_breaker(breaker: Any) -> None:
+    _breakers.pop(breaker, None)
+
+
+class _BreakerCollector:
+    """l3pool_breaker_open{dependency} (breakers open now), l3pool_breaker_trips_total and
+    l3pool_breaker_short_circuits_total{dependency}: sums over the process's live breakers (a
+    closed client's counts leave with it: a counter reset, which rate() absorbs)."""
+
+    def describe(self) -> Iterator[Any]:
+        return self._families({})
+
+    def collect(self) -> Iterator[Any]:
+        sums: dict[str, list[float]] = {}
+        for br, dep in list(_breakers.items()):
+            try:
+                st = br.stats()
+            except Exception:
+                log.debug("breaker metrics: stats() failed", exc_info=True)
+                continue
+            acc = sums.setdefault(dep, [0.0, 0.0, 0.0])
+            acc[0] += st.state == "open"
+            acc[1] += st.trips
+            acc[2] += st.short_circuits
+        return self._families(sums)
+
+    @staticmethod
+    def _families(sums: dict[str, list[float]]) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        r, lbs = list(_rank), [*RANK_LABELS, "dependency"]
+        fams = (
+            GaugeMetricFamily("l3pool_breaker_open", "Circuit breakers open now (calls fail fast)", labels=lbs),
+            CounterMetricFamily("l3pool_breaker_trips", "Times a circuit breaker opened", labels=lbs),
+            CounterMetricFamily(
+                "l3pool_breaker_short_circuits",
+                "Calls a circuit breaker answered at once (UNAVAILABLE) while open",
+                labels=lbs,
+            ),
+        )
+        for dep in BREAKER_DEPENDENCIES:
+            v = sums.get(dep, [0.0, 0.0, 0.0])
+            for fam, x in zip(fams, v, strict=True):
+                fam.add_metric([*r, dep], x)
+        yield from fams
+
+
+if AVAILABLE:
+    ENGINE_REGISTRY.register(_BreakerCollector())
+
 # -- KV events (cache/events.py) and the global index (index/) -----------------------------------
 KV_EVENTS_SENT = _rc("l3pool_kv_events_sent_total", "KV event messages (batches) an instance published")
 KV_EVENT_PAGES = _rc("l3pool_kv_event_pages_total", "Page keys carried by published KV events")

@@ -514,6 +514,33 @@ def test_set_rank_labels_the_engine_series() -> None:
         metrics.set_rank(*map(int, saved))
 
 
+def test_breakers_are_read_at_scrape_time() -> None:
+    from prometheus_client import REGISTRY
+
+    from l3pool.pool.breaker import Breaker
+
+    lb = ranked(dependency="mooncake")
+
+    def v(name: str) -> float:
+        return REGISTRY.get_sample_value(name, lb) or 0.0
+
+    before = (v("l3pool_breaker_open"), v("l3pool_breaker_trips_total"), v("l3pool_breaker_short_circuits_total"))
+    br = Breaker("test master", probe=lambda: False, backoff_s=(30.0, 30.0))
+    metrics.watch_breaker(br, "mooncake")
+    try:
+        br.trip("RPC_FAIL")
+        assert not br.allow()
+        assert v("l3pool_breaker_open") == before[0] + 1
+        assert v("l3pool_breaker_trips_total") == before[1] + 1
+        assert v("l3pool_breaker_short_circuits_total") == before[2] + 1
+        with pytest.raises(ValueError, match="dependency"):
+            metrics.watch_breaker(br, "redis")
+    finally:
+        metrics.unwatch_breaker(br)
+        br.close()
+    assert v("l3pool_breaker_open") == before[0]
+
+
 def test_metrics_overhead_of_a_512_page_get_is_small() -> None:
     """What counting costs one get of 512 pages in 8 batches of 64, done as L3Client.get does it:
     per batch one latency observation and one tally; per call the outcome and byte counters.
