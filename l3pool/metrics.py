@@ -463,7 +463,7 @@ class _BreakerCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         r, lbs = list(_rank), [*RANK_LABELS, "dependency"]
-        fams = (
+        fams: tuple[Any, ...] = (
             GaugeMetricFamily("l3pool_breaker_open", "Circuit breakers open now (calls fail fast)", labels=lbs),
             CounterMetricFamily("l3pool_breaker_trips", "Times a circuit breaker opened", labels=lbs),
             CounterMetricFamily(
