@@ -31,7 +31,8 @@ def _render(st: dict[str, Any]) -> str:
         f"{ix['queries']} queries",
         f"etcd {'ok' if st['etcd_ok'] else 'UNREACHABLE'} (membership by {st.get('membership', {}).get('via', '?')}); "
         f"bad messages {st['bad_messages']}; "
-        f"event lag p50 {lag['p50']} ms, p99 {lag['p99']} ms ({lag['samples']} samples)",
+        f"event lag p50 {lag['p50']} ms, p99 {lag['p99']} ms ({lag['samples']} samples); "
+        f"query p50 {st.get('query_ms', {}).get('p50')} ms, p99 {st.get('query_ms', {}).get('p99')} ms",
         f"{'INSTANCE':24s} {'LIVE':5s} {'L1':>9s} {'L2':>9s} {'SEQ':>8s} {'RESYNCS':>7s} {'GAPS':>5s}  ERROR",
     ]
     for iid, d in sorted(st["instances"].items()):

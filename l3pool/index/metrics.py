@@ -50,6 +50,7 @@ GAUGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("l3pool_index_bytes", ("index", "nbytes"), "Memory of the index table"),
     ("l3pool_index_sweeps_queued", ("sweeper", "queued"), "Sweeps waiting for the sweeper thread"),
     ("l3pool_index_event_lag_samples", ("event_lag_ms", "samples"), "Event lag samples the quantiles are taken over"),
+    ("l3pool_index_query_samples", ("query_ms", "samples"), "Query timings the quantiles are taken over"),
 )
 QUANTILES = (("0.5", "p50"), ("0.99", "p99"))
 INSTANCE_STATES = ("live", "resyncing", "leaving")
@@ -81,6 +82,13 @@ def _families(st: dict[str, Any] | None) -> Iterator[Any]:
         ms = st.get("event_lag_ms", {}).get(key)
         lag.add_metric([q], math.nan if ms is None else float(ms) / 1e3)
     yield lag
+    qs = GaugeMetricFamily("l3pool_index_query_seconds",
+                           "Time the index took to answer a query (table lookup + encoding) over the last "
+                           "10,000 queries, per quantile; NaN before any", labels=["quantile"])  # fmt: skip
+    for q, key in QUANTILES:
+        ms = st.get("query_ms", {}).get(key)
+        qs.add_metric([q], math.nan if ms is None else float(ms) / 1e3)
+    yield qs
     inst = GaugeMetricFamily(
         "l3pool_index_instances",
         "Instances the index knows, by state (live: answered for; resyncing: waiting for a snapshot or a gap "
@@ -102,7 +110,7 @@ class IndexCollector:
         self._status = status
 
     def describe(self) -> Iterator[Any]:
-        empty = {"etcd_ok": False, "event_lag_ms": {}, "instances": {}}
+        empty = {"etcd_ok": False, "event_lag_ms": {}, "query_ms": {}, "instances": {}}
         return _families(empty)
 
     def collect(self) -> Iterator[Any]:

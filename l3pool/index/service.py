@@ -108,6 +108,16 @@ class _Source:
     dropped: int = 0  # event messages dropped from a full buffer
 
 
+def _quantiles_ms(samples: collections.deque[float]) -> dict[str, Any]:
+    """p50 / p99 of the last samples (seconds), in ms; None before any."""
+    a = np.asarray(list(samples), dtype=np.float64)
+    return {
+        "samples": int(a.size),
+        "p50": round(float(np.percentile(a, 50)) * 1e3, 3) if a.size else None,
+        "p99": round(float(np.percentile(a, 99)) * 1e3, 3) if a.size else None,
+    }
+
+
 class IndexService:
     def __init__(
         self,
@@ -154,6 +164,7 @@ class IndexService:
         os.set_blocking(self._wfd, False)
         self._stop = threading.Event()
         self._lag: collections.deque[float] = collections.deque(maxlen=10_000)
+        self._query_s: collections.deque[float] = collections.deque(maxlen=10_000)  # the query thread's
         self.bad_messages = self.unknown_messages = self.refused_keys = 0
         self.bad_requests = 0  # the query thread's own count (bad_messages in status() is the sum)
         self.events_applied = self.resyncs = 0  # process totals (a source's own go when it leaves)
@@ -592,7 +603,10 @@ class IndexService:
         try:
             req = decode_request(body)
             if req[0] == "query" and len(req) == 3 and isinstance(req[1], str) and isinstance(req[2], bytes):
-                return encode_request("ok", *self.index.query_lists(req[2], req[1]))
+                t0 = time.perf_counter()
+                out = encode_request("ok", *self.index.query_lists(req[2], req[1]))
+                self._query_s.append(time.perf_counter() - t0)  # the table lookup and the answer's encoding
+                return out
             if req[0] == "status" and len(req) == 1:
                 return encode_request("ok", self.status())
             raise WireError(f"unknown request {req[0]!r} with {len(req) - 1} arguments")
@@ -605,7 +619,6 @@ class IndexService:
 
     # -- status ---------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        lag = np.asarray(self._lag, dtype=np.float64)
         st = self.index.stats()
         inst = st.pop("instances")
         for iid, s in list(self._src.items()):
@@ -636,11 +649,8 @@ class IndexService:
                 "done": dict(self.sweeps),
                 "errors": self.sweep_errors,
             },
-            "event_lag_ms": {
-                "samples": int(lag.size),
-                "p50": round(float(np.percentile(lag, 50)) * 1e3, 3) if lag.size else None,
-                "p99": round(float(np.percentile(lag, 99)) * 1e3, 3) if lag.size else None,
-            },
+            "event_lag_ms": _quantiles_ms(self._lag),
+            "query_ms": _quantiles_ms(self._query_s),
             "index": st,
             "instances": inst,
         }

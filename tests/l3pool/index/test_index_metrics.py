@@ -64,6 +64,7 @@ def test_index_process_serves_its_status_as_series(etcd_server: EtcdServer, pref
             pub.stored("l1", np.arange(100, 103, dtype=np.uint64))  # one event message after the snapshot
             while time.monotonic() < deadline and cl.status()["index"]["entries"] < 10:
                 time.sleep(0.05)
+            assert cl.query(np.arange(1, 10, dtype=np.uint64), "ns").of("m-inst").l1 == 7
             s = _scrape(url)
             st = cl.status()
         assert s[("l3pool_index_instances", frozenset({("state", "live")}))] == 1
@@ -76,6 +77,9 @@ def test_index_process_serves_its_status_as_series(etcd_server: EtcdServer, pref
         assert s[("l3pool_index_namespaces_cached", frozenset())] == st["index"]["namespaces_cached"]
         lag = s[("l3pool_index_event_lag_seconds", frozenset({("quantile", "0.99")}))]
         assert 0 <= lag < 5
+        assert s[("l3pool_index_queries_total", frozenset())] == st["index"]["queries"] >= 1
+        assert s[("l3pool_index_query_samples", frozenset())] == st["query_ms"]["samples"] >= 1
+        assert 0 < s[("l3pool_index_query_seconds", frozenset({("quantile", "0.5")}))] < 1
         proc.terminate()  # SIGTERM: a clean stop, the endpoint shut down
         proc.communicate(timeout=30)
         assert proc.returncode == 0
