@@ -633,5 +633,6 @@ class MooncakeStore:
         return str(self._s.get_hostname())
 
     def close(self) -> None:
+        metrics.unwatch_breaker(self.breaker)
         self.breaker.close()
         self.conn.close()
