@@ -1,7 +1,8 @@
 """Every Prometheus metric l3pool exports, and the helper that serves them.
 
-One home: modules that count something import the metric objects from here; nothing else
-creates a metric. Names follow Prometheus conventions (`l3pool_` prefix, `_total` counters,
+One home: modules that count something import the metric objects from here; the only other
+metric modules are the index's scrape-time collector (l3pool/index/metrics.py) and the router's
+decision metrics (l3pool/router/metrics.py). Names follow Prometheus conventions (`l3pool_` prefix, `_total` counters,
 `_bytes_total` byte counters, `_seconds` histograms, plain names for gauges). Labels take values
 from small fixed sets only (operation, outcome, tier, owner, engine): never keys, namespaces,
 request ids or member ids, so a scrape stays the same size however long the process runs.
@@ -13,7 +14,13 @@ Two registries, one per role, so an endpoint exports only what its process can c
   serves the default registry (its own /metrics) carries ours too.
 - `AGENT_REGISTRY`: the node agent's families, its registration lease (owner member) and the
   `process_*` collector; `l3pool agent --metrics-port` serves only this one.
-Both carry `l3pool_build_info{version, python, mooncake}` (always 1). `serve()` drops
+- `INDEX_REGISTRY`: the global index's families, read from `IndexService.status()` at scrape
+  time by the collector in l3pool/index/metrics.py (no second tally), and `process_*`;
+  `l3pool index --metrics-port` serves it.
+Derived at scrape time, by collectors registered from their own package (one home per concept):
+the index's (l3pool/index/metrics.py) and the TieredCache occupancy gauges (below). The router's
+families are in l3pool/router/metrics.py (engine registry).
+All carry `l3pool_build_info{version, python, mooncake}` (always 1). `serve()` drops
 prometheus_client's `<name>_created` samples (a second, timestamp-valued series per counter and
 histogram that dashboards mistake for data), and every label value of the fixed sets is
 pre-initialised, so a series exists at 0 from the first scrape (rate() and absent() work).
@@ -35,12 +42,16 @@ prometheus_client is missing (an interpreter outside the install, e.g. a bare py
 
 from __future__ import annotations
 
+import logging
 import platform
 import socket
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -73,9 +84,11 @@ except ImportError:  # an interpreter without it (the H200 host has it: checked 
 
 ENGINE_REGISTRY: Any = REGISTRY
 AGENT_REGISTRY: Any = CollectorRegistry(auto_describe=True) if AVAILABLE else None
+INDEX_REGISTRY: Any = CollectorRegistry(auto_describe=True) if AVAILABLE else None
 if AVAILABLE:
     ProcessCollector(registry=AGENT_REGISTRY)
-ROLES = ("engine", "agent")
+    ProcessCollector(registry=INDEX_REGISTRY)
+ROLES = ("engine", "agent", "index")
 # the fixed label values, pre-initialised below (OUTCOMES = pool.protocols.Outcome's values; a test checks)
 OUTCOMES = ("ok", "miss", "pool_full", "lease", "transfer_fail", "unavailable", "bad_request", "error", "pending")
 TIERS = ("l1", "l2", "l3")
@@ -189,130 +202,323 @@ _agent_lease, _engine_lease = (
 LEASE_RENEWALS = _ByOwner(_agent_lease[0], _engine_lease[0])
 LEASE_RENEWAL_FAILURES = _ByOwner(_agent_lease[1], _engine_lease[1])
 
+# -- engine ranks ----------------------------------------------------------------------------------
+# Every engine-side family below carries tp_rank and pp_rank first: SGLang runs one process per
+# TP x PP rank and serves them through prometheus_client's multiprocess mode, which sums a
+# counter's same-labelled samples over processes; the rank labels keep them apart. A process is
+# one rank ("0", "0" until `set_rank`: what a lone engine is); the SGLang backend sets its own.
+RANK_LABELS = ("tp_rank", "pp_rank")
+_rank: tuple[str, str] = ("0", "0")
+_ranked: list[_Ranked] = []
+
+
+class _Ranked:
+    """An engine family labelled (tp_rank, pp_rank, *labels): called with its own labels, it
+    answers the child of this process's rank (a dict lookup); a family with no labels of its own
+    takes inc()/observe() directly. Its preinit label sets are created for every rank set."""
+
+    __slots__ = ("_children", "_metric", "_sets")
+
+    def __init__(self, metric: Any, scalar: bool) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+        self._sets: list[tuple[str, ...]] = [()] if scalar else []
+        _ranked.append(self)
+        self._preinit_rank()
+
+    def __call__(self, *labels: str) -> Any:
+        key = (*_rank, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._metric.labels(*key)
+        return child
+
+    def preinit(self, *label_sets: tuple[str, ...]) -> _Ranked:
+        self._sets.extend(label_sets)
+        self._preinit_rank()
+        return self
+
+    def _preinit_rank(self) -> None:
+        for labels in self._sets:
+            self(*labels)
+
+    def inc(self, amount: float = 1) -> None:
+        self().inc(amount)
+
+    def observe(self, value: float) -> None:
+        self().observe(value)
+
+
+def _rc(name: str, doc: str, labels: Iterable[str] = (), **kw: Any) -> _Ranked:
+    labels = tuple(labels)
+    return _Ranked(Counter(name, doc, [*RANK_LABELS, *labels], **kw), scalar=not labels)
+
+
+def _rh(name: str, doc: str, labels: Iterable[str] = (), **kw: Any) -> _Ranked:
+    labels = tuple(labels)
+    return _Ranked(Histogram(name, doc, [*RANK_LABELS, *labels], **kw), scalar=not labels)
+
+
+def set_rank(tp_rank: int, pp_rank: int) -> None:
+    """This process's engine rank: the tp_rank / pp_rank label of its engine families from now on
+    (the series of the rank before stay as they are). Raises ValueError for a negative rank."""
+    global _rank
+    if int(tp_rank) < 0 or int(pp_rank) < 0:
+        raise ValueError(f"rank (tp {tp_rank}, pp {pp_rank}): expected integers >= 0")
+    _rank = (str(int(tp_rank)), str(int(pp_rank)))
+    for r in _ranked:
+        r._preinit_rank()
+
+
+def rank() -> tuple[str, str]:
+    """This process's (tp_rank, pp_rank) label values."""
+    return _rank
+
+
 # -- L3Client (pool/client.py) -------------------------------------------------------------------
-_CLIENT_PAGES = Counter(
+_CLIENT_PAGES = _rc(
     "l3pool_client_pages_total",
     "Pages per operation (get, put, exists) and outcome (an Outcome value; put splits OK into ok = stored "
     "and skipped = already present)",
     ["op", "outcome"],
 )
-_CLIENT_BYTES = Counter(
+_CLIENT_BYTES = _rc(
     "l3pool_client_bytes_total", "Page bytes moved: get = copied into L2 and verified, put = stored", ["op"]
 )
-_CLIENT_BATCH_SECONDS = Histogram(
+_CLIENT_BATCH_SECONDS = _rh(
     "l3pool_client_batch_seconds",
     "Latency of one batch call (up to batch_pages pages) per operation",
     ["op"],
     buckets=LATENCY_BUCKETS,
 )
-CLIENT_LOOKUPS = Counter("l3pool_client_lookups_total", "lookup() calls (longest present prefix)")
-CLIENT_LOOKUP_HIT_PAGES = Counter("l3pool_client_lookup_hit_pages_total", "Pages in the prefixes lookup() found")
-CLIENT_TRAILER_REJECTIONS = Counter(
+CLIENT_LOOKUPS = _rc("l3pool_client_lookups_total", "lookup() calls (longest present prefix)")
+CLIENT_LOOKUP_HIT_PAGES = _rc("l3pool_client_lookup_hit_pages_total", "Pages in the prefixes lookup() found")
+CLIENT_TRAILER_REJECTIONS = _rc(
     "l3pool_client_trailer_rejections_total", "Objects whose trailer or size did not bind them to their key (misses)"
 )
-CLIENT_CHECKSUM_FAILURES = Counter(
+CLIENT_CHECKSUM_FAILURES = _rc(
     "l3pool_client_checksum_failures_total", "Objects whose page bytes did not match their checksum (misses)"
 )
-CLIENT_PAGES = _Children(_CLIENT_PAGES).preinit(
+CLIENT_PAGES = (_CLIENT_PAGES).preinit(
     *[("exists", o) for o in ("ok", "miss", "unavailable")],
     *[("get", o) for o in OUTCOMES if o != "pending"],
     *[("put", o) for o in (*OUTCOMES, "skipped")],
 )
-CLIENT_BYTES = _Children(_CLIENT_BYTES).preinit(("get",), ("put",))
-CLIENT_BATCH_SECONDS = _Children(_CLIENT_BATCH_SECONDS).preinit(("exists",), ("get",), ("put",))
+CLIENT_BYTES = (_CLIENT_BYTES).preinit(("get",), ("put",))
+CLIENT_BATCH_SECONDS = (_CLIENT_BATCH_SECONDS).preinit(("exists",), ("get",), ("put",))
 
 # -- Prefetcher (pool/prefetch.py) -----------------------------------------------------------------
-PREFETCH_PAGES = Counter("l3pool_prefetch_pages_total", "Pages a prefetch brought into L2 (its intact prefix)")
-PREFETCH_INTERRUPTS = Counter(
+PREFETCH_PAGES = _rc("l3pool_prefetch_pages_total", "Pages a prefetch brought into L2 (its intact prefix)")
+PREFETCH_INTERRUPTS = _rc(
     "l3pool_prefetch_interrupts_total", "Prefetches interrupt() stopped before the end of their keys"
 )
-PREFETCH_ERRORS = Counter("l3pool_prefetch_errors_total", "Prefetches ended by an exception or a full L2")
+PREFETCH_ERRORS = _rc("l3pool_prefetch_errors_total", "Prefetches ended by an exception or a full L2")
 
 # -- StageLocks (pool/pplock.py) -----------------------------------------------------------------
-PPLOCK_WAIT_SECONDS = Histogram(
+PPLOCK_WAIT_SECONDS = _rh(
     "l3pool_pplock_wait_seconds",
     "Time a pipeline stage > 0 waited in join() for stage 0's lock",
     buckets=WAIT_BUCKETS,
 )
-PPLOCK_ACQUIRE_SECONDS = Histogram(
+PPLOCK_ACQUIRE_SECONDS = _rh(
     "l3pool_pplock_acquire_seconds", "Time stage 0 took to look up and lock a request's pages", buckets=LATENCY_BUCKETS
 )
-PPLOCK_TIMEOUTS = Counter("l3pool_pplock_timeouts_total", "join() calls that found no lock within their timeout")
+PPLOCK_TIMEOUTS = _rc("l3pool_pplock_timeouts_total", "join() calls that found no lock within their timeout")
 
 # -- TieredCache (cache/controller.py) -----------------------------------------------------------
-CACHE_REQUESTS = Counter("l3pool_cache_requests_total", "Requests load() served")
-_CACHE_HIT_PAGES = Counter("l3pool_cache_hit_pages_total", "Pages a request found per tier (l1, l2, l3)", ["tier"])
-_CACHE_HIT_BYTES = Counter("l3pool_cache_hit_bytes_total", "Bytes of the pages found per tier", ["tier"])
-CACHE_MISS_PAGES = Counter("l3pool_cache_miss_pages_total", "Pages no tier had (computed by the engine)")
+CACHE_REQUESTS = _rc("l3pool_cache_requests_total", "Requests load() served")
+_CACHE_HIT_PAGES = _rc("l3pool_cache_hit_pages_total", "Pages a request found per tier (l1, l2, l3)", ["tier"])
+_CACHE_HIT_BYTES = _rc("l3pool_cache_hit_bytes_total", "Bytes of the pages found per tier", ["tier"])
+CACHE_MISS_PAGES = _rc("l3pool_cache_miss_pages_total", "Pages no tier had (computed by the engine)")
 # token-denominated twins (pages x page_size), as LMCache dashboards count (lmcache:num_hit_tokens,
 # lmcache:num_requested_tokens): only whole pages are cached, so a request's tail is never counted
-_CACHE_HIT_TOKENS = Counter("l3pool_cache_hit_tokens_total", "Tokens of the pages found per tier (pages x page_size)",
+_CACHE_HIT_TOKENS = _rc("l3pool_cache_hit_tokens_total", "Tokens of the pages found per tier (pages x page_size)",
                             ["tier"])  # fmt: skip
-CACHE_MISS_TOKENS = Counter("l3pool_cache_miss_tokens_total", "Tokens of the pages no tier had (pages x page_size)")
-CACHE_REQUESTED_TOKENS = Counter(
+CACHE_MISS_TOKENS = _rc("l3pool_cache_miss_tokens_total", "Tokens of the pages no tier had (pages x page_size)")
+CACHE_REQUESTED_TOKENS = _rc(
     "l3pool_cache_requested_tokens_total", "Tokens of the whole pages requests asked for (hit + miss tokens)"
 )
-_CACHE_WAIT_SECONDS = Histogram(
+_CACHE_WAIT_SECONDS = _rh(
     "l3pool_cache_wait_seconds",
     "Time a caller waited on a tier: l2 = an L2 -> L1 load, l3 = the L3 -> L2 prefetch at load()",
     ["tier"],
     buckets=WAIT_BUCKETS,
 )
-_CACHE_EVICTIONS = Counter("l3pool_cache_evictions_total", "Pages evicted per tier (l1, l2)", ["tier"])
-CACHE_GHOST_HITS = Counter(
+_CACHE_EVICTIONS = _rc("l3pool_cache_evictions_total", "Pages evicted per tier (l1, l2)", ["tier"])
+CACHE_GHOST_HITS = _rc(
     "l3pool_cache_ghost_hits_total", "Rebuilt pages found in the ghost list (evicted before: proven reuse)"
 )
-CACHE_ERRORS = Counter("l3pool_cache_errors_total", "Errors of the cache's background work")
-_CACHE_BACKUP_SKIPS = Counter(
+CACHE_ERRORS = _rc("l3pool_cache_errors_total", "Errors of the cache's background work")
+_CACHE_BACKUP_SKIPS = _rc(
     "l3pool_cache_backup_skipped_pages_total",
     "Pages not backed up L1 -> L2 because every L2 page was pinned, by cause (l3_slow: pages waiting for the L3 "
     "writer held the room; l2_pinned: requests' pins alone)",
     ["cause"],
 )
-CACHE_HIT_PAGES = _Children(_CACHE_HIT_PAGES).preinit(*[(t,) for t in TIERS])
-CACHE_HIT_BYTES = _Children(_CACHE_HIT_BYTES).preinit(*[(t,) for t in TIERS])
-CACHE_HIT_TOKENS = _Children(_CACHE_HIT_TOKENS).preinit(*[(t,) for t in TIERS])
-CACHE_WAIT_SECONDS = _Children(_CACHE_WAIT_SECONDS).preinit(("l2",), ("l3",))
-CACHE_EVICTIONS = _Children(_CACHE_EVICTIONS).preinit(("l1",), ("l2",))
-CACHE_BACKUP_SKIPS = _Children(_CACHE_BACKUP_SKIPS).preinit(("l3_slow",), ("l2_pinned",))
+CACHE_HIT_PAGES = (_CACHE_HIT_PAGES).preinit(*[(t,) for t in TIERS])
+CACHE_HIT_BYTES = (_CACHE_HIT_BYTES).preinit(*[(t,) for t in TIERS])
+CACHE_HIT_TOKENS = (_CACHE_HIT_TOKENS).preinit(*[(t,) for t in TIERS])
+CACHE_WAIT_SECONDS = (_CACHE_WAIT_SECONDS).preinit(("l2",), ("l3",))
+CACHE_EVICTIONS = (_CACHE_EVICTIONS).preinit(("l1",), ("l2",))
+CACHE_BACKUP_SKIPS = (_CACHE_BACKUP_SKIPS).preinit(("l3_slow",), ("l2_pinned",))
+
+# occupancy, derived from each open TieredCache's stats() at scrape time (no second tally): the
+# cache registers itself (`watch_cache`) when made and leaves (`unwatch_cache`) at close(); the
+# gauges sum the process's caches, labelled with its rank
+CACHE_PAGE_STATES = ("total", "free", "cached", "pinned")
+_caches: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def watch_cache(cache: Any) -> None:
+    """Export this cache's occupancy (its `stats()`: l1_pages, l2_pages, writer_pending, ...)."""
+    _caches.add(cache)
+
+
+def unwatch_cache(cache: Any) -> None:
+    _caches.discard(cache)
+
+
+class _CacheCollector:
+    """l3pool_cache_pages{tier,state}, l3pool_cache_writer_pending_pages, l3pool_cache_active_requests,
+    l3pool_cache_ghost_entries: the sums over the open caches' stats() of this scrape."""
+
+    def describe(self) -> Iterator[Any]:
+        return self._families([])
+
+    def collect(self) -> Iterator[Any]:
+        stats = []
+        for c in list(_caches):
+            try:
+                stats.append(c.stats())
+            except Exception:  # closing meanwhile, or a bug: that cache is left out of this scrape
+                log.debug("cache metrics: stats() failed", exc_info=True)
+        return self._families(stats)
+
+    @staticmethod
+    def _families(stats: list[dict[str, Any]]) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        r = list(_rank)
+        pages = GaugeMetricFamily("l3pool_cache_pages",
+                                  "Pages of the process's caches per tier (l1, l2) and state (total, free in its "
+                                  "allocator, cached, pinned by requests), from stats()",
+                                  labels=[*RANK_LABELS, "tier", "state"])  # fmt: skip
+        for tier in ("l1", "l2"):
+            for state in CACHE_PAGE_STATES:
+                pages.add_metric([*r, tier, state], float(sum(st[f"{tier}_pages"][state] for st in stats)))
+        yield pages
+        for name, key, doc in (
+            ("l3pool_cache_writer_pending_pages", "writer_pending", "Pages queued for the L3 writer (its backlog)"),
+            ("l3pool_cache_active_requests", "active_requests", "Requests loaded and not released yet"),
+            ("l3pool_cache_ghost_entries", "ghost_entries", "Entries of the ghost list (evicted pages remembered)"),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=list(RANK_LABELS))
+            g.add_metric(r, float(sum(st.get(key, 0) for st in stats)))
+            yield g
+
+
+if AVAILABLE:
+    ENGINE_REGISTRY.register(_CacheCollector())
+
+# -- circuit breakers (pool/breaker.py): the Mooncake store's and etcd clients', read at scrape time
+BREAKER_DEPENDENCIES = ("mooncake", "etcd")
+_breakers: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def watch_breaker(breaker: Any, dependency: str) -> None:
+    """Export this Breaker's state and counters (its `stats()`) under `dependency` (mooncake, etcd)."""
+    if dependency not in BREAKER_DEPENDENCIES:
+        raise ValueError(f"breaker dependency {dependency!r}: expected one of {BREAKER_DEPENDENCIES}")
+    _breakers[breaker] = dependency
+
+
+def unwatch_breaker(breaker: Any) -> None:
+    _breakers.pop(breaker, None)
+
+
+class _BreakerCollector:
+    """l3pool_breaker_open{dependency} (breakers open now), l3pool_breaker_trips_total and
+    l3pool_breaker_short_circuits_total{dependency}: sums over the process's live breakers (a
+    closed client's counts leave with it: a counter reset, which rate() absorbs)."""
+
+    def describe(self) -> Iterator[Any]:
+        return self._families({})
+
+    def collect(self) -> Iterator[Any]:
+        sums: dict[str, list[float]] = {}
+        for br, dep in list(_breakers.items()):
+            try:
+                st = br.stats()
+            except Exception:
+                log.debug("breaker metrics: stats() failed", exc_info=True)
+                continue
+            acc = sums.setdefault(dep, [0.0, 0.0, 0.0])
+            acc[0] += st.state == "open"
+            acc[1] += st.trips
+            acc[2] += st.short_circuits
+        return self._families(sums)
+
+    @staticmethod
+    def _families(sums: dict[str, list[float]]) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        r, lbs = list(_rank), [*RANK_LABELS, "dependency"]
+        fams: tuple[Any, ...] = (
+            GaugeMetricFamily("l3pool_breaker_open", "Circuit breakers open now (calls fail fast)", labels=lbs),
+            CounterMetricFamily("l3pool_breaker_trips", "Times a circuit breaker opened", labels=lbs),
+            CounterMetricFamily(
+                "l3pool_breaker_short_circuits",
+                "Calls a circuit breaker answered at once (UNAVAILABLE) while open",
+                labels=lbs,
+            ),
+        )
+        for dep in BREAKER_DEPENDENCIES:
+            v = sums.get(dep, [0.0, 0.0, 0.0])
+            for fam, x in zip(fams, v, strict=True):
+                fam.add_metric([*r, dep], x)
+        yield from fams
+
+
+if AVAILABLE:
+    ENGINE_REGISTRY.register(_BreakerCollector())
 
 # -- KV events (cache/events.py) and the global index (index/) -----------------------------------
-KV_EVENTS_SENT = Counter("l3pool_kv_events_sent_total", "KV event messages (batches) an instance published")
-KV_EVENT_PAGES = Counter("l3pool_kv_event_pages_total", "Page keys carried by published KV events")
-KV_EVENTS_DROPPED = Counter(
+KV_EVENTS_SENT = _rc("l3pool_kv_events_sent_total", "KV event messages (batches) an instance published")
+KV_EVENT_PAGES = _rc("l3pool_kv_event_pages_total", "Page keys carried by published KV events")
+KV_EVENTS_DROPPED = _rc(
     "l3pool_kv_events_dropped_total",
     "KV event operations an instance dropped (queue full or transport at its high-water mark); healed by resync",
 )
-KV_SNAPSHOTS_SERVED = Counter("l3pool_kv_snapshots_served_total", "Tier snapshots an instance served to an index")
-INDEX_RESYNCS = Counter("l3pool_index_resyncs_total", "Instance resynchronisations the global index started")
-INDEX_EVENTS_APPLIED = Counter("l3pool_index_events_applied_total", "KV event messages the global index applied")
-INDEX_BAD_MESSAGES = Counter("l3pool_index_bad_messages_total", "Malformed messages the global index dropped")
+KV_SNAPSHOTS_SERVED = _rc("l3pool_kv_snapshots_served_total", "Tier snapshots an instance served to an index")
+# the global index's own families are derived from IndexService.status() at scrape time
+# (l3pool/index/metrics.py) into INDEX_REGISTRY, served by `l3pool index --metrics-port`
 
 # -- engine adapters (adapters/) -----------------------------------------------------------------
-_ADAPTER_CALLS = Counter(
+_ADAPTER_CALLS = _rc(
     "l3pool_adapter_calls_total", "Calls an engine made into its adapter (the pages are in l3pool_client_*)",
     ["engine", "op"],
 )  # fmt: skip
-_ADAPTER_ERRORS = Counter(
+_ADAPTER_ERRORS = _rc(
     "l3pool_adapter_errors_total", "Adapter calls that failed and answered the engine 'not stored' / 'miss'",
     ["engine"],
 )  # fmt: skip
-_ADAPTER_LOOKUP_TOKENS = Counter(
+_ADAPTER_LOOKUP_TOKENS = _rc(
     "l3pool_adapter_lookup_tokens_total", "Tokens of the pages an engine asked about (exists calls; pages x page_size)",
     ["engine"],
 )  # fmt: skip
-_ADAPTER_HIT_TOKENS = Counter(
+_ADAPTER_HIT_TOKENS = _rc(
     "l3pool_adapter_hit_tokens_total", "Tokens of the leading pages those exists calls found (pages x page_size)",
     ["engine"],
 )  # fmt: skip
-ADAPTER_CALLS = _Children(_ADAPTER_CALLS).preinit(*[(e, op) for e in ENGINES for op in ("exists", "get", "set")])
-ADAPTER_ERRORS = _Children(_ADAPTER_ERRORS).preinit(*[(e,) for e in ENGINES])
-ADAPTER_LOOKUP_TOKENS = _Children(_ADAPTER_LOOKUP_TOKENS).preinit(*[(e,) for e in ENGINES])
-ADAPTER_HIT_TOKENS = _Children(_ADAPTER_HIT_TOKENS).preinit(*[(e,) for e in ENGINES])
+ADAPTER_CALLS = (_ADAPTER_CALLS).preinit(*[(e, op) for e in ENGINES for op in ("exists", "get", "set")])
+ADAPTER_ERRORS = (_ADAPTER_ERRORS).preinit(*[(e,) for e in ENGINES])
+ADAPTER_LOOKUP_TOKENS = (_ADAPTER_LOOKUP_TOKENS).preinit(*[(e,) for e in ENGINES])
+ADAPTER_HIT_TOKENS = (_ADAPTER_HIT_TOKENS).preinit(*[(e,) for e in ENGINES])
 
 if AVAILABLE:
     _build_info(ENGINE_REGISTRY)
     _build_info(AGENT_REGISTRY)
+    _build_info(INDEX_REGISTRY)
 
 
 def add_tally(acc: dict[str, int], tallies: Iterable[tuple[str, int]]) -> None:
@@ -383,10 +589,10 @@ class _WithoutCreated(CollectorRegistry if AVAILABLE else object):  # type: igno
 
 
 def registry(role: str) -> Any:
-    """The registry of a role: "engine" (the default registry) or "agent"."""
+    """The registry of a role: "engine" (the default registry), "agent" or "index"."""
     if role not in ROLES:
         raise ValueError(f"metrics role {role!r}: expected one of {ROLES}")
-    return AGENT_REGISTRY if role == "agent" else ENGINE_REGISTRY
+    return {"agent": AGENT_REGISTRY, "index": INDEX_REGISTRY}.get(role, ENGINE_REGISTRY)
 
 
 def serve(port: int, host: str = "127.0.0.1", role: str = "engine") -> MetricsServer:

@@ -114,6 +114,7 @@ class L3PoolStorage(HiCacheStorage):
         if not self.model:
             raise ConfigError("no model fingerprint: give extra-config 'model' (SGLang passed no model name)")
         self.is_writer = bool(cfg.is_storage_writer)
+        metrics.set_rank(cfg.tp_rank, cfg.pp_rank)  # SGLang runs one process per rank: label its series
         # MLA + tp_shared: the TP group's one host copy (l2core.shm); validated here, before any
         # connection. Only the storage writer rank writes L3 (below); rank 0 alone fills the copy.
         self.tp_group = self.config.tp_shared_group(

@@ -112,6 +112,7 @@ class TieredCache:
         self.events: Any = None  # a TierEvents sink: pages entering / leaving a tier (cache/events.py attach())
         self._reaper = threading.Thread(target=self._reap, name="l3pool-cache-backup", daemon=True)
         self._reaper.start()
+        metrics.watch_cache(self)  # its occupancy gauges, read from stats() at each scrape
 
     # -- small helpers ----------------------------------------------------------------------------
     def slots(self, l1_pages: np.ndarray) -> torch.Tensor:
@@ -765,6 +766,7 @@ class TieredCache:
         every cached page back to its allocator. Raises BackgroundError for unreported errors."""
         if self._closed:
             return
+        metrics.unwatch_cache(self)
         for rid in list(self._reqs):
             log.warning("close(): releasing active request %s", rid)
             self.release(rid)

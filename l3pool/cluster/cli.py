@@ -66,7 +66,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
           f"{len(cluster.agents)} agents donating {size} each")  # fmt: skip
     _print_endpoints(state)
     for a in cluster.agents:
-        print(f"agent {a.id}: ip {a.ip} netns {a.netns or '-'} pid {a.pid} log {a.log}")
+        print(f"agent {a.id}: ip {a.ip} netns {a.netns or '-'} pid {a.pid} metrics {a.metrics_url or '-'} log {a.log}")
     print("for clients in this shell (Mooncake advertises MC_TCP_BIND_ADDRESS; inspect/doctor/purge read L3POOL_*):")
     print(f"  {client_exports(state)}")
     print(f"stop with: l3pool cluster down --state-dir {cluster.state_dir}")

@@ -12,6 +12,9 @@ bridge IP, so agents and root-namespace clients use the same addresses; a root-n
 advertises `client_host` (the bridge IP) and needs `client_env()` in its environment (see
 `mooncake_env`). Without root or `ip`, or with `netns="off"`, everything runs on 127.0.0.1 with
 distinct ports, and a warning says so.
+Each agent serves its Prometheus metrics (`l3pool agent --metrics-port`) on its own free port of
+its own address (127.0.0.1 in loopback mode): `AgentInfo.metrics_port` / `metrics_url`, in the
+state (`agents[K].metrics`, `cluster up --json`) and in its member record.
 
 Several clusters can run at once when their names differ: the default state dir (private, per user)
 derives from the name (`default_state_dir`), and without an explicit `subnet` the first free
@@ -103,6 +106,11 @@ class AgentInfo:
     ip: str
     log: Path
     pid: int | None = None
+    metrics_port: int = 0  # its Prometheus endpoint (`l3pool agent --metrics-port`) on `ip`, once chosen
+
+    @property
+    def metrics_url(self) -> str | None:
+        return f"http://{self.ip}:{self.metrics_port}/metrics" if self.metrics_port else None
 
 
 def _child_env(bind_ip: str | None = None) -> dict[str, str]:
@@ -475,7 +483,16 @@ class LocalCluster:
                 "key_prefix": self.key_prefix,
             },
             "agents": [
-                {"index": a.index, "id": a.id, "netns": a.netns, "ip": a.ip, "pid": a.pid, "log": str(a.log)}
+                {
+                    "index": a.index,
+                    "id": a.id,
+                    "netns": a.netns,
+                    "ip": a.ip,
+                    "pid": a.pid,
+                    "log": str(a.log),
+                    "metrics_port": a.metrics_port,
+                    "metrics": a.metrics_url,
+                }
                 for a in self.agents
             ],
             "processes": [p.to_json() for p in self._procs.values()],
@@ -531,9 +548,12 @@ class LocalCluster:
 
     def _start_services(self, attempts: int = 3) -> None:
         """etcd and the master on free ports; a port taken between choosing and binding is retried."""
-        names = ("etcd", "etcd_peer", "master_rpc", "master_metadata", "master_admin")
+        names = ("etcd", "etcd_peer", "master_rpc", "master_metadata", "master_admin",
+                 *(f"agent{k}_metrics" for k in range(self.agent_count)))  # fmt: skip
         for attempt in range(1, attempts + 1):
             self.ports = dict(zip(names, free_ports(len(names)), strict=True))
+            for a in self.agents:  # distinct ports (loopback mode: every agent on 127.0.0.1)
+                a.metrics_port = self.ports[f"agent{a.index}_metrics"]
             self._data_dir = f"/dev/shm/l3pool-etcd-{self.name}-{uuid.uuid4().hex[:8]}"
             self._start_etcd()
             self._spawn_master()
@@ -581,6 +601,7 @@ class LocalCluster:
             *self.agent_cmd, "--master", self.master, "--metadata", self.metadata_url,
             "--etcd", self.etcd_endpoints, "--host", a.ip, "--segment-size", self.segment_text,
             "--lease-ttl", str(self.lease_ttl), "--key-prefix", self.key_prefix, "--id", a.id,
+            *(["--metrics-port", str(a.metrics_port), "--metrics-host", a.ip] if a.metrics_port else []),
         ]  # fmt: skip
         a.pid = self._spawn("agent", a.id, cmd, a.log, a.netns, a.ip).pid
         self._save_state()

@@ -2,6 +2,7 @@
 
 l3pool index --etcd 127.0.0.1:2379 --listen tcp://127.0.0.1:5757       # serve until Ctrl-C
 l3pool index --listen tcp://127.0.0.1:5757 --status --json            # ask a running index
+l3pool index --etcd 127.0.0.1:2379 --metrics-port 9466                 # + Prometheus at 127.0.0.1:9466
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def _render(st: dict[str, Any]) -> str:
         f"{ix['queries']} queries",
         f"etcd {'ok' if st['etcd_ok'] else 'UNREACHABLE'} (membership by {st.get('membership', {}).get('via', '?')}); "
         f"bad messages {st['bad_messages']}; "
-        f"event lag p50 {lag['p50']} ms, p99 {lag['p99']} ms ({lag['samples']} samples)",
+        f"event lag p50 {lag['p50']} ms, p99 {lag['p99']} ms ({lag['samples']} samples); "
+        f"query p50 {st.get('query_ms', {}).get('p50')} ms, p99 {st.get('query_ms', {}).get('p99')} ms",
         f"{'INSTANCE':24s} {'LIVE':5s} {'L1':>9s} {'L2':>9s} {'SEQ':>8s} {'RESYNCS':>7s} {'GAPS':>5s}  ERROR",
     ]
     for iid, d in sorted(st["instances"].items()):
@@ -39,6 +41,14 @@ def _render(st: dict[str, Any]) -> str:
             f"{d.get('seq', 0):8d} {d.get('resyncs', 0):7d} {d.get('gaps', 0):5d}  {d.get('last_error', '')}"
         )
     return "\n".join(out)
+
+
+def _listen_host(listen: str) -> str:
+    """The host of a tcp://HOST:PORT endpoint (the metrics endpoint's default address)."""
+    rest = listen.split("://", 1)[-1]
+    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    host = host.strip("[]")
+    return "127.0.0.1" if host in ("", "*") else host
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -59,8 +69,11 @@ def run_index(args: argparse.Namespace) -> int:
     if args.status:
         return _status(args)
     require_prefill()  # the table is l2core's native extension
+    from l3pool import metrics
+    from l3pool.index.metrics import watch_index
     from l3pool.index.service import IndexService
     from l3pool.index.table import GlobalIndex, check_config
+    from l3pool.pool.addr import check_host
     from l3pool.pool.etcd import EtcdClient
     from l3pool.pool.metadata import Metadata, check_prefix
 
@@ -70,6 +83,8 @@ def run_index(args: argparse.Namespace) -> int:
     try:
         check_prefix(args.key_prefix)
         check_config(args.capacity_pages, args.max_instances, args.l3_ttl)
+        metrics_port = metrics.check_port(args.metrics_port)
+        metrics_host = check_host(args.metrics_host or _listen_host(args.listen), "--metrics-host")
         etcd = EtcdClient(endpoints, security=security_from_args(args))
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -84,13 +99,23 @@ def run_index(args: argparse.Namespace) -> int:
         raise UserError(f"--listen: {e}", "another process is listening there: choose another "
                         "--listen tcp://HOST:PORT" if in_use else "give an address of this host") from None  # fmt: skip
     old = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    server: metrics.MetricsServer | None = None
+    unwatch = None
     try:
         with svc:
+            if metrics_port:
+                unwatch = watch_index(svc.status)
+                try:
+                    server = metrics.serve(metrics_port, metrics_host, role="index")
+                except metrics.MetricsError as e:
+                    raise UserError(f"--metrics-port: {e}") from None
+            url = server.url if server is not None else None
             if args.json:
-                print(json.dumps({"endpoint": svc.endpoint, "nbytes": index.nbytes()}), flush=True)
+                print(json.dumps({"endpoint": svc.endpoint, "nbytes": index.nbytes(), "metrics": url}), flush=True)
             else:
                 print(f"l3pool index: serving at {svc.endpoint} ({index.nbytes() / 2**20:.1f} MiB for "
-                      f"{args.capacity_pages} pages); Ctrl-C stops", flush=True)  # fmt: skip
+                      f"{args.capacity_pages} pages){f', metrics at {url}' if url else ''}; Ctrl-C stops",
+                      flush=True)  # fmt: skip
             deadline = None if args.duration is None else time.monotonic() + args.duration
             try:
                 while deadline is None or time.monotonic() < deadline:
@@ -99,6 +124,10 @@ def run_index(args: argparse.Namespace) -> int:
                 pass
             st = svc.status()
     finally:
+        if server is not None:
+            server.shutdown()
+        if unwatch is not None:
+            unwatch()
         signal.signal(signal.SIGTERM, old)
         etcd.close()
     sys.stdout.write((json.dumps(st, indent=2) if args.json else _render(st)) + "\n")
@@ -134,6 +163,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--resync", type=positive_float, default=10.0,
                    help="with the watches open: read the membership lists anyway every this many s")  # fmt: skip
     p.add_argument("--duration", type=positive_float, default=None, help="serve this many seconds, then exit")
+    p.add_argument(
+        "--metrics-port", default="0", metavar="PORT",
+        help="serve Prometheus metrics (l3pool_index_*, from its status) on this port (default 0: off)",
+    )  # fmt: skip
+    p.add_argument("--metrics-host", default="", help="address the metrics endpoint binds (default: --listen's host)")
     p.add_argument("--status", action="store_true", help="print the status of the index at --listen and exit")
     p.add_argument("--timeout", type=positive_float, default=2.0, help="--status: seconds to wait for the answer")
     p.add_argument("--json", action="store_true", help="JSON instead of text")

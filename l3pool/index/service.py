@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from l3pool import metrics
 from l3pool.index.queries import QueryServer
 from l3pool.index.table import GlobalIndex, IndexFull, checked
 from l3pool.index.watch import PrefixWatch
@@ -109,6 +108,16 @@ class _Source:
     dropped: int = 0  # event messages dropped from a full buffer
 
 
+def _quantiles_ms(samples: collections.deque[float]) -> dict[str, Any]:
+    """p50 / p99 of the last samples (seconds), in ms; None before any."""
+    a = np.asarray(list(samples), dtype=np.float64)
+    return {
+        "samples": int(a.size),
+        "p50": round(float(np.percentile(a, 50)) * 1e3, 3) if a.size else None,
+        "p99": round(float(np.percentile(a, 99)) * 1e3, 3) if a.size else None,
+    }
+
+
 class IndexService:
     def __init__(
         self,
@@ -155,8 +164,10 @@ class IndexService:
         os.set_blocking(self._wfd, False)
         self._stop = threading.Event()
         self._lag: collections.deque[float] = collections.deque(maxlen=10_000)
+        self._query_s: collections.deque[float] = collections.deque(maxlen=10_000)  # the query thread's
         self.bad_messages = self.unknown_messages = self.refused_keys = 0
         self.bad_requests = 0  # the query thread's own count (bad_messages in status() is the sum)
+        self.events_applied = self.resyncs = 0  # process totals (a source's own go when it leaves)
         self.etcd_errors = self.loop_errors = 0
         self.etcd_ok = metadata is None
         self._members: set[str] | None = None
@@ -453,7 +464,7 @@ class IndexService:
         self.index.set_live(iid, False)
         s.live, s.buffer = False, []
         s.resyncs += 1
-        metrics.INDEX_RESYNCS.inc()
+        self.resyncs += 1
         d = self._ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
         try:
@@ -490,7 +501,6 @@ class IndexService:
                 raise WireError(f"snapshot of {snap.instance!r} from {iid!r}'s endpoint")
         except WireError as e:
             self.bad_messages += 1
-            metrics.INDEX_BAD_MESSAGES.inc()
             s.last_error = str(e)
             s.retry_at = time.monotonic() + max(self.retry_s, s.backoff)
             return
@@ -529,7 +539,7 @@ class IndexService:
         self.refused_keys += self.index.apply(iid, b.namespace, b.ops, b.keys)
         s.seq = b.seq
         s.events += 1
-        metrics.INDEX_EVENTS_APPLIED.inc()
+        self.events_applied += 1
         if b.sent_at and math.isfinite(lag := time.time() - b.sent_at):  # the decoder refuses non-finite ones
             self._lag.append(lag)
 
@@ -544,7 +554,6 @@ class IndexService:
                 b = decode_events(body)
             except Exception as e:  # WireError; anything else is a decoder bug, still this message's only
                 self.bad_messages += 1
-                metrics.INDEX_BAD_MESSAGES.inc()
                 if isinstance(e, WireError):
                     log.debug("index: dropped a malformed event message: %s", e)
                 else:
@@ -594,13 +603,15 @@ class IndexService:
         try:
             req = decode_request(body)
             if req[0] == "query" and len(req) == 3 and isinstance(req[1], str) and isinstance(req[2], bytes):
-                return encode_request("ok", *self.index.query_lists(req[2], req[1]))
+                t0 = time.perf_counter()
+                out = encode_request("ok", *self.index.query_lists(req[2], req[1]))
+                self._query_s.append(time.perf_counter() - t0)  # the table lookup and the answer's encoding
+                return out
             if req[0] == "status" and len(req) == 1:
                 return encode_request("ok", self.status())
             raise WireError(f"unknown request {req[0]!r} with {len(req) - 1} arguments")
         except (WireError, ValueError) as e:
             self.bad_requests += 1
-            metrics.INDEX_BAD_MESSAGES.inc()
             return encode_error(str(e))
         except Exception as e:  # a bug answers an error; the query thread keeps serving
             log.exception("index: answering a request failed")
@@ -608,7 +619,6 @@ class IndexService:
 
     # -- status ---------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        lag = np.asarray(self._lag, dtype=np.float64)
         st = self.index.stats()
         inst = st.pop("instances")
         for iid, s in list(self._src.items()):
@@ -625,6 +635,8 @@ class IndexService:
             "endpoint": self.endpoint,
             "etcd_ok": self.etcd_ok,
             "etcd_errors": self.etcd_errors,
+            "events_applied": self.events_applied,
+            "resyncs": self.resyncs,
             "membership": self._membership_status(),
             "bad_messages": self.bad_messages + self.bad_requests + self._queries.bad_frames,
             "bad_frames": self._queries.bad_frames,  # query connections closed for a frame beyond MAX_FRAME
@@ -637,11 +649,8 @@ class IndexService:
                 "done": dict(self.sweeps),
                 "errors": self.sweep_errors,
             },
-            "event_lag_ms": {
-                "samples": int(lag.size),
-                "p50": round(float(np.percentile(lag, 50)) * 1e3, 3) if lag.size else None,
-                "p99": round(float(np.percentile(lag, 99)) * 1e3, 3) if lag.size else None,
-            },
+            "event_lag_ms": _quantiles_ms(self._lag),
+            "query_ms": _quantiles_ms(self._query_s),
             "index": st,
             "instances": inst,
         }

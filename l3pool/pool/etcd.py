@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from l3pool.metrics import LEASE_RENEWAL_FAILURES, LEASE_RENEWALS
+from l3pool.metrics import LEASE_RENEWAL_FAILURES, LEASE_RENEWALS, unwatch_breaker, watch_breaker
 from l3pool.pool.breaker import Breaker
 
 log = logging.getLogger(__name__)
@@ -403,6 +403,7 @@ class EtcdClient:
         self._auth_lock = threading.Lock()
         names = ",".join(e.name for e in self.urls)
         self.breaker = Breaker(f"etcd {names}", self._probe, backoff_s=(0.05, 0.5), enabled=fail_fast)
+        watch_breaker(self.breaker, "etcd")
 
     # -- transport -----------------------------------------------------------------------
     def _new_conn(self, idx: int, timeout: float) -> http.client.HTTPConnection:
@@ -664,6 +665,7 @@ class EtcdClient:
 
     def close(self) -> None:
         """Close this thread's connections and stop the breaker's probe (later calls still work)."""
+        unwatch_breaker(self.breaker)
         self.breaker.close()
         for idx in list(getattr(self._local, "conns", {})):
             self._drop(idx)

@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from l2core.units import format_size
+from l3pool import metrics
 from l3pool.pool.breaker import Breaker
 from l3pool.pool.connection import (
     PROBE_KEY,
@@ -249,6 +250,7 @@ class MooncakeStore:
             suspect_s=cfg.breaker_suspect_s,
             enabled=cfg.breaker,
         )
+        metrics.watch_breaker(self.breaker, "mooncake")
         log.info("mooncake client up: host=%s master=%s segment=%d", cfg.local_hostname, cfg.master, cfg.segment_bytes)
 
     @property
@@ -631,5 +633,6 @@ class MooncakeStore:
         return str(self._s.get_hostname())
 
     def close(self) -> None:
+        metrics.unwatch_breaker(self.breaker)
         self.breaker.close()
         self.conn.close()

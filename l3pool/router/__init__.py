@@ -6,7 +6,8 @@ conservation), and as baselines `round_robin`, `dynamo_like` (fixed tier weights
 imbalanced).
 
 A floor of its own: it imports l3pool.index's types and nothing else of l3pool (no torch), so an
-engine's scheduler or a frontend can embed it. See router.py for the API.
+engine's scheduler or a frontend can embed it; the opt-in l3pool.router.metrics (not imported here)
+adds l3pool.metrics, pure Python. See router.py for the API.
 """
 
 from l3pool.router.model import Bandwidth, ComputeModel, InstanceModel, RouterError

@@ -61,7 +61,17 @@ def scrape(url: str) -> Samples:
 
 
 def val(s: Samples, name: str, **labels: str) -> float:
-    return s.get((name, frozenset(labels.items())), 0.0)
+    """The sample of `name` with these labels, summed over the engine ranks (tp_rank, pp_rank)."""
+    want = frozenset(labels.items())
+    return sum(
+        v for (n, lb), v in s.items()
+        if n == name and want <= lb and {k for k, _ in lb - want} <= set(metrics.RANK_LABELS)
+    )  # fmt: skip
+
+
+def ranked(**labels: str) -> dict[str, str]:
+    """These labels plus this process's engine rank labels."""
+    return {**labels, **dict(zip(metrics.RANK_LABELS, metrics.rank(), strict=True))}
 
 
 def delta(a: Samples, b: Samples, name: str, **labels: str) -> float:
@@ -174,7 +184,8 @@ def test_engine_endpoint_has_its_families_preinitialised_and_no_created(endpoint
         *[("l3pool_adapter_calls_total", {"engine": "sglang", "op": op}) for op in ("exists", "get", "set")],
         *[(f"l3pool_adapter_{n}_total", {"engine": "sglang"}) for n in ("errors", "lookup_tokens", "hit_tokens")],
     ]  # fmt: skip
-    missing = [(n, lb) for n, lb in want if (n, frozenset(lb.items())) not in s]
+    # the lease counters are per process (one per owner), the engine families per engine rank too
+    missing = [(n, lb) for n, lb in want if (n, frozenset((lb if "lease" in n else ranked(**lb)).items())) not in s]
     assert not missing, missing
     assert ("l3pool_lease_renewals_total", frozenset({("owner", "member")})) not in s  # the agent's
 
@@ -455,6 +466,79 @@ def test_cache_stats_are_mirrored(store: object, endpoint: str) -> None:
     assert delta(a, b, "l3pool_cache_wait_seconds_sum", tier="l3") == pytest.approx(stats[1]["wait_s"]["l3"])
     assert delta(a, b, "l3pool_prefetch_pages_total") == 6
     assert delta(a, b, "l3pool_cache_errors_total") == 0
+
+
+def test_cache_occupancy_is_read_from_stats_at_scrape_time(endpoint: str) -> None:
+    """l3pool_cache_pages{tier,state}, the writer backlog and the active requests: what the open
+    caches' stats() say at that scrape (summed over the process's caches), gone once closed."""
+    from .cache_helpers import Engine, chain
+
+    base = scrape(endpoint)
+    e = Engine(l1_pages=8, l2_pages=16)
+    try:
+        e.cache.match("r1", chain(1, 3))
+        s = scrape(endpoint)
+        st = e.cache.stats()
+        for tier in ("l1", "l2"):
+            for state in metrics.CACHE_PAGE_STATES:
+                got = val(s, "l3pool_cache_pages", tier=tier, state=state) - val(base, "l3pool_cache_pages", tier=tier,
+                                                                                 state=state)  # fmt: skip
+                assert got == st[f"{tier}_pages"][state], (tier, state)
+        assert delta(base, s, "l3pool_cache_pages", tier="l1", state="total") == 8
+        assert delta(base, s, "l3pool_cache_active_requests") == st["active_requests"] == 1
+        assert delta(base, s, "l3pool_cache_writer_pending_pages") == st["writer_pending"] == 0
+        assert (("l3pool_cache_pages", frozenset(ranked(tier="l2", state="pinned").items()))) in s
+    finally:
+        e.close()
+    after = scrape(endpoint)
+    assert val(after, "l3pool_cache_pages", tier="l1", state="total") == val(base, "l3pool_cache_pages", tier="l1",
+                                                                               state="total")  # fmt: skip
+
+
+def test_set_rank_labels_the_engine_series() -> None:
+    from prometheus_client import REGISTRY
+
+    saved = metrics.rank()
+    try:
+        metrics.set_rank(3, 1)
+        lb = {"tp_rank": "3", "pp_rank": "1"}
+        assert REGISTRY.get_sample_value("l3pool_cache_requests_total", lb) == 0  # pre-initialised for the rank
+        metrics.CACHE_REQUESTS.inc(2)
+        metrics.CACHE_HIT_PAGES("l2").inc()
+        assert REGISTRY.get_sample_value("l3pool_cache_requests_total", lb) == 2
+        assert REGISTRY.get_sample_value("l3pool_cache_hit_pages_total", {**lb, "tier": "l2"}) == 1
+        assert REGISTRY.get_sample_value("l3pool_cache_pages", {**lb, "tier": "l1", "state": "total"}) is not None
+        with pytest.raises(ValueError, match="rank"):
+            metrics.set_rank(-1, 0)
+    finally:
+        metrics.set_rank(*map(int, saved))
+
+
+def test_breakers_are_read_at_scrape_time() -> None:
+    from prometheus_client import REGISTRY
+
+    from l3pool.pool.breaker import Breaker
+
+    lb = ranked(dependency="mooncake")
+
+    def v(name: str) -> float:
+        return REGISTRY.get_sample_value(name, lb) or 0.0
+
+    before = (v("l3pool_breaker_open"), v("l3pool_breaker_trips_total"), v("l3pool_breaker_short_circuits_total"))
+    br = Breaker("test master", probe=lambda: False, backoff_s=(30.0, 30.0))
+    metrics.watch_breaker(br, "mooncake")
+    try:
+        br.trip("RPC_FAIL")
+        assert not br.allow()
+        assert v("l3pool_breaker_open") == before[0] + 1
+        assert v("l3pool_breaker_trips_total") == before[1] + 1
+        assert v("l3pool_breaker_short_circuits_total") == before[2] + 1
+        with pytest.raises(ValueError, match="dependency"):
+            metrics.watch_breaker(br, "redis")
+    finally:
+        metrics.unwatch_breaker(br)
+        br.close()
+    assert v("l3pool_breaker_open") == before[0]
 
 
 def test_metrics_overhead_of_a_512_page_get_is_small() -> None:

@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from bench._sglang import sglang_method
 from l2core.spec import ConfigError
+from l3pool import metrics
 from l3pool.adapters.sglang_hicache import L3PoolStorage
 from l3pool.cluster.processes import stop
 from l3pool.pool.etcd import EtcdClient
@@ -181,9 +182,11 @@ def adapters(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., L3PoolSt
         a.register_mem_pool_host(host)
         return a
 
+    rank = metrics.rank()
     yield make
     for a in made:
         a.close()
+    metrics.set_rank(*map(int, rank))  # an adapter sets its process's rank: the next test gets this one's
 
 
 def hexkeys(n: int) -> list[str]:
@@ -236,13 +239,14 @@ def test_prefix_count_and_per_page_results(donor: MasterServer, adapters: Callab
     keys = hexkeys(6)
     stored = [0, 1, 3, 4, 5]  # page 2 never written
     assert a.batch_set_v1([keys[i] for i in stored], slots(stored)) == [True] * 5
-    tokens = {n: REGISTRY.get_sample_value(f"l3pool_adapter_{n}_tokens_total", {"engine": "sglang"}) or 0.0
+    lb = {"engine": "sglang", "tp_rank": "0", "pp_rank": "0"}
+    tokens = {n: REGISTRY.get_sample_value(f"l3pool_adapter_{n}_tokens_total", lb) or 0.0
               for n in ("lookup", "hit")}  # fmt: skip
     assert a.batch_exists(keys) == 2  # SGLang's contract: leading pages present
     assert a.batch_exists(keys[3:]) == 3
     # LMCache-style token counters (pages x page_size): 9 pages asked about, 5 leading ones found
     for n, pages in (("lookup", 9), ("hit", 5)):
-        now = REGISTRY.get_sample_value(f"l3pool_adapter_{n}_tokens_total", {"engine": "sglang"})
+        now = REGISTRY.get_sample_value(f"l3pool_adapter_{n}_tokens_total", lb)
         assert now == tokens[n] + pages * PAGE, n
     before = host.page_bytes(10 + 2)
     res = a.batch_get_v1(keys, slots(range(10, 16)))
@@ -291,6 +295,28 @@ def test_mha_tp_ranks_and_pp_stages_are_isolated(donor: MasterServer, adapters: 
     assert r0.batch_exists(keys) == 3
     assert r1.batch_exists(keys) == 0 and s1.batch_exists(keys) == 0
     assert r1.batch_get_v1(keys, slots(range(3))) == [False] * 3
+
+
+def test_series_carry_the_ranks_tp_rank_and_pp_rank(
+    donor: MasterServer, adapters: Callable[..., L3PoolStorage]
+) -> None:
+    """SGLang serves its ranks' processes through prometheus_client's multiprocess mode, which sums
+    same-labelled counters: the backend labels its process's engine series with its rank."""
+
+    def calls(tp: str) -> float:
+        lb = {"engine": "sglang", "op": "exists", "tp_rank": tp, "pp_rank": "0"}
+        return REGISTRY.get_sample_value("l3pool_adapter_calls_total", lb) or 0.0
+
+    def exists_pages(tp: str) -> float:
+        lb = {"op": "exists", "outcome": "miss", "tp_rank": tp, "pp_rank": "0"}
+        return REGISTRY.get_sample_value("l3pool_client_pages_total", lb) or 0.0
+
+    before = {tp: (calls(tp), exists_pages(tp)) for tp in ("0", "1")}
+    a = adapters(extra_config(donor), FakeMHAHostPool("page_first_direct", seed=1), mla=False, tp=(1, 2))
+    assert metrics.rank() == ("1", "0")
+    assert a.batch_exists(hexkeys(2)) == 0
+    assert calls("1") == before["1"][0] + 1 and calls("0") == before["0"][0]
+    assert exists_pages("1") >= before["1"][1] + 1 and exists_pages("0") == before["0"][1]
 
 
 def test_l3_clients_come_from_the_cache_builder(

@@ -269,6 +269,9 @@ def test_cli_up_status_down(state_dir: Path) -> None:
     pids = [p["pid"] for p in up["processes"]]
     assert len(pids) == 4 and all(_pid_alive(p) for p in pids)
     assert up["endpoints"]["master"] and up["endpoints"]["metadata"].endswith("/metadata")
+    mports = [a["metrics_port"] for a in up["agents"]]
+    assert len(set(mports)) == 2 and all(a["metrics"] == f"http://{a['ip']}:{a['metrics_port']}/metrics"
+                                         for a in up["agents"])  # fmt: skip
     print(f"\n[cluster] CLI up: {up['mode']} in {up['up_seconds']:.2f} s")
     if HAVE_NETNS:
         assert up["mode"] == "netns" and sorted(_my_netns(name)) == [f"{name}-a0", f"{name}-a1"]
@@ -363,6 +366,13 @@ def test_loopback_fallback(state_dir: Path, monkeypatch: pytest.MonkeyPatch, cap
         members = _members(c)
         assert sorted(members) == [a.id for a in c.agents]
         assert all(m["host"] == "127.0.0.1" for m in members.values())
+        # every agent serves its metrics on its own port of 127.0.0.1, named in its member record
+        assert len({a.metrics_port for a in c.agents}) == 2 and all(a.metrics_port > 0 for a in c.agents)
+        for a in c.agents:
+            assert a.metrics_url == f"http://127.0.0.1:{a.metrics_port}/metrics" == members[a.id]["metrics"]
+            with urllib.request.urlopen(a.metrics_url, timeout=3) as r:
+                assert "l3pool_agent_registered 1.0" in r.read().decode()
+        assert [x["metrics"] for x in c.state()["agents"]] == [a.metrics_url for a in c.agents]
         _check_advertised(c, members)
         _round_trip(c, monkeypatch)
     finally:
