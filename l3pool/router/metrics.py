@@ -7,12 +7,9 @@ change to be measured:
 
     from l3pool.router.metrics import attach
     rm = attach(router)                       # every router.route() is now counted and timed
-    try:
-        hits = index_client.query(page_hashes, namespace)
-    except IndexUnavailable:
-        rm.index_fallback("unavailable")      # routed on local hits / no hits instead
-        hits = local_hits(...)
-    d = router.route(rid, tokens=n, hits=hits)
+    hits = guarded_index.query(page_hashes, namespace=ns)   # l3pool.index.GuardedIndex
+    d = router.route(rid, tokens=n, hits=hits)  # a fallback answer (d.index_source) counts as one
+    rm.index_fallback("error")                # a caller's own fallback (e.g. no index configured)
 
 Wired into Router itself (one line at the end of `Router.__init__`, see l3pool/router/README.md),
 every Router is measured the same way. Families live in the engine registry (prometheus_client's
@@ -81,6 +78,8 @@ class RouterMetrics:
 
     def decided(self, d: Decision, seconds: float) -> None:
         DECISIONS(d.policy, d.reason, d.instance).inc()
+        if d.index_source != "index":  # priced on l3pool.index.GuardedIndex's fallback, not an answer
+            INDEX_FALLBACKS(d.policy, "unavailable").inc()
         DECISION_SECONDS(d.policy).observe(seconds)
         if d.prefetch is not None:
             PREFETCH_ORDERS(d.policy).inc()

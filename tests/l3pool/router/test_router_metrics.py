@@ -69,3 +69,15 @@ def test_index_fallbacks_and_an_unattached_router() -> None:
     plain.route("p2", TOK, hits())
     assert _v("l3pool_router_decisions_total", policy="round_robin", reason="round_robin", instance="fa") == before
     assert "route" not in vars(plain) and Router.route is type(plain).route
+
+
+def test_a_decision_on_a_guarded_fallback_counts_as_an_index_fallback() -> None:
+    from l3pool.index.types import PrefixHits
+
+    r = router("round_robin", names=("ga", "gb"))
+    attach(r)
+    n = _v("l3pool_router_index_fallbacks_total", policy="round_robin", cause="unavailable")
+    r.route("g1", TOK, hits())  # the index's own answer
+    assert _v("l3pool_router_index_fallbacks_total", policy="round_robin", cause="unavailable") == n
+    r.route("g2", TOK, PrefixHits(pages=1, source="none", reason="index breaker open"))
+    assert _v("l3pool_router_index_fallbacks_total", policy="round_robin", cause="unavailable") == n + 1
