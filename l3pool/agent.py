@@ -51,6 +51,7 @@ from l2core.units import parse_size
 from l3pool import metrics
 from l3pool.pool.addr import check_host, split_host_port
 from l3pool.pool.etcd import (
+    EtcdAuthError,
     EtcdClient,
     EtcdError,
     EtcdSecurity,
@@ -176,6 +177,8 @@ def check_reachable(s: AgentSettings, etcd: EtcdClient) -> None:
     """etcd answers, the master's RPC port (and an http/etcd metadata server's port) accepts TCP."""
     try:
         etcd.status(bypass=True)  # a start-up check: one error line, no breaker log
+    except EtcdAuthError:
+        raise  # etcd answered: a configuration error, not an unreachable dependency
     except EtcdError as e:
         raise ConnectionError(str(e)) from None
     _tcp_check(s.master_addr, "mooncake master")
@@ -341,6 +344,8 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
     try:
         try:
             check_reachable(s, etcd)
+        except EtcdAuthError as e:  # etcd answered and refused us: bad credentials, a config error (2)
+            return _fail(2, str(e))
         except ConnectionError as e:  # a dependency unreachable: exit 1, as in every command
             from l3pool.cli import MASTER_HINT, etcd_hint
 

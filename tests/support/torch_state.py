@@ -1,9 +1,10 @@
 """torch's process-wide settings that a test may change and must not leave behind: deterministic
-algorithms (and their warn-only flag), the SDPA backend switches, the default dtype and the
-intra-op thread count. `tests/conftest.py` snapshots them before every test and restores them
-after it (one autouse fixture), so a test that turns on the demo's deterministic mode, or picks
-SDPA backends, cannot change what a later test in the same pytest-xdist worker runs on (seen on
-the H200: a demo test found SDPA restricted because an earlier test left deterministic mode on)."""
+algorithms (and their warn-only flag), the SDPA backend switches, the default dtype, the intra-op
+thread count, and flushing denormals (off after every test). `tests/conftest.py` restores them to
+what the process started with before and after every test (one autouse fixture), so a test that
+turns on the demo's deterministic mode, or picks SDPA backends, cannot change what a later test in
+the same pytest-xdist worker runs on (seen on the H200: a demo test found SDPA restricted because
+an earlier test left deterministic mode on)."""
 
 from __future__ import annotations
 
@@ -55,4 +56,7 @@ def restore(s: TorchState) -> list[str]:
         torch.set_default_dtype(s.default_dtype)
     if now.threads != s.threads:
         torch.set_num_threads(s.threads)
+    # denormals flushed (the demo sets it for its random weights) is processor state torch cannot
+    # report: always off again (hypothesis refuses to draw floats while it is on)
+    torch.set_flush_denormal(False)
     return changed

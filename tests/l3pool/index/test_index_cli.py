@@ -28,7 +28,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     ("args", "code", "words"),
     [
         (["--status", "--listen", "tcp://127.0.0.1:{port}", "--timeout", "0.3"], 1, "did not answer"),
-        (["--status", "--listen", "nonsense"], 2, "endpoint"),
+        (["--status", "--listen", "nonsense"], 2, "argument --listen: expected tcp://HOST:PORT"),
         (["--capacity-pages", "0"], 2, "must be >= 1"),
         (["--etcd", "127.0.0.1:{port}"], 1, "etcd"),
         (["--etcd", "127.0.0.1:1", "--key-prefix", "bad/"], 2, "key prefix"),
