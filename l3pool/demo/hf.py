@@ -55,17 +55,18 @@ PARTIAL_CHUNK_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTEN
 
 # The engine's attention (registered with transformers as PREFIX_ATTENTION[method]). A chunk after
 # cached tokens attends to everything before it plus itself causally: the causal mask aligned to the
-# bottom-right corner of the [chunk, context] score matrix. transformers' "sdpa" states that as a mask
-# tensor. Measured on the H200 (bench/results/2026-12-04-h200-prefill/, llama-8b, 32K tokens, 2,048-token
-# chunks): HF's chunked prefill 1.50x its one forward; torch's `causal_lower_right` bias (method
-# "lower_right") runs on flash attention, 1.29x, and in deterministic mode 9.7x; for MLA's head dims
-# (192 / 128) it falls to the memory-efficient kernel, 2.8x. The one forward runs its causal attention
-# on faster kernels than flash 2 there. Method "split" (the default) states the mask without one: the
-# chunk's queries attend to the prefix with no mask and to their own chunk with the ordinary causal
-# mask, each on the fastest kernel torch has that returns its log-sum-exp (cuDNN, else flash, else the
-# memory-efficient kernel; written out on the CPU), and the two halves are merged exactly by
-# their log-sum-exps. Both methods compute the same function; they round differently, so the method
-# is part of the model's fingerprint (cached KV of one never serves the other).
+# bottom-right corner of the [chunk, context] score matrix. transformers' "sdpa" states that as a
+# mask tensor. Measured on the H200 (bench/results/2026-12-04-h200-prefill/, llama-8b, 32K tokens,
+# 2,048-token chunks): HF's chunked prefill 1.50x its one forward, "split" below 1.21x (1.07x at
+# 8,192); torch's `causal_lower_right` bias ("lower_right") runs on flash attention, 1.29x, and in
+# deterministic mode 9.7x; for MLA's head dims (192 / 128) it falls to the memory-efficient kernel,
+# 2.8x (the one forward's plain causal attention may take cuDNN's kernel; not traced). Method
+# "split" (the default) states the mask without one: the chunk's queries attend to the prefix with
+# no mask and to their own chunk with the ordinary causal mask, each on the fastest kernel torch has
+# that returns its log-sum-exp (cuDNN, else flash, else the memory-efficient kernel; written out on
+# the CPU), and the two halves are merged exactly by their log-sum-exps. The methods compute the
+# same function; they round differently, so the method is part of the model's fingerprint (cached
+# KV of one never serves another).
 PREFIX_METHODS = ("split", "lower_right", "hf_sdpa")  # hf_sdpa: transformers' own (the engine before these)
 PREFIX_ATTENTION = {"split": "l3pool_prefix_split", "lower_right": "l3pool_prefix_lower_right", "hf_sdpa": "sdpa"}
 _aten = torch.ops.aten
