@@ -59,15 +59,26 @@ LOG_FRAME_INTERVAL_S = 30.0  # a progress bar into a file or pipe: a frame at mo
 def progress_bar(total: int, desc: str, *, disable: bool = False, unit: str = "step") -> Any:
     """A tqdm bar on the current `sys.stderr`. On a terminal it redraws as usual; into a file or a
     pipe (a log) it writes a frame at most every LOG_FRAME_INTERVAL_S seconds and at the end, not
-    one per step (hundreds of carriage-return frames in a demo's log otherwise)."""
+    one per step (hundreds of carriage-return frames in a demo's log otherwise): neither `update`
+    nor `set_postfix_str` / `set_postfix` draws a frame sooner there."""
     from tqdm import tqdm
 
     try:
         tty = sys.stderr.isatty()
     except (AttributeError, ValueError):
         tty = False
-    kw: dict[str, Any] = {} if tty else {"mininterval": LOG_FRAME_INTERVAL_S, "maxinterval": LOG_FRAME_INTERVAL_S}
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=disable, **kw)
+    if tty:
+        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=disable)
+
+    class LogBar(tqdm):  # type: ignore[misc, type-arg]
+        def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+            super().set_postfix_str(s, refresh=False)
+
+        def set_postfix(self, ordered_dict: Any = None, refresh: bool = True, **kwargs: Any) -> None:
+            super().set_postfix(ordered_dict, refresh=False, **kwargs)
+
+    return LogBar(total=total, desc=desc, unit=unit, file=sys.stderr, disable=disable,
+                  mininterval=LOG_FRAME_INTERVAL_S, maxinterval=LOG_FRAME_INTERVAL_S)  # fmt: skip
 
 
 class TqdmHandler(logging.Handler):

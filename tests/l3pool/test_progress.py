@@ -24,7 +24,8 @@ def _frames(stream: io.StringIO, monkeypatch: pytest.MonkeyPatch, steps: int) ->
     monkeypatch.setattr(tqdm.std, "time", lambda: next(clock))
     monkeypatch.setattr(sys, "stderr", stream)
     bar = logs.progress_bar(steps, "demo")
-    for _ in range(steps):
+    for k in range(steps):
+        bar.set_postfix_str(f"step {k}")  # as the demo's tick does, before each update
         bar.update(1)
     bar.close()
     assert f"{steps}/{steps}" in stream.getvalue()
