@@ -415,20 +415,20 @@ class HFModel:
         v = self._view
         v.bufs = bufs
         hidden = torch.empty(0)
-        impl = PREFIX_ATTENTION[self.cfg.prefix_attention]
-        try:
-            for c0 in range(start, n, C):
-                c1 = min(c0 + C, n)
-                v.past, v.slots, v.new_slots = c0, slots[:c1], slots[c0:c1]
-                v.before_layer = before_layer if c0 == start else None
-                v.keep = keep if c1 == n else None
-                pos = torch.arange(c0, c1, device=self.device)[None]
-                with self._attention(c1 - c0), self._attention_impl(impl):
-                    out = self.hf.model(input_ids=tok[None, c0:c1], position_ids=pos, past_key_values=self._cache,
-                                        use_cache=True)  # fmt: skip
-                hidden = out.last_hidden_state[0, -1:]
-        finally:
-            v.bufs, v.before_layer, v.keep = [], None, None
+        with self._attention_impl(PREFIX_ATTENTION[self.cfg.prefix_attention]):  # this variant's, for the call
+            try:
+                for c0 in range(start, n, C):
+                    c1 = min(c0 + C, n)
+                    v.past, v.slots, v.new_slots = c0, slots[:c1], slots[c0:c1]
+                    v.before_layer = before_layer if c0 == start else None
+                    v.keep = keep if c1 == n else None
+                    pos = torch.arange(c0, c1, device=self.device)[None]
+                    with self._attention(c1 - c0):
+                        out = self.hf.model(input_ids=tok[None, c0:c1], position_ids=pos,
+                                            past_key_values=self._cache, use_cache=True)  # fmt: skip
+                    hidden = out.last_hidden_state[0, -1:]
+            finally:
+                v.bufs, v.before_layer, v.keep = [], None, None
         return self.hf.lm_head(hidden)[0].float()
 
     def variant(self, **cfg: Any) -> HFModel:
