@@ -62,3 +62,22 @@ def test_bad_arguments_are_one_line(args: list[str], message: str, capsys: pytes
         interference.main(["--model", "llama-tiny", *args])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_probes_run_beside_the_forward_pass_and_are_not_variants(tmp_path: Path) -> None:
+    """gil_spin moves no bytes (no per-byte figure); the xproc_* traffic runs in a spawned second
+    process and reports the bytes it moved there; probes are not compared with the default."""
+    out = tmp_path / "i.json"
+    argv = ["--model", "llama-tiny", "--tokens", "100", "--tries", "2", "--out", str(out)]
+    assert interference.main([*argv, "--variants", "gil_spin,xproc_plain,xproc_loads", "--host-cost"]) == 0
+    rep = json.loads(out.read_text())
+    rows = rep["rows"]
+    for d in ("load", "backup"):  # the worker thread's CPU time per job, from /proc, and the job's wall time
+        c = rep["host_cost"][d]
+        assert c["wall_ms"] > 0 and c["worker_cpu_ms"] >= 0 and c["bytes"] > 0 and c["layers"] == 2, c
+    assert list(rows) == ["plain", "default", "gil_spin", "xproc_plain", "xproc_loads"]
+    assert rows["gil_spin"]["copy_GBps"]["max"] == 0 and rows["gil_spin"]["slowdown_per_10GBps"] is None
+    for k in ("xproc_plain", "xproc_loads"):
+        assert rows[k]["copy_GBps"]["min"] > 0 and rows[k]["forward_ms"]["runs"] == 2, k
+    assert rows["xproc_loads"]["options"] == {"probe": "load"}
+    assert not any("vs_default" in rows[k] for k in ("gil_spin", "xproc_plain", "xproc_loads"))
