@@ -165,3 +165,19 @@ def test_nothing_names_a_place_outside_the_repository() -> None:
 )
 def test_the_outside_check_can_fail(line: str, outside: bool) -> None:
     assert any(r.search(line) for r in OUTSIDE) is outside
+
+
+def test_the_readme_is_a_guide_with_the_three_uses_on_its_first_screen() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: run histories go to bench/results/, the rest to docs/"
+    first = "\n".join(lines[:60])
+    for what in (
+        "bash scripts/demo.sh",  # the two set-up commands
+        "bash scripts/test.sh",
+        "--hicache-storage-backend dynamic",  # 1. SGLang
+        '"module_path":"l3pool.adapters.sglang_hicache"',
+        "l3pool prefetch-check",  # 2.
+        "l3pool inspect",  # 3.
+        "NAMESPACES",
+    ):
+        assert what in first, f"{what!r} is not on the README's first screen (60 lines)"
