@@ -15,7 +15,7 @@ file it loaded from site-packages is recorded:
   package's `__init__.py` (so importing it fails there as on a light install, and the placeholders
   stand in, instead of an empty namespace package that has none of its names);
 - each third-party package it loaded that the host lacks (`HOST_HAS`: top-level names of the H200
-  image's package list, /work/.library/device/KINDS.md): a pure-Python one copied, a compiled one
+  image's package list, as the GPU host's documentation gives it): a pure-Python one copied, a compiled one
   (msgspec) copied when --python is this interpreter's version, else unpacked from the wheel of the
   same version for --python, fetched with pip (the one registry use).
 `MANIFEST.json` in DIR lists the files, sizes and versions.
