@@ -7,7 +7,7 @@ object under --json), not an import traceback.
 
 import sys
 
-from l3pool.cli import guarded, require_prefill
+from l3pool.cliutil import guarded, require_prefill
 
 
 def _check() -> int:

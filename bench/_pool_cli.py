@@ -10,7 +10,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from l3pool.cli import output_file
+from l3pool.cliutil import output_file
 from l3pool.cluster.running import add_pool_flags
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from l3pool.cli import UserError
+from l3pool.cliutil import UserError
 from l3pool.procenv import python_env
 
 

@@ -49,7 +49,7 @@ import torch
 from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
 from l2core import HostKVPool, KVSpec
 from l3pool.cache import L1, CacheConfig, TieredCache, build
-from l3pool.cli import guarded
+from l3pool.cliutil import guarded
 from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import percentile, spread
 from l3pool.pool.keys import page_hashes

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from bench._pool_cli import add_report_args, check_out, emit_report
-from l3pool.cli import guarded
+from l3pool.cliutil import guarded
 from l3pool.measure import percentile
 from l3pool.pool.kv_events import SourceInfo
 from l3pool.procenv import python_env

@@ -31,7 +31,7 @@ import numpy as np
 
 from bench._pool_cli import add_report_args, check_out, emit_report
 from bench.index import _line, _loadavg, _stop, _worker
-from l3pool.cli import guarded, nonneg_float, positive_float, positive_int
+from l3pool.cliutil import guarded, nonneg_float, positive_float, positive_int
 from l3pool.pool.kv_events import SourceInfo
 
 

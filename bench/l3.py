@@ -49,7 +49,7 @@ import torch
 from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
 from bench._transfer_report import _loadavg
 from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.cli import guarded
+from l3pool.cliutil import guarded
 from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import spread
 from l3pool.pool.client import L3Client

@@ -30,12 +30,11 @@ and lists the cells where a baseline still wins, by name and ratio.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
-import io
 import itertools
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from typing import Any
 
 from bench._pool_cli import add_report_args, check_out, emit_report
 from bench._routing_sim import SHAPES, Cell, simulate
-from l3pool.cli import guarded
+from l3pool.cliutil import guarded
 from l3pool.router import POLICIES
 
 METRICS = ("ttft_mean_s", "ttft_p90_s", "prefill_s")  # TTFT first: what the router is for
@@ -193,8 +192,9 @@ def demo_args(cell: Cell, seed: int, a: argparse.Namespace, policies: list[str],
 
 
 def run_real(cells: list[Cell], seeds: list[int], policies: list[str], a: argparse.Namespace) -> list[dict[str, Any]]:
-    from l3pool.cli import main as cli_main
+    from l3pool.procenv import python_env
 
+    env = python_env()  # the child finds this checkout's l3pool, as this process did
     out = []
     for cell in cells:
         samples: dict[str, list[dict[str, float]]] = {p: [] for p in policies}
@@ -203,12 +203,13 @@ def run_real(cells: list[Cell], seeds: list[int], policies: list[str], a: argpar
         reqs = 0
         for seed in seeds:
             with tempfile.TemporaryDirectory() as tmp:
-                buf = io.StringIO()
                 t0 = time.monotonic()
-                with contextlib.redirect_stdout(buf):
-                    rc = cli_main(demo_args(cell, seed, a, policies, tmp))
+                # `l3pool demo` as its user runs it (its stderr, progress and errors, passes through)
+                demo = subprocess.run([sys.executable, "-m", "l3pool", *demo_args(cell, seed, a, policies, tmp)],
+                                      stdout=subprocess.PIPE, text=True, env=env, check=False)  # fmt: skip
+                rc = demo.returncode
                 try:
-                    rep = json.loads(buf.getvalue())
+                    rep = json.loads(demo.stdout)
                 except json.JSONDecodeError:
                     raise SystemExit(
                         f"bench.routing: the demo for {cell.key} seed {seed} printed no report (rc {rc})"

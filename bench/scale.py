@@ -68,7 +68,7 @@ from bench._pool_cli import add_report_args, check_out, emit_report
 from bench._scale_client import TraceSpec, calls_per_request
 from bench._scale_index import IndexProcess, available, prepare, row_fields
 from bench._scale_obs import plot, ran_on, rss_bytes, snapshot, window
-from l3pool.cli import (
+from l3pool.cliutil import (
     ArgumentParser,
     Terminated,
     UserError,
@@ -97,7 +97,7 @@ SAMPLES = ("index_query", "lookup", "lock", "acquire", "join", "put", "release",
 
 
 def _terminate(signum: int, frame: object) -> None:
-    raise Terminated()  # cli.guarded reports it as "terminated (SIGTERM)", exit 143, after the unwinding
+    raise Terminated()  # cliutil.guarded reports it as "terminated (SIGTERM)", exit 143, after the unwinding
 
 
 def progress(msg: str) -> None:

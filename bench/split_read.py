@@ -42,7 +42,7 @@ from typing import Any
 
 from bench._pool_cli import add_report_args, check_out, emit_report
 from bench._ranks import reported, run_ranks
-from l3pool.cli import UserError
+from l3pool.cliutil import UserError
 
 CPU_LABEL = "CPU (gloo over loopback): correctness and pipeline check, NOT the target measurement (2 GPUs, NCCL)"
 
@@ -302,6 +302,6 @@ def _gpu_names() -> list[str]:
 
 
 if __name__ == "__main__":
-    from l3pool.cli import guarded
+    from l3pool.cliutil import guarded
 
     sys.exit(guarded("python -m bench.split_read", main))

@@ -67,7 +67,7 @@ import torch
 from tqdm import tqdm
 
 from l2core import LAYOUTS, HostKVPool, HostMemory, KVSpec, L2Config, ops
-from l3pool.cli import guarded, output_file
+from l3pool.cliutil import guarded, output_file
 
 from ._transfer_report import (
     _cpu_times,

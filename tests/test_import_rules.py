@@ -13,6 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("l2core", "l3pool")
+# what stands above the pool core (l3pool.pool) and l3pool.cliutil, the commands' helpers
+ABOVE_POOL = (
+    "l3pool.cache", "l3pool.cluster", "l3pool.tools", "l3pool.adapters", "l3pool.agent", "l3pool.cli",
+    "l3pool.demo", "l3pool.index", "l3pool.router",
+)  # fmt: skip
 
 # (importer prefix, imported prefix, why): a module whose dotted name starts with the first never
 # imports a module whose dotted name starts with the second. Prefixes match whole components.
@@ -22,9 +27,14 @@ NEVER: list[tuple[str, str, str]] = [
     ("l3pool", "bench", "the library never imports the benchmarks"),
     ("l2core", "deploy", "the library never imports deploy/"),
     ("l3pool", "deploy", "the library never imports deploy/"),
+    *(("l3pool.pool", up, "the pool core never imports the floors above it") for up in ("l3pool.cliutil", *ABOVE_POOL)),
     *(
-        ("l3pool.pool", up, "the pool core never imports the floors above it")
-        for up in ("l3pool.cache", "l3pool.cluster", "l3pool.tools", "l3pool.adapters", "l3pool.agent", "l3pool.cli")
+        ("l3pool.cliutil", up, "the commands' helpers sit below every command: nothing above the pool core")
+        for up in ABOVE_POOL
+    ),
+    *(
+        (below, "l3pool.cli", "only the entry point imports l3pool.cli; the commands' helpers are l3pool.cliutil")
+        for below in (*PACKAGES, "bench")
     ),
     *(
         ("l3pool.cache", up, "the cache controller never imports what stands beside or above it")
@@ -56,6 +66,7 @@ NEVER: list[tuple[str, str, str]] = [
 ]
 # the exceptions to NEVER, each with its reason: (importer prefix, imported module) -> why
 EXCEPT: dict[tuple[str, str], str] = {
+    ("l3pool.__main__", "l3pool.cli"): "the entry point: `python -m l3pool` runs the command line",
     ("l3pool.tools", "l3pool.adapters.sglang_config"): (
         "the SGLang extra-config schema that `deploy render` writes and `check-config` checks: plain "
         "config parsing, neither torch nor sglang (it is a TORCH_FREE_ROOT)"
@@ -68,6 +79,7 @@ PRIVATE = {"l3pool.demo": "the demo is an application: nothing imports it"}
 TORCH_FREE_ROOTS = (
     "l3pool.agent",
     "l3pool.cli",
+    "l3pool.cliutil",
     "l3pool.tools.inspect",
     "l3pool.pool.metadata",
     "l2core.shm_segment",
@@ -185,6 +197,8 @@ def _plant(tmp: Path, files: dict[str, str]) -> Path:
         ({"l3pool/pool/client.py": "from ..cache import controller\n"}, "pool core never"),
         ({"l3pool/pool/client.py": "from l3pool import tools\n"}, "pool core never"),
         ({"l3pool/tools/inspect.py": "from l3pool.adapters import sglang_hicache\n"}, "operator tools never"),
+        ({"l3pool/tools/purge.py": "def f():\n    from l3pool.cli import fail\n"}, "only the entry point"),
+        ({"l3pool/cliutil.py": "def f():\n    from l3pool.cluster import local\n"}, "below every command"),
         ({"l3pool/cache/controller.py": "import bench.cache\n"}, "never imports the benchmarks"),
         ({"l3pool/tools/chaos.py": "from l3pool.demo.run import Demo\n"}, "the demo is an application"),
         ({"l3pool/cache/events.py": "from l3pool.index import table\n"}, "never imports the global index"),

@@ -50,7 +50,7 @@ REAL = {
 
 def add_parser(subparsers: Any) -> None:
     from l2core.names import LAYOUTS
-    from l3pool.cli import nonneg_int, positive_float, positive_int, segment_size
+    from l3pool.cliutil import nonneg_int, positive_float, positive_int, segment_size
 
     p = subparsers.add_parser(
         "demo",
@@ -227,7 +227,7 @@ def _endpoints(a: argparse.Namespace) -> Iterator[tuple[Endpoints, str]]:
 
 def _cmd(a: argparse.Namespace) -> int:
     from l2core.spec import ConfigError
-    from l3pool.cli import output_dir
+    from l3pool.cliutil import output_dir
     from l3pool.cluster.local import ClusterError
     from l3pool.pool.etcd import EtcdAuthError
     from l3pool.pool.store import StoreError, StoreUnavailable
@@ -241,7 +241,7 @@ def _cmd(a: argparse.Namespace) -> int:
         opts = _options(a)
         report = _run(a, opts)
     except (ConfigError, DemoError, ClusterError, StoreError, ValueError, EtcdAuthError) as e:
-        from l3pool.cli import MASTER_HINT, fail
+        from l3pool.cliutil import MASTER_HINT, fail
 
         if isinstance(e, (ClusterError, StoreError)):  # a dependency or the cluster failed: exit 1 (l3pool.cli)
             return fail("l3pool demo", str(e), MASTER_HINT if isinstance(e, StoreUnavailable) else None, code=1)
