@@ -38,9 +38,9 @@ def available() -> str | None:
 
 def prepare() -> None:
     """Build or load the native extension the index table needs, here, before any row."""
-    from l2core import _native
+    from l2core import load_native
 
-    _native.load()
+    load_native()
 
 
 class IndexProcess:

@@ -62,19 +62,20 @@ LAYOUT = "page_first_direct"  # the demo's L2 layout
 def run(
     model: str, tokens: int, tries: int, variants: list[str] | None = None, paced_GBps: float | None = None
 ) -> dict[str, Any]:
-    from l3pool.demo import deterministic_cuda
-    from l3pool.demo.engine import PrefillInstance
-    from l3pool.demo.hf import HFConfig, HFModel
-    from l3pool.demo.interference import (
+    from l3pool.demo import (  # what the demo exports to the benchmarks (l3pool/demo/__init__.py)
         GBPS_DIGITS,
         EngineTraffic,
+        HFConfig,
+        HFModel,
         PlainTraffic,
+        PrefillInstance,
         Traffic,
+        deterministic_cuda,
+        med_spread,
         paced_traffic,
         paired_slowdown,
         rotation,
     )
-    from l3pool.demo.timing import med_spread
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":

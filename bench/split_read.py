@@ -263,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                 "--device cpu runs the CPU check (gloo), not the target measurement"
             )
     check_out(args)
-    from l2core import _native
+    from l2core import load_native
     from l2core.split_read import SPLIT_MIN_RANK_BYTES
 
-    _native.load()  # build once, before the ranks start (they load the cached build)
+    load_native()  # build once, before the ranks start (they load the cached build)
     rows = run(args)
     cross = next((r["tokens"] for r in sorted(rows, key=lambda r: r["tokens"]) if r["ratio"] < 1), None)
     report = {

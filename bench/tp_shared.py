@@ -231,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             p.error("--device cuda: torch sees no GPU")
     check_out(args)
-    from l2core import _native
+    from l2core import load_native
 
-    _native.load()  # build once, before the ranks start (they load the cached build)
+    load_native()  # build once, before the ranks start (they load the cached build)
     rows: list[dict[str, Any]] = []
     for tp in tps:
         rows += rows_of(tp, run_tp(args, tp), args)

@@ -591,9 +591,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cpu_start = _cpu_times()
     device = torch.device(args.device)
     if device.type == "cuda":
-        from l2core import _native
+        from l2core import native_has_cuda
 
-        if not _native.has_cuda():
+        if not native_has_cuda():
             raise SystemExit("the l2core native extension was built without CUDA (no nvcc at build time?)")
         torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
         device = torch.device("cuda", torch.cuda.current_device())

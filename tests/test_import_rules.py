@@ -1,7 +1,9 @@
 """The floors' import rules (READMEs, DESIGN.md §2), checked over the source tree so the diagram
 cannot drift: every `import` / `from ... import` statement of every module counts, the lazy ones
-inside functions too (a lazy upward import is still an upward import). A planted violation in a
-throw-away tree shows each rule can fail."""
+inside functions too (a lazy upward import is still an upward import), and so do the imports by
+name: `importlib.import_module("...")` / `__import__("...")` with a literal, and the tables of
+dotted names a module loads (`BY_NAME`). The library and bench/ are read. A planted violation in
+a throw-away tree shows each rule can fail."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("l2core", "l3pool")
+PACKAGES = ("l2core", "l3pool")  # the library
+SCANNED = (*PACKAGES, "bench")  # whose modules' imports are read (bench/results/ is history, not code)
 # what stands above the pool core (l3pool.pool) and l3pool.cliutil, the commands' helpers
 ABOVE_POOL = (
     "l3pool.cache", "l3pool.cluster", "l3pool.tools", "l3pool.adapters", "l3pool.agent", "l3pool.cli",
@@ -67,13 +70,26 @@ NEVER: list[tuple[str, str, str]] = [
 # the exceptions to NEVER, each with its reason: (importer prefix, imported module) -> why
 EXCEPT: dict[tuple[str, str], str] = {
     ("l3pool.__main__", "l3pool.cli"): "the entry point: `python -m l3pool` runs the command line",
+    ("l3pool.cli", "l3pool.demo"): "the entry point loads the `l3pool demo` command by name (BY_NAME)",
     ("l3pool.tools", "l3pool.adapters.sglang_config"): (
         "the SGLang extra-config schema that `deploy render` writes and `check-config` checks: plain "
         "config parsing, neither torch nor sglang (it is a TORCH_FREE_ROOT)"
     ),
 }
-# nothing outside the demo imports it (the CLI loads its subcommand by dotted name, not by import)
+# nothing else of the library imports it (the entry point loads its command by name: BY_NAME, EXCEPT)
 PRIVATE = {"l3pool.demo": "the demo is an application: nothing imports it"}
+# the benchmarks use the library as its users do (each rule is checked for every module of bench/)
+BENCH_RULES = {
+    "library_private": "bench never imports a private module or name of the library (a `_` component, e.g. "
+    "l2core._native): those are the library's to change; what bench needs is a public name (l2core.load_native)",
+    "demo_modules": "bench takes from the demo only what the l3pool.demo package exports (`from l3pool.demo "
+    "import HFModel`), never a module of it: the demo's modules are the application's own",
+}
+# modules that load others by a table of dotted names: module -> (the module-level tuple, why its
+# names count as imports at module level)
+BY_NAME = {
+    "l3pool.cli": ("_COMMANDS", "the entry point loads every command on every run (main), `l3pool info` too"),
+}
 # modules a decode node imports without torch (and the TP-shared segment janitor, which starts as
 # its own process): neither they nor anything they import names torch
 TORCH_FREE_ROOTS = (
@@ -103,20 +119,52 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
+def _by_name(node: ast.Call) -> str | None:
+    """The literal module name of `importlib.import_module("...")` / `import_module("...")` /
+    `__import__("...")`, else None (a name computed at run time cannot be read here)."""
+    f = node.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    arg = node.args[0]
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+
+
+def _table(node: ast.stmt, name: str) -> list[str]:
+    """The dotted names of a module-level `name = ("a.b", ...)` (or a list), else []."""
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    value = getattr(node, "value", None)
+    if not any(isinstance(t, ast.Name) and t.id == name for t in targets) or not isinstance(
+        value, ast.Tuple | ast.List
+    ):
+        return []
+    return [e.value for e in value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+
+
 def _imports(path: Path, module: str) -> Iterator[tuple[str, int, bool]]:
-    """(imported module, line, at module level) for every import statement of `path`."""
+    """(imported module, line, at module level) for every import statement of `path`, every
+    import by a literal name and every name of its BY_NAME table."""
     tree = ast.parse(path.read_text(), str(path))
     top = {id(n) for n in tree.body}
+    top_calls = {id(n.value) for n in tree.body if isinstance(n, ast.Expr | ast.Assign)}  # `m = import_module(...)`
     is_pkg = path.name == "__init__.py"
+    package = module.split(".") if is_pkg else module.split(".")[:-1]
+    if module in BY_NAME:
+        for node in tree.body:
+            for name in _table(node, BY_NAME[module][0]):
+                yield name, node.lineno, True
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and (name := _by_name(node)) is not None:
+            if name.startswith("."):  # import_module(".x", __package__): relative to this package
+                level = len(name) - len(name.lstrip("."))
+                name = ".".join([*package[: len(package) - (level - 1)], name.lstrip(".")])
+            yield name, node.lineno, id(node) in top_calls
+        elif isinstance(node, ast.Import):
             for a in node.names:
                 yield a.name, node.lineno, id(node) in top
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against this module's package
-                base = module.split(".")
-                base = base if is_pkg else base[:-1]
-                base = base[: len(base) - (node.level - 1)]
+                base = package[: len(package) - (node.level - 1)]
                 target = ".".join([*base, node.module] if node.module else base)
             else:
                 target = node.module or ""
@@ -131,11 +179,33 @@ def _under(name: str, prefix: str) -> bool:
 
 def import_graph(root: Path) -> dict[str, list[tuple[str, int, bool, Path]]]:
     graph: dict[str, list[tuple[str, int, bool, Path]]] = {}
-    for pkg in PACKAGES:
+    for pkg in SCANNED:
         for path in sorted((root / pkg).rglob("*.py")):
+            if path.is_relative_to(root / "bench" / "results"):
+                continue
             mod = _module_name(path, root)
             graph[mod] = [(t, line, top, path) for t, line, top in _imports(path, mod)]
     return graph
+
+
+def _private_owner(name: str) -> str | None:
+    """The package a private name belongs to: what precedes its first `_` component (dunders such
+    as `__version__` are public), or None when it has none."""
+    parts = name.split(".")
+    i = next((i for i, p in enumerate(parts) if p.startswith("_") and not p.startswith("__")), None)
+    return None if i is None else ".".join(parts[:i])
+
+
+def _bench_breaks(mod: str, target: str, graph: dict[str, object]) -> list[str]:
+    """The BENCH_RULES that bench's module `mod` importing `target` breaks."""
+    broken = []
+    owner = _private_owner(target)
+    if owner is not None and any(_under(target, lib) for lib in PACKAGES):
+        broken.append("library_private")
+    demo = "l3pool.demo"
+    if _under(target, demo) and target != demo and (target.count(".") > demo.count(".") + 1 or target in graph):
+        broken.append("demo_modules")  # l3pool.demo.X.Y, or l3pool.demo.X that is a module
+    return broken
 
 
 def violations(root: Path) -> list[str]:
@@ -144,13 +214,16 @@ def violations(root: Path) -> list[str]:
     for mod, edges in graph.items():
         for target, line, _, path in edges:
             where = f"{path.relative_to(root)}:{line}: {mod} imports {target}"
+            allowed = any(_under(mod, a) and _under(target, b) for a, b in EXCEPT)
             for src, dst, why in NEVER:
-                allowed = any(_under(mod, a) and _under(target, b) for a, b in EXCEPT)
                 if _under(mod, src) and _under(target, dst) and not allowed:
                     out.append(f"{where} ({why})")
             for private, why in PRIVATE.items():
-                if _under(target, private) and not _under(mod, private):
+                inside = _under(mod, private) or _under(mod, "bench")  # bench: BENCH_RULES
+                if _under(target, private) and not inside and not allowed:
                     out.append(f"{where} ({why})")
+            if _under(mod, "bench"):
+                out += [f"{where} ({BENCH_RULES[rule]})" for rule in _bench_breaks(mod, target, graph)]
     # torch-free closure: follow module-level imports of project modules from the roots
     seen: set[str] = set()
     stack = [(r, r) for r in TORCH_FREE_ROOTS if r in graph]
@@ -209,6 +282,34 @@ def _plant(tmp: Path, files: dict[str, str]) -> Path:
             {"l3pool/agent.py": "from l3pool.pool import keys\n", "l3pool/pool/keys.py": "import torch\n"},
             "imports torch",
         ),
+        # bench/: the library's public names only, the demo's exported names only
+        ({"bench/cache.py": "def f():\n    from l2core import _native\n"}, "private module or name of the library"),
+        ({"bench/cache.py": "from l3pool.cache.controller import _Entry\n"}, "private module or name"),
+        ({"bench/interference.py": "def f():\n    from l3pool.demo.engine import PrefillInstance\n"}, "never a module"),
+        ({"bench/interference.py": "from l3pool.demo import hf\n", "l3pool/demo/hf.py": ""}, "never a module"),
+        ({"bench/transfer.py": "from l3pool.cli import main\n"}, "only the entry point"),
+        # imports by name: a literal import_module / __import__, a BY_NAME table
+        (
+            {"l3pool/tools/chaos.py": "import importlib\ndef f():\n    importlib.import_module('l3pool.demo.run')\n"},
+            "the demo is an application",
+        ),
+        ({"l3pool/pool/client.py": "def f():\n    __import__('l3pool.cache.controller')\n"}, "pool core never"),
+        (
+            {"l3pool/pool/client.py": "from importlib import import_module\nimport_module('..tools', __package__)\n"},
+            "pool core never",
+        ),
+        (
+            {
+                "bench/prefill.py": "import importlib\nhf = importlib.import_module('l3pool.demo.hf')\n",
+                "l3pool/demo/hf.py": "",
+            },
+            "never a module",
+        ),
+        (
+            {"l3pool/cli.py": "_COMMANDS = ('l3pool.tools.doctor',)\n", "l3pool/tools/doctor.py": "import torch\n"},
+            "imports torch at module level (reached from l3pool.cli)",
+        ),
+        ({"l3pool/cli.py": "_COMMANDS = ('l3pool.tools.doctor', 'bench.cache')\n"}, "never imports the benchmarks"),
     ],
 )
 def test_a_planted_violation_is_found(tmp_path: Path, files: dict[str, str], expect: str) -> None:
@@ -224,6 +325,13 @@ def test_allowed_imports_are_not_flagged(tmp_path: Path) -> None:
             "l3pool/demo/run.py": "from . import study\nfrom l3pool.cache import controller\n",
             "l3pool/demo/study.py": "",
             "l3pool/agent.py": "def f():\n    import torch\n",  # lazy: allowed for a torch-free module
+            "l3pool/__main__.py": "from l3pool.cli import main\n",
+            "l3pool/cli.py": "_COMMANDS = ('l3pool.agent', 'l3pool.demo')\n",  # the entry point loads the demo
+            "l3pool/demo/__init__.py": "import importlib\ndef f():\n    importlib.import_module('l3pool.demo.hf')\n",
+            "l3pool/demo/hf.py": "import torch\n",
+            "bench/interference.py": "from l3pool.demo import HFModel\nfrom l2core import load_native\n",
+            "bench/cache.py": "import l3pool.__main__\nfrom l3pool import __version__\nfrom bench import _pool_cli\n",
+            "bench/_pool_cli.py": "from l3pool.cliutil import guarded\n",
         },
     )
     assert violations(root) == []

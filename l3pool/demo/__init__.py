@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -28,6 +29,37 @@ if TYPE_CHECKING:
     from l3pool.cluster.running import Endpoints
 
 log = logging.getLogger(__name__)
+
+# What the demo lends the benchmarks (bench/ measures its reference engine, model, traffic and
+# workload): its public names, by the module that defines them, imported on first use so that
+# loading the `l3pool demo` command stays torch-free. Nothing else of the demo is theirs to import.
+_EXPORTS = {
+    "PrefillInstance": "engine",
+    "HFConfig": "hf",
+    "HFModel": "hf",
+    "PREFIX_METHODS": "hf",
+    "prefix_causal_attention": "hf",
+    "EngineTraffic": "interference",
+    "GBPS_DIGITS": "interference",
+    "PlainTraffic": "interference",
+    "Traffic": "interference",
+    "paced_traffic": "interference",
+    "paired_slowdown": "interference",
+    "rotation": "interference",
+    "med_spread": "timing",
+    "Request": "workload",
+    "WorkloadConfig": "workload",
+    "generate": "workload",
+}
+__all__ = sorted([*_EXPORTS, "add_parser", "deterministic_cuda"])
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+
 
 QUICK = {
     "sessions": 3, "turns": 3, "min_context": 512, "max_context": 1536, "cold": 2, "fit_points": 3, "repeats": 2,
