@@ -84,6 +84,8 @@ BENCH_RULES = {
     "l2core._native): those are the library's to change; what bench needs is a public name (l2core.load_native)",
     "demo_modules": "bench takes from the demo only what the l3pool.demo package exports (`from l3pool.demo "
     "import HFModel`), never a module of it: the demo's modules are the application's own",
+    "bench_helper": "a bench helper (a `_` module or name) belongs to the package it sits in: only modules beside "
+    "it (or below) import it; one that several benchmarks share sits in bench/ itself",
 }
 # modules that load others by a table of dotted names: module -> (the module-level tuple, why its
 # names count as imports at module level)
@@ -205,6 +207,8 @@ def _bench_breaks(mod: str, target: str, graph: dict[str, object]) -> list[str]:
     demo = "l3pool.demo"
     if _under(target, demo) and target != demo and (target.count(".") > demo.count(".") + 1 or target in graph):
         broken.append("demo_modules")  # l3pool.demo.X.Y, or l3pool.demo.X that is a module
+    if owner is not None and _under(target, "bench") and not _under(mod, owner):
+        broken.append("bench_helper")
     return broken
 
 
@@ -245,7 +249,9 @@ def violations(root: Path) -> list[str]:
 def test_the_source_tree_keeps_the_import_rules() -> None:
     found = violations(ROOT)
     assert not found, "import rules broken:\n" + "\n".join(found)
-    assert len(import_graph(ROOT)) > 50  # the walk read the tree
+    graph = import_graph(ROOT)
+    assert len(graph) > 50 and "bench.scale._client" in graph  # the walk read the tree, bench/ too
+    assert any(t == "l3pool.demo" for t, *_ in graph["l3pool.cli"])  # and the entry point's command table
 
 
 def _plant(tmp: Path, files: dict[str, str]) -> Path:
@@ -287,7 +293,9 @@ def _plant(tmp: Path, files: dict[str, str]) -> Path:
         ({"bench/cache.py": "from l3pool.cache.controller import _Entry\n"}, "private module or name"),
         ({"bench/interference.py": "def f():\n    from l3pool.demo.engine import PrefillInstance\n"}, "never a module"),
         ({"bench/interference.py": "from l3pool.demo import hf\n", "l3pool/demo/hf.py": ""}, "never a module"),
-        ({"bench/transfer.py": "from l3pool.cli import main\n"}, "only the entry point"),
+        ({"bench/transfer/__init__.py": "from l3pool.cli import main\n"}, "only the entry point"),
+        ({"bench/scale/_client.py": "", "bench/index/__init__.py": "from bench.scale import _client\n"}, "belongs to"),
+        ({"bench/l3_placement.py": "def f():\n    from bench.l3 import _fill\n"}, "belongs to the package"),
         # imports by name: a literal import_module / __import__, a BY_NAME table
         (
             {"l3pool/tools/chaos.py": "import importlib\ndef f():\n    importlib.import_module('l3pool.demo.run')\n"},
@@ -332,6 +340,10 @@ def test_allowed_imports_are_not_flagged(tmp_path: Path) -> None:
             "bench/interference.py": "from l3pool.demo import HFModel\nfrom l2core import load_native\n",
             "bench/cache.py": "import l3pool.__main__\nfrom l3pool import __version__\nfrom bench import _pool_cli\n",
             "bench/_pool_cli.py": "from l3pool.cliutil import guarded\n",
+            "bench/scale/__init__.py": "from bench.scale._client import TraceSpec\nfrom ._obs import plot\n",
+            "bench/scale/__main__.py": "from bench.scale import _terminate\n",
+            "bench/scale/_client.py": "",
+            "bench/scale/_obs.py": "",
         },
     )
     assert violations(root) == []

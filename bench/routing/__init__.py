@@ -8,7 +8,7 @@
 
 Default (SIMULATED): every cell of the grid instances x sessions per instance x offered load x
 context range (K tokens, first turn - cap) x reuse, `--seeds` traces each, every policy on every
-trace, through bench._routing_sim: the real Router and policies in front of simulated instances
+trace, through bench.routing._sim: the real Router and policies in front of simulated instances
 (L1/L2 LRU per instance, an L3 pool written through, FIFO servers in virtual time, service times
 from a per-shape compute fit and tier bandwidths with noise; see that module). Nothing runs a
 model: the cells say what the decision rules do given calibrated service times, not what a GPU
@@ -41,7 +41,7 @@ import time
 from typing import Any
 
 from bench._pool_cli import add_report_args, check_out, emit_report
-from bench._routing_sim import SHAPES, Cell, simulate
+from bench.routing._sim import SHAPES, Cell, simulate
 from l3pool.cliutil import guarded
 from l3pool.router import POLICIES
 
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": dt.date.today().isoformat(),
             "mode": f"real: l3pool demo --model {a.model}"
             if a.real
-            else "simulated (bench._routing_sim)" + (", demo order" if a.demo_order else ""),
+            else "simulated (bench.routing._sim)" + (", demo order" if a.demo_order else ""),
             "shape": a.model if a.real else a.shape,
             "shape_source": None if a.real else SHAPES[a.shape].source,
             "grid": grid,
@@ -335,7 +335,3 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return guarded("bench.routing", body)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
