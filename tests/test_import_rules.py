@@ -87,10 +87,15 @@ BENCH_RULES = {
     "bench_helper": "a bench helper (a `_` module or name) belongs to the package it sits in: only modules beside "
     "it (or below) import it; one that several benchmarks share sits in bench/ itself",
 }
-# modules that load others by a table of dotted names: module -> (the module-level tuple, why its
-# names count as imports at module level)
-BY_NAME = {
-    "l3pool.cli": ("_COMMANDS", "the entry point loads every command on every run (main), `l3pool info` too"),
+# modules that load others by a table of module names: module -> (the module-level table: a tuple of
+# names, or a dict whose values are names; names relative to the package when they have no dot;
+# whether they count as imported at module level, why). A package's lazy exports load on first use.
+BY_NAME: dict[str, tuple[str, bool, str]] = {
+    "l3pool.cli": ("_COMMANDS", True, "the entry point loads every command on every run (main), `l3pool info` too"),
+    "l2core": ("_EXPORTS", False, "the package's lazy exports"),
+    "l3pool.cache": ("_LAZY", False, "the package's lazy exports"),
+    "l3pool.index": ("_LAZY", False, "the package's lazy exports"),
+    "l3pool.demo": ("_EXPORTS", False, "what the demo lends the benchmarks, loaded on first use"),
 }
 # modules a decode node imports without torch (and the TP-shared segment janitor, which starts as
 # its own process): neither they nor anything they import names torch
@@ -132,15 +137,26 @@ def _by_name(node: ast.Call) -> str | None:
     return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
 
 
+def _strings(nodes: list[ast.expr | None]) -> list[str]:
+    return [e.value for e in nodes if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+
+
 def _table(node: ast.stmt, name: str) -> list[str]:
-    """The dotted names of a module-level `name = ("a.b", ...)` (or a list), else []."""
+    """The module names of a module-level `name = ("a.b", ...)` (or a list), or of the values of
+    `name = {"X": "a.b", **dict.fromkeys(("Y", "Z"), "a.c")}`; [] for any other statement."""
     targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
     value = getattr(node, "value", None)
-    if not any(isinstance(t, ast.Name) and t.id == name for t in targets) or not isinstance(
-        value, ast.Tuple | ast.List
-    ):
+    if not any(isinstance(t, ast.Name) and t.id == name for t in targets):
         return []
-    return [e.value for e in value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    if isinstance(value, ast.Tuple | ast.List):
+        return _strings(list(value.elts))
+    if not isinstance(value, ast.Dict):
+        return []
+    names = _strings([v for k, v in zip(value.keys, value.values, strict=True) if k is not None])
+    for k, v in zip(value.keys, value.values, strict=True):  # `**dict.fromkeys(names, "module")`
+        if k is None and isinstance(v, ast.Call) and len(v.args) == 2:
+            names += _strings([v.args[1]])
+    return names
 
 
 def _imports(path: Path, module: str) -> Iterator[tuple[str, int, bool]]:
@@ -152,9 +168,10 @@ def _imports(path: Path, module: str) -> Iterator[tuple[str, int, bool]]:
     is_pkg = path.name == "__init__.py"
     package = module.split(".") if is_pkg else module.split(".")[:-1]
     if module in BY_NAME:
+        table, at_top, _ = BY_NAME[module]
         for node in tree.body:
-            for name in _table(node, BY_NAME[module][0]):
-                yield name, node.lineno, True
+            for name in _table(node, table):
+                yield name if "." in name else f"{'.'.join(package)}.{name}", node.lineno, at_top
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and (name := _by_name(node)) is not None:
             if name.startswith("."):  # import_module(".x", __package__): relative to this package
@@ -252,6 +269,10 @@ def test_the_source_tree_keeps_the_import_rules() -> None:
     graph = import_graph(ROOT)
     assert len(graph) > 50 and "bench.scale._client" in graph  # the walk read the tree, bench/ too
     assert any(t == "l3pool.demo" for t, *_ in graph["l3pool.cli"])  # and the entry point's command table
+    assert any(t == "l3pool.cache.controller" for t, *_ in graph["l3pool.cache"])  # and the lazy exports
+    assert any(t == "l2core.pool" for t, *_ in graph["l2core"]) and any(
+        t == "l3pool.demo.hf" for t, *_ in graph["l3pool.demo"]
+    )
 
 
 def _plant(tmp: Path, files: dict[str, str]) -> Path:
@@ -318,6 +339,8 @@ def _plant(tmp: Path, files: dict[str, str]) -> Path:
             "imports torch at module level (reached from l3pool.cli)",
         ),
         ({"l3pool/cli.py": "_COMMANDS = ('l3pool.tools.doctor', 'bench.cache')\n"}, "never imports the benchmarks"),
+        ({"l2core/__init__.py": "_EXPORTS = {'L3Client': 'l3pool.pool.client'}\n"}, "l2core is the floor under l3pool"),
+        ({"l3pool/index/__init__.py": "_LAZY = {**dict.fromkeys(('A', 'B'), 'l3pool.cache.x')}\n"}, "stands beside"),
     ],
 )
 def test_a_planted_violation_is_found(tmp_path: Path, files: dict[str, str], expect: str) -> None:
