@@ -13,10 +13,10 @@ one per class:
          change the command line or the file
     130  interrupted (Ctrl-C); 141 the reader of stdout went away; 143 terminated (SIGTERM)
 
-`UserError` (l3pool.cliutil, with the other helpers every command uses; default code 2; code=1 for
-an unreachable dependency) is raised where the mistake is found, `fail` prints it, `guarded` turns
-UserError and the layers' own errors (`_OPERATIONAL`) into that line and code. `ETCD_HINT`
-(`etcd_hint`) and `MASTER_HINT` are the one hint for an unreachable etcd or master.
+`UserError` (default code 2; code=1 for an unreachable dependency) is raised where the mistake is
+found, `fail` prints it, `guarded` turns UserError and the layers' own errors (`_OPERATIONAL`)
+into that line and code. `ETCD_HINT` (`etcd_hint`) and `MASTER_HINT` are the one hint for an
+unreachable etcd or master.
 """
 
 from __future__ import annotations
