@@ -274,7 +274,7 @@ def test_the_source_tree_keeps_the_import_rules() -> None:
         ("l3pool.index", "l3pool.index.guard"),
         ("l3pool.demo", "l3pool.demo.interference"),
     ):  # and the lazy export tables
-        assert any(t == only_in_its_table and not top for t, _, top, _ in graph[pkg]), pkg  # fmt: skip
+        assert any(t == only_in_its_table and not top for t, _, top, _ in graph[pkg]), pkg
 
 
 def _plant(tmp: Path, files: dict[str, str]) -> Path:
