@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Iterable
 from typing import Any
 
-from l3pool.cli import output_file
+from l3pool.cliutil import output_file
 from l3pool.cluster.running import add_pool_flags
+
+
+def loadavg_1m() -> float | None:
+    """The host's 1-minute load average (the report's `loadavg_1m`), None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def add_report_args(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """The rank processes of the TP benchmarks (bench.split_read, bench.tp_shared): `run_ranks` spawns
 them, collects what they report and joins them; a rank's body runs inside `reported`, so that an
 exception in it reaches the parent as one `(rank, "error", "Type: message")` report, which
-`run_ranks` raises as a UserError (one line on stderr, `l3pool.cli.guarded`)."""
+`run_ranks` raises as a UserError (one line on stderr, `l3pool.cliutil.guarded`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from l3pool.cli import UserError
+from l3pool.cliutil import UserError
 
 CTX = mp.get_context("spawn")  # also for what the ranks share besides the queue (a Barrier)
 

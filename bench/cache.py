@@ -49,7 +49,7 @@ import torch
 from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
 from l2core import HostKVPool, KVSpec
 from l3pool.cache import L1, CacheConfig, TieredCache, build
-from l3pool.cli import guarded
+from l3pool.cliutil import guarded
 from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import percentile, spread
 from l3pool.pool.keys import page_hashes
@@ -441,9 +441,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     check_out(args)
     dev = torch.device("cuda" if cuda else "cpu")
-    from l2core import _native
+    from l2core import load_native
 
-    _native.load()  # build/load the kernels before anything is timed (a JIT build takes ~30 s)
+    load_native()  # build/load the kernels before anything is timed (a JIT build takes ~30 s)
     report: dict[str, Any] = {
         "benchmark": "bench.cache",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

@@ -4,7 +4,7 @@
 
 The table holds `--instances` x `--pages` (all but two instances stored directly, as bench.index
 does; `--hints` L3 hints so ageing and a pool clear sweep the whole table). The service serves it
-with two real sources in other processes (bench/_index_client.py): `load`, a KvEventPublisher
+with two real sources in other processes (bench/index/_client.py): `load`, a KvEventPublisher
 sending `--event-rate` event messages per second of `--event-keys` keys, and `churn`, an instance
 holding `--pages` pages in L1. After a quiet window (`--quiet-s`), `--rounds` rounds of:
 `churn` resynchronised (a gap: its 100 K entries swept and its snapshot stored, `replace`), a pool
@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from bench._pool_cli import add_report_args, check_out, emit_report
-from bench.index import _line, _loadavg, _stop, _worker
-from l3pool.cli import guarded, nonneg_float, positive_float, positive_int
+from bench.index import loadavg, read_line, start_worker, stop_worker
+from l3pool.cliutil import guarded, nonneg_float, positive_float, positive_int
 from l3pool.pool.kv_events import SourceInfo
 
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     add_report_args(p)
     args = p.parse_args(argv)
     check_out(args)
-    load_start = _loadavg()
+    load_start = loadavg()
     from l3pool.index.service import IndexService
     from l3pool.index.table import GlobalIndex
 
@@ -100,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     ops: dict[str, list[float]] = {"resync": [], "pool_clear": [], "leave": [], "join": []}
     with tempfile.TemporaryDirectory(prefix="bench-index-svc-") as tmp:
         work = Path(tmp)
-        load = _worker("events", {"instance": "load", "rate": args.event_rate, "keys": args.event_keys}, work)
-        churn = _worker("churn", {"instance": "churn", "pages": per}, work)
+        load = start_worker("events", {"instance": "load", "rate": args.event_rate, "keys": args.event_keys}, work)
+        churn = start_worker("churn", {"instance": "churn", "pages": per}, work)
         try:
             srcs = {
-                "load": SourceInfo.from_json(_line(load, 60)),
-                "churn": SourceInfo.from_json(_line(churn, 60)),
+                "load": SourceInfo.from_json(read_line(load, 60)),
+                "churn": SourceInfo.from_json(read_line(churn, 60)),
             }
             with IndexService(gi, age_s=args.age_s) as svc:
                 svc.set_sources(srcs)
@@ -147,14 +147,14 @@ def main(argv: list[str] | None = None) -> int:
                 during = list(svc._lag)
                 st = svc.status()
         finally:
-            _stop(load)
-            _stop(churn)
+            stop_worker(load)
+            stop_worker(churn)
     lr = st["instances"]["load"]
     report = {
         "bench": "index_service",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "loadavg_start": load_start,
-        "loadavg_end": _loadavg(),
+        "loadavg_end": loadavg(),
         "instances": args.instances,
         "pages": per,
         "entries": st["index"]["entries"],

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from l2core.spec import ConfigError, KVSpec
-from l3pool.demo.interference import Traffic
+from l3pool.demo import Traffic
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -98,7 +98,7 @@ def _child_steps(
     """In the child: the step function of `kind` ("plain" DMAs or an engine "load") and its close."""
     from l2core.pool import HostKVPool, L2Config
     from l2core.transfer import TransferEngine
-    from l3pool.demo.model import l1_buffers
+    from l3pool.demo import l1_buffers
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -211,7 +211,7 @@ def host_cost(inst: Any, tokens: int, steps: int = 20) -> dict[str, Any]:
     """What one load and one backup of `tokens` cost the host with nothing else running: wall ms
     per job, and the CPU ms the engine's worker thread spent on it (a thread busy for most of the
     wall time is host-bound: driver calls, not bytes, set its pace)."""
-    from l3pool.demo.interference import EngineTraffic
+    from l3pool.demo import EngineTraffic
 
     out: dict[str, Any] = {}
     for d in ("load", "backup"):
@@ -244,18 +244,19 @@ def run(
     paced_GBps: float | None = None,
     with_host_cost: bool = False,
 ) -> dict[str, Any]:
-    from l3pool.demo import deterministic_cuda
-    from l3pool.demo.engine import PrefillInstance
-    from l3pool.demo.hf import HFConfig, HFModel
-    from l3pool.demo.interference import (
+    from l3pool.demo import (  # what the demo exports to the benchmarks (l3pool/demo/__init__.py)
         GBPS_DIGITS,
         EngineTraffic,
+        HFConfig,
+        HFModel,
         PlainTraffic,
+        PrefillInstance,
+        deterministic_cuda,
+        med_spread,
         paced_traffic,
         paired_slowdown,
         rotation,
     )
-    from l3pool.demo.timing import med_spread
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":

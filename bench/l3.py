@@ -46,10 +46,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
-from bench._transfer_report import _loadavg
+from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report, loadavg_1m
 from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.cli import guarded
+from l3pool.cliutil import guarded
 from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import spread
 from l3pool.pool.client import L3Client
@@ -63,7 +62,7 @@ MODELS = {"mla": lambda: KVSpec.mla(78), "mha": lambda: KVSpec.mha(32, 8, 128)}
 POISON = 0xA5  # written over every destination page right before the get it checks
 
 
-def _fill(pool: HostKVPool, seed: int) -> None:
+def fill(pool: HostKVPool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     w = pool.buffer.view(torch.int64)
     w.copy_(torch.randint(-(2**62), 2**62, (w.numel(),), generator=g))
@@ -144,7 +143,7 @@ def bench_model(
     spec = MODELS[model]()
     n = args.pages
     pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=2 * n * spec.page_size, pin="never"))
-    _fill(pool, 1)
+    fill(pool, 1)
     src, dst = pool.alloc(n), pool.alloc(n)
     want = pool.read_pages(src)
     ns = Namespace.for_pool(spec, layout, "bench-l3", tenant=uuid.uuid4().hex)
@@ -297,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name} must be >= 1")
     check_out(args)
     sglang = sglang_status(args)
-    load_start = _loadavg()
+    load_start = loadavg_1m()
     rows = []
     for model in args.models.split(","):
         for layout in args.layouts.split(","):
@@ -320,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "note": args.note,
         # other work on the machine skews the numbers (shared 2-core boxes especially): 1-min load
-        "loadavg_1m": {"start": load_start, "end": _loadavg()},
+        "loadavg_1m": {"start": load_start, "end": loadavg_1m()},
         "transport": "/".join(sorted({r["transport"] for r in rows})),  # what the stores were set up with
         "pool": "/".join(sorted({r["pool"] for r in rows})),  # external, netns/loopback (started), or running
         "raw_put_GBps": round(statistics.mean(r["raw_put_GBps"] for r in zc), 3),

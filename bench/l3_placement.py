@@ -30,11 +30,10 @@ from typing import Any
 
 import torch
 
-from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
-from bench._transfer_report import _loadavg
-from bench.l3 import _fill
+from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report, loadavg_1m
+from bench.l3 import fill
 from l2core import HostKVPool, KVSpec, L2Config
-from l3pool.cli import guarded
+from l3pool.cliutil import guarded
 from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import spread
 from l3pool.pool.store import MooncakeStore, Outcome, Placement
@@ -64,7 +63,7 @@ def variants(agents: list[str]) -> dict[str, Placement]:
 def run(store: MooncakeStore, agents: list[str], args: argparse.Namespace) -> dict[str, Any]:
     spec, n = KVSpec.mla(78), args.pages
     pool = HostKVPool(L2Config(kv=spec, layout="page_first_direct", tokens=(n + 1) * spec.page_size, pin="never"))
-    _fill(pool, 7)
+    fill(pool, 7)
     store.register(pool.buffer.data_ptr(), pool.buffer.numel())
     pages = pool.alloc(n + 1)
     addrs, sizes = pool.page_runs(pages[:n])
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     check_out(args)
-    load_start = _loadavg()
+    load_start = loadavg_1m()
     with pool_endpoints(args.master, args.metadata, args.host, segment_size=args.segment_size,
                         state_dir=args.state_dir) as ep:  # fmt: skip
         store = ep.store()
@@ -143,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "bench.l3_placement",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "note": args.note,
-        "loadavg_1m": {"start": load_start, "end": _loadavg()},
+        "loadavg_1m": {"start": load_start, "end": loadavg_1m()},
         "pool": ep.mode,
         **result,
     }

@@ -40,7 +40,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from l3pool.demo.hf import PREFIX_METHODS
+from l3pool.demo import PREFIX_METHODS
 
 MODES = ("default", "deterministic")
 TARGET = 1.1  # engine_C / hf_one_forward, same kernel mode
@@ -60,9 +60,7 @@ def measure(
     import numpy as np
     import torch
 
-    from l3pool.demo import deterministic_cuda
-    from l3pool.demo.hf import HFConfig, HFModel
-    from l3pool.demo.timing import med_spread
+    from l3pool.demo import HFConfig, HFModel, deterministic_cuda, med_spread
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if mode == "deterministic":
@@ -138,8 +136,7 @@ def attention_probe(m: Any, tokens: int, chunk: int, tries: int) -> dict[str, An
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    from l3pool.demo.hf import prefix_causal_attention
-    from l3pool.demo.timing import med_spread
+    from l3pool.demo import med_spread, prefix_causal_attention
 
     a = m.hf.config
     heads = a.num_attention_heads
@@ -287,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if not methods or any(m not in PREFIX_METHODS for m in methods):
         ap.error(f"--methods: choose from {', '.join(PREFIX_METHODS)}, got {a.methods!r}")
     from l2core.spec import ConfigError
-    from l3pool.demo.hf import HFConfig
+    from l3pool.demo import HFConfig
 
     try:
         for C in chunks:  # a bad shape or chunk fails here, before any subprocess

@@ -42,7 +42,7 @@ from typing import Any
 
 from bench._pool_cli import add_report_args, check_out, emit_report
 from bench._ranks import reported, run_ranks
-from l3pool.cli import UserError
+from l3pool.cliutil import UserError
 
 CPU_LABEL = "CPU (gloo over loopback): correctness and pipeline check, NOT the target measurement (2 GPUs, NCCL)"
 
@@ -263,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                 "--device cpu runs the CPU check (gloo), not the target measurement"
             )
     check_out(args)
-    from l2core import _native
+    from l2core import load_native
     from l2core.split_read import SPLIT_MIN_RANK_BYTES
 
-    _native.load()  # build once, before the ranks start (they load the cached build)
+    load_native()  # build once, before the ranks start (they load the cached build)
     rows = run(args)
     cross = next((r["tokens"] for r in sorted(rows, key=lambda r: r["tokens"]) if r["ratio"] < 1), None)
     report = {
@@ -302,6 +302,6 @@ def _gpu_names() -> list[str]:
 
 
 if __name__ == "__main__":
-    from l3pool.cli import guarded
+    from l3pool.cliutil import guarded
 
     sys.exit(guarded("python -m bench.split_read", main))

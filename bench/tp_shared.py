@@ -39,7 +39,7 @@ import numpy as np
 
 from bench._pool_cli import add_report_args, check_out, emit_report
 from bench._ranks import CTX, reported, run_ranks
-from l3pool.cli import UserError
+from l3pool.cliutil import UserError
 
 VARIANTS = ("shared", "per_rank", "per_rank_x")
 
@@ -231,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             p.error("--device cuda: torch sees no GPU")
     check_out(args)
-    from l2core import _native
+    from l2core import load_native
 
-    _native.load()  # build once, before the ranks start (they load the cached build)
+    load_native()  # build once, before the ranks start (they load the cached build)
     rows: list[dict[str, Any]] = []
     for tp in tps:
         rows += rows_of(tp, run_tp(args, tp), args)
@@ -258,6 +258,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from l3pool.cli import guarded
+    from l3pool.cliutil import guarded
 
     sys.exit(guarded("python -m bench.tp_shared", main))

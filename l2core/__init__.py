@@ -28,7 +28,23 @@ _EXPORTS = {
     "parse_size": "units",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "load_native", "native_has_cuda"])
+
+
+def load_native() -> None:
+    """Build the native kernels (a JIT build on the first use on this host, ~30 s; cached on disk)
+    and load them now: for a caller that wants the build done before it times anything or starts
+    processes that load the cached build (the benchmarks). NativeBuildError when it fails."""
+    from l2core import _native
+
+    _native.load()
+
+
+def native_has_cuda() -> bool:
+    """Whether the native kernels (loaded first, as load_native) were built with CUDA."""
+    from l2core import _native
+
+    return _native.has_cuda()
 
 
 def __getattr__(name: str) -> Any:

@@ -305,7 +305,7 @@ class Agent:
 
 
 def _fail(code: int, message: str, hint: str | None = None) -> int:
-    from l3pool.cli import fail
+    from l3pool.cliutil import fail
 
     return fail("l3pool agent", message, hint, code=code)
 
@@ -347,7 +347,7 @@ def run_agent(args: argparse.Namespace, stop: threading.Event | None = None) -> 
         except EtcdAuthError as e:  # etcd answered and refused us: bad credentials, a config error (2)
             return _fail(2, str(e))
         except ConnectionError as e:  # a dependency unreachable: exit 1, as in every command
-            from l3pool.cli import MASTER_HINT, etcd_hint
+            from l3pool.cliutil import MASTER_HINT, etcd_hint
 
             msg = str(e)
             hint = (etcd_hint(from_env=False) if msg.startswith("etcd") else MASTER_HINT if "mooncake master" in msg

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from l2core.units import format_size
-from l3pool.cli import fail, positive_float, positive_int, segment_size
+from l3pool.cliutil import fail, positive_float, positive_int, segment_size
 from l3pool.cluster.local import (
     DEFAULT_NAME,
     DEFAULT_SUBNET,

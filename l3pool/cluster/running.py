@@ -75,7 +75,7 @@ def add_pool_flags(
     `pool_endpoints` takes them: --master/--metadata/--host of a running pool (--etcd where the
     caller reads etcd, with its own help), else the running local cluster (--state-dir), else one
     started here (--segment-size per agent, when the caller gives a default)."""
-    from l3pool.cli import segment_size as segment_size_type
+    from l3pool.cliutil import segment_size as segment_size_type
 
     p.add_argument("--master", help="mooncake_master host:port of a running pool (default: the running local "
                    "cluster, else one started here)")  # fmt: skip
@@ -95,7 +95,7 @@ def add_pool_flags(
 def recorded_pool(state_dir: str | Path | None, need: str) -> dict[str, Any]:
     """The endpoints of the local cluster `l3pool cluster up` left running (in `state_dir`, default
     its dir), for a tool given no --etcd (`inspect`, `purge`); UserError naming the dir otherwise."""
-    from l3pool.cli import UserError
+    from l3pool.cliutil import UserError
 
     where = Path(state_dir) if state_dir else default_state_dir()
     state = running_cluster(where)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -28,6 +29,38 @@ if TYPE_CHECKING:
     from l3pool.cluster.running import Endpoints
 
 log = logging.getLogger(__name__)
+
+# What the demo lends the benchmarks (bench/ measures its reference engine, model, traffic and
+# workload): its public names, by the module that defines them, imported on first use so that
+# loading the `l3pool demo` command stays torch-free. Nothing else of the demo is theirs to import.
+_EXPORTS = {
+    "PrefillInstance": "engine",
+    "HFConfig": "hf",
+    "HFModel": "hf",
+    "PREFIX_METHODS": "hf",
+    "prefix_causal_attention": "hf",
+    "EngineTraffic": "interference",
+    "GBPS_DIGITS": "interference",
+    "PlainTraffic": "interference",
+    "Traffic": "interference",
+    "paced_traffic": "interference",
+    "paired_slowdown": "interference",
+    "rotation": "interference",
+    "l1_buffers": "model",
+    "med_spread": "timing",
+    "Request": "workload",
+    "WorkloadConfig": "workload",
+    "generate": "workload",
+}
+__all__ = sorted([*_EXPORTS, "add_parser", "deterministic_cuda"])
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+
 
 QUICK = {
     "sessions": 3, "turns": 3, "min_context": 512, "max_context": 1536, "cold": 2, "fit_points": 3, "repeats": 2,
@@ -50,7 +83,7 @@ REAL = {
 
 def add_parser(subparsers: Any) -> None:
     from l2core.names import LAYOUTS
-    from l3pool.cli import nonneg_int, positive_float, positive_int, segment_size
+    from l3pool.cliutil import nonneg_int, positive_float, positive_int, segment_size
 
     p = subparsers.add_parser(
         "demo",
@@ -227,7 +260,7 @@ def _endpoints(a: argparse.Namespace) -> Iterator[tuple[Endpoints, str]]:
 
 def _cmd(a: argparse.Namespace) -> int:
     from l2core.spec import ConfigError
-    from l3pool.cli import output_dir
+    from l3pool.cliutil import output_dir
     from l3pool.cluster.local import ClusterError
     from l3pool.pool.etcd import EtcdAuthError
     from l3pool.pool.store import StoreError, StoreUnavailable
@@ -241,7 +274,7 @@ def _cmd(a: argparse.Namespace) -> int:
         opts = _options(a)
         report = _run(a, opts)
     except (ConfigError, DemoError, ClusterError, StoreError, ValueError, EtcdAuthError) as e:
-        from l3pool.cli import MASTER_HINT, fail
+        from l3pool.cliutil import MASTER_HINT, fail
 
         if isinstance(e, (ClusterError, StoreError)):  # a dependency or the cluster failed: exit 1 (l3pool.cli)
             return fail("l3pool demo", str(e), MASTER_HINT if isinstance(e, StoreUnavailable) else None, code=1)

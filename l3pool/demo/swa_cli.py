@@ -42,7 +42,7 @@ def run_cli(a: argparse.Namespace, endpoints: Callable[[argparse.Namespace], Any
     import torch
 
     from l2core.spec import ConfigError
-    from l3pool.cli import fail
+    from l3pool.cliutil import fail
     from l3pool.demo.swa import run_swa, table
     from l3pool.pool.store import StoreError
 

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from l3pool.cli import UserError, positive_float, positive_int, require_prefill
+from l3pool.cliutil import UserError, positive_float, positive_int, require_prefill
 from l3pool.pool.etcd import add_security_args, security_from_args
 from l3pool.pool.metadata import DEFAULT_PREFIX
 
@@ -88,7 +88,7 @@ def run_index(args: argparse.Namespace) -> int:
         etcd = EtcdClient(endpoints, security=security_from_args(args))
     except ValueError as e:
         raise UserError(str(e)) from None
-    etcd.status()  # unreachable etcd: one line (cli.guarded's operational errors)
+    etcd.status()  # unreachable etcd: one line (cliutil.guarded's operational errors)
     index = GlobalIndex(args.capacity_pages, args.max_instances, args.l3_ttl)  # builds the native table
     try:
         svc = IndexService(index, metadata=Metadata(etcd, args.key_prefix), listen=args.listen, poll_s=args.poll,

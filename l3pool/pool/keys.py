@@ -172,7 +172,7 @@ def geometry_of(spec: KVSpec) -> dict[str, int]:
 def stage_namespaces(model: str, stages: int, page_bytes: int, *, tenant: str = "") -> list[Namespace]:
     """One namespace per pipeline stage s of an MLA model (layers [s, s + 1), bf16 pages of 64
     tokens in `page_first` layout, latent 512 + rope 64), `page_bytes` each: what the benchmarks
-    that move opaque pages through the pool's metadata path (bench/_locks.py, bench/_scale_client.py)
+    that move opaque pages through the pool's metadata path (bench/prefetch/_locks.py, bench/scale/_client.py)
     key their pages with. Torch-free."""
     return [
         Namespace(

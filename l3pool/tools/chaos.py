@@ -705,7 +705,7 @@ def render(rep: dict[str, Any]) -> str:
 
 
 def run_chaos(args: argparse.Namespace) -> int:
-    from l3pool.cli import UserError, fail
+    from l3pool.cliutil import UserError, fail
 
     names = [s.strip() for s in args.scenarios.split(",") if s.strip()] if args.scenarios else list(SCENARIOS)
     bad = [s for s in names if s not in _FUNCS]
@@ -735,7 +735,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_child"]:
-        from l3pool.cli import guarded
+        from l3pool.cliutil import guarded
 
         sys.exit(guarded("l3pool chaos child", lambda: _child_main(sys.argv[2:])))
     sys.exit("usage: l3pool chaos (python -m l3pool.tools.chaos _child is internal)")

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from l3pool.cli import UserError
+from l3pool.cliutil import UserError
 
 PROG = "l3pool check-config"
 

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from l2core.units import format_size
-from l3pool.cli import nonneg_float
+from l3pool.cliutil import nonneg_float
 from l3pool.pool.store import RPC_TIMEOUT_MS
 from l3pool.tools.deploy_config import (
     ADAPTER,
@@ -74,7 +74,7 @@ def check_adapter_configs(cfg: DeployConfig) -> list[str]:
     mistake shows here, not after SGLang loaded the weights. UserError listing the problems;
     returns the warnings, one line each, naming the node."""
     from l3pool.adapters.sglang_config import check_extra_config
-    from l3pool.cli import UserError
+    from l3pool.cliutil import UserError
 
     warnings = []
     for node in cfg.prefill:
@@ -489,13 +489,13 @@ def _cmd_render(args: argparse.Namespace) -> int:
     if not chosen:
         names = sorted({p.node for p in procs})
         hosts = sorted({p.host for p in procs})
-        from l3pool.cli import UserError
+        from l3pool.cliutil import UserError
 
         raise UserError(f"no node or host {args.node!r} in {args.config}",
                         f"nodes: {', '.join(names)}; hosts: {', '.join(hosts)}")  # fmt: skip
     firewall = {h: rules for h in dict.fromkeys(p.host for p in chosen) if (rules := firewall_rules(cfg, h))}
     if args.out:
-        from l3pool.cli import output_dir
+        from l3pool.cliutil import output_dir
 
         out = output_dir(args.out, "--out")
         groups = (

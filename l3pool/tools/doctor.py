@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Literal
 
 from l2core.units import ConfigError, parse_size
-from l3pool.cli import UserError, nonneg_int, positive_float
+from l3pool.cliutil import UserError, nonneg_int, positive_float
 from l3pool.pool.addr import split_host_port
 from l3pool.pool.etcd import (
     EtcdClient,

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from l2core.units import format_size
-from l3pool.cli import ETCD_HINT, UserError
+from l3pool.cliutil import ETCD_HINT, UserError
 from l3pool.pool.admin import AdminError, MasterAdmin
 from l3pool.pool.etcd import (
     EtcdClient,

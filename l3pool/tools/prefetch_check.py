@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from l2core.units import format_size
-from l3pool.cli import UserError, fail, guarded, output_file, positive_int
+from l3pool.cliutil import UserError, fail, guarded, output_file, positive_int
 from l3pool.cluster.running import Endpoints, add_pool_flags, pool_endpoints
 from l3pool.measure import percentile
 from l3pool.procenv import python_env

@@ -136,7 +136,7 @@ def purge(args: argparse.Namespace) -> dict[str, Any]:
         report["failed"] = [r["namespace"] for r in rows if r["removed"] is None]
         return report
     except EtcdError as e:
-        from l3pool.cli import ETCD_HINT
+        from l3pool.cliutil import ETCD_HINT
         from l3pool.pool.etcd import EtcdUnavailable
 
         raise PurgeError(str(e).splitlines()[0], hint=ETCD_HINT if isinstance(e, EtcdUnavailable) else None) from None
@@ -155,7 +155,7 @@ def _remove(rows: list[dict[str, Any]], master: str, args: argparse.Namespace) -
                 StoreConfig(master=master, metadata=args.metadata, local_hostname=args.host, tenant=tenant)
             )
         except StoreError as e:
-            from l3pool.cli import MASTER_HINT
+            from l3pool.cliutil import MASTER_HINT
 
             raise PurgeError(str(e).splitlines()[0], hint=MASTER_HINT) from None
         try:
@@ -223,7 +223,7 @@ def run_purge(args: argparse.Namespace) -> int:
             raise PurgeError(str(e), code=2) from None
         report = purge(args)
     except PurgeError as e:
-        from l3pool.cli import fail
+        from l3pool.cliutil import fail
 
         return fail("l3pool purge", str(e), e.hint, code=e.code)
     sys.stdout.write((json.dumps(report, indent=2) if args.json else render(report)) + "\n")

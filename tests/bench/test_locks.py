@@ -1,11 +1,11 @@
-"""bench._locks.lock_stats with known samples: percentiles, and ratios that compare one statistic
+"""bench.prefetch._locks.lock_stats with known samples: percentiles, and ratios that compare one statistic
 on both sides (paired per request), so an outlier in the raw floor cannot flatter the protocol."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench._locks import lock_stats
+from bench.prefetch._locks import lock_stats
 from l3pool.measure import percentile
 
 MS = 1e-3

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bench._ranks import reported, run_ranks
-from l3pool.cli import UserError
+from l3pool.cliutil import UserError
 
 
 def _rank(rank: int, q: Any, fail_rank: int, sleep_s: float) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import routing
-from bench._routing_sim import SHAPES, Cell, simulate
+from bench.routing._sim import SHAPES, Cell, simulate
 from l3pool.router import POLICIES, Router
 
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from bench import scale
-from bench._scale_client import Client, L2Ring, Trace, TraceSpec, calls_per_request, hex_keys
-from bench._scale_client import _namespaces as scale_namespaces
-from l3pool.cli import guarded
+from bench.scale._client import Client, L2Ring, Trace, TraceSpec, calls_per_request, hex_keys
+from bench.scale._client import _namespaces as scale_namespaces
+from l3pool.cliutil import guarded
 from l3pool.cluster.local import LocalCluster
 from l3pool.pool.pplock import StageLocks
 from l3pool.procenv import python_env

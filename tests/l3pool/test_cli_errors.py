@@ -421,8 +421,8 @@ def _run_here(argv: tuple[str, ...], cwd: Path, env: dict[str, str]) -> subproce
     a root logger without handlers (the command installs its own on stderr, as in a fresh process),
     stdout and stderr captured. SystemExit gives the exit code; an exception that escapes prints its
     traceback and exits 1, as the interpreter does. Not thread-safe (sys.stdout, the environment)."""
-    from l3pool import cli
-    from l3pool.cli import guarded
+    from l3pool import cliutil
+    from l3pool.cliutil import guarded
 
     target, *rest = argv
     if target == "l3pool":  # its __main__ runs the command when imported: named, not imported
@@ -441,7 +441,7 @@ def _run_here(argv: tuple[str, ...], cwd: Path, env: dict[str, str]) -> subproce
                 mp.setenv(k, v)
         mp.chdir(cwd)
         mp.setattr(sys, "argv", [argv0, *rest])
-        mp.setattr(cli, "_json_errors", cli._json_errors)  # set by main()/guarded(): restored after
+        mp.setattr(cliutil, "_json_errors", cliutil._json_errors)  # set by main()/guarded(): restored after
         for h in handlers:
             root.removeHandler(h)
         try:
@@ -711,7 +711,7 @@ def _guarded_child(body: str, reader_closed: bool) -> subprocess.CompletedProces
     `reader_closed` the reading end is closed first, as `l3pool ... | head` does once it has enough."""
     code = (
         "import os, sys\n"
-        "from l3pool.cli import guarded\n"
+        "from l3pool.cliutil import guarded\n"
         f"if {reader_closed}:\n"
         "    r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
         "def body():\n"
@@ -749,7 +749,7 @@ def test_accelerator_out_of_memory_is_one_line_with_a_hint() -> None:
 
 
 def test_output_file_checks_by_opening_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    from l3pool.cli import UserError, output_file
+    from l3pool.cliutil import UserError, output_file
 
     new = tmp_path / "sub" / "report.png"
     assert output_file(new, "--plot") == new and not new.exists() and new.parent.is_dir()  # checked, not left

@@ -512,7 +512,7 @@ def test_prefetch_check_leaves_nothing_in_the_pool(
 ) -> None:
     """The check runs against users' running pools: its test set is removed at the end, and what a
     writer stored before it failed is removed too (the error still reaches the user)."""
-    from l3pool.cli import UserError
+    from l3pool.cliutil import UserError
     from l3pool.tools import prefetch_check as pt
 
     for k, v in cluster.client_env().items():

@@ -139,7 +139,7 @@ def test_deploy_render_runs_the_check() -> None:
     already refuses a loopback node host or a malformed value, so the configs are changed after
     loading): a problem is one UserError naming the node, a warning a line naming it; and the
     check imports no torch (render runs on an operator's machine)."""
-    from l3pool.cli import UserError
+    from l3pool.cliutil import UserError
     from l3pool.tools.deploy import check_adapter_configs
     from l3pool.tools.deploy_config import load_config
 

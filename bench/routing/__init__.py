@@ -8,7 +8,7 @@
 
 Default (SIMULATED): every cell of the grid instances x sessions per instance x offered load x
 context range (K tokens, first turn - cap) x reuse, `--seeds` traces each, every policy on every
-trace, through bench._routing_sim: the real Router and policies in front of simulated instances
+trace, through bench.routing._sim: the real Router and policies in front of simulated instances
 (L1/L2 LRU per instance, an L3 pool written through, FIFO servers in virtual time, service times
 from a per-shape compute fit and tier bandwidths with noise; see that module). Nothing runs a
 model: the cells say what the decision rules do given calibrated service times, not what a GPU
@@ -30,20 +30,19 @@ and lists the cells where a baseline still wins, by name and ratio.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
-import io
 import itertools
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
 from bench._pool_cli import add_report_args, check_out, emit_report
-from bench._routing_sim import SHAPES, Cell, simulate
-from l3pool.cli import guarded
+from bench.routing._sim import SHAPES, Cell, simulate
+from l3pool.cliutil import guarded
 from l3pool.router import POLICIES
 
 METRICS = ("ttft_mean_s", "ttft_p90_s", "prefill_s")  # TTFT first: what the router is for
@@ -193,8 +192,9 @@ def demo_args(cell: Cell, seed: int, a: argparse.Namespace, policies: list[str],
 
 
 def run_real(cells: list[Cell], seeds: list[int], policies: list[str], a: argparse.Namespace) -> list[dict[str, Any]]:
-    from l3pool.cli import main as cli_main
+    from l3pool.procenv import python_env
 
+    env = python_env()  # the child finds this checkout's l3pool, as this process did
     out = []
     for cell in cells:
         samples: dict[str, list[dict[str, float]]] = {p: [] for p in policies}
@@ -203,12 +203,13 @@ def run_real(cells: list[Cell], seeds: list[int], policies: list[str], a: argpar
         reqs = 0
         for seed in seeds:
             with tempfile.TemporaryDirectory() as tmp:
-                buf = io.StringIO()
                 t0 = time.monotonic()
-                with contextlib.redirect_stdout(buf):
-                    rc = cli_main(demo_args(cell, seed, a, policies, tmp))
+                # `l3pool demo` as its user runs it (its stderr, progress and errors, passes through)
+                demo = subprocess.run([sys.executable, "-m", "l3pool", *demo_args(cell, seed, a, policies, tmp)],
+                                      stdout=subprocess.PIPE, text=True, env=env, check=False)  # fmt: skip
+                rc = demo.returncode
                 try:
-                    rep = json.loads(buf.getvalue())
+                    rep = json.loads(demo.stdout)
                 except json.JSONDecodeError:
                     raise SystemExit(
                         f"bench.routing: the demo for {cell.key} seed {seed} printed no report (rc {rc})"
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": dt.date.today().isoformat(),
             "mode": f"real: l3pool demo --model {a.model}"
             if a.real
-            else "simulated (bench._routing_sim)" + (", demo order" if a.demo_order else ""),
+            else "simulated (bench.routing._sim)" + (", demo order" if a.demo_order else ""),
             "shape": a.model if a.real else a.shape,
             "shape_source": None if a.real else SHAPES[a.shape].source,
             "grid": grid,
@@ -334,7 +335,3 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return guarded("bench.routing", body)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from l3pool.cli import UserError
+from l3pool.cliutil import UserError
 from l3pool.procenv import python_env
 
 
@@ -38,9 +38,9 @@ def available() -> str | None:
 
 def prepare() -> None:
     """Build or load the native extension the index table needs, here, before any row."""
-    from l2core import _native
+    from l2core import load_native
 
-    _native.load()
+    load_native()
 
 
 class IndexProcess:

@@ -25,7 +25,7 @@ keeps interrupt() within one ~100 ms batch. `prefetch_ratio` = raw time / prefet
 (medians); `prefetch_vs_batched_ratio` compares with raw_batched, i.e. the prefetcher's own
 overhead over Mooncake at the same call sizes (on TCP, Mooncake's per-call cost makes 64-page
 calls slower than one 512-page call). The PP-lock latencies come from
-`bench._locks.measure_lock_latencies` (4 stages x `--pages` pages), with the raw dependency floors
+`bench.prefetch._locks.measure_lock_latencies` (4 stages x `--pages` pages), with the raw dependency floors
 measured in the same run, interleaved: `raw_exists_*` (one `batch_is_exist` of the same 4 x pages
 keys), `raw_etcd_txn_*` (a put-if-absent txn), `raw_etcd_get_*`; `lock_acquire_vs_raw` = median
 over requests of acquire / (raw exists + raw txn) of the same request, `lock_acquire_p99_vs_raw` =
@@ -51,10 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
-from bench._transfer_report import _loadavg
+from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report, loadavg_1m
 from l2core import HostKVPool, L2Config
-from l3pool.cli import guarded
 from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import percentile
 from l3pool.pool.client import L3Client
@@ -235,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     check_out(args)
-    load_start = _loadavg()
+    load_start = loadavg_1m()
     ps = PrefixSet(8, 64, args.pages, args.requests, args.seed, uuid.uuid4().hex)
     # the given pool, the local cluster `l3pool cluster up` left running, or one started here
     with pool_endpoints(args.master, args.metadata, args.host, args.etcd, segment_size=args.segment_size,
@@ -251,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "note": args.note,
         # other work on the machine skews the numbers (shared 2-core boxes especially): 1-min load
-        "loadavg_1m": {"start": load_start, "end": _loadavg()},
+        "loadavg_1m": {"start": load_start, "end": loadavg_1m()},
         "transport": row.pop("transport"),  # the protocol the benchmark's store was set up with
         "mode": ep.mode,
         "writer_netns": writer.get("netns"),
@@ -286,7 +284,3 @@ def main(argv: list[str] | None = None) -> int:
     }
     emit_report(report, args)
     return 0 if report["correct"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(guarded("python -m bench.prefetch", main))

@@ -212,7 +212,7 @@ def _interference(t0: tuple[float, float, float] | None, wall_s: float) -> dict[
 
 def _git_state() -> dict[str, Any] | None:
     """The commit measured, and which files of l2core/ and of its kernels' sources (native/) differ from it."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the checkout: bench/transfer/_report.py
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
@@ -228,10 +228,3 @@ def _git_state() -> dict[str, Any] | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": head, "uncommitted_l2core_native": [line[3:] for line in dirty]}
-
-
-def _loadavg() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None

@@ -15,7 +15,7 @@ Then:
           process, subscribed to the clients' KV events and polling etcd for them and the members
   idle    `--idle-seconds` with no client: what the agents alone (and the index's polls) cost the
           master and etcd (pings, lease keep-alives): CPU s and request rates, the per-agent background
-  loaded  `--clients` simulated prefill clients (processes, `bench/_scale_client.py`) replay an
+  loaded  `--clients` simulated prefill clients (processes, `bench/scale/_client.py`) replay an
           agentic trace's metadata traffic open-loop at `--rate` requests/s each for `--seconds`:
           per request one index query, one lookup + PP lock (stage 0), joins, one put of small pages
           per stage, the request's KV events (its simulated L2 and its L3 writes), reports; plus each
@@ -65,14 +65,13 @@ from pathlib import Path
 from typing import Any
 
 from bench._pool_cli import add_report_args, check_out, emit_report
-from bench._scale_client import TraceSpec, calls_per_request
-from bench._scale_index import IndexProcess, available, prepare, row_fields
-from bench._scale_obs import plot, ran_on, rss_bytes, snapshot, window
-from l3pool.cli import (
+from bench.scale._client import TraceSpec, calls_per_request
+from bench.scale._index import IndexProcess, available, prepare, row_fields
+from bench.scale._obs import plot, ran_on, rss_bytes, snapshot, window
+from l3pool.cliutil import (
     ArgumentParser,
     Terminated,
     UserError,
-    guarded,
     nonneg_float,
     output_dir,
     positive_float,
@@ -85,8 +84,8 @@ from l3pool.pool.connection import mem_available
 from l3pool.procenv import python_env
 
 PROG = "python -m bench.scale"
-CLIENT_FILE = Path(__file__).with_name("_scale_client.py")
-# loads the client from its file: `python -m bench._scale_client` would run bench/__init__'s torch check
+CLIENT_FILE = Path(__file__).with_name("_client.py")
+# loads the client from its file: `python -m bench.scale._client` would run bench/__init__'s torch check
 _LOADER = (
     "import importlib.util as u, sys; s = u.spec_from_file_location('bench_scale_client', sys.argv[1]); "
     "m = u.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); sys.exit(m.main(sys.argv[2:]))"
@@ -97,7 +96,7 @@ SAMPLES = ("index_query", "lookup", "lock", "acquire", "join", "put", "release",
 
 
 def _terminate(signum: int, frame: object) -> None:
-    raise Terminated()  # cli.guarded reports it as "terminated (SIGTERM)", exit 143, after the unwinding
+    raise Terminated()  # cliutil.guarded reports it as "terminated (SIGTERM)", exit 143, after the unwinding
 
 
 def progress(msg: str) -> None:
@@ -571,9 +570,3 @@ def main(argv: list[str] | None = None) -> int:
         report["plots"] = plot(report["rows"], args.plot_dir)
     emit_report(report, args, summary(report))
     return 0 if report["correct"] else 1
-
-
-if __name__ == "__main__":
-    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C: clients, index and cluster are torn down
-    signal.signal(signal.SIGTERM, _terminate)
-    sys.exit(guarded(PROG, main))

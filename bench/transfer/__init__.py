@@ -66,14 +66,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench._pool_cli import loadavg_1m
 from l2core import LAYOUTS, HostKVPool, HostMemory, KVSpec, L2Config, ops
-from l3pool.cli import guarded, output_file
+from l3pool.cliutil import output_file
 
-from ._transfer_report import (
+from ._report import (
     _cpu_times,
     _git_state,
     _interference,
-    _loadavg,
     _rounded,
     device_description,
     evaluate_targets,
@@ -587,13 +587,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
-    load_start = _loadavg()
+    load_start = loadavg_1m()
     cpu_start = _cpu_times()
     device = torch.device(args.device)
     if device.type == "cuda":
-        from l2core import _native
+        from l2core import native_has_cuda
 
-        if not _native.has_cuda():
+        if not native_has_cuda():
             raise SystemExit("the l2core native extension was built without CUDA (no nvcc at build time?)")
         torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
         device = torch.device("cuda", torch.cuda.current_device())
@@ -625,7 +625,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if w["direction"] not in largest or w["bytes"] > largest[w["direction"]]["bytes"]:
             largest[w["direction"]] = w
     report: dict[str, Any] = {
-        "benchmark": "l2core transfer (bench/transfer.py)",
+        "benchmark": "l2core transfer (bench/transfer/)",
         "device": device_description(device, args.threads),
         "device_type": device.type,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -666,7 +666,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runtime_s": time.perf_counter() - t_start,
         "interference": _interference(cpu_start, time.perf_counter() - t_start),
         # other work on the machine skews the numbers (2-core CPU boxes especially): 1-min load
-        "loadavg_1m": {"start": load_start, "end": _loadavg()},
+        "loadavg_1m": {"start": load_start, "end": loadavg_1m()},
         "peak_rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
     }
     if device.type == "cuda":
@@ -706,7 +706,3 @@ def main(argv: Sequence[str] | None = None) -> int:
                   if v["correct"] is False}  # fmt: skip
         print(f"NOT CORRECT: {r['model']} {r['layout']} {r['direction']} {r['tokens']}: {errors}", file=sys.stderr)
     return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(guarded("python -m bench.transfer", main))

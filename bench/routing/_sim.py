@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from l3pool.demo.workload import Request, WorkloadConfig, generate
+from l3pool.demo import Request, WorkloadConfig, generate
 from l3pool.index.types import PrefixHits, TierPrefix
 from l3pool.pool.keys import page_hashes
 from l3pool.router import POLICIES, Policy, RoundRobin, Router

@@ -25,7 +25,7 @@ client   over the wire, as a router asks: the IndexService serves this table; a 
          `client_cpu_us_per_query` the client process's CPU per query (its I/O threads included),
          `service_cpu_us_per_query_with_ingestion` the service's (this process's CPU over the
          phase / queries: the concurrent event ingestion included, the same for any query path).
-churn    (bench/_index_churn.py) `--churn-rounds` rounds of one instance leaving, being resynchronised,
+churn    (bench/index/_churn.py) `--churn-rounds` rounds of one instance leaving, being resynchronised,
          and of L3 hint ageing and a pool clear, while another thread queries at `--churn-rate`
          per second: each operation's lock holds (`churn_lock_hold_max_ms`: the longest native
          call under the index's lock, what a query can wait behind) and the latency of the queries
@@ -58,13 +58,12 @@ from typing import Any
 import numpy as np
 
 from bench._pool_cli import add_report_args, check_out, emit_report
-from l3pool.cli import guarded
 from l3pool.measure import percentile
 from l3pool.pool.kv_events import SourceInfo
 from l3pool.procenv import python_env
 
 
-def _loadavg() -> list[float] | None:
+def loadavg() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
@@ -75,15 +74,15 @@ def _ms(xs: list[float], q: float) -> float:
     return round(percentile(xs, q) * 1e3, 4)
 
 
-WORKER_FILE = Path(__file__).with_name("_index_client.py")
-# loads the worker from its file: `python -m bench._index_client` would run bench/__init__'s torch check
+WORKER_FILE = Path(__file__).with_name("_client.py")
+# loads the worker from its file: `python -m bench.index._client` would run bench/__init__'s torch check
 _LOADER = (
     "import importlib.util as u, sys; s = u.spec_from_file_location('bench_index_client', sys.argv[1]); "
     "m = u.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); sys.exit(m.main(sys.argv[2:]))"
 )
 
 
-def _worker(role: str, cfg: dict[str, Any], work: Path) -> subprocess.Popen[str]:
+def start_worker(role: str, cfg: dict[str, Any], work: Path) -> subprocess.Popen[str]:
     path = work / f"{role}.json"
     path.write_text(json.dumps(cfg))
     return subprocess.Popen([sys.executable, "-c", _LOADER, str(WORKER_FILE), role, str(path)],
@@ -91,7 +90,7 @@ def _worker(role: str, cfg: dict[str, Any], work: Path) -> subprocess.Popen[str]
                             start_new_session=True)  # fmt: skip
 
 
-def _line(p: subprocess.Popen[str], timeout: float) -> str:
+def read_line(p: subprocess.Popen[str], timeout: float) -> str:
     assert p.stdout is not None
     ready, _, _ = select.select([p.stdout], [], [], timeout)
     line = p.stdout.readline() if ready else ""
@@ -100,7 +99,7 @@ def _line(p: subprocess.Popen[str], timeout: float) -> str:
     return line
 
 
-def _stop(p: subprocess.Popen[str]) -> None:
+def stop_worker(p: subprocess.Popen[str]) -> None:
     for f in (p.stdin, p.stdout):
         with contextlib.suppress(OSError):
             if f is not None:
@@ -129,23 +128,25 @@ def over_the_wire(gi: Any, reqs: list[np.ndarray], args: argparse.Namespace) -> 
         try:
             if args.event_rate > 0:  # the source takes the last instance's slot: answers stay 64 wide
                 gi.remove_instance(gi.instances()[-1])
-                events = _worker("events", {"instance": load, "rate": args.event_rate, "keys": args.event_keys}, work)
-                svc.set_sources({load: SourceInfo.from_json(_line(events, 60))})
+                events = start_worker(
+                    "events", {"instance": load, "rate": args.event_rate, "keys": args.event_keys}, work
+                )
+                svc.set_sources({load: SourceInfo.from_json(read_line(events, 60))})
                 if not svc.wait_live([load], timeout=30):
                     raise RuntimeError("the index did not synchronise the event source within 30 s")
             applied0 = svc.status()["instances"].get(load, {}).get("events", 0)
             t0, c0 = time.perf_counter(), time.process_time()
-            query = _worker("query", {"endpoint": svc.endpoint, "requests": str(work / "requests.npy"),
+            query = start_worker("query", {"endpoint": svc.endpoint, "requests": str(work / "requests.npy"),
                                       "rate": args.client_rate, "queries": args.client_queries,
                                       "rounds": args.client_rounds, "namespace": ""}, work)  # fmt: skip
             budget = 60 + args.client_rounds * (0.5 + args.client_queries / (args.client_rate or 1000) * 3)
-            res = json.loads(_line(query, budget))
+            res = json.loads(read_line(query, budget))
             wall, service_cpu = time.perf_counter() - t0, time.process_time() - c0
-            _stop(query)
+            stop_worker(query)
             applied = svc.status()["instances"].get(load, {}).get("events", 0) - applied0
         finally:
             if events is not None:
-                _stop(events)
+                stop_worker(events)
     rounds = [(_ms(x, 50), _ms(x, 99)) for x in res["rounds"]]
     p50, p99 = [r[0] for r in rounds], [r[1] for r in rounds]
     return {
@@ -210,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.pages < args.request_pages:
         p.error("--pages must be >= --request-pages")
     check_out(args)
-    load_start = _loadavg()
-    from bench._index_churn import churn
+    load_start = loadavg()
+    from bench.index._churn import churn
     from l3pool.index.table import GlobalIndex
     from l3pool.pool import kv_events as kv
 
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "correct": bool(
             ok and st["rejected"] == 0 and (wire is None or wire["client_correct"]) and (ch is None or ch["correct"])
         ),
-        "loadavg": {"start": load_start, "end": _loadavg()},
+        "loadavg": {"start": load_start, "end": loadavg()},
     }
     report["targets"] = {
         "ingest_pages_per_s>=5e6": report["ingest_pages_per_s"] >= 5e6,
@@ -364,7 +365,3 @@ def main(argv: list[str] | None = None) -> int:
     }
     emit_report(report, args)
     return 0 if report["correct"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(guarded("python -m bench.index", main))
