@@ -104,7 +104,7 @@ def test_keeps_the_newest_recent_ones_and_locked_ones_removes_the_rest(
 
     locker = Locker(locked)
     try:
-        with caplog.at_level(logging.INFO, logger=_native.__name__):
+        with caplog.at_level(logging.INFO, logger="l2core"):
             pruned = _native._prune_siblings(built, now=NOW)
         assert sorted(pruned) == sorted([fourth.name, idle.name])
         assert not fourth.exists() and not idle.exists()
@@ -193,7 +193,7 @@ def test_load_prunes_after_building_a_new_key_only(
     monkeypatch.setattr(_native, "_want_cuda", lambda: False)
     monkeypatch.setattr(_native, "_module", None)
     stale = _keyed(root, 1, 90.0)
-    with caplog.at_level(logging.INFO, logger=_native.__name__):
+    with caplog.at_level(logging.INFO, logger="l2core"):
         _native.load()
     built = _native.build_directory(cuda=False)
     assert built.parent == root and set(root.iterdir()) == {built}
