@@ -210,7 +210,8 @@ class KvIndex:
         if lib.kvx_new(cap, mi, ctypes.byref(h), ctypes.byref(err)):
             self._raise(err)
         self._h = h.value
-        self._info = np.zeros(8, np.int64)
+        self._info = np.zeros(8, np.int64)  # kvx_info's fields, written in place
+        self._info_at = _ptr(self._info)
         self.capacity, self.max_instances, self.slots = (int(v) for v in self._fields()[:3])
 
     def __del__(self) -> None:
@@ -223,7 +224,7 @@ class KvIndex:
         raise _KINDS.get(err.kind, RuntimeError)(err.message.decode(errors="replace"))
 
     def _fields(self) -> np.ndarray:
-        self._lib.kvx_info(self._h, _ptr(self._info))
+        self._lib.kvx_info(self._h, self._info_at)
         return self._info
 
     @property
