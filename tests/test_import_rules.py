@@ -61,6 +61,8 @@ NEVER: list[tuple[str, str, str]] = [
         for up in ("l3pool.agent", "l3pool.cli", "l3pool.demo", "l2core", "torch")
     ),
     ("l3pool.index", "l3pool.router", "the index never imports the router that queries it"),
+    ("l3pool.index", "torch", "the index host runs without torch (pip install 'l3pool[index]'), lazily too"),
+    ("l3pool.index", "l2core", "of l2core the index imports only the torch-free build cache (l2core._build)"),
     ("l3pool.tools", "l3pool.adapters", "operator tools never import engine integrations"),
     ("l3pool.cluster", "l3pool.adapters", "the local cluster never imports engine integrations"),
     ("l3pool.agent", "l3pool.adapters", "the decode-node agent never imports engine integrations"),
@@ -71,6 +73,7 @@ NEVER: list[tuple[str, str, str]] = [
 EXCEPT: dict[tuple[str, str], str] = {
     ("l3pool.__main__", "l3pool.cli"): "the entry point: `python -m l3pool` runs the command line",
     ("l3pool.cli", "l3pool.demo"): "the entry point loads the `l3pool demo` command by name (BY_NAME)",
+    ("l3pool.index", "l2core._build"): "the build cache its native table is built through: torch-free",
     ("l3pool.tools", "l3pool.adapters.sglang_config"): (
         "the SGLang extra-config schema that `deploy render` writes and `check-config` checks: plain "
         "config parsing, neither torch nor sglang (it is a TORCH_FREE_ROOT)"
@@ -111,8 +114,15 @@ TORCH_FREE_ROOTS = (
     "l3pool.pool.kv_events",
     "l3pool.pool.keys",
     "l3pool.cache.events",
+    "l3pool.index",
     "l3pool.index.client",
     "l3pool.index.cli",
+    "l3pool.index.service",
+    "l3pool.index.table",
+    "l3pool.index.native",
+    "l3pool.index.metrics",
+    "l3pool.index.guard",
+    "l2core._build",
     "l3pool.router",
     "l3pool.adapters.sglang_config",
     "l3pool.tools.check_config",
@@ -305,6 +315,9 @@ def _plant(tmp: Path, files: dict[str, str]) -> Path:
         ({"l3pool/tools/chaos.py": "from l3pool.demo.run import Demo\n"}, "the demo is an application"),
         ({"l3pool/cache/events.py": "from l3pool.index import table\n"}, "never imports the global index"),
         ({"l3pool/index/service.py": "from l3pool.cache.events import x\n"}, "stands beside the cache"),
+        ({"l3pool/index/table.py": "def f():\n    import torch\n"}, "the index host runs without torch"),
+        ({"l3pool/index/native.py": "from l2core import _native\n"}, "only the torch-free build cache"),
+        ({"l3pool/index/native.py": "def f():\n    from l2core.ops import x\n"}, "only the torch-free build cache"),
         ({"l3pool/router/policy.py": "from l3pool.cache import types\n"}, "the router imports l3pool.index"),
         ({"l3pool/router/policy.py": "def f():\n    import l2core.ops\n"}, "the router imports l3pool.index"),
         (

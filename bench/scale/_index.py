@@ -2,8 +2,9 @@
 are measured like the master's and etcd's), its status read through `IndexClient`, and its stop.
 
 `available()` says whether this tree and environment have the index (l3pool.index.service, pyzmq,
-msgpack) and why not; `bench.scale --index auto` runs it when they do. The native table (l2core's
-KvIndex) is built or loaded once in the benchmark's own process first, so no row pays a build.
+msgpack) and why not; `bench.scale --index auto` runs it when they do. The native table
+(l3pool/index/native.py) is built or loaded once in the benchmark's own process first, so no row
+pays a build.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ def available() -> str | None:
 
 
 def prepare() -> None:
-    """Build or load the native extension the index table needs, here, before any row."""
-    from l2core import load_native
+    """Build or load the index's native table (no torch), here, before any row."""
+    from l3pool.index import native
 
-    load_native()
+    native.load()
 
 
 class IndexProcess:

@@ -9,8 +9,9 @@ whatever the index does, a breaker that stops asking a hung index, and a fallbac
 answer (`PrefixHits.source`: "index" | "last_known" | "none", `.reason`) for the decision to
 record.
 
-The names load lazily: `IndexClient`, `GuardedIndex` and the types stay torch-free;
-`GlobalIndex` and `IndexService` load l2core's native table (torch) when first named.
+Nothing here needs torch: the table is a plain shared library (native.py, built at first use
+with the system C++ compiler), so a host with `pip install 'l3pool[index]'` serves the index. The
+names load lazily: `IndexClient`, `GuardedIndex` and the types never load the native table.
 """
 
 from __future__ import annotations

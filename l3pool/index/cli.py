@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from l3pool.cliutil import UserError, positive_float, positive_int, require_prefill
+from l3pool.cliutil import UserError, positive_float, positive_int
 from l3pool.pool.etcd import add_security_args, security_from_args
 from l3pool.pool.metadata import DEFAULT_PREFIX
 
@@ -68,7 +68,7 @@ def _status(args: argparse.Namespace) -> int:
 def run_index(args: argparse.Namespace) -> int:
     if args.status:
         return _status(args)
-    require_prefill()  # the table is l2core's native extension
+    from l2core._build import NativeBuildError
     from l3pool import metrics
     from l3pool.index.metrics import watch_index
     from l3pool.index.service import IndexService
@@ -89,7 +89,12 @@ def run_index(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     etcd.status()  # unreachable etcd: one line (cliutil.guarded's operational errors)
-    index = GlobalIndex(args.capacity_pages, args.max_instances, args.l3_ttl)  # builds the native table
+    try:
+        index = GlobalIndex(args.capacity_pages, args.max_instances, args.l3_ttl)  # builds the native table (no torch)
+    except NativeBuildError as e:
+        etcd.close()
+        raise UserError(str(e), "the index compiles its table at first start: it needs a C++ compiler (g++, or "
+                        "CXX naming one)") from None  # fmt: skip
     try:
         svc = IndexService(index, metadata=Metadata(etcd, args.key_prefix), listen=args.listen, poll_s=args.poll,
                            watch=args.watch, resync_s=args.resync)  # fmt: skip

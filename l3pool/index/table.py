@@ -1,4 +1,4 @@
-"""`GlobalIndex`: which instance holds which page in which tier, over l2core's native `KvIndex`.
+"""`GlobalIndex`: which instance holds which page in which tier, over the native `KvIndex` (native.py).
 
 One table for every instance: a 64-bit page key (the first 8 bytes of the page hash, xor'ed with
 a 64-bit salt of the namespace, so two models' equal token prefixes are two entries) maps to a
@@ -74,7 +74,7 @@ from typing import Any
 
 import numpy as np
 
-from l2core import _native
+from l3pool.index import native
 from l3pool.index.types import PrefixHits, TierPrefix
 from l3pool.pool.kv_events import TIER_NAMES, check_namespace, keys64, ops_error
 from l3pool.values import BadValue, int_in, number_at_least
@@ -121,7 +121,7 @@ class GlobalIndex:
         check_config(capacity_pages, max_instances, l3_ttl_s)
         checked("sweep_slots", int_in(1), sweep_slots)
         checked("apply_keys", int_in(1), apply_keys)
-        self.native: Any = _native.load().KvIndex(capacity_pages, max_instances)
+        self.native: Any = native.KvIndex(capacity_pages, max_instances)
         self.max_instances = max_instances  # slots handed out; the native masks round up to 64 bits
         self.l3_ttl_s, self._clock, self._t0 = float(l3_ttl_s), clock, clock()
         self.sweep_slots, self.apply_keys = sweep_slots, apply_keys

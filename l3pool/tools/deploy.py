@@ -12,7 +12,9 @@ optional numactl), `python -m sglang.launch_server` on every prefill node (PD pr
 with the `dynamic` storage backend loading `l3pool.adapters.sglang_hicache.L3PoolStorage`) and decode node
 (PD decode), and the PD router. `--node` takes a node name (a decode/prefill name, `etcd`,
 `master`, `router`) or a host IP (everything on that host). `--out DIR` writes `DIR/<node>.sh`,
-a start/stop/status script per node (what `deploy/launch.sh` runs).
+a start/stop/status script per node (what `deploy/launch.sh` runs), and the same processes as
+systemd units in `DIR/systemd/<node>/` (l3pool/tools/deploy_systemd.py: one service per process,
+restarted on failure, logging to the journal, and `l3pool-<node>.target`).
 
 `verify` reads the pool like `l3pool inspect` (etcd + the master's admin port) and checks that
 every configured decode node is a live member with the configured host, protocol, master and
@@ -37,6 +39,7 @@ from typing import Any
 from l2core.units import format_size
 from l3pool.cliutil import nonneg_float
 from l3pool.pool.store import RPC_TIMEOUT_MS
+from l3pool.tools import deploy_systemd
 from l3pool.tools.deploy_config import (
     ADAPTER,
     ADAPTER_KEYS,
@@ -505,8 +508,12 @@ def _cmd_render(args: argparse.Namespace) -> int:
             path = out / f"{name}.sh"
             path.write_text(script(cfg, name, group))
             path.chmod(0o755)
+            unit_dir = out / "systemd" / name  # the same processes as systemd units (deploy_systemd.py)
+            unit_dir.mkdir(parents=True, exist_ok=True)
+            for fname, text in deploy_systemd.units(name, group, cfg.path).items():
+                (unit_dir / fname).write_text(text)
             if not args.json:
-                print(f"wrote {path} ({', '.join(p.name for p in group)})")
+                print(f"wrote {path} ({', '.join(p.name for p in group)}) and its systemd units in {unit_dir}")
         for host, rules in firewall.items():
             path = out / f"firewall-{host}.sh"
             path.write_text("#!/bin/sh\nset -e\n" + "\n".join(rules) + "\n")

@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "l2core_kernels.h"
-#include "kv_index.h"
 #include "page_index.h"
 
 #ifdef L2CORE_WITH_CUDA
@@ -571,77 +570,6 @@ void bind_page_index(py::module_& m) {
       py::arg("keys"), py::arg("key_bytes") = 16);
 }
 
-void bind_kv_index(py::module_& m) {
-  using Ops = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
-  using Words = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
-  py::class_<KvIndex>(m, "KvIndex", "Global KV index: 64-bit page key -> per-tier instance masks + pool stamp")
-      .def(py::init<int64_t, int64_t>(), py::arg("capacity"), py::arg("max_instances") = 64)
-      .def_property_readonly("capacity", &KvIndex::capacity)
-      .def_property_readonly("max_instances", &KvIndex::max_instances)
-      .def_property_readonly("slots", &KvIndex::slots)
-      .def_property_readonly("size", &KvIndex::size)
-      .def_property_readonly("rejected", &KvIndex::rejected)
-      .def_property_readonly("pool_count", &KvIndex::pool_count)
-      .def(
-          "apply",
-          [](KvIndex& x, int64_t inst, const Ops& ops, const py::buffer& keys, uint64_t salt, uint64_t stamp) {
-            if (ops.ndim() != 2 || ops.shape(1) != 3) throw std::invalid_argument("ops must be an (n, 3) int64 array");
-            Keys k = keys_of_buffer(keys, 8, 0, -1);
-            const int64_t* o = ops.data();
-            const int64_t n_ops = ops.shape(0);
-            py::gil_scoped_release nogil;
-            return x.apply(inst, o, n_ops, k.ptr, k.n, salt, stamp);
-          },
-          py::arg("inst"), py::arg("ops"), py::arg("keys"), py::arg("salt") = 0, py::arg("stamp") = 1)
-      .def(
-          "clear_instance",
-          [](KvIndex& x, int64_t inst, int tier_mask, uint64_t begin, uint64_t end) {
-            py::gil_scoped_release nogil;
-            return x.clear_instance(inst, tier_mask, begin, end);
-          },
-          py::arg("inst"), py::arg("tier_mask") = 3, py::arg("begin") = 0, py::arg("end") = UINT64_MAX,
-          "Clear the instance's bits in slots [begin, end); returns its bits left in the table (those tiers)")
-      .def(
-          "expire_pool",
-          [](KvIndex& x, uint64_t min_stamp, uint64_t begin, uint64_t end) {
-            py::gil_scoped_release nogil;
-            return x.expire_pool(min_stamp, begin, end);
-          },
-          py::arg("min_stamp"), py::arg("begin") = 0, py::arg("end") = UINT64_MAX,
-          "Drop pool stamps < min_stamp in slots [begin, end); returns how many")
-      .def(
-          "query",
-          [](const KvIndex& x, const py::buffer& keys, uint64_t salt, uint64_t min_stamp, const Words& live) {
-            const int64_t M = x.max_instances();
-            if (live.size() != M / 64)
-              throw std::invalid_argument("live must hold " + std::to_string(M / 64) + " uint64 words");
-            Keys k = keys_of_buffer(keys, 8, 0, -1);
-            py::array_t<int32_t> l1(M), l2(M), l3(M);
-            int64_t pool;
-            {
-              py::gil_scoped_release nogil;
-              pool = x.query(k.ptr, k.n, salt, min_stamp, live.data(), l1.mutable_data(), l2.mutable_data(),
-                             l3.mutable_data());
-            }
-            return py::make_tuple(pool, l1, l2, l3);
-          },
-          py::arg("keys"), py::arg("salt"), py::arg("min_stamp"), py::arg("live"))
-      .def("counts",
-           [](const KvIndex& x) {
-             const int64_t M = x.max_instances();
-             py::array_t<int64_t> a({int64_t{2}, M});
-             std::memcpy(a.mutable_data(), x.counts(), static_cast<size_t>(2 * M) * 8);
-             return a;
-           })
-      .def("defer_erases", &KvIndex::defer_erases, py::arg("on"),
-           "on: apply() leaves the entries it empties in place and remembers their keys (erase_deferred)")
-      .def("erase_deferred", &KvIndex::erase_deferred, py::arg("n"),
-           "Erase the entries of up to n remembered keys still empty; returns how many")
-      .def_property_readonly("deferred", &KvIndex::deferred)
-      .def("nbytes", &KvIndex::nbytes)
-      .def("check", &KvIndex::check);
-}
-
 }  // namespace
 }  // namespace l2core
 
@@ -661,5 +589,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fence_acquire", [] { std::atomic_thread_fence(std::memory_order_acquire); },
         "Order this thread's earlier loads before its later loads/stores");
   l2core::bind_page_index(m);
-  l2core::bind_kv_index(m);
 }

@@ -104,7 +104,7 @@ def test_keeps_the_newest_recent_ones_and_locked_ones_removes_the_rest(
 
     locker = Locker(locked)
     try:
-        with caplog.at_level(logging.INFO, logger=_native.__name__):
+        with caplog.at_level(logging.INFO, logger="l2core"):
             pruned = _native._prune_siblings(built, now=NOW)
         assert sorted(pruned) == sorted([fourth.name, idle.name])
         assert not fourth.exists() and not idle.exists()
@@ -193,7 +193,7 @@ def test_load_prunes_after_building_a_new_key_only(
     monkeypatch.setattr(_native, "_want_cuda", lambda: False)
     monkeypatch.setattr(_native, "_module", None)
     stale = _keyed(root, 1, 90.0)
-    with caplog.at_level(logging.INFO, logger=_native.__name__):
+    with caplog.at_level(logging.INFO, logger="l2core"):
         _native.load()
     built = _native.build_directory(cuda=False)
     assert built.parent == root and set(root.iterdir()) == {built}
@@ -203,3 +203,25 @@ def test_load_prunes_after_building_a_new_key_only(
     monkeypatch.setattr(_native, "_module", None)
     _native.load()  # its module is there: a load, not a build
     assert stale.exists()
+
+
+def test_each_build_prunes_only_its_own_keyed_dirs(root: Path) -> None:
+    """The torch extension and the index's table (l3pool/index/native.py) share the cache root:
+    a prune after one's fresh build removes its own stale dirs, never the other's."""
+    from l2core import _build
+    from l3pool.index import native as index_native
+
+    def index_dir(n: int, days_ago: float) -> Path:
+        d = root / f"kvindex-{n:016x}"
+        (d / "src").mkdir(parents=True)
+        for name in (_build.FLOCK, index_native._SO):
+            (d / name).write_bytes(b"x")
+            os.utime(d / name, (NOW - days_ago * DAY, NOW - days_ago * DAY))
+        return d
+
+    torch_old = _keyed(root, 1, 90.0)
+    index_old, index_new = index_dir(2, 90.0), index_dir(3, 0.0)
+    assert _build.prune_siblings(index_new, index_native._KEYED_DIR, index_native._SO, now=NOW) == [index_old.name]
+    assert torch_old.exists() and index_new.exists() and not index_old.exists()
+    assert _native._prune_siblings(_keyed(root, 4, 0.0), now=NOW) == [torch_old.name]
+    assert index_new.exists()

@@ -277,3 +277,114 @@ def test_info_says_so_when_the_native_sources_are_missing(venv: Path, tmp_path: 
     assert r.stderr.startswith(f"{said}{site.resolve() / 'native'} (installed) nor "), r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "build").exists()
+
+
+# -- an index host: the wheel and the `index` extra alone, no torch -----------------------------------
+def _dist_packages(names: list[str]) -> set[Path]:
+    """The top-level files and dirs (with their .dist-info) of these distributions and of what they
+    require, as installed for this interpreter (requirements with a marker that is false here, or
+    that name an extra, left out)."""
+    from importlib.metadata import distribution
+
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pip vendors it
+        from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
+    out: set[Path] = set()
+    todo, seen = list(names), set()
+    while todo:
+        name = todo.pop()
+        if name.lower() in seen:
+            continue
+        seen.add(name.lower())
+        d = distribution(name)
+        base = Path(str(d.locate_file("")))
+        for f in d.files or []:
+            parts = Path(str(f)).parts  # relative to site-packages: its first part is a top-level name
+            if parts and parts[0] not in ("..", "__pycache__"):
+                out.add(base / parts[0])
+        for r in map(Requirement, d.requires or []):
+            if r.marker is None or r.marker.evaluate({"extra": ""}):
+                todo.append(r.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def index_venv(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv holding the wheel and only what `l3pool[index]` requires: those packages
+    symlinked from this interpreter's site-packages (nothing downloaded), no torch among them."""
+    meta = zipfile.ZipFile(next(dist.glob("l3pool-*.whl")))
+    text = next(meta.read(n).decode() for n in meta.namelist() if n.endswith(".dist-info/METADATA"))
+    reqs = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Requires-Dist:")]
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:
+        from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
+    wanted = [r.name for r in map(Requirement, reqs) if r.marker is None or r.marker.evaluate({"extra": "index"})]
+    assert "pyzmq" in wanted and "msgpack" in wanted and "torch" not in wanted, wanted
+    root = tmp_path_factory.mktemp("index-venv")
+    assert _run([sys.executable, "-m", "venv", "--without-pip", str(root)]).returncode == 0
+    py = root / "bin" / "python"
+    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    for p in _dist_packages(wanted):
+        (site / p.name).symlink_to(p)
+    wheel = next(dist.glob("l3pool-*.whl"))
+    r = _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index", str(wheel)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    return root
+
+
+INDEX_QUERY = """
+import json, sys, time
+import numpy as np
+from l3pool.cache.events import KvEventPublisher
+from l3pool.index.client import IndexClient
+from l3pool.pool.etcd import EtcdClient
+from l3pool.pool.metadata import Metadata
+etcd_ep, prefix, listen = sys.argv[1:]
+etcd = EtcdClient(etcd_ep)
+pub = KvEventPublisher("wheel-inst", "ns", heartbeat_s=0.2)
+pub.bind(lambda under_lock: (under_lock(), {"l1": np.arange(1, 8, dtype=np.uint64)})[1])
+pub.register(Metadata(etcd, prefix), ttl=5)
+with IndexClient(listen, timeout_s=1.0) as c:
+    for _ in range(300):
+        if c.status()["instances"].get("wheel-inst", {}).get("live"):
+            break
+        time.sleep(0.1)
+    hits = c.query(np.arange(1, 10, dtype=np.uint64), "ns")
+print(json.dumps({"l1": hits.of("wheel-inst").l1, "pages": hits.pages, "torch": "torch" in sys.modules}))
+pub.close()
+etcd.close()
+"""
+
+
+def test_an_index_host_needs_no_torch(index_venv: Path, tmp_path: Path) -> None:
+    """`l3pool index` from the installed wheel in a venv that has no torch: the table compiles from
+    the wheel's sources (a build dir of its own), an instance registers, a query answers it."""
+    from ..l3pool.conftest import free_port, run_etcd
+
+    env = _venv_env(index_venv, tmp_path / "build")
+    py, l3 = str(index_venv / "bin" / "python"), str(index_venv / "bin" / "l3pool")
+    r = _run([py, "-c", "import torch"], cwd=tmp_path, env=env)
+    assert r.returncode != 0 and "No module named 'torch'" in r.stderr, r.stderr
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    with run_etcd() as etcd:
+        cmd = [l3, "index", "--etcd", etcd.endpoints, "--key-prefix", "/wheel-idx", "--listen", listen,
+               "--capacity-pages", "10000", "--duration", "15", "--poll", "0.2", "--json"]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line, proc.communicate(timeout=30)[1][-3000:]
+            assert json.loads(line)["endpoint"] == listen
+            r = _run([py, "-c", INDEX_QUERY, etcd.endpoints, "/wheel-idx", listen], cwd=tmp_path, env=env, timeout=120)
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert json.loads(r.stdout.strip().splitlines()[-1]) == {"l1": 7, "pages": 9, "torch": False}
+            err = proc.communicate(timeout=30)[1]
+            assert proc.returncode == 0, err[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert [p.name for p in (tmp_path / "build").glob("kvindex-*/libl3pool_kvindex.so")], "not built from the wheel"
+    assert str(index_venv) in _run([py, "-c", "import l3pool; print(l3pool.__file__)"], cwd=tmp_path, env=env).stdout

@@ -1,7 +1,9 @@
-"""The index tests' etcd-backed pool metadata (one fixture for the service and watch tests)."""
+"""The index tests' fixtures: the native table (built once), the etcd-backed pool metadata (the service and
+watch tests)."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 
 import pytest
@@ -17,3 +19,14 @@ def md(etcd_server: EtcdServer, prefix: str) -> Iterator[Metadata]:
     yield Metadata(c, prefix)
     c.delete_prefix(prefix + "/")
     c.close()
+
+
+@pytest.fixture(scope="session")
+def index_native() -> ctypes.CDLL:
+    """The index's native table (l3pool/index/native.py: no torch), built (or loaded from the build
+    cache) once per test session."""
+    from l3pool.index import native
+
+    lib = native.load()
+    assert native.load() is lib  # cached, not rebuilt
+    return lib

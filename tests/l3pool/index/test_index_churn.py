@@ -15,7 +15,7 @@ import pytest
 from l3pool.index.table import GlobalIndex
 from l3pool.index.types import TierPrefix
 
-pytestmark = pytest.mark.usefixtures("native")
+pytestmark = pytest.mark.usefixtures("index_native")
 
 
 def ops(*triples: tuple[int, int, int]) -> np.ndarray:

@@ -161,7 +161,6 @@ def test_wrapped_op_counts_are_refused_by_the_decoder() -> None:
 
 _NATIVE_WRAP = """
 import numpy as np
-from l2core import _native
 from l3pool.index.table import GlobalIndex
 ops = np.array({ops}, dtype=np.int64).reshape(-1, 3)
 keys = np.ones(1, np.uint64)
@@ -190,7 +189,7 @@ def test_wrapped_op_counts_are_refused_by_the_table_and_the_native_call() -> Non
     assert lines[2] == "entries 0"
 
 
-@pytest.mark.usefixtures("native")
+@pytest.mark.usefixtures("index_native")
 def test_a_wrapping_message_from_a_registered_source_is_one_bad_message(index_proc: IndexProc) -> None:
     """Before: the `l3pool index` process died of SIGSEGV on this message."""
     after = _bad_message_leaves_the_rest_alone(index_proc, _event(index_proc.insts[0], WRAP_OPS, b"\1" * 8))
@@ -205,7 +204,7 @@ def test_an_op_integer_beyond_int64_is_a_wire_error(ops: list[int]) -> None:
         kv.decode_events(msg)
 
 
-@pytest.mark.usefixtures("native")
+@pytest.mark.usefixtures("index_native")
 def test_an_op_beyond_int64_touches_no_other_source(index_proc: IndexProc) -> None:
     """Before: OverflowError out of the decoder, the loop's catch-all resynchronised every source."""
     _bad_message_leaves_the_rest_alone(index_proc, _event(index_proc.insts[0], [0, 1, 1 << 63], b"\1" * 8))
@@ -224,7 +223,7 @@ def test_namespaces_are_bounded_on_the_wire_and_in_the_salt_cache() -> None:
         kv.decode_snapshot(kv.encode_snapshot("i", 1, 1, "x" * 300, {}))
 
 
-@pytest.mark.usefixtures("native")
+@pytest.mark.usefixtures("index_native")
 def test_the_salt_cache_keeps_the_last_namespaces_of_changes_and_none_of_queries() -> None:
     from l3pool.index.table import SALT_CACHE, GlobalIndex, salt
 
@@ -248,7 +247,7 @@ def test_the_salt_cache_keeps_the_last_namespaces_of_changes_and_none_of_queries
     assert gi.queries == queries and gi.stats()["namespaces_cached"] == SALT_CACHE
 
 
-@pytest.mark.usefixtures("native")
+@pytest.mark.usefixtures("index_native")
 def test_huge_namespaces_do_not_grow_the_index_process(index_proc: IndexProc) -> None:
     """Before: 64 queries naming a 1 MiB namespace each grew the process by 67 MiB (cached
     forever); now each is one refused request, nothing kept."""
@@ -267,7 +266,7 @@ def test_huge_namespaces_do_not_grow_the_index_process(index_proc: IndexProc) ->
     assert after["index"]["namespaces_cached"] == before["index"]["namespaces_cached"]
 
 
-@pytest.mark.usefixtures("native")
+@pytest.mark.usefixtures("index_native")
 def test_an_event_with_a_huge_namespace_is_one_bad_message(index_proc: IndexProc) -> None:
     a = index_proc.insts[0]
     after = _bad_message_leaves_the_rest_alone(index_proc, _event(a, [0, 1, 1], b"\1" * 8, ns="n" * (1 << 20)))
@@ -281,7 +280,7 @@ def test_a_non_finite_sent_at_is_a_wire_error(sent_at: float) -> None:
         kv.decode_events(msgpack.packb([1, "ev", "i", 1, 1, "", [], b"", sent_at]))
 
 
-@pytest.mark.usefixtures("native")
+@pytest.mark.usefixtures("index_native")
 def test_a_non_finite_sent_at_leaves_the_lag_statistics_finite(index_proc: IndexProc) -> None:
     """Before: the NaN was sampled and the event lag's p50 and p99 read NaN."""
     a = index_proc.insts[0]
@@ -339,7 +338,7 @@ def test_the_query_server_answers_one_request_of_each_connection_per_turn() -> N
     assert srv.requests == 3001 and srv.bad_frames == 0
 
 
-@pytest.mark.usefixtures("native")
+@pytest.mark.usefixtures("index_native")
 def test_pipelining_connections_do_not_hold_the_others(index_proc: IndexProc) -> None:
     """Four connections pipelining 3,000 status requests each, another client's queries meanwhile.
     Before: the queries waited for every buffered status answer (a turn of the server answered
@@ -370,7 +369,7 @@ def test_pipelining_connections_do_not_hold_the_others(index_proc: IndexProc) ->
     assert max(waits) < 0.15, [round(w * 1e3, 1) for w in waits]
 
 
-@pytest.mark.usefixtures("native")
+@pytest.mark.usefixtures("index_native")
 def test_a_closed_bad_frame_is_counted_in_status(index_proc: IndexProc) -> None:
     before = index_proc.status()
     port = int(index_proc.endpoint.rsplit(":", 1)[1])
@@ -395,7 +394,7 @@ def _stopped(pid: int) -> bool:
     return all(s in ("T", "t") for s in states)
 
 
-@pytest.mark.usefixtures("native")
+@pytest.mark.usefixtures("index_native")
 def test_a_routing_decision_takes_at_most_50_ms_with_the_index_stopped(index_proc: IndexProc) -> None:
     """The real `l3pool index` SIGSTOPped: a router asking through GuardedIndex decides within
     50 ms every time (before, through IndexClient: the client's whole timeout, 1 s by default),

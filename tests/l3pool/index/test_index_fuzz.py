@@ -23,7 +23,7 @@ from l3pool.index.service import IndexService
 from l3pool.index.table import GlobalIndex
 from l3pool.pool import kv_events as kv
 
-pytestmark = pytest.mark.usefixtures("native")
+pytestmark = pytest.mark.usefixtures("index_native")
 
 FUZZ = settings(
     max_examples=400, deadline=None, derandomize=True, database=None,

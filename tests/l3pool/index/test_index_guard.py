@@ -22,7 +22,7 @@ from l3pool.index.table import GlobalIndex
 from l3pool.index.types import PrefixHits, TierPrefix
 from l3pool.procenv import python_env
 
-pytestmark = pytest.mark.usefixtures("native")
+pytestmark = pytest.mark.usefixtures("index_native")
 KEYS = np.arange(1, 33, dtype=np.uint64)
 OTHER = np.arange(100, 110, dtype=np.uint64)
 

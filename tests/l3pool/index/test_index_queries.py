@@ -20,7 +20,7 @@ from l3pool.index.table import GlobalIndex
 from l3pool.index.types import TierPrefix
 from l3pool.pool import kv_events as kv
 
-pytestmark = pytest.mark.usefixtures("native")
+pytestmark = pytest.mark.usefixtures("index_native")
 KEYS = np.arange(1, 33, dtype=np.uint64)
 
 

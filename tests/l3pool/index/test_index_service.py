@@ -20,7 +20,7 @@ from l3pool.index.table import GlobalIndex
 from l3pool.index.types import TierPrefix
 from l3pool.pool import kv_events as kv
 
-pytestmark = pytest.mark.usefixtures("native")
+pytestmark = pytest.mark.usefixtures("index_native")
 
 
 def eventually(fn: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -10,7 +10,7 @@ import pytest
 from l3pool.index.table import GlobalIndex, IndexFull, salt
 from l3pool.index.types import TierPrefix
 
-pytestmark = pytest.mark.usefixtures("native")
+pytestmark = pytest.mark.usefixtures("index_native")
 
 
 def ops(*triples: tuple[int, int, int]) -> np.ndarray:

@@ -20,7 +20,7 @@ from l3pool.pool.metadata import Metadata
 
 from ..conftest import EtcdServer, free_ports, wait_for
 
-pytestmark = pytest.mark.usefixtures("native")
+pytestmark = pytest.mark.usefixtures("index_native")
 
 
 def test_the_watch_brings_sources_in_and_out_without_polling(md: Metadata) -> None:

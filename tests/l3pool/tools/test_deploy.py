@@ -320,7 +320,8 @@ def test_render_select_and_scripts(tmp_path: Path, capsys: pytest.CaptureFixture
     ]
     rc, out, _ = _cli(capsys, "render", str(EXAMPLE), "--out", str(tmp_path / "s"))
     assert rc == 0 and "wrote" in out
-    scripts = sorted(p.name for p in (tmp_path / "s").iterdir())
+    scripts = sorted(p.name for p in (tmp_path / "s").iterdir() if p.is_file())
+    assert (tmp_path / "s" / "systemd").is_dir()  # the units: test_deploy_systemd.py
     assert scripts == sorted(
         ["etcd.sh", "master.sh", "router.sh"]
         + [f"prefill-{i}.sh" for i in range(2)]
