@@ -11,8 +11,7 @@ import torch
 
 from l2core import KVSpec
 from l3pool.cache import L1, CacheConfig, LoadHandle, Match, build
-from l3pool.cache.index import hash64
-from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.keys import Namespace, hash_keys, page_hashes
 
 P = 4  # tokens per page
 LAYERS = 3
@@ -29,7 +28,7 @@ def chain(seed: int, pages: int, prefix: list[bytes] | None = None) -> list[byte
 
 def contents(hs: list[bytes]) -> torch.Tensor:
     """[layers, pages, P, 1, D] bf16 values derived from each page hash (integers < 256: exact)."""
-    base = np.asarray(hash64(hs), dtype=np.uint64) % np.uint64(1000003)
+    base = np.asarray(hash_keys(hs), dtype=np.uint64) % np.uint64(1000003)
     lay = np.arange(LAYERS)[:, None, None, None, None] * 7
     tok = np.arange(P)[None, None, :, None, None] * 13
     dim = np.arange(D)[None, None, None, None, :]
