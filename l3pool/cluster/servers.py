@@ -164,3 +164,10 @@ def master_argv(binary: str, f: MasterFlags) -> list[str]:
         argv += ["--enable_multi_tenants=true", "--tenant_quota_connector_type=file",
                  f"--tenant_quota_connector_uri={f.tenant_policy}"]  # fmt: skip
     return argv
+
+
+def master_flag_names() -> frozenset[str]:
+    """The name (no dashes) of every flag `master_argv` can write: what a config's extra master
+    arguments must not repeat (`l3pool deploy check`)."""
+    every = master_argv("mooncake_master", MasterFlags("h", 1, 2, 3, default_kv_lease_ttl="1", tenant_policy="p"))
+    return frozenset(a.lstrip("-").split("=", 1)[0] for a in every[1:] if a.startswith("--"))

@@ -39,6 +39,7 @@ from l3pool.cluster.servers import (
     EVICTION_RATIO,
     PUT_START_DISCARD_S,
     PUT_START_RELEASE_S,
+    master_flag_names,
 )
 from l3pool.pool.etcd import SECURITY_KEYS
 from l3pool.pool.metadata import DEFAULT_PREFIX
@@ -123,11 +124,7 @@ _SG_OWNED = ("--model-path", "--tp-size", "--tp", "--page-size", "--host", "--po
              "--enable-hierarchical-cache", "--hicache-mem-layout", "--hicache-io-backend", "--hicache-ratio",
              "--hicache-size", "--hicache-write-policy", "--hicache-storage-prefetch-policy",
              "--hicache-storage-backend", "--hicache-storage-backend-extra-config")  # fmt: skip
-_MASTER_OWNED = ("rpc_address", "rpc_port", "port", "enable_http_metadata_server", "http_metadata_server_host",
-                 "http_metadata_server_port", "metrics_host", "metrics_port", "client_ttl",
-                 "eviction_high_watermark_ratio", "eviction_ratio", "default_kv_lease_ttl",
-                 "put_start_discard_timeout_sec", "put_start_release_timeout_sec", "enable_multi_tenants",
-                 "tenant_quota_connector_type", "tenant_quota_connector_uri")  # fmt: skip
+_MASTER_OWNED = master_flag_names() | {"port"}  # what l3pool.cluster.servers.master_argv writes; port: rpc_port
 
 
 @dataclass(frozen=True)

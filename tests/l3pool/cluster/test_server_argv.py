@@ -11,6 +11,7 @@ from l3pool.cluster.servers import (
     MasterFlags,
     etcd_argv,
     master_argv,
+    master_flag_names,
     url,
 )
 
@@ -104,3 +105,12 @@ def test_the_tests_servers_run_the_product_command_lines(
     e = etcd_server
     flags = EtcdFlags(e.proc.cmd[2], str(e.data_dir), "127.0.0.1", e.client_port, e.peer_port)
     assert e.proc.cmd == etcd_argv(e.proc.cmd[0], flags)
+
+
+def test_master_flag_names_are_every_flag_it_writes() -> None:
+    assert master_flag_names() == {
+        "rpc_address", "rpc_port", "enable_http_metadata_server", "http_metadata_server_host",
+        "http_metadata_server_port", "metrics_host", "metrics_port", "client_ttl", "eviction_high_watermark_ratio",
+        "eviction_ratio", "put_start_discard_timeout_sec", "put_start_release_timeout_sec", "default_kv_lease_ttl",
+        "enable_multi_tenants", "tenant_quota_connector_type", "tenant_quota_connector_uri",
+    }  # fmt: skip
