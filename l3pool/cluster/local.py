@@ -344,6 +344,12 @@ class LocalCluster:
         # a killed writer's unfinished puts: their keys refused for `discard` s, their space freed
         # `release`..2 x `release` s after the put started (l3pool/README.md, "Puts tell the truth")
         self.put_discard_s, self.put_release_s = put_start_discard_timeout_sec, put_start_release_timeout_sec
+        if default_kv_lease_ttl is not None and (
+            not isinstance(default_kv_lease_ttl, str) or not default_kv_lease_ttl.strip()
+        ):
+            raise ClusterConfigError(
+                f"default_kv_lease_ttl must be None or a duration (2000, 2s), got {default_kv_lease_ttl!r}"
+            )
         self.default_kv_lease_ttl = default_kv_lease_ttl  # None: the master's own (10 s)
         self.state_dir = Path(state_dir or default_state_dir(name)).resolve()
         self.netns_mode, self.lease_ttl, self.client_ttl, self.name = netns, lease_ttl, client_ttl, name
