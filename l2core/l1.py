@@ -68,14 +68,16 @@ def slot_pages(slots: Index, page_size: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.where(ok, start // P, torch.full_like(start, -1)), ok
 
 
-def kv_stack(spec: KVSpec, slots: int, device: torch.device | str) -> torch.Tensor:
-    """One zeroed `[num_layers * num_kv, slots, heads, dim]` tensor of `spec`'s dtype on `device`.
+def kv_stack(spec: KVSpec, slots: int, device: torch.device | str, *, layers: int | None = None) -> torch.Tensor:
+    """One zeroed `[layers * num_kv, slots, heads, dim]` tensor of `spec`'s dtype on `device`
+    (`layers`: default `spec.num_layers`; fewer, such as a hybrid model's SWA layers, 0 for none).
     Read layer-major, its rows are the ops-order buffers (`kv_buffers`); read kv-major (K of every
     layer, then V: l2core.window's stacked form), `layer_views` gives them."""
     if not isinstance(spec, KVSpec):
         raise TypeError(f"spec must be an l2core KVSpec, got {type(spec).__name__}")
     n = check_int("slots", slots, 1, ValueError)
-    return torch.zeros(spec.num_layers * spec.num_kv, n, spec.heads, spec.dim, dtype=spec.torch_dtype, device=device)
+    L = spec.num_layers if layers is None else check_int("layers", layers, 0, ValueError)
+    return torch.zeros(L * spec.num_kv, n, spec.heads, spec.dim, dtype=spec.torch_dtype, device=device)
 
 
 def kv_buffers(spec: KVSpec, slots: int, device: torch.device | str) -> list[torch.Tensor]:

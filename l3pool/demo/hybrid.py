@@ -48,7 +48,7 @@ class HybridModel(RefModel):
 
     def new_swa(self, slots: int) -> torch.Tensor:
         """A zeroed stacked SWA KV `[N, slots, H, D]` for one request."""
-        return kv_stack(self.spec.ckpt_spec, slots, self.device)  # the SWA layers' spec (its page size unused)
+        return kv_stack(self.spec.kv, slots, self.device, layers=len(self.swa_layers))
 
     @torch.no_grad()
     def prefill_hybrid(

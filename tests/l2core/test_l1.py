@@ -104,7 +104,11 @@ def test_kv_stack_and_layer_views() -> None:
     HostLayout(spec, "layer_first", 2)  # the spec these buffers are for is a valid pool spec
     with pytest.raises(ValueError, match="5 stacked buffers do not split into 2 kv halves"):
         layer_views(st[:5], 2)
+    assert kv_stack(spec, 8, "cpu", layers=1).shape == (2, 8, 2, 8)  # a subset of the layers
+    assert kv_stack(spec, 8, "cpu", layers=0).shape == (0, 8, 2, 8)  # none (a model without SWA layers)
     with pytest.raises(ValueError, match="slots must be an integer >= 1, got 0"):
         kv_stack(spec, 0, "cpu")
+    with pytest.raises(ValueError, match="layers must be an integer >= 0, got -1"):
+        kv_stack(spec, 8, "cpu", layers=-1)
     with pytest.raises(TypeError, match="spec must be an l2core KVSpec, got dict"):
         kv_buffers({}, 8, "cpu")  # type: ignore[arg-type]
