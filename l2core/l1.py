@@ -14,6 +14,7 @@ arrive from an engine (which may not be whole aligned pages).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,11 +47,17 @@ def page_slots(pages: Index, page_size: int, *, device: torch.device | str | Non
     pages are on the CPU; the copy ops range-check the slots against the buffers either way."""
     P = check_int("page_size", page_size, 1, ValueError)
     p = _index(pages, "pages")
-    if p.device.type == "cpu" and p.numel() and int(p.min()) < 0:
-        raise ValueError(f"page ids must be >= 0, got {int(p.min())}")
+    if p.device.type == "cpu" and p.numel() and (lo := int(p.min())) < 0:
+        raise ValueError(f"page ids must be >= 0, got {lo}")
     if device is not None:
         p = p.to(device)
-    return (p[:, None] * P + torch.arange(P, dtype=torch.int64, device=p.device)[None, :]).reshape(-1)
+    return (p[:, None] * P + _offsets(P, p.device)).reshape(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _offsets(page_size: int, device: torch.device) -> torch.Tensor:
+    """`[1, page_size]` int64 0 .. page_size - 1 on `device` (made once per size and device; only read)."""
+    return torch.arange(page_size, dtype=torch.int64, device=device)[None, :]
 
 
 def slot_pages(slots: Index, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +71,7 @@ def slot_pages(slots: Index, page_size: int) -> tuple[torch.Tensor, torch.Tensor
     g = s.view(-1, P)
     start = g[:, 0]
     ok = (start >= 0) & (start % P == 0)
-    ok &= (g == start[:, None] + torch.arange(P, dtype=torch.int64, device=s.device)[None, :]).all(dim=1)
+    ok &= (g == start[:, None] + _offsets(P, s.device)).all(dim=1)
     return torch.where(ok, start // P, torch.full_like(start, -1)), ok
 
 

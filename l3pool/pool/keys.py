@@ -253,8 +253,9 @@ def split_hashes(buf: HashBuffer, hash_bytes: int = HASH_BYTES) -> list[bytes]:
 
 def hash_keys(hashes: Sequence[bytes] | HashBuffer, hash_bytes: int | None = None) -> np.ndarray:
     """The 64-bit key of each page hash (its first 8 bytes, little endian), as a contiguous uint64
-    array. `hashes`: a list of hashes, all one length (8, 16, ... bytes), or one buffer of hashes
-    of `hash_bytes` each (default HASH_BYTES; 8: a buffer of keys). ValueError for anything else."""
+    array. `hashes`: a list of hashes, all one length (8, 16, ... bytes; checked in O(1), so a mix
+    whose lengths add up to that of equal ones passes), or one buffer of hashes of `hash_bytes`
+    each (default HASH_BYTES; 8: a buffer of keys). ValueError for anything else."""
     if isinstance(hashes, (bytes, bytearray, memoryview)):
         n = HASH_BYTES if hash_bytes is None else hash_bytes
         buf = bytes(hashes)
@@ -267,9 +268,8 @@ def hash_keys(hashes: Sequence[bytes] | HashBuffer, hash_bytes: int | None = Non
             buf = b"".join(hashes)  # C speed: refuses what is not bytes-like
         except TypeError:
             raise ValueError("page hashes must be bytes") from None
-        lens = set(map(len, hashes))  # C speed too: no Python loop over the pages
-        n = lens.pop() if len(lens) == 1 else 0
-        if n < 8 or n % 8 or (hash_bytes is not None and n != hash_bytes):
+        n = len(hashes[0])  # lengths checked in O(1): the first one's, times the count, is the total
+        if n < 8 or n % 8 or len(buf) != n * len(hashes) or (hash_bytes is not None and n != hash_bytes):
             got = sorted(set(map(len, hashes)))
             raise ValueError(f"page hashes must all be {hash_bytes or '8, 16, ...'} bytes long, got lengths {got}")
     return np.ascontiguousarray(np.frombuffer(buf, dtype="<u8")[:: n // 8])
