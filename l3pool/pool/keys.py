@@ -259,6 +259,8 @@ def hash_keys(hashes: Sequence[bytes] | HashBuffer, hash_bytes: int | None = Non
     if isinstance(hashes, (bytes, bytearray, memoryview)):
         n = HASH_BYTES if hash_bytes is None else hash_bytes
         buf = bytes(hashes)
+        if n == 8 and len(buf) % 8:  # the KV events' and the index's wire form
+            raise ValueError(f"a key buffer of {len(buf)} bytes is not whole 8-byte keys")
         if n < 8 or n % 8 or len(buf) % n:
             raise ValueError(f"a hash buffer of {len(buf)} bytes is not whole {n}-byte hashes (8, 16, ... bytes)")
     else:

@@ -41,6 +41,7 @@ def test_hash_keys_agree_with_the_wire_keys_and_real_hashes() -> None:
         ([H1], {"hash_bytes": 8}, r"must all be 8 bytes long, got lengths \[16\]"),
         (H1 + b"x", {}, "a hash buffer of 17 bytes is not whole 16-byte hashes"),
         (b"x" * 12, {"hash_bytes": 12}, "not whole 12-byte hashes"),
+        (b"x" * 7, {"hash_bytes": 8}, "a key buffer of 7 bytes is not whole 8-byte keys"),
     ],
 )
 def test_hash_keys_refuses_bad_input(arg: object, kw: dict[str, int], match: str) -> None:
