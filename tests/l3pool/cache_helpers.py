@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from l2core import KVSpec
+from l2core.l1 import kv_buffers
 from l3pool.cache import L1, CacheConfig, LoadHandle, Match, build
 from l3pool.pool.keys import Namespace, hash_keys, page_hashes
 
@@ -49,7 +50,7 @@ class Engine:
         locks: object | None = None,
         **build_kw: Any,
     ) -> None:
-        self.bufs = [torch.zeros(l1_pages * P, 1, D, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        self.bufs = kv_buffers(SPEC, l1_pages * P, "cpu")
         ns = None if store is None else Namespace.for_pool(SPEC, layout, "cachetest", layers=layers, tenant=tenant)
         self.stack = build(
             L1(self.bufs, P), SPEC, l2_tokens=l2_pages * P, l2_layout=layout, pin="never", cache=cfg,
