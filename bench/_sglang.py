@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from l2core.l1 import page_slots
+
 MOONCAKE_STORE = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store"
 MLA_SRC = "srt/mem_cache/pool_host/mla.py"
 
@@ -115,5 +117,4 @@ class MLAHostPool:
 
     def slots(self, pages: Any) -> torch.Tensor:
         """SGLang's host_indices of these pages: page_size consecutive token slots per page."""
-        p = torch.as_tensor(pages, dtype=torch.int64)
-        return (p[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        return page_slots(pages, self.page_size)

@@ -48,6 +48,7 @@ import torch
 
 from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
 from l2core import HostKVPool, KVSpec
+from l2core.l1 import kv_buffers
 from l3pool.cache import L1, CacheConfig, TieredCache, build
 from l3pool.cliutil import guarded
 from l3pool.cluster.running import pool_endpoints
@@ -67,8 +68,7 @@ def _hashes(rng: np.random.Generator, pages: int, page_size: int, parent: bytes 
 def _setup(spec: KVSpec, l1_pages: int, l2_pages: int, dev: torch.device, cfg: CacheConfig, **l3: Any) -> Any:
     """Device buffers of `l1_pages` and the cache stack over them (l3pool.cache.build; `l3`: its
     store/namespace/batch_pages for an L3 tier)."""
-    bufs = [torch.zeros(l1_pages * spec.page_size, spec.heads, spec.dim, dtype=spec.torch_dtype, device=dev)
-            for _ in range(spec.num_layers * spec.num_kv)]  # fmt: skip
+    bufs = kv_buffers(spec, l1_pages * spec.page_size, dev)
     pin = "auto" if dev.type == "cuda" else "never"
     stack = build(L1(bufs, spec.page_size), spec, l2_tokens=l2_pages * spec.page_size, pin=pin, cache=cfg, **l3)
     return bufs, stack

@@ -101,9 +101,9 @@ def _child_steps(
     spec: KVSpec, tokens: int, kind: str, layout: str, engine: dict[str, Any]
 ) -> tuple[Callable[[], int], Callable[[], None]]:
     """In the child: the step function of `kind` ("plain" DMAs or an engine "load") and its close."""
+    from l2core.l1 import kv_buffers
     from l2core.pool import HostKVPool, L2Config
     from l2core.transfer import TransferEngine
-    from l3pool.demo import l1_buffers
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -126,7 +126,7 @@ def _child_steps(
 
         return plain, lambda: None
     pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=n * spec.page_size))  # type: ignore[arg-type]
-    eng = TransferEngine(pool, l1_buffers(spec, n * spec.page_size, dev), **engine)
+    eng = TransferEngine(pool, kv_buffers(spec, n * spec.page_size, dev), **engine)
     slots = torch.arange(n * spec.page_size, dtype=torch.int64, device=dev)
     pages = np.arange(n, dtype=np.int64)
 

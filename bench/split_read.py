@@ -58,6 +58,7 @@ def _measure(args: argparse.Namespace, rank: int, store: str) -> list[dict[str, 
     import torch.distributed as dist
 
     from l2core import KVSpec
+    from l2core.l1 import kv_buffers
     from l2core.pool import HostKVPool, L2Config
     from l2core.split_read import SplitRead
     from l2core.transfer import TransferEngine
@@ -79,9 +80,8 @@ def _measure(args: argparse.Namespace, rank: int, store: str) -> list[dict[str, 
         pool = HostKVPool(L2Config(kv=spec, tokens=2 * max_pages * spec.page_size, layout=args.layout))
         gen = torch.Generator().manual_seed(args.seed)  # the same host bytes on every rank
         pool.buffer.copy_(torch.randint(0, 256, (pool.buffer.numel(),), generator=gen, dtype=torch.uint8))
-        shape = (max_pages * spec.page_size, 1, spec.dim)
-        whole_b = [torch.zeros(shape, dtype=spec.torch_dtype, device=dev) for _ in range(spec.num_layers)]
-        split_b = [torch.zeros(shape, dtype=spec.torch_dtype, device=dev) for _ in range(spec.num_layers)]
+        whole_b = kv_buffers(spec, max_pages * spec.page_size, dev)
+        split_b = kv_buffers(spec, max_pages * spec.page_size, dev)
         split = SplitRead(pg, min_rank_bytes=0)
         rows = []
         with TransferEngine(pool, whole_b) as whole, TransferEngine(pool, split_b, split=split) as sp:

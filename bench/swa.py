@@ -42,9 +42,10 @@ import torch
 from l2core import ops
 from l2core.devices import provider_for
 from l2core.groups import HybridSpec
+from l2core.l1 import kv_stack, layer_views, page_slots
 from l2core.layout import HostLayout
 from l2core.spec import KVSpec
-from l2core.window import gather_windows, layer_views, scatter_window
+from l2core.window import gather_windows, scatter_window
 
 P = 64
 
@@ -77,7 +78,7 @@ def bench_one(
     swa = torch.randn(N, total_pages * P, kv_heads, head_dim, generator=g).to(torch.bfloat16).to(dev)
     table = np.random.default_rng(0).permutation(total_pages)[:req_pages].astype(np.int64)
     positions = np.arange(1, n_ck + 1, dtype=np.int64) * w  # windows [p - w, p): disjoint, all pages
-    ckpt = torch.empty(N, n_ck * window, kv_heads, head_dim, dtype=torch.bfloat16, device=dev)
+    ckpt = kv_stack(cs, n_ck * window, dev)  # kv-major [N, C * W, H, D]
     ck_pages = np.arange(n_ck, dtype=np.int64)
     nbytes = N * tokens * kv_heads * head_dim * 2
     # raw: one contiguous copy of the same bytes, same device
@@ -104,7 +105,7 @@ def bench_one(
 
     # ckpt_to_host: per-layer views of the SWA buffer, the window slots, a host pool of checkpoints
     bufs = layer_views(swa, cs.num_kv)
-    slots = (torch.from_numpy(table)[:, None] * P + torch.arange(P)[None, :]).reshape(-1).to(dev)
+    slots = page_slots(table, P, device=dev)
     lay = HostLayout(cs, "page_first_direct", n_ck)
     host = torch.empty(lay.total_bytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
     hpages = torch.arange(n_ck, dtype=torch.int64)

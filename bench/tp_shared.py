@@ -65,6 +65,7 @@ def _variant(args: argparse.Namespace, tp: int, rank: int, group: str, variant: 
     import torch
 
     from l2core import KVSpec
+    from l2core.l1 import kv_buffers
     from l3pool.cache import L1, CacheConfig, build
     from l3pool.pool.keys import page_hashes
 
@@ -76,7 +77,7 @@ def _variant(args: argparse.Namespace, tp: int, rank: int, group: str, variant: 
     l2_pages = args.l2_pages // tp if variant == "per_rank" else args.l2_pages
     tp_kw: dict[str, Any] = {"tp_shared": True, "tp_group": group, "tp_rank": rank, "tp_size": tp} if shared else {}
     cfg = CacheConfig(l1_to_l2="write_through", l2_to_l3="write_through", ghost_capacity=0, **tp_kw)
-    bufs = [torch.zeros(args.l1_pages * P, 1, spec.dim, dtype=spec.torch_dtype, device=dev) for _ in range(args.layers)]
+    bufs = kv_buffers(spec, args.l1_pages * P, dev)
     stack = build(L1(bufs, P), spec, l2_tokens=l2_pages * P, cache=cfg, pin="auto")
     cache = stack.cache
     eng: Any = cache._engine

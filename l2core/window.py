@@ -5,7 +5,7 @@ Both sides are *stacked* tensors, so one call moves every SWA layer (no loop ove
     ckpt: `[N, C * W, H, D]`   C checkpoints of W tokens (the checkpoint cache's L1 staging)
 N = kv x layers, **kv-major** (K of every layer, then V of every layer; MLA: the latents): the
 memory of `swa` is then l2core's layer_first host layout of the SWA layers, and `layer_views`
-gives the per-layer buffers in l2core.ops order (K_0, V_0, K_1, ...).
+(`l2core.l1`) gives the per-layer buffers in l2core.ops order (K_0, V_0, K_1, ...).
 Windows are page-aligned (W and every saved position are page multiples), so the copy runs whole
 pages. On CPU it is one native l2core transfer (the multi-threaded page-run copy of full-attention
 pages: `ckpt` is the "device" side, `swa` the layer_first "host" side); elsewhere one gather + one
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import ops
+from .l1 import layer_views, page_slots
 from .layout import HostLayout
 from .spec import KVSpec
 
@@ -48,15 +49,6 @@ def _rows(t: torch.Tensor, page_size: int, what: str) -> torch.Tensor:
     if t.shape[1] % page_size:
         raise ValueError(f"{what} has {t.shape[1]} slots: not a multiple of page_size {page_size}")
     return t.view(t.shape[0], t.shape[1] // page_size, page_size * t.shape[2] * t.shape[3])
-
-
-def layer_views(stacked: torch.Tensor, num_kv: int) -> list[torch.Tensor]:
-    """Per-layer buffers of a kv-major stacked `[kv * L, slots, H, D]` tensor in l2core.ops order."""
-    n = stacked.shape[0]
-    if num_kv not in (1, 2) or n % num_kv:
-        raise ValueError(f"{n} stacked buffers do not split into {num_kv} kv halves")
-    L = n // num_kv
-    return [stacked[k * L + li] for li in range(L) for k in range(num_kv)]
 
 
 def _index(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -144,7 +136,7 @@ def _native_copy(
     layout = HostLayout(spec, "layer_first", swa.shape[1] // P)
     host = swa.reshape(-1).view(torch.uint8)
     bufs = layer_views(ckpt, spec.num_kv)
-    slots = (torch.from_numpy(dst)[:, None] * P + torch.arange(P)[None, :]).reshape(-1)
+    slots = page_slots(dst, P)
     pages = torch.from_numpy(np.ascontiguousarray(rows))
     if to_ckpt:
         ops.scatter_to_device(bufs, slots, host, pages, layout)

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from l3pool.pool.etcd import EtcdClient
-from l3pool.pool.keys import Namespace, stage_namespaces
+from l3pool.pool.keys import Namespace, hash_keys, split_hashes, stage_namespaces
 from l3pool.pool.metadata import Metadata
 from l3pool.pool.pplock import StageLocks
 from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
@@ -111,8 +111,8 @@ class Trace:
 
     def _fresh(self, s: int) -> None:
         raw = self.shared + self.rng.bytes(16 * (self.spec.max_pages - self.spec.prefix_pages))
-        self.hashes[s] = np.frombuffer(raw, dtype="V16").tolist()  # 16-byte page hashes (bytes)
-        self.k64[s] = np.frombuffer(raw, dtype="<u8")[::2].copy()  # the KV events' page keys (kv_events.keys64)
+        self.hashes[s] = split_hashes(raw)  # 16-byte page hashes (bytes)
+        self.k64[s] = hash_keys(raw)  # the KV events' page keys
         self.keys[s] = [hex_keys(f"{ns.ns_id}/", raw) for ns in self.nss]
         self.turn[s] = 0
 

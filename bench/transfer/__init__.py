@@ -68,6 +68,7 @@ from tqdm import tqdm
 
 from bench._pool_cli import loadavg_1m
 from l2core import LAYOUTS, HostKVPool, HostMemory, KVSpec, L2Config, ops
+from l2core.l1 import kv_stack, page_slots
 from l3pool.cliutil import output_file
 
 from ._report import (
@@ -163,8 +164,7 @@ def make_setup(
     # random distinct pages in random order (choice without replacement is a random permutation)
     dpages = rng.choice(dev_pages, size=n_pages, replace=False).astype(np.int64)
     hpages = rng.choice(host_pages, size=n_pages, replace=False).astype(np.int64)
-    slots_np = (dpages[:, None] * P + np.arange(P, dtype=np.int64)[None, :]).reshape(-1)
-    slots_cpu = torch.from_numpy(slots_np)
+    slots_cpu = page_slots(dpages, P)
     pages = torch.from_numpy(hpages)
     slots = slots_cpu
     if device.type == "cuda":
@@ -172,9 +172,7 @@ def make_setup(
             slots = slots_cpu.to(device)
         else:  # both pinned: every index copy inside the op is an async DMA
             slots, pages = slots_cpu.pin_memory(), pages.pin_memory()
-    dev = torch.empty(
-        (spec.num_layers * spec.num_kv, dev_pages * P, spec.heads, spec.dim), dtype=spec.torch_dtype, device=device
-    )
+    dev = kv_stack(spec, dev_pages * P, device)  # layer-major: its rows are the ops-order buffers
     _fill_pattern(dev, DEV_PATTERN_BASE)
     pin = "always" if device.type == "cuda" else "never"
     mem = HostMemory(host_pages * spec.page_bytes, numa_node=args.numa_node, pin=pin)  # type: ignore[arg-type]
@@ -263,7 +261,7 @@ def _host_tokens(s: Setup, pool: HostKVPool, lb: int, le: int) -> torch.Tensor:
     if name == "page_first_direct":  # [kv, pages, L, P, H, D]
         x = v[:, hp, lb:le].transpose(1, 2)  # [kv, l, n, P, H, D]
         return x.reshape(x.shape[0], le - lb, -1, *x.shape[4:])
-    hslots = (hp[:, None] * P + torch.arange(P)).reshape(-1)
+    hslots = page_slots(hp, P)
     if name == "layer_first":  # [kv, L, slots, H, D]
         return v[:, lb:le][:, :, hslots]
     return v[:, hslots, lb:le].transpose(1, 2)  # page_first: [kv, slots, L, H, D]

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
+from l2core.l1 import slot_pages
 from l2core.layout import LAYOUTS, LayoutName
 from l2core.memory import HostMemory
 from l2core.pool import HostKVPool, L2Config
@@ -273,19 +274,17 @@ class L3PoolStorage(HiCacheStorage):
         """(page ids, ok mask): page i must be `page_size` consecutive slots starting on a page boundary."""
         assert self.pool is not None
         P = self.pool.spec.page_size
-        idx = host_indices.detach().to("cpu", torch.int64).numpy().reshape(-1)
-        if idx.size != n * P:
-            raise ValueError(f"{n} keys need {n * P} host indices (page size {P}), got {idx.size}")
-        slots = idx.reshape(n, P)
-        starts = slots[:, 0]
-        ok = (starts % P == 0) & (starts >= 0) & (starts // P < self.pool.num_pages)
-        ok &= (slots == starts[:, None] + np.arange(P, dtype=np.int64)).all(axis=1)
+        idx = host_indices.detach().to("cpu", torch.int64).reshape(-1)
+        if idx.numel() != n * P:
+            raise ValueError(f"{n} keys need {n * P} host indices (page size {P}), got {idx.numel()}")
+        pages_t, ok_t = slot_pages(idx, P)
+        pages, ok = pages_t.numpy(), ok_t.numpy() & (pages_t.numpy() < self.pool.num_pages)
         bad = int(n - ok.sum())
         if bad:
             with self._stats_lock:
                 self.stats.bad_indices += bad
             log.error("%d of %d pages have host indices that are not one aligned page; failing them", bad, n)
-        return np.where(ok, starts // P, 0), ok
+        return np.where(ok, pages, 0), ok
 
     def _ready(self) -> bool:
         if self.pool is None:

@@ -15,7 +15,7 @@ from l2core import _native
 from l2core.spec import ConfigError
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.types import L1
-from l3pool.pool.keys import HASH_BYTES
+from l3pool.pool.keys import HASH_BYTES, hash_keys, join_hashes
 from l3pool.pool.prefetch import PrefetchHandle
 from l3pool.pool.protocols import HostPages, L3Pages, StageLockService, check_roles
 
@@ -71,16 +71,8 @@ def _join(hs: list[bytes]) -> bytes:
     """The request's page hashes as one buffer (what the native index takes), checked at C speed:
     16-byte hashes (one join checks types and lengths) and no hash twice (a chained hash never
     repeats within a request; a list that does is not one, and would map two pages to one hash)."""
-    if not hs:
-        return b""
-    try:
-        buf = b"".join(hs)
-        ok = isinstance(hs[0], bytes) and len(hs[0]) == HASH_BYTES and len(buf) == len(hs) * HASH_BYTES
-    except TypeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"page_hashes must be {HASH_BYTES}-byte hashes (l3pool.pool.keys.page_hashes)")
-    if not _native.load().keys_distinct(buf, HASH_BYTES):
+    buf = join_hashes(hs, check=True)
+    if buf and not _native.load().keys_distinct(buf, HASH_BYTES):
         raise ValueError("page_hashes repeat a hash: not a chain of page hashes (l3pool.pool.keys.page_hashes)")
     return buf
 
@@ -160,7 +152,7 @@ def _emit(ev: Any, tier: str, stored: bool, keys: Any, index: Any = None, ok: np
     if index is not None:
         k = index.key64_of(keys)
     else:
-        k = np.frombuffer(keys if isinstance(keys, bytes) else b"".join(keys), dtype="<u8")[:: HASH_BYTES // 8]
+        k = hash_keys(keys)
     if ok is not None:
         k = k[ok]
     if len(k):

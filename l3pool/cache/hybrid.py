@@ -48,9 +48,10 @@ import numpy as np
 import torch
 
 from l2core.groups import HybridSpec, checkpoint_hashes
+from l2core.l1 import kv_stack, layer_views
 from l2core.pool import PinMode
 from l2core.spec import ConfigError
-from l2core.window import gather_windows, layer_views, scatter_window
+from l2core.window import gather_windows, scatter_window
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.controller import TieredCache
 from l3pool.cache.stack import CacheStack, build
@@ -466,8 +467,7 @@ def build_hybrid(
         if spec.swa is not None:
             ks = spec.ckpt_spec
             dev = l1.bufs[0].device
-            buf = torch.zeros(ks.num_layers * ks.num_kv, ckpt_l1 * ks.page_size, ks.heads, ks.dim,
-                              dtype=ks.torch_dtype, device=dev)  # fmt: skip
+            buf = kv_stack(ks, ckpt_l1 * ks.page_size, dev)
             cl1 = L1(layer_views(buf, ks.num_kv), ks.page_size)  # kv-major stack, ops-order views
             cs = build(cl1, ks, l2_tokens=ckpt_l2 * ks.page_size, store=store, namespace=nc, locks=lc, **kw)
         hc = HybridCache(spec, fs.cache, cs.cache if cs is not None else None, buf, stride)

@@ -11,7 +11,7 @@ hash, the reference count (pins), the hit count (distinct requests) and whether 
 `ref`, `cached` and `hits` are numpy views of that native memory (`ref` and `cached` read-only:
 only the index changes them). The evictable pages (cached, unpinned) form an intrusive doubly
 linked LRU list over page ids: pin, unpin, touch and evict are O(1) per page, independent of the
-tier's size. A request's hashes travel as one buffer (`b"".join(hashes)`) and each whole-request
+tier's size. A request's hashes travel as one buffer (`l3pool.pool.keys.join_hashes`) and each whole-request
 step is one native call: `pin_prefix` (probe + pin the leading run), `count_hits` (probe, count,
 touch), `insert` (probe, index the absent ones, pin or queue them), `evict` (the LRU victims out
 of the map, their first 8 hash bytes into the ghost list).
@@ -33,33 +33,12 @@ import numpy as np
 from l2core import _native
 from l2core.allocator import PageAllocator
 from l2core.units import check_int
-from l3pool.pool.keys import HASH_BYTES
+from l3pool.pool.keys import HASH_BYTES, join_hashes, split_hashes
 
 Hashes = Sequence[bytes] | bytes
 
 
-def hash64(hashes: Sequence[bytes]) -> np.ndarray:
-    """The first 8 bytes of each page hash (16 bytes, or any multiple of 8) as uint64, little
-    endian: the ghost list's keys."""
-    if not hashes:
-        return np.empty(0, dtype=np.uint64)
-    return np.frombuffer(b"".join(hashes), dtype="<u8")[0 :: len(hashes[0]) // 8]
-
-
-def key64(h: bytes) -> int:
-    """hash64 of one hash."""
-    return int.from_bytes(h[:8], "little")
-
-
-def joined(hashes: Hashes) -> bytes:
-    """The hashes as one buffer (the form the native index takes)."""
-    return hashes if isinstance(hashes, bytes) else b"".join(hashes)
-
-
-def split(buf: bytes) -> list[bytes]:
-    """The inverse of joined(): HASH_BYTES-long hashes (one numpy pass, no Python loop)."""
-    out: list[bytes] = np.frombuffer(buf, dtype=f"V{HASH_BYTES}").tolist()
-    return out
+split = split_hashes  # controller.py imports this name (its rewrite imports l3pool.pool.keys.split_hashes)
 
 
 def _check(native: Any) -> None:
@@ -102,12 +81,12 @@ class TierIndex:
 
     def pages_of(self, hashes: Hashes) -> np.ndarray:
         """Page of each hash, -1 where absent."""
-        out: np.ndarray = self.native.lookup(joined(hashes))
+        out: np.ndarray = self.native.lookup(join_hashes(hashes))
         return out
 
     def prefix(self, hashes: Hashes, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Pages of the leading run of `hashes[start:stop]` present in this tier."""
-        pages = self.native.lookup(joined(hashes), start, -1 if stop is None else stop)
+        pages = self.native.lookup(join_hashes(hashes), start, -1 if stop is None else stop)
         miss = np.flatnonzero(pages < 0)
         return pages[: miss[0]] if miss.size else pages
 
@@ -115,14 +94,14 @@ class TierIndex:
     def insert(self, hashes: Hashes, pages: np.ndarray, start: int = 0) -> np.ndarray:
         """Index `pages` under `hashes[start:start + len(pages)]`; where a hash is already indexed
         the existing page wins (and counts as used). Returns the page now indexed per hash."""
-        used: np.ndarray = self.native.insert(joined(hashes), start, pages, False)[0]
+        used: np.ndarray = self.native.insert(join_hashes(hashes), start, pages, False)[0]
         return used
 
     def insert_pinned(self, hashes: Hashes, pages: np.ndarray, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """insert(), and the pages it newly indexed are pinned too (one reference each, so they
         never enter the LRU list only to leave it at once). Returns (page now indexed per hash,
         the pages newly indexed and pinned)."""
-        used, newly = self.native.insert(joined(hashes), start, pages, True)
+        used, newly = self.native.insert(join_hashes(hashes), start, pages, True)
         return used, newly
 
     def victims(self, n: int) -> tuple[np.ndarray, list[bytes]]:
@@ -195,10 +174,10 @@ class GhostList:
         return n
 
     def leading_of(self, hashes: Hashes, start: int = 0) -> int:
-        """leading(hash64(hashes[start:])) without converting them."""
+        """leading(hash_keys(hashes[start:])) without converting them."""
         if not self.capacity:
             return 0
-        n: int = self.native.leading_of(joined(hashes), start, HASH_BYTES)
+        n: int = self.native.leading_of(join_hashes(hashes), start, HASH_BYTES)
         return n
 
     def order(self) -> np.ndarray:

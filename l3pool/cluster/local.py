@@ -35,8 +35,8 @@ start(), so `down` can clean up even after the launching process was killed. Log
 `state_dir/{etcd,master,agent-K}.log` (an agent's Mooncake lines: `state_dir/mooncake-agent-<pid>.log`).
 
 CLI: `l3pool cluster up|down|status` (`l3pool.cluster.cli`). Beside this module: `processes`
-(processes, ports), `_os` (iproute2 calls), `network` (the bridge, namespaces and veths), `running` (a running cluster
-as tools see it).
+(processes, ports), `servers` (the etcd and mooncake_master command lines), `_os` (iproute2 calls), `network`
+(the bridge, namespaces and veths), `running` (a running cluster as tools see it).
 """
 
 from __future__ import annotations
@@ -73,6 +73,14 @@ from l3pool.cluster.processes import (
     spawn,
     stop,
     wait_dead,
+)
+from l3pool.cluster.servers import (
+    PUT_START_DISCARD_S,
+    PUT_START_RELEASE_S,
+    EtcdFlags,
+    MasterFlags,
+    etcd_argv,
+    master_argv,
 )
 from l3pool.paths import open_log, runtime_dir
 from l3pool.pool.etcd import EtcdClient, EtcdError
@@ -312,8 +320,9 @@ class LocalCluster:
         client_ttl: int = 5,
         name: str = DEFAULT_NAME,
         *,
-        put_start_discard_timeout_sec: int = 10,
-        put_start_release_timeout_sec: int = 30,
+        put_start_discard_timeout_sec: int = PUT_START_DISCARD_S,
+        put_start_release_timeout_sec: int = PUT_START_RELEASE_S,
+        default_kv_lease_ttl: str | None = None,
         subnet: str | None = None,
         key_prefix: str = DEFAULT_PREFIX,
         agent_cmd: Sequence[str] | None = None,
@@ -335,6 +344,13 @@ class LocalCluster:
         # a killed writer's unfinished puts: their keys refused for `discard` s, their space freed
         # `release`..2 x `release` s after the put started (l3pool/README.md, "Puts tell the truth")
         self.put_discard_s, self.put_release_s = put_start_discard_timeout_sec, put_start_release_timeout_sec
+        if default_kv_lease_ttl is not None and (
+            not isinstance(default_kv_lease_ttl, str) or not default_kv_lease_ttl.strip()
+        ):
+            raise ClusterConfigError(
+                f"default_kv_lease_ttl must be None or a duration (2000, 2s), got {default_kv_lease_ttl!r}"
+            )
+        self.default_kv_lease_ttl = default_kv_lease_ttl  # None: the master's own (10 s)
         self.state_dir = Path(state_dir or default_state_dir(name)).resolve()
         self.netns_mode, self.lease_ttl, self.client_ttl, self.name = netns, lease_ttl, client_ttl, name
         self._net = ClusterNetwork(name, self.agent_count, net, subnet is None, self._save_state)
@@ -569,30 +585,18 @@ class LocalCluster:
                 shutil.rmtree(self._data_dir, ignore_errors=True)
 
     def _start_etcd(self) -> None:
-        c, peer = self.ports["etcd"], self.ports["etcd_peer"]
-        listen = [f"http://127.0.0.1:{c}"] + ([f"http://{self._host}:{c}"] if self._host != "127.0.0.1" else [])
-        cmd = [
-            self.etcd_bin or etcd_binary(), "--name", self.name, "--data-dir", str(self._data_dir),
-            "--listen-client-urls", ",".join(listen), "--advertise-client-urls", self.etcd_endpoints,
-            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-cluster", f"{self.name}=http://127.0.0.1:{peer}", "--initial-cluster-state", "new",
-            "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn",
-        ]  # fmt: skip
-        self._spawn("etcd", "etcd", cmd, self.state_dir / "etcd.log")
+        assert self._data_dir is not None
+        flags = EtcdFlags(self.name, self._data_dir, self._host, self.ports["etcd"], self.ports["etcd_peer"],
+                          log_level="warn")  # fmt: skip
+        self._spawn("etcd", "etcd", etcd_argv(self.etcd_bin or etcd_binary(), flags), self.state_dir / "etcd.log")
 
     def _spawn_master(self) -> None:
-        h = self._host
-        cmd = [
-            self.master_bin or master_binary(),
-            f"--rpc_address={h}", f"--rpc_port={self.ports['master_rpc']}",
-            "--enable_http_metadata_server", f"--http_metadata_server_host={h}",
-            f"--http_metadata_server_port={self.ports['master_metadata']}",
-            f"--metrics_host={h}", f"--metrics_port={self.ports['master_admin']}",
-            f"--client_ttl={self.client_ttl}",
-            f"--put_start_discard_timeout_sec={self.put_discard_s}",
-            f"--put_start_release_timeout_sec={self.put_release_s}",
-        ]  # fmt: skip
+        flags = MasterFlags(
+            self._host, self.ports["master_rpc"], self.ports["master_admin"], self.ports["master_metadata"],
+            client_ttl=self.client_ttl, put_start_discard_timeout_sec=self.put_discard_s,
+            put_start_release_timeout_sec=self.put_release_s, default_kv_lease_ttl=self.default_kv_lease_ttl,
+        )  # fmt: skip
+        cmd = master_argv(self.master_bin or master_binary(), flags)
         self._spawn("master", "master", cmd, self.state_dir / "master.log")
 
     def _spawn_agent(self, k: int) -> None:

@@ -46,7 +46,6 @@ _EXPORTS = {
     "paced_traffic": "interference",
     "paired_slowdown": "interference",
     "rotation": "interference",
-    "l1_buffers": "model",
     "med_spread": "timing",
     "Request": "workload",
     "WorkloadConfig": "workload",

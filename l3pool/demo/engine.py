@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from l2core.l1 import page_slots
 from l2core.pool import HostKVPool
 from l2core.spec import ConfigError
 from l3pool.cache import L1, CacheConfig, CacheFull, CacheStack, LoadHandle, Match, TieredCache, build
@@ -169,8 +170,7 @@ class PrefillInstance:
         return self.spec.page_bytes
 
     def _slots(self, l1_pages: np.ndarray) -> torch.Tensor:
-        p = torch.from_numpy(np.ascontiguousarray(l1_pages, dtype=np.int64))
-        return (p[:, None] * self.P + torch.arange(self.P)[None, :]).reshape(-1)
+        return page_slots(l1_pages, self.P)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from l2core.l1 import kv_buffers
 from l2core.spec import ConfigError, KVSpec
-from l3pool.demo.model import l1_buffers
 
 # Deterministic CUDA mode: the attention backends of a partial chunk (cuDNN's left out). Measured on
 # the H200 (bench/results/2026-12-03-h200-forward-variance/, torch 2.11): the attention of a 1-token
@@ -385,7 +385,7 @@ class HFModel:
         return sdpa_kernel(PARTIAL_CHUNK_BACKENDS)
 
     def new_l1(self, slots: int) -> list[torch.Tensor]:
-        return l1_buffers(self.cfg.kv_spec(), slots, self.device)
+        return kv_buffers(self.cfg.kv_spec(), slots, self.device)
 
     @torch.no_grad()
     def prefill(

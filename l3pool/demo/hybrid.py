@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from l2core.groups import HybridSpec
+from l2core.l1 import kv_stack
 from l3pool.cache.hybrid import HybridCache
 from l3pool.demo.model import ModelConfig, RefModel, _rms
 from l3pool.pool.keys import page_hashes
@@ -47,9 +48,7 @@ class HybridModel(RefModel):
 
     def new_swa(self, slots: int) -> torch.Tensor:
         """A zeroed stacked SWA KV `[N, slots, H, D]` for one request."""
-        s = self.spec.kv
-        n = len(self.swa_layers) * s.num_kv
-        return torch.zeros(n, slots, s.heads, s.dim, dtype=s.torch_dtype, device=self.device)
+        return kv_stack(self.spec.kv, slots, self.device, layers=len(self.swa_layers))
 
     @torch.no_grad()
     def prefill_hybrid(

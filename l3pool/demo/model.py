@@ -25,6 +25,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from l2core.l1 import kv_buffers
 from l2core.spec import ConfigError, KVSpec
 
 Attention = Literal["mla", "mha"]
@@ -99,14 +100,6 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def l1_buffers(spec: KVSpec, slots: int, device: torch.device | str) -> list[torch.Tensor]:
-    """Zeroed per-layer L1 buffers of `slots` token slots for a model of `spec` (every demo model)."""
-    return [
-        torch.zeros(slots, spec.heads, spec.dim, dtype=spec.torch_dtype, device=device)
-        for _ in range(spec.num_layers * spec.num_kv)
-    ]
-
-
 class RefModel:
     """Random-weight reference model. `bufs` are l2core-format L1 buffers: MLA one per layer
     `[slots, 1, r + dr]`, MHA `[K_0, V_0, K_1, ...]` each `[slots, kv_heads, head_dim]`, bf16."""
@@ -137,7 +130,7 @@ class RefModel:
 
     def new_l1(self, slots: int) -> list[torch.Tensor]:
         """Zeroed L1 buffers for `slots` token slots."""
-        return l1_buffers(self.cfg.kv_spec(), slots, self.device)
+        return kv_buffers(self.cfg.kv_spec(), slots, self.device)
 
     @torch.no_grad()
     def prefill(

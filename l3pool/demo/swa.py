@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from l2core.l1 import kv_buffers
 from l2core.spec import ConfigError
 from l3pool.cache import L1, CacheConfig
 from l3pool.cache.hybrid import build_hybrid
@@ -64,10 +65,7 @@ def _reference(model: HybridModel, toks: np.ndarray) -> tuple[torch.Tensor, list
     tot = -(-len(toks) // P)
     fs = model.spec.full_spec
     dev = model.device
-    bufs = [
-        torch.zeros(tot * P, fs.heads, fs.dim, dtype=fs.torch_dtype, device=dev)
-        for _ in range(fs.num_layers * fs.num_kv)
-    ]
+    bufs = kv_buffers(fs, tot * P, dev)
     swa = model.new_swa(tot * P)
     ar = torch.arange(tot * P, device=dev)
     return model.prefill_hybrid(toks, 0, ar, bufs, swa, ar), bufs, swa
@@ -108,10 +106,7 @@ def run_swa(opts: SwaOptions, store: Any | None = None, tenant: str = "") -> dic
             row = rows[s]
             fs = model.spec.full_spec
             l1_pages = 2 * (-(-longest // P)) + 4
-            bufs = [
-                torch.zeros(l1_pages * P, fs.heads, fs.dim, dtype=fs.torch_dtype, device=opts.device)
-                for _ in range(fs.num_layers * fs.num_kv)
-            ]
+            bufs = kv_buffers(fs, l1_pages * P, opts.device)
             st = build_hybrid(
                 L1(bufs, P),
                 model.spec,

@@ -10,6 +10,11 @@ A page key is `<ns_id>/<page hash>` (`Namespace.keys` is the one place that form
 - the page hash chains from the root: h_i = H(h_{i-1} || token ids of page i), so equal hashes
   imply equal prefixes (up to the 128-bit hash).
 
+A page hash's 64-bit key (what the ghost list, the KV events and the global index hold) is its
+first 8 bytes, little endian: `hash_keys` / `hash_key` are the one place that derives it (the
+native PageIndex's `key64_of` reads the same bytes). A request's hashes travel as one buffer:
+`join_hashes` / `split_hashes`.
+
 Every stored object is the page's bytes plus a trailer that binds them to the full key
 (`l3pool.pool.client`); FORMAT_VERSION names that object format, so objects written by a client with
 another format live under other keys and are never read as this format's pages.
@@ -212,3 +217,68 @@ def page_hashes(token_ids: Sequence[int] | np.ndarray, page_size: int, parent: b
         h = hashlib.blake2b(h + row.tobytes(), digest_size=HASH_BYTES).digest()
         out.append(h)
     return out
+
+
+HashBuffer = bytes | bytearray | memoryview
+
+
+def join_hashes(hashes: Sequence[bytes] | HashBuffer, *, check: bool = False) -> bytes:
+    """Page hashes as one buffer (the form the native indexes take); a buffer is returned as is.
+    `check`: each hash must be HASH_BYTES long (ValueError otherwise; checked in O(1): the first
+    hash's length and the total)."""
+    if isinstance(hashes, (bytes, bytearray, memoryview)):
+        buf = bytes(hashes)
+        if check and len(buf) % HASH_BYTES:
+            raise ValueError(f"a hash buffer of {len(buf)} bytes is not whole {HASH_BYTES}-byte page hashes")
+        return buf
+    if not hashes:
+        return b""
+    try:
+        buf = b"".join(hashes)
+    except TypeError:
+        raise ValueError("page hashes must be bytes (l3pool.pool.keys.page_hashes)") from None
+    if check and not (len(hashes[0]) == HASH_BYTES and len(buf) == len(hashes) * HASH_BYTES):
+        raise ValueError(f"page hashes must be {HASH_BYTES}-byte hashes (l3pool.pool.keys.page_hashes)")
+    return buf
+
+
+def split_hashes(buf: HashBuffer, hash_bytes: int = HASH_BYTES) -> list[bytes]:
+    """The inverse of join_hashes: the `hash_bytes`-long hashes of `buf` (one numpy pass)."""
+    check_int("hash_bytes", hash_bytes, 1, ValueError)
+    if len(buf) % hash_bytes:
+        raise ValueError(f"a hash buffer of {len(buf)} bytes is not whole {hash_bytes}-byte hashes")
+    out: list[bytes] = np.frombuffer(buf, dtype=f"V{hash_bytes}").tolist()
+    return out
+
+
+def hash_keys(hashes: Sequence[bytes] | HashBuffer, hash_bytes: int | None = None) -> np.ndarray:
+    """The 64-bit key of each page hash (its first 8 bytes, little endian), as a contiguous uint64
+    array. `hashes`: a list of hashes, all one length (8, 16, ... bytes; checked in O(1), so a mix
+    whose lengths add up to that of equal ones passes), or one buffer of hashes of `hash_bytes`
+    each (default HASH_BYTES; 8: a buffer of keys). ValueError for anything else."""
+    if isinstance(hashes, (bytes, bytearray, memoryview)):
+        n = HASH_BYTES if hash_bytes is None else hash_bytes
+        buf = bytes(hashes)
+        if n == 8 and len(buf) % 8:  # the KV events' and the index's wire form
+            raise ValueError(f"a key buffer of {len(buf)} bytes is not whole 8-byte keys")
+        if n < 8 or n % 8 or len(buf) % n:
+            raise ValueError(f"a hash buffer of {len(buf)} bytes is not whole {n}-byte hashes (8, 16, ... bytes)")
+    else:
+        if not hashes:
+            return np.empty(0, dtype=np.uint64)
+        try:
+            buf = b"".join(hashes)  # C speed: refuses what is not bytes-like
+        except TypeError:
+            raise ValueError("page hashes must be bytes") from None
+        n = len(hashes[0])  # lengths checked in O(1): the first one's, times the count, is the total
+        if n < 8 or n % 8 or len(buf) != n * len(hashes) or (hash_bytes is not None and n != hash_bytes):
+            got = sorted(set(map(len, hashes)))
+            raise ValueError(f"page hashes must all be {hash_bytes or '8, 16, ...'} bytes long, got lengths {got}")
+    return np.ascontiguousarray(np.frombuffer(buf, dtype="<u8")[:: n // 8])
+
+
+def hash_key(page_hash: bytes) -> int:
+    """hash_keys of one hash."""
+    if not isinstance(page_hash, bytes) or len(page_hash) < 8 or len(page_hash) % 8:
+        raise ValueError(f"a page hash is bytes of 8, 16, ... bytes, got {page_hash!r}")
+    return int.from_bytes(page_hash[:8], "little")

@@ -3,7 +3,7 @@ global index (l3pool/index/): what an instance says when pages enter or leave on
 the snapshot it serves on request, and the record it registers in etcd. No torch, no sockets.
 
 Keys are 64-bit page keys: the first 8 bytes of the 16-byte page hash, little endian (the same
-`hash64` the cache's ghost list uses), carried as one little-endian uint64 buffer per message.
+`l3pool.pool.keys.hash_keys` the cache's ghost list uses), carried as one little-endian uint64 buffer per message.
 
 Event message (ZeroMQ PUB, one frame, msgpack array):
     [1, "ev", instance, epoch, seq, namespace, ops, keys, sent_at]
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from l3pool import __version__
+from l3pool.pool.keys import hash_keys
 
 WIRE_VERSION = 1
 TIER_CODES = {"l1": 0, "l2": 1, "l3": 2}
@@ -60,26 +61,15 @@ def _msgpack() -> Any:
 
 def keys64(hashes: Any) -> np.ndarray:
     """64-bit page keys (contiguous uint64) of `hashes`: a list of page hashes (bytes, each a multiple of 8
-    long, all the same length: the first 8 bytes of each), a uint64 array (as is), or a bytes
-    buffer of 8-byte keys. ValueError for anything else (wrong lengths, mixed lengths)."""
+    long, all the same length: `keys.hash_keys`, the first 8 bytes of each), a uint64 array (as is), or a
+    bytes buffer of 8-byte keys. ValueError for anything else (wrong lengths, mixed lengths)."""
     if isinstance(hashes, np.ndarray):
         if hashes.dtype != np.uint64 or hashes.ndim != 1:
             raise ValueError(f"page keys must be a 1-d uint64 array, got {hashes.dtype} of shape {hashes.shape}")
         return np.ascontiguousarray(hashes)
     if isinstance(hashes, (bytes, bytearray, memoryview)):
-        b = bytes(hashes)
-        if len(b) % 8:
-            raise ValueError(f"a key buffer of {len(b)} bytes is not whole 8-byte keys")
-        return np.frombuffer(b, dtype="<u8")
-    hs = hashes if isinstance(hashes, list) else list(hashes)
-    if not hs:
-        return np.empty(0, dtype=np.uint64)
-    if not all(isinstance(h, bytes) for h in hs):
-        raise ValueError("page hashes must be bytes")
-    lens = set(map(len, hs))
-    if len(lens) != 1 or (n := lens.pop()) < 8 or n % 8:
-        raise ValueError(f"page hashes must all be 8, 16, ... bytes long, got lengths {sorted(set(map(len, hs)))}")
-    return np.ascontiguousarray(np.frombuffer(b"".join(hs), dtype="<u8")[:: n // 8])
+        return hash_keys(hashes, 8)
+    return hash_keys(hashes if isinstance(hashes, list) else list(hashes))
 
 
 @dataclass

@@ -25,7 +25,6 @@ is missing or unreachable; 2: the config is invalid.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from typing import Any
 
 from l2core.units import format_size
 from l3pool.cliutil import nonneg_float
+from l3pool.cluster.servers import EtcdFlags, EtcdServerTls, MasterFlags, etcd_argv, master_argv, url
 from l3pool.pool.store import RPC_TIMEOUT_MS
 from l3pool.tools import deploy_systemd
 from l3pool.tools.deploy_config import (
@@ -146,10 +146,6 @@ def _prefill_argv(cfg: DeployConfig, p: PrefillNode) -> list[str]:
     return argv + list(s.extra_args)
 
 
-def _url(host: str, port: int, scheme: str = "http") -> str:
-    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
-
-
 def tenant_policy_yaml(tenants: Sequence[tuple[str, int]]) -> str:
     """mooncake_master's tenant quota policy (`--tenant_quota_connector_type=file`; the format of
     0.3.13, checked against a real master in tests/l3pool/pool/test_mooncake_tenants.py). Tenant
@@ -162,38 +158,23 @@ def plan(cfg: DeployConfig) -> list[Process]:
     """Every process of the cluster, in start order (etcd, master, agents, prefill, decode, router)."""
     out: list[Process] = []
     e, m = cfg.etcd, cfg.master
-    if e.launch:
-        scheme = "https" if e.server_cert else "http"
-        # one member: its peer (raft) port has no one to talk to off this host, so it stays on loopback
-        client, peer = _url(e.host, e.client_port, scheme), _url("127.0.0.1", e.peer_port)
-        local = _url("127.0.0.1", e.client_port, scheme)
-        listen = client if ipaddress.ip_address(e.host).is_loopback else f"{client},{local}"
-        argv = [e.binary, "--name", e.name, "--data-dir", e.data_dir, "--listen-client-urls", listen,
-                "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"{e.name}={peer}", "--initial-cluster-state", "new"]  # fmt: skip
-        if e.server_cert:  # the server cert needs clientAuth too: etcd's JSON gateway dials etcd with it
-            argv += ["--cert-file", e.server_cert, "--key-file", e.server_key, "--trusted-ca-file", e.ca,
-                     "--client-cert-auth"]  # fmt: skip
+    if e.launch:  # one member (l3pool.cluster.servers: its peer port stays on loopback)
+        tls = EtcdServerTls(e.server_cert, e.server_key, e.ca) if e.server_cert else None
+        argv = etcd_argv(e.binary, EtcdFlags(e.name, e.data_dir, e.host, e.client_port, e.peer_port, tls))
         out.append(Process("etcd", "etcd", "etcd", e.host, argv, {}, (e.client_port,)))
     if m.metadata_server == "standalone":  # binds m.host (the master's own binds 0.0.0.0)
         meta = [*shlex.split(m.metadata_binary), "--host", m.host, "--port", str(m.metadata_port)]
         out.append(Process("metadata", "metadata", "master", m.host, meta, {}, (m.metadata_port,)))
-        embedded = []
-    else:
-        embedded = ["--enable_http_metadata_server", f"--http_metadata_server_host={m.host}",
-                    f"--http_metadata_server_port={m.metadata_port}"]  # fmt: skip
-    argv = [m.binary, f"--rpc_address={m.host}", f"--rpc_port={m.rpc_port}", *embedded,
-            f"--metrics_host={m.host}", f"--metrics_port={m.admin_port}", f"--client_ttl={m.client_ttl}",
-            f"--eviction_high_watermark_ratio={m.eviction_high_watermark_ratio:g}",
-            f"--eviction_ratio={m.eviction_ratio:g}",
-            f"--put_start_discard_timeout_sec={m.put_start_discard_timeout_sec}",
-            f"--put_start_release_timeout_sec={m.put_start_release_timeout_sec}"]  # fmt: skip
-    argv += [f"--default_kv_lease_ttl={m.default_kv_lease_ttl}"] if m.default_kv_lease_ttl else []
-    files = {}
-    if m.tenants:
-        argv += ["--enable_multi_tenants=true", "--tenant_quota_connector_type=file",
-                 f"--tenant_quota_connector_uri={m.tenant_policy}"]  # fmt: skip
-        files[m.tenant_policy] = tenant_policy_yaml(m.tenants)
+    embedded = m.metadata_server != "standalone"
+    flags = MasterFlags(
+        m.host, m.rpc_port, m.admin_port, m.metadata_port if embedded else None, client_ttl=m.client_ttl,
+        eviction_high_watermark_ratio=m.eviction_high_watermark_ratio, eviction_ratio=m.eviction_ratio,
+        put_start_discard_timeout_sec=m.put_start_discard_timeout_sec,
+        put_start_release_timeout_sec=m.put_start_release_timeout_sec,
+        default_kv_lease_ttl=m.default_kv_lease_ttl or None, tenant_policy=m.tenant_policy if m.tenants else None,
+    )  # fmt: skip
+    argv = master_argv(m.binary, flags)
+    files = {m.tenant_policy: tenant_policy_yaml(m.tenants)} if m.tenants else {}
     ports = (m.rpc_port, m.admin_port) + ((m.metadata_port,) if embedded else ())  # agents check rpc + metadata
     out.append(Process("master", "master", "master", m.host, argv + list(m.extra_args), {}, ports, files))
     for d in cfg.decode:
@@ -220,9 +201,9 @@ def plan(cfg: DeployConfig) -> list[Process]:
         r = cfg.router
         argv = [r.python, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
         for p in cfg.prefill:
-            argv += ["--prefill", _url(p.host, p.sglang.port), str(p.sglang.bootstrap_port)]
+            argv += ["--prefill", url(p.host, p.sglang.port), str(p.sglang.bootstrap_port)]
         for d in cfg.decode:
-            argv += ["--decode", _url(d.host, d.sglang.port)] if d.sglang is not None else []
+            argv += ["--decode", url(d.host, d.sglang.port)] if d.sglang is not None else []
         argv += ["--host", r.host, "--port", str(r.port), *r.extra_args]
         out.append(Process("router", "router", "router", r.host, argv, {}, (r.port,)))
     return out

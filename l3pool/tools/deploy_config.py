@@ -33,6 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from l2core.names import LAYOUTS
+from l3pool.cluster.servers import (
+    CLIENT_TTL_S,
+    EVICTION_HIGH_WATERMARK_RATIO,
+    EVICTION_RATIO,
+    PUT_START_DISCARD_S,
+    PUT_START_RELEASE_S,
+    master_flag_names,
+)
 from l3pool.pool.etcd import SECURITY_KEYS
 from l3pool.pool.metadata import DEFAULT_PREFIX
 from l3pool.pool.store import DEFAULT_METADATA_PORT, PROTOCOLS, metadata_url, segment_too_small
@@ -116,11 +124,7 @@ _SG_OWNED = ("--model-path", "--tp-size", "--tp", "--page-size", "--host", "--po
              "--enable-hierarchical-cache", "--hicache-mem-layout", "--hicache-io-backend", "--hicache-ratio",
              "--hicache-size", "--hicache-write-policy", "--hicache-storage-prefetch-policy",
              "--hicache-storage-backend", "--hicache-storage-backend-extra-config")  # fmt: skip
-_MASTER_OWNED = ("rpc_address", "rpc_port", "port", "enable_http_metadata_server", "http_metadata_server_host",
-                 "http_metadata_server_port", "metrics_host", "metrics_port", "client_ttl",
-                 "eviction_high_watermark_ratio", "eviction_ratio", "default_kv_lease_ttl",
-                 "put_start_discard_timeout_sec", "put_start_release_timeout_sec", "enable_multi_tenants",
-                 "tenant_quota_connector_type", "tenant_quota_connector_uri")  # fmt: skip
+_MASTER_OWNED = master_flag_names() | {"port"}  # what l3pool.cluster.servers.master_argv writes; port: rpc_port
 
 
 @dataclass(frozen=True)
@@ -180,16 +184,16 @@ class MasterSpec:
     rpc_port: int = 50051
     metadata_port: int = DEFAULT_METADATA_PORT
     admin_port: int = 9003
-    client_ttl: int = 10
-    eviction_high_watermark_ratio: float = 0.9
-    eviction_ratio: float = 0.05
+    client_ttl: int = CLIENT_TTL_S
+    eviction_high_watermark_ratio: float = EVICTION_HIGH_WATERMARK_RATIO
+    eviction_ratio: float = EVICTION_RATIO
     default_kv_lease_ttl: str | None = None
     # a put started and never finished (writer killed): other puts of its key are refused for
     # `discard` s, its space is freed `release` to 2 x `release` s after it started (Mooncake's
     # defaults, 30 / 600 s, held a killed writer's space for over 10 minutes). `release` must
     # exceed the longest transfer of one put batch. See l3pool/README.md.
-    put_start_discard_timeout_sec: int = 10
-    put_start_release_timeout_sec: int = 30
+    put_start_discard_timeout_sec: int = PUT_START_DISCARD_S
+    put_start_release_timeout_sec: int = PUT_START_RELEASE_S
     binary: str = "mooncake_master"
     extra_args: tuple[str, ...] = ()
     # the transfer engine's HTTP metadata server: "standalone" runs the wheel's

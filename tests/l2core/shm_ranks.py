@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from l2core.l1 import page_slots
 from l2core.pool import HostKVPool, L2Config
 from l2core.shm import Divergence, SharedTransferEngine, TPGroup, state_digest
 from l2core.spec import KVSpec
@@ -33,8 +34,7 @@ def digest_of(b: list[torch.Tensor], slots: torch.Tensor) -> str:
 
 
 def slots_of(dev_pages: list[int]) -> torch.Tensor:
-    p = torch.tensor(dev_pages)
-    return (p[:, None] * 16 + torch.arange(16)).reshape(-1)
+    return page_slots(dev_pages, 16)
 
 
 def pool_for(group: TPGroup) -> HostKVPool:

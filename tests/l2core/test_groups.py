@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from l2core.groups import HybridSpec, LayerGroup, checkpoint_hashes
+from l2core.l1 import layer_views
 from l2core.spec import ConfigError, KVSpec
-from l2core.window import gather_windows, layer_views, scatter_window, window_rows
+from l2core.window import gather_windows, scatter_window, window_rows
 
 KV = KVSpec.mha(12, 2, 8, page_size=4)
 

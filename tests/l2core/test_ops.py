@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from l2core import ops
+from l2core.l1 import page_slots
 from l2core.layout import LAYOUTS
 from l2core.pool import HostKVPool, L2Config
 from l2core.spec import KVSpec
@@ -146,7 +147,7 @@ def make_case() -> Iterator[Callable[..., Case]]:
         n = MOVE_PAGES * page_size
         if page_contiguous_slots:  # whole device pages, in random order (what method='naive' needs)
             dev_pages = torch.randperm(DEV_PAGES, generator=g)[:MOVE_PAGES]
-            slots = (dev_pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+            slots = page_slots(dev_pages, page_size)
         else:  # tokens scattered over the whole device slot range
             slots = torch.randperm(S, generator=g)[:n]
             assert (slots.view(MOVE_PAGES, page_size).diff(dim=1) != 1).any()  # not page-contiguous
@@ -381,7 +382,7 @@ def test_large_cpu_transfer(autoclose: Callable[[Any], Any], native: Any, attn: 
     ]
     if method == "naive":
         dev_pages = torch.randperm(n_pages + 8, generator=g)[:n_pages]
-        slots = (dev_pages[:, None] * P + torch.arange(P)).reshape(-1)
+        slots = page_slots(dev_pages, P)
     else:
         slots = torch.randperm(S, generator=g)[: n_pages * P]
     pages = torch.randperm(n_pages + 8, generator=g)[:n_pages].numpy().astype(np.int64)

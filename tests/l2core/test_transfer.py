@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from l2core import HostKVPool, KVSpec, L2Config
+from l2core.l1 import page_slots
 from l2core.transfer import TransferEngine, TransferError
 
 
@@ -25,8 +26,7 @@ def _setup(device: str, layout: str = "page_first_direct", layers: int = 6):
 
 
 def _page_slots(dev_pages: list[int], device: str) -> torch.Tensor:
-    p = torch.tensor(dev_pages)
-    return (p[:, None] * 16 + torch.arange(16)).reshape(-1).to(device)
+    return page_slots(dev_pages, 16, device=device)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from l2core import KVSpec
+from l2core.l1 import kv_buffers
 from l3pool.cache import L1, CacheConfig, LoadHandle, Match, build
-from l3pool.cache.index import hash64
-from l3pool.pool.keys import Namespace, page_hashes
+from l3pool.pool.keys import Namespace, hash_keys, page_hashes
 
 P = 4  # tokens per page
 LAYERS = 3
@@ -29,7 +29,7 @@ def chain(seed: int, pages: int, prefix: list[bytes] | None = None) -> list[byte
 
 def contents(hs: list[bytes]) -> torch.Tensor:
     """[layers, pages, P, 1, D] bf16 values derived from each page hash (integers < 256: exact)."""
-    base = np.asarray(hash64(hs), dtype=np.uint64) % np.uint64(1000003)
+    base = np.asarray(hash_keys(hs), dtype=np.uint64) % np.uint64(1000003)
     lay = np.arange(LAYERS)[:, None, None, None, None] * 7
     tok = np.arange(P)[None, None, :, None, None] * 13
     dim = np.arange(D)[None, None, None, None, :]
@@ -50,7 +50,7 @@ class Engine:
         locks: object | None = None,
         **build_kw: Any,
     ) -> None:
-        self.bufs = [torch.zeros(l1_pages * P, 1, D, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        self.bufs = kv_buffers(SPEC, l1_pages * P, "cpu")
         ns = None if store is None else Namespace.for_pool(SPEC, layout, "cachetest", layers=layers, tenant=tenant)
         self.stack = build(
             L1(self.bufs, P), SPEC, l2_tokens=l2_pages * P, l2_layout=layout, pin="never", cache=cfg,

@@ -5,7 +5,9 @@ server in its own process group (logs and the etcd data dir under a temporary di
 wait until it answers, and on exit stop the whole group and delete the dir — also when the test
 failed. A port taken between choosing and binding (other processes on this machine) is retried
 with new ports. Processes and ports are handled as the local cluster handles its own
-(`l3pool.cluster.processes`: `spawn`, `stop`, `free_ports`, `listening`). The fixtures
+(`l3pool.cluster.processes`: `spawn`, `stop`, `free_ports`, `listening`), and the command lines
+are the product's (`l3pool.cluster.servers`: what the local cluster and `deploy render` run; the
+tests choose only named options of it). The fixtures
 `etcd_server` and `mooncake_master` are module-scoped; tests isolate themselves with their own key
 prefix. The master runs with --client_ttl 3 so a killed agent's segment disappears within seconds.
 
@@ -38,6 +40,7 @@ import pytest
 
 from l3pool.cluster.local import ClusterError, etcd_binary, master_binary
 from l3pool.cluster.processes import Proc, alive, free_ports, listening, spawn, stop
+from l3pool.cluster.servers import EtcdFlags, EtcdServerTls, MasterFlags, etcd_argv, master_argv
 from l3pool.pool.etcd import EtcdClient, EtcdError, EtcdSecurity
 from l3pool.pool.store import metadata_url
 from l3pool.procenv import python_env
@@ -134,25 +137,13 @@ def run_etcd(attempts: int = 3, tls: EtcdTls | None = None) -> Iterator[EtcdServ
     plain http on 127.0.0.1."""
     exe = required(etcd_binary)
     security = None if tls is None else EtcdSecurity(str(tls.ca), str(tls.client_cert), str(tls.client_key))
-    scheme = "http" if tls is None else "https"
-    tls_args = [] if tls is None else [
-        "--cert-file", str(tls.server_cert), "--key-file", str(tls.server_key),
-        "--trusted-ca-file", str(tls.ca), "--client-cert-auth",
-    ]  # fmt: skip
+    server_tls = None if tls is None else EtcdServerTls(str(tls.server_cert), str(tls.server_key), str(tls.ca))
 
     def start(tmp: Path, attempt: int) -> EtcdServer:
         cport, pport = free_ports(2)
         name = f"l3t{uuid.uuid4().hex[:6]}"
-        # fmt: off
-        proc = spawn("etcd", name, [
-            exe, "--name", name, "--data-dir", str(tmp / f"data{attempt}"),
-            "--listen-client-urls", f"{scheme}://{HOST}:{cport}",
-            "--advertise-client-urls", f"{scheme}://{HOST}:{cport}", *tls_args,
-            "--listen-peer-urls", f"http://{HOST}:{pport}", "--initial-advertise-peer-urls", f"http://{HOST}:{pport}",
-            "--initial-cluster", f"{name}=http://{HOST}:{pport}", "--initial-cluster-state", "new",
-            "--logger", "zap", "--log-outputs", "stderr",
-        ], tmp / "etcd.log")
-        # fmt: on
+        flags = EtcdFlags(name, str(tmp / f"data{attempt}"), HOST, cport, pport, server_tls)
+        proc = spawn("etcd", name, etcd_argv(exe, flags), tmp / "etcd.log")
         return EtcdServer(cport, pport, tmp / f"data{attempt}", proc, security)
 
     def answers(server: EtcdServer) -> bool:
@@ -200,21 +191,20 @@ class MasterServer:
 
 
 @contextlib.contextmanager
-def run_master(client_ttl: int = 3, attempts: int = 3, extra: Sequence[str] = ()) -> Iterator[MasterServer]:
-    """`extra`: more mooncake_master flags (e.g. --enable_multi_tenants and its policy file)."""
+def run_master(
+    client_ttl: int = 3, attempts: int = 3, *, tenant_policy: str | None = None, default_kv_lease_ttl: str | None = None
+) -> Iterator[MasterServer]:
+    """The product's master (`l3pool.cluster.servers.master_argv`, embedded metadata server) with
+    --client_ttl 3 by default: a killed agent's segment disappears within seconds, not the
+    product's 10 s. `tenant_policy` / `default_kv_lease_ttl`: the product's options of those names."""
     exe = required(master_binary)
 
     def start(tmp: Path, attempt: int) -> MasterServer:
         rpc, meta, admin = free_ports(3)
         log = tmp / "master.log"
-        # fmt: off
-        proc = spawn("master", "master", [
-            exe, "--rpc_port", str(rpc), "--rpc_address", HOST,
-            "--enable_http_metadata_server", "--http_metadata_server_port", str(meta),
-            "--http_metadata_server_host", HOST,
-            "--metrics_port", str(admin), "--metrics_host", HOST, "--client_ttl", str(client_ttl), *extra,
-        ], log)
-        # fmt: on
+        flags = MasterFlags(HOST, rpc, admin, meta, client_ttl=client_ttl, tenant_policy=tenant_policy,
+                            default_kv_lease_ttl=default_kv_lease_ttl)  # fmt: skip
+        proc = spawn("master", "master", master_argv(exe, flags), log)
         return MasterServer(rpc, meta, admin, proc, log)
 
     def listens(m: MasterServer) -> bool:

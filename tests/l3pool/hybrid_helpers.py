@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from l2core.l1 import kv_buffers
 from l3pool.cache import L1, CacheConfig
 from l3pool.cache.hybrid import HybridStack, build_hybrid
 from l3pool.demo.hybrid import HybridModel, HybridRun, run_request
@@ -39,9 +40,7 @@ class HEngine:
     ) -> None:
         self.model = m
         fs = m.spec.full_spec
-        self.bufs = [
-            torch.zeros(l1_pages * P, fs.heads, fs.dim, dtype=fs.torch_dtype) for _ in range(fs.num_layers * fs.num_kv)
-        ]
+        self.bufs = kv_buffers(fs, l1_pages * P, "cpu")
         self.stack: HybridStack = build_hybrid(
             L1(self.bufs, P), m.spec, l2_tokens=l2_pages * P, ckpt_l1=ckpt_l1, ckpt_l2=ckpt_l2, stride=stride,
             pin="never", cache=cfg or CacheConfig(), batch_pages=512, **kw,  # type: ignore[arg-type]
@@ -60,7 +59,7 @@ def reference(m: HybridModel, toks: np.ndarray) -> torch.Tensor:
     n = len(toks)
     tot = -(-n // P)
     fs = m.spec.full_spec
-    bufs = [torch.zeros(tot * P, fs.heads, fs.dim, dtype=fs.torch_dtype) for _ in range(fs.num_layers * fs.num_kv)]
+    bufs = kv_buffers(fs, tot * P, "cpu")
     return m.prefill_hybrid(toks, 0, torch.arange(tot * P), bufs, m.new_swa(tot * P), torch.arange(tot * P))
 
 

@@ -36,6 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from bench._sglang import sglang_method
+from l2core.l1 import page_slots
 from l2core.spec import ConfigError
 from l3pool import metrics
 from l3pool.adapters.sglang_hicache import L3PoolStorage
@@ -195,8 +196,7 @@ def hexkeys(n: int) -> list[str]:
 
 def slots(pages: list[int] | range) -> torch.Tensor:
     """SGLang's host_indices: page_size consecutive token slots per page."""
-    p = torch.tensor(list(pages), dtype=torch.int64)
-    return (p[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
+    return page_slots(list(pages), PAGE)
 
 
 # -- tests ----------------------------------------------------------------------------------------

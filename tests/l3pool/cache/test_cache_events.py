@@ -14,8 +14,8 @@ import zmq
 
 from l3pool.cache import CacheConfig
 from l3pool.cache.events import KvEventPublisher
-from l3pool.cache.index import hash64
 from l3pool.pool import kv_events as kv
+from l3pool.pool.keys import hash_keys
 
 from ..cache_helpers import Engine, chain
 from ..fake_store import FakePageStore
@@ -78,7 +78,7 @@ def test_controller_reports_l1_l2_l3_stores_and_evictions() -> None:
         a = chain(1, 6)
         e.run("a", a)
         e.cache.flush()
-        k = set(hash64(a).tolist())
+        k = set(hash_keys(a).tolist())
         assert rec.keys("store", "l1") == k  # committed
         assert rec.keys("store", "l2") == k  # backed up (write_through)
         assert rec.keys("store", "l3") == k  # written by the writer
@@ -89,7 +89,7 @@ def test_controller_reports_l1_l2_l3_stores_and_evictions() -> None:
         c = chain(3, 8)
         e.run("c", c)
         e.cache.flush()
-        assert rec.keys("remove", "l2") and rec.keys("remove", "l2") <= k | set(hash64(b).tolist())
+        assert rec.keys("remove", "l2") and rec.keys("remove", "l2") <= k | set(hash_keys(b).tolist())
         # what the sink was told adds up to what the tiers hold now
         for tier, t in (("l1", e.cache.t1), ("l2", e.cache.t2)):
             held = set(t.key64_of(np.flatnonzero(t.cached).astype(np.int64)).tolist())
@@ -125,7 +125,7 @@ def test_publisher_sends_batches_and_snapshot_matches_its_seq(sub: zmq.Socket) -
         got: set[int] = set()
         seqs = []
         deadline = time.monotonic() + 5
-        while got != set(hash64(a).tolist()) and time.monotonic() < deadline:
+        while got != set(hash_keys(a).tolist()) and time.monotonic() < deadline:
             b = kv.decode_events(sub.recv())
             assert (b.instance, b.namespace, b.epoch) == ("inst-a", "ns1", pub.epoch)
             if not b.heartbeat:
@@ -133,12 +133,12 @@ def test_publisher_sends_batches_and_snapshot_matches_its_seq(sub: zmq.Socket) -
             for (tier, op, _n), ks in zip(b.ops.tolist(), np.split(b.keys, np.cumsum(b.ops[:, 2])[:-1]), strict=False):
                 if tier == 0 and op == kv.STORE:
                     got |= set(ks.tolist())
-        assert got == set(hash64(a).tolist())
+        assert got == set(hash_keys(a).tolist())
         assert seqs == sorted(seqs) and all(s > 0 for s in seqs)
         snap = kv.decode_snapshot(_snapshot(pub))
         assert snap.instance == "inst-a" and snap.epoch == pub.epoch and snap.seq == pub.stats()["seq"]
-        assert set(snap.tiers["l1"].tolist()) == set(hash64(a).tolist())
-        assert set(snap.tiers["l2"].tolist()) == set(hash64(a).tolist())
+        assert set(snap.tiers["l1"].tolist()) == set(hash_keys(a).tolist())
+        assert set(snap.tiers["l2"].tolist()) == set(hash_keys(a).tolist())
         hb = kv.decode_events(sub.recv())  # a heartbeat within heartbeat_s, carrying the same seq
         while not hb.heartbeat:
             hb = kv.decode_events(sub.recv())

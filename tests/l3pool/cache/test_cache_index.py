@@ -13,7 +13,8 @@ import pytest
 
 from l2core.allocator import PageAllocator
 from l3pool.cache import CacheConfig, GhostList
-from l3pool.cache.index import TierIndex, hash64, key64
+from l3pool.cache.index import TierIndex
+from l3pool.pool.keys import hash_key, hash_keys
 
 from ..cache_helpers import Engine, chain
 
@@ -49,14 +50,14 @@ def test_ghost_list_matches_reference_model(cap: int) -> None:
         g.check()
 
 
-def test_ghost_leading_of_is_leading_of_hash64() -> None:
+def test_ghost_leading_of_is_leading_of_hash_keys() -> None:
     hs = [os.urandom(16) for _ in range(12)]
     g = GhostList(64)
     assert g.leading_of(hs) == 0  # empty
-    g.add(hash64(hs[:5]))
-    g.add([key64(hs[7])])
-    keys = hash64(hs).tolist()
-    assert keys[7] == key64(hs[7]) and keys[0] == int.from_bytes(hs[0][:8], "little")
+    g.add(hash_keys(hs[:5]))
+    g.add([hash_key(hs[7])])
+    keys = hash_keys(hs).tolist()
+    assert keys[7] == hash_key(hs[7]) and keys[0] == int.from_bytes(hs[0][:8], "little")
     for start in range(0, 13):
         assert g.leading_of(hs, start) == g.leading(keys[start:]), start
     assert g.leading_of(hs) == 5 and g.leading_of(hs, 7) == 1 and g.leading_of(hs, 12) == 0

@@ -11,9 +11,8 @@ import torch
 
 from l2core import ConfigError, HostKVPool, L2Config
 from l3pool.cache import L1, CacheConfig, EventOptions, build, l3_settings, l3_tier
-from l3pool.cache.index import hash64
 from l3pool.pool import kv_events as kv
-from l3pool.pool.keys import Namespace
+from l3pool.pool.keys import Namespace, hash_keys
 from l3pool.pool.metadata import Metadata
 from l3pool.pool.protocols import Outcome
 
@@ -182,7 +181,7 @@ def test_build_makes_the_stacks_event_publisher() -> None:
         stack.cache.commit("r", hs, h.l1_pages)
         stack.cache.release("r")
         snap = _snapshot(pub.snapshot_endpoint)
-        assert sorted(snap.tiers["l1"].tolist()) == sorted(hash64(hs).tolist()) and snap.seq >= 1
+        assert sorted(snap.tiers["l1"].tolist()) == sorted(hash_keys(hs).tolist()) and snap.seq >= 1
     finally:
         stack.close()
     assert pub._stop  # closed with the stack

@@ -121,6 +121,8 @@ def test_bad_config_raises_at_construction() -> None:
                    {"netns": "maybe"}, {"segment_size": "lots"}, {"lease_ttl": 0}):  # fmt: skip
         with pytest.raises(ValueError):
             LocalCluster(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"default_kv_lease_ttl must be None or a duration \(2000, 2s\), got ' '"):
+        LocalCluster(default_kv_lease_ttl=" ")
 
 
 def test_agents_that_together_exceed_available_memory_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:

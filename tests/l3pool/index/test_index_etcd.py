@@ -17,11 +17,11 @@ import pytest
 
 from l3pool.cache import CacheConfig
 from l3pool.cache.events import KvEventPublisher
-from l3pool.cache.index import hash64
 from l3pool.index.client import IndexClient
 from l3pool.index.service import IndexService
 from l3pool.index.table import GlobalIndex
 from l3pool.index.types import TierPrefix
+from l3pool.pool.keys import hash_keys
 from l3pool.pool.metadata import Metadata
 from l3pool.pool.store import MooncakeStore
 from l3pool.procenv import python_env
@@ -166,7 +166,7 @@ def test_two_caches_publish_and_the_index_answers_their_prefixes(md: Metadata, s
         for e in engines:
             e.cache.flush()
         for hs in (a, b, chain(14, 5, a)):
-            keys = hash64(hs).tolist()
+            keys = hash_keys(hs).tolist()
             want = {f"e{i}": _prefix_in(e, keys) for i, e in enumerate(engines)}
 
             def agrees(hs: list[bytes] = hs, want: dict[str, tuple[int, int]] = want) -> bool:
@@ -184,7 +184,7 @@ def test_two_caches_publish_and_the_index_answers_their_prefixes(md: Metadata, s
         engines[1].run("c", chain(15, 12))
         engines[1].cache.flush()
         wait_for(
-            lambda: svc.index.query(b, ns).of("e1").l1 == _prefix_in(engines[1], hash64(b).tolist())[0],
+            lambda: svc.index.query(b, ns).of("e1").l1 == _prefix_in(engines[1], hash_keys(b).tolist())[0],
             10,
             "the index to agree",
         )

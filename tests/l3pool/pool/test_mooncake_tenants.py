@@ -51,9 +51,7 @@ def tenant_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterSe
     )
     # short read leases (0 fails gets: the lease expires mid-transfer), so that only the tenant
     # quotas, not leases, can keep an object from eviction once LEASE_S has passed
-    extra = ["--enable_multi_tenants=true", "--tenant_quota_connector_type", "file",
-             "--tenant_quota_connector_uri", str(policy), f"--default_kv_lease_ttl={LEASE_S * 1000:.0f}ms"]  # fmt: skip
-    with run_master(extra=extra) as m:
+    with run_master(tenant_policy=str(policy), default_kv_lease_ttl=f"{LEASE_S * 1000:.0f}ms") as m:
         yield m
 
 

@@ -1,7 +1,7 @@
 """PP-stage locks against the real local cluster (etcd + mooncake_master + a decode agent).
 
-The master runs with a 2 s read lease (`--default_kv_lease_ttl=2000`, through a wrapper passed as
-`master_bin`) instead of 10 s, so "held longer than Mooncake's own lease" and "nothing stays
+The master runs with a 2 s read lease (LocalCluster's `default_kv_lease_ttl`, the master's
+`--default_kv_lease_ttl=2000`) instead of 10 s, so "held longer than Mooncake's own lease" and "nothing stays
 pinned" take seconds. Stages of the multi-process tests are separate Python processes, each with
 its own HostKVPool + MooncakeStore + L3Client + StageLocks for its layer range."""
 
@@ -11,7 +11,6 @@ import json
 import os
 import queue
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ import numpy as np
 import pytest
 
 from l2core import HostKVPool, KVSpec
-from l3pool.cluster.local import LocalCluster, master_binary
+from l3pool.cluster.local import LocalCluster
 from l3pool.pool.client import L3Client
 from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.keys import Namespace, page_hashes
@@ -63,11 +62,9 @@ def _hashes(r: int, pages: int) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    wrapper = tmp_path_factory.mktemp("master") / "mooncake_master"
-    wrapper.write_text(f'#!/bin/sh\nexec {master_binary()} --default_kv_lease_ttl={KV_LEASE_MS} "$@"\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
-    with LocalCluster(agents=1, segment_size="32MB", name=f"l3pl{uuid.uuid4().hex[:4]}", master_bin=str(wrapper)) as c:
+def cluster() -> Iterator[LocalCluster]:
+    name = f"l3pl{uuid.uuid4().hex[:4]}"
+    with LocalCluster(agents=1, segment_size="32MB", name=name, default_kv_lease_ttl=str(KV_LEASE_MS)) as c:
         yield c
 
 
