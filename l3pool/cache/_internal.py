@@ -14,6 +14,7 @@ import torch
 from l2core import _native
 from l2core.spec import ConfigError
 from l3pool.cache.config import CacheConfig
+from l3pool.cache.tier_events import EventQueue
 from l3pool.cache.types import L1
 from l3pool.pool.keys import HASH_BYTES
 from l3pool.pool.prefetch import PrefetchHandle
@@ -151,11 +152,11 @@ def _select(hs: list[bytes], pages: np.ndarray, mask: np.ndarray) -> tuple[list[
     return [hs[i] for i in sel.tolist()], pages[sel]
 
 
-def _emit(ev: Any, tier: str, stored: bool, keys: Any, index: Any = None, ok: np.ndarray | None = None) -> None:
-    """Report pages of a tier to the cache's TierEvents sink (the caller holds the cache's lock:
-    the sink only queues). `keys`: a native buffer of 16-byte hashes, a list of hashes, or (with
-    `index`, a TierIndex) page ids whose keys it holds; `ok`: a mask of the keys to report."""
-    if ev is None or not len(keys):
+def _emit(q: EventQueue, tier: str, stored: bool, keys: Any, index: Any = None, ok: np.ndarray | None = None) -> None:
+    """Queue a tier change for the event reader (the caller holds the cache's lock; nothing is
+    computed while no reader subscribed). `keys`: a native buffer of 16-byte hashes, a list of
+    hashes, or (with `index`, a TierIndex) page ids whose keys it holds; `ok`: a mask of the keys."""
+    if not q.on or not len(keys):
         return
     if index is not None:
         k = index.key64_of(keys)
@@ -163,5 +164,4 @@ def _emit(ev: Any, tier: str, stored: bool, keys: Any, index: Any = None, ok: np
         k = np.frombuffer(keys if isinstance(keys, bytes) else b"".join(keys), dtype="<u8")[:: HASH_BYTES // 8]
     if ok is not None:
         k = k[ok]
-    if len(k):
-        (ev.stored if stored else ev.removed)(tier, k)
+    q.put(tier, stored, k)

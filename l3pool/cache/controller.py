@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from l3pool.cache._internal import _Backup, _emit, _join, _Loads, _member, _Req,
 from l3pool.cache.config import CacheConfig
 from l3pool.cache.index import GhostList, TierIndex, split
 from l3pool.cache.policy import WaitComplete, prefetch_policy, write_policy
+from l3pool.cache.tier_events import EventBatch, EventQueue
 from l3pool.cache.types import (
     L1,
     BackgroundError,
@@ -109,7 +110,7 @@ class TieredCache:
         self._loads = _Loads(
             self.page_bytes, l2.spec.num_layers, self.slots, self._engine.wait_layer, self._load_ok, self._add_wait
         )
-        self.events: Any = None  # a TierEvents sink: pages entering / leaving a tier (cache/events.py attach())
+        self._events = EventQueue()  # tier changes, pulled by a reader (take_events; cache/tier_events.py)
         self._reaper = threading.Thread(target=self._reap, name="l3pool-cache-backup", daemon=True)
         self._reaper.start()
         metrics.watch_cache(self)  # its occupancy gauges, read from stats() at each scrape
@@ -322,7 +323,7 @@ class TieredCache:
             k = len(fetched)
             if k:
                 used = self.t2.insert(r.buf, fetched, r.n2)
-                _emit(self.events, "l2", True, r.buf[r.n2 * HASH_BYTES : (r.n2 + k) * HASH_BYTES])
+                _emit(self._events, "l2", True, r.buf[r.n2 * HASH_BYTES : (r.n2 + k) * HASH_BYTES])
                 dup = fetched[used != fetched]
                 if dup.size:
                     self.l2.free(dup)
@@ -408,7 +409,7 @@ class TieredCache:
         """Evict `n` L1 pages (LRU); returns them still allocated (the caller reuses or frees them)."""
         # one native call: the LRU victims out of the index, their hashes into the ghost list
         victims, keys = self.t1.native.evict(n, self.ghost.native if self.ghost.capacity else None)
-        _emit(self.events, "l1", False, keys)
+        _emit(self._events, "l1", False, keys)
         self._stats.evictions["l1"] += len(victims)
         metrics.CACHE_EVICTIONS("l1").inc(len(victims))
         if self.down.evict_copies:
@@ -470,7 +471,7 @@ class TieredCache:
         victims, hs = self.t2.victims(short)
         if not victims.size:
             return
-        _emit(self.events, "l2", False, hs)
+        _emit(self._events, "l2", False, hs)
         self._stats.evictions["l2"] += len(victims)
         metrics.CACHE_EVICTIONS("l2").inc(len(victims))
         try:
@@ -547,7 +548,7 @@ class TieredCache:
                     raise ValueError("an L1 page committed before is committed again under another hash")
             used, newly = self.t1.insert_pinned(buf, rest, n1)
             r.l1_inserted.append(newly)
-            _emit(self.events, "l1", True, newly, self.t1)
+            _emit(self._events, "l1", True, newly, self.t1)
             # used[i]: the L1 page of hs[n1 + i], = r.hashes[n1 + i] when `same`; counted >= n1
             fresh = used[r.counted - n1 :] if same and m == known and r.counted >= n1 else None
             self._count_hits(r, m, fresh)
@@ -645,7 +646,7 @@ class TieredCache:
 
     def _backed_up(self, hs: list[bytes], dst: np.ndarray, hits: np.ndarray, reason: str) -> None:
         used = self.t2.insert(hs, dst)
-        _emit(self.events, "l2", True, hs)
+        _emit(self._events, "l2", True, hs)
         dup = dst[used != dst]
         if dup.size:
             self.l2.free(dup)
@@ -692,7 +693,7 @@ class TieredCache:
             return
         ok = np.fromiter((o is Outcome.OK for o in res), bool, len(res))
         self._in_l3[pages[ok]] = True
-        _emit(self.events, "l3", True, hs, ok=ok)
+        _emit(self._events, "l3", True, hs, ok=ok)
         st.put_l3(reasons, ok, self.page_bytes)
 
     # -- release / flush / stats / close ----------------------------------------------------------
@@ -729,6 +730,30 @@ class TieredCache:
                 free = owned[~self.t1.cached[owned]]
                 if free.size:
                     self._l1_alloc.free(free)
+
+    # -- tier events (pulled: cache/tier_events.py) ----------------------------------------------------
+    def subscribe_events(self, limit_pages: int, wake: Callable[[], None] | None = None) -> None:
+        """Start queueing tier changes (at most `limit_pages` pages wait; more are dropped and
+        counted); `wake()` is called, under the cache's lock, when the queue stops being empty."""
+        with self._mu:
+            self._events.subscribe(limit_pages, wake)
+
+    def unsubscribe_events(self) -> None:
+        with self._mu:
+            self._events.unsubscribe()
+
+    def take_events(self) -> EventBatch:
+        """The tier changes queued since the last take, in order."""
+        with self._mu:
+            return self._events.take()
+
+    def event_snapshot(self) -> tuple[dict[str, np.ndarray], EventBatch]:
+        """The L1 and L2 page keys now and, taken in the same hold of the lock, the changes queued
+        before them (a reader sends those first; the contents are the state after them)."""
+        with self._mu:
+            tiers = (("l1", self.t1), ("l2", self.t2))
+            out = {name: t.key64_of(np.flatnonzero(t.cached).astype(np.int64)) for name, t in tiers}
+            return out, self._events.take()
 
     def flush(self, timeout: float | None = 30.0) -> None:
         """Wait for queued backups and L3 writes; raise BackgroundError with the errors any thread

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -132,24 +132,6 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# tier contents as of a moment: l1 / l2 -> uint64 page keys; `under_lock` runs with the cache's lock held
-TierContents = Callable[["Callable[[], None] | None"], "dict[str, np.ndarray]"]
-
-
-class TierEvents(Protocol):
-    """Where a TieredCache reports pages entering or leaving a tier (l3pool/cache/events.py's
-    KvEventPublisher; l3pool/pool/kv_events.py has the wire format). Called with the cache's lock
-    held, so calls must return at once (queue, never block); `keys` are 64-bit page keys (the
-    first 8 bytes of each page hash). Tiers: "l1", "l2", "l3" (an L3 store = this instance wrote
-    the page to the pool; the pool's own removals are invisible to the cache)."""
-
-    def bind(self, contents: TierContents) -> None: ...
-
-    def stored(self, tier: str, keys: np.ndarray) -> None: ...
-
-    def removed(self, tier: str, keys: np.ndarray) -> None: ...
 
 
 class LoadTracker(Protocol):
