@@ -113,7 +113,7 @@ class TieredCache:
         self._events = EventQueue()  # tier changes, pulled by a reader (take_events; cache/tier_events.py)
         self._reaper = threading.Thread(target=self._reap, name="l3pool-cache-backup", daemon=True)
         self._reaper.start()
-        metrics.watch_cache(self)  # its occupancy gauges, read from stats() at each scrape
+        metrics.watch_cache(self)  # its l3pool_cache_* series, derived from stats() at each scrape
 
     # -- small helpers ----------------------------------------------------------------------------
     def slots(self, l1_pages: np.ndarray) -> torch.Tensor:
@@ -131,12 +131,10 @@ class TieredCache:
         with self._mu:
             self._errors.append(what)
             self._stats.errors += 1
-        metrics.CACHE_ERRORS.inc()
 
     def _add_wait(self, tier: str, s: float) -> None:
         with self._mu:
-            self._stats.wait_s[tier] += s
-        metrics.CACHE_WAIT_SECONDS(tier).observe(s)
+            self._stats.waited(tier, s)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -411,7 +409,6 @@ class TieredCache:
         victims, keys = self.t1.native.evict(n, self.ghost.native if self.ghost.capacity else None)
         _emit(self._events, "l1", False, keys)
         self._stats.evictions["l1"] += len(victims)
-        metrics.CACHE_EVICTIONS("l1").inc(len(victims))
         if self.down.evict_copies:
             try:
                 self._write_back_l1(split(keys), victims)
@@ -454,7 +451,6 @@ class TieredCache:
             log.warning("%s: %d pages skipped (%s): %s; %d L2 pages wait for the L3 writer", what, len(hk), cause, e,
                         queued)  # fmt: skip
             self._stats.backup_skips[cause] += len(hk)
-            metrics.CACHE_BACKUP_SKIPS(cause).inc(len(hk))
             return None
 
     def _alloc_l2(self, n: int) -> np.ndarray:
@@ -473,7 +469,6 @@ class TieredCache:
             return
         _emit(self._events, "l2", False, hs)
         self._stats.evictions["l2"] += len(victims)
-        metrics.CACHE_EVICTIONS("l2").inc(len(victims))
         try:
             if self.out.evict_copies and self.l3 is not None:
                 keep = ~self._in_l3[victims]
@@ -586,7 +581,6 @@ class TieredCache:
         g = self.ghost.native.leading_of(buf, start, HASH_BYTES) if self.ghost.capacity else 0
         if g:  # rebuilt pages evicted from L1 before: proven reuse
             self._stats.ghost_hits += g
-            metrics.CACHE_GHOST_HITS.inc(g)
             gp = pages[start : start + g]
             self.t1.hits[gp] = np.maximum(self.t1.hits[gp], thr)
             hot[start : start + g] = False
@@ -791,7 +785,6 @@ class TieredCache:
         every cached page back to its allocator. Raises BackgroundError for unreported errors."""
         if self._closed:
             return
-        metrics.unwatch_cache(self)
         for rid in list(self._reqs):
             log.warning("close(): releasing active request %s", rid)
             self.release(rid)
@@ -806,6 +799,9 @@ class TieredCache:
             if self.prefetcher is not None:
                 self.prefetcher.close()
             self._engine.close()
+            with self._mu:
+                final = self._stats.as_dict()
+            metrics.unwatch_cache(self, final)  # its counts stay in the counters (not under _mu: a scrape takes it)
             with self._mu:
                 for t, free in ((self.t1, self._l1_alloc.free), (self.t2, self.l2.free)):
                     pages = np.flatnonzero(t.cached).astype(np.int64)

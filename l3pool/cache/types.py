@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -71,7 +72,15 @@ class CacheStats:
     hit_pages: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
     miss_pages: int = 0
     hit_bytes: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    # token twins (pages x page_size): only whole pages are cached, a request's tail is never counted
+    hit_tokens: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    miss_tokens: int = 0
+    requested_tokens: int = 0
     wait_s: dict[str, float] = field(default_factory=lambda: {"l2": 0.0, "l3": 0.0})
+    # the waits per metrics.WAIT_BUCKETS bucket (the last: above them all): l3pool_cache_wait_seconds
+    wait_counts: dict[str, list[int]] = field(
+        default_factory=lambda: {t: [0] * (len(metrics.WAIT_BUCKETS) + 1) for t in ("l2", "l3")}
+    )
     evictions: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0})
     ghost_hits: int = 0
     # pages written per boundary and reason ("through", "selective", "ghost", "back")
@@ -95,21 +104,22 @@ class CacheStats:
     moved_s: dict[str, float] = field(default_factory=lambda: {"l2": 0.0, "l3": 0.0})
 
     def count_request(self, hits: dict[str, int], pages: int, page_bytes: int, page_size: int) -> None:
-        """One loaded request: its hit pages per tier (l1, l2, l3) of its `pages` whole pages, here
-        and in the Prometheus mirrors (pages, bytes and tokens)."""
+        """One loaded request: its hit pages per tier (l1, l2, l3) of its `pages` whole pages (in
+        pages, bytes and tokens; l3pool.metrics derives its series from these)."""
         self.requests += 1
-        metrics.CACHE_REQUESTS.inc()
         for t, n in hits.items():
             self.hit_pages[t] += n
             self.hit_bytes[t] += n * page_bytes
-            metrics.CACHE_HIT_PAGES(t).inc(n)
-            metrics.CACHE_HIT_BYTES(t).inc(n * page_bytes)
-            metrics.CACHE_HIT_TOKENS(t).inc(n * page_size)
+            self.hit_tokens[t] += n * page_size
         miss = pages - sum(hits.values())
         self.miss_pages += miss
-        metrics.CACHE_MISS_PAGES.inc(miss)
-        metrics.CACHE_MISS_TOKENS.inc(miss * page_size)
-        metrics.CACHE_REQUESTED_TOKENS.inc(pages * page_size)
+        self.miss_tokens += miss * page_size
+        self.requested_tokens += pages * page_size
+
+    def waited(self, tier: str, seconds: float) -> None:
+        """A caller waited `seconds` on `tier` (l2: a load, l3: the prefetch at load())."""
+        self.wait_s[tier] += seconds
+        self.wait_counts[tier][bisect.bisect_left(metrics.WAIT_BUCKETS, seconds)] += 1
 
     def moved(self, tier: str, nbytes: int, seconds: float) -> None:
         """A finished copy into the tier above `tier` (caller holds the cache's lock)."""
