@@ -36,8 +36,10 @@ if TYPE_CHECKING:
     from l3pool.cache.controller import LoadHandle, TieredCache
     from l3pool.cache.events import EventOptions, KvEventPublisher
     from l3pool.cache.index import GhostList, TierIndex
-    from l3pool.cache.shared import SharedTieredCache
+    from l3pool.cache.movers import Movers, plain_movers
+    from l3pool.cache.shared import TPShared
     from l3pool.cache.stack import CacheStack, L3Tier, build, l3_tier
+    from l3pool.cache.tier_events import EventBatch, TierEvent
     from l3pool.cache.types import (
         L1,
         BackgroundError,
@@ -56,7 +58,9 @@ _LAZY = {
     **dict.fromkeys(("LoadHandle", "TieredCache"), "l3pool.cache.controller"),
     **dict.fromkeys(("EventOptions", "KvEventPublisher"), "l3pool.cache.events"),
     **dict.fromkeys(("GhostList", "TierIndex"), "l3pool.cache.index"),
-    "SharedTieredCache": "l3pool.cache.shared",
+    **dict.fromkeys(("Movers", "plain_movers"), "l3pool.cache.movers"),
+    "TPShared": "l3pool.cache.shared",
+    **dict.fromkeys(("EventBatch", "TierEvent"), "l3pool.cache.tier_events"),
     **dict.fromkeys(("CacheStack", "L3Tier", "build", "l3_tier"), "l3pool.cache.stack"),
     **dict.fromkeys(
         ("L1", "BackgroundError", "CacheError", "CacheFull", "CacheStats", "Match", "PPShortLoad", "UnknownRequest"),
@@ -72,6 +76,7 @@ __all__ = [
     "CacheFull",
     "CacheStack",
     "CacheStats",
+    "EventBatch",
     "EventOptions",
     "GhostList",
     "KvEventPublisher",
@@ -79,9 +84,11 @@ __all__ = [
     "L3Tier",
     "LoadHandle",
     "Match",
+    "Movers",
     "PPShortLoad",
     "PrefetchPolicy",
-    "SharedTieredCache",
+    "TPShared",
+    "TierEvent",
     "TierIndex",
     "TieredCache",
     "UnknownRequest",
@@ -89,6 +96,7 @@ __all__ = [
     "build",
     "l3_settings",
     "l3_tier",
+    "plain_movers",
 ]
 
 

@@ -8,7 +8,7 @@
 
 The cache queues its tier changes itself (typed `TierEvent`s in a bounded queue of `queue_pages`
 pages, l3pool/cache/tier_events.py) and wakes the publisher when the queue stops being empty; the
-publisher pulls them (`cache.take_events()`) and never takes the cache's lock. `stored` /
+publisher pulls them (`cache.events.take()`) and never takes the cache's lock. `stored` /
 `removed` queue changes directly (a source that is not a cache). A full queue drops the operation
 (counted in `stats()` and `l3pool_kv_events_dropped_total`) and the next message skips a sequence
 number, so every subscriber sees the gap and resynchronises from a snapshot (which heals the loss). One background
@@ -17,7 +17,7 @@ msgpack frame: ops + one uint64 key buffer, l3pool/pool/kv_events.py), sends wit
 subscriber at its high-water mark loses messages, again a gap), sends a heartbeat every
 `heartbeat_s` (so a lost last message is seen too) and answers snapshot requests on its ROUTER
 socket: the cache's L1/L2 contents and the changes queued before them, taken by the cache in one
-step (`cache.event_snapshot()`), sent first, so the snapshot is exactly the state as of its
+step (`cache.events.snapshot()`), sent first, so the snapshot is exactly the state as of its
 sequence number. L3 has no removal events (the pool evicts
 without telling the cache): the publisher keeps its last `l3_hints` L3 writes in a ring and sends
 them in snapshots as hints (DESIGN.md, "KV events and the global index").
@@ -52,7 +52,7 @@ from l3pool.pool.kv_events import (
 
 if TYPE_CHECKING:
     from l3pool.cache.controller import TieredCache
-    from l3pool.cache.tier_events import EventBatch
+    from l3pool.cache.tier_events import CacheEvents, EventBatch
     from l3pool.pool.etcd import LeaseKeeper
     from l3pool.pool.metadata import Metadata
 
@@ -141,7 +141,7 @@ class KvEventPublisher:
         self._seq = 0  # last seq assigned (sender thread only, or under the cache's lock at a snapshot)
         self._ring = np.zeros(l3_hints, dtype=np.uint64)  # recent L3 writes (hints)
         self._ring_n = 0
-        self._source: TieredCache | None = None  # the cache whose events it pulls (attach)
+        self._source: CacheEvents | None = None  # the cache whose events it pulls (attach)
         self._contents: Contents | None = None  # or another source's contents (bind)
         self.sent = self.pages = self.dropped_ops = self.dropped_pages = self.snapshots = 0
         self._rfd, self._wfd = os.pipe()
@@ -168,8 +168,8 @@ class KvEventPublisher:
         """Pull `cache`'s tier changes from now on (its snapshots read the cache's tiers)."""
         if self._source is not None:
             raise ValueError("this publisher already reads a cache")
-        self._source = cache
-        cache.subscribe_events(self.queue_pages, self._wake)
+        self._source = cache.events
+        self._source.subscribe(self.queue_pages, self._wake)
 
     def _wake(self) -> None:  # the cache calls it under its lock: never blocks
         try:
@@ -229,7 +229,7 @@ class KvEventPublisher:
     # -- the sender thread ----------------------------------------------------------------------
     def _take(self, pull: bool = True) -> tuple[list[int], bytes, int, float | None]:
         if pull and self._source is not None:
-            self._pull(self._source.take_events())
+            self._pull(self._source.take())
         with self._mu:
             ops, self._ops, n, self._queued = self._ops, [], self._queued, 0
             gap, self._gap = self._gap, False
@@ -331,7 +331,7 @@ class KvEventPublisher:
 
         tiers: dict[str, np.ndarray] = {}
         if self._source is not None:  # the contents, and the changes before them sent first
-            tiers, before = self._source.event_snapshot()
+            tiers, before = self._source.snapshot()
             self._pull(before)
             send_first()
         elif self._contents is not None:
@@ -396,7 +396,7 @@ class KvEventPublisher:
                 log.warning("KV events: deregistering %s failed: %s", self.instance, e)
         self._stop = True
         if self._source is not None:
-            self._source.unsubscribe_events()
+            self._source.unsubscribe()
         try:
             os.write(self._wfd, b"x")
         except OSError:

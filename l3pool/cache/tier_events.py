@@ -2,16 +2,18 @@
 
 The cache appends a `TierEvent` under its own lock at every change of a tier (no call out of the
 cache); a reader (l3pool/cache/events.py's KvEventPublisher) subscribes, is woken when the queue
-stops being empty, and pulls them with `TieredCache.take_events()`, or with the tiers' contents
-in one atomic step with `TieredCache.event_snapshot()`. Keys are 64-bit page keys (the first 8
-bytes of each page hash). Tiers: "l1", "l2", "l3" (an L3 store = this instance wrote the page to
-the pool; the pool's own removals are invisible to the cache). Torch-free (a publisher imports it).
+stops being empty, and pulls them through `cache.events` (a `CacheEvents`: `take()`, or
+`snapshot()` for the tiers' contents and the changes before them in one step;
+`cache.take_events()` is `take()`). Keys are 64-bit page keys (the first 8 bytes of each page
+hash). Tiers: "l1", "l2", "l3" (an L3 store = this instance wrote the page to the pool; the
+pool's own removals are invisible to the cache). Torch-free (a publisher imports it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -84,3 +86,32 @@ class EventQueue:
         b = EventBatch(tuple(self._events), self._dropped_ops, self._dropped_pages)
         self._events, self._pages, self._dropped_ops, self._dropped_pages = [], 0, 0, 0
         return b
+
+
+class CacheEvents:
+    """A cache's tier events as its reader sees them (`cache.events`): every call takes the cache's
+    lock itself, so the reader never touches it."""
+
+    def __init__(self, q: EventQueue, mu: Any, contents: Callable[[], dict[str, np.ndarray]]) -> None:
+        self._q, self._mu, self._contents = q, mu, contents
+
+    def subscribe(self, limit_pages: int, wake: Callable[[], None] | None = None) -> None:
+        """Start queueing tier changes (at most `limit_pages` pages wait; more are dropped and
+        counted); `wake()` is called, under the cache's lock, when the queue stops being empty."""
+        with self._mu:
+            self._q.subscribe(limit_pages, wake)
+
+    def unsubscribe(self) -> None:
+        with self._mu:
+            self._q.unsubscribe()
+
+    def take(self) -> EventBatch:
+        """The changes queued since the last take, in order."""
+        with self._mu:
+            return self._q.take()
+
+    def snapshot(self) -> tuple[dict[str, np.ndarray], EventBatch]:
+        """The L1 and L2 page keys now and, taken in the same hold of the lock, the changes queued
+        before them (a reader sends those first: the contents are the state after them)."""
+        with self._mu:
+            return self._contents(), self._q.take()

@@ -127,6 +127,13 @@ class CacheStats:
             self.moved_bytes[tier] += nbytes
             self.moved_s[tier] += seconds
 
+    def fetched(self, res: Any, page_bytes: int) -> None:
+        """A prefetch's result (pool.prefetch.PrefetchResult) at load()."""
+        self.moved("l3", len(res.pages) * page_bytes, res.elapsed_s)
+        self.prefetch_interrupted += int(res.interrupted)
+        if res.error is not None or res.stopped_by not in (None, "miss"):
+            self.l3_read_failures += 1
+
     def backed_up(self, reason: str, pages: int, page_bytes: int) -> None:
         """`pages` copied L1 -> L2 because of `reason` (caller holds the cache's lock)."""
         self.l1_to_l2_writes[reason] = self.l1_to_l2_writes.get(reason, 0) + pages

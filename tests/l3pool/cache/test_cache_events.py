@@ -64,7 +64,7 @@ def _snapshot(pub: KvEventPublisher, body: bytes | None = None) -> bytes:
 
 
 def _attach(e: Engine) -> Recorder:
-    e.cache.subscribe_events(1 << 20)
+    e.cache.events.subscribe(1 << 20)
     return Recorder(e.cache)
 
 
@@ -115,7 +115,7 @@ def test_events_are_typed_pulled_in_order_and_bounded() -> None:
     e = Engine(CacheConfig(l1_to_l2="write_back"), l1_pages=8, l2_pages=12)
     woken: list[int] = []
     try:
-        e.cache.subscribe_events(10, lambda: woken.append(1))
+        e.cache.events.subscribe(10, lambda: woken.append(1))
         a, b = chain(1, 6), chain(2, 6)
         e.run("a", a)
         assert len(woken) == 1
@@ -129,7 +129,7 @@ def test_events_are_typed_pulled_in_order_and_bounded() -> None:
         assert len(woken) == 2
         assert [(ev.tier, ev.stored, len(ev.keys)) for ev in got.events] == [("l1", False, 4), ("l2", True, 4)]
         assert (got.dropped_ops, got.dropped_pages) == (1, 6)
-        e.cache.unsubscribe_events()
+        e.cache.events.unsubscribe()
         e.run("c", chain(3, 2))
         assert e.cache.take_events() == EventBatch()
     finally:
