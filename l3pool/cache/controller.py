@@ -403,7 +403,7 @@ class TieredCache:
         with self._mu, self._api_mu:
             d = self.plan.counts()
         d["writer_pending"] = out.pending() if out is not None else 0
-        d["writer_puts"] = getattr(out, "puts", 0)
+        d["writer_puts"] = out.puts if out is not None else 0
         d["l3_client"] = self.l3.stats.as_dict() if self.l3 is not None else None
         d.update(self.movers.stats())
         return d

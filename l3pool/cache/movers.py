@@ -119,6 +119,11 @@ class L3In(Protocol):
 class L3Out(Protocol):
     pins: bool  # the cache pins the pages it queues until their put returned
 
+    @property
+    def puts(self) -> int:
+        """Put calls made for queued pages (batches)."""
+        ...
+
     def submit(self, hs: list[bytes], pages: np.ndarray) -> None: ...
 
     def put_now(self, keys: list[str], pages: np.ndarray) -> PutOutcome | None: ...
