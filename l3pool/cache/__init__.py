@@ -16,9 +16,11 @@ Lifecycle of one request (all ids are the engine's request ids):
     cache.release(rid)                 # unpin; uncommitted L1 pages go back to the free list
     cache.flush() / cache.stats() / cache.close()
 
-Everything else stays behind these calls: per-tier indexes with LRU and reference counts
-(index.py), hit counts per distinct request, the ghost list, PP stage locks, the writer thread
-(writer.py), stats. Errors of background threads are recorded and raised by flush()/close().
+Everything else stays behind these calls: the planner's books (planner.py: per-tier indexes with
+reference counts and an eviction policy, hit counts per distinct request, the ghost list, PP stage
+locks, stats) and the movers that execute its plans (movers.py: transfer engine, backup thread,
+prefetcher, writer; the TP-shared ones in shared.py, picked by build()). Tier changes are pulled
+(`cache.events`, tier_events.py). Errors of background threads are raised by flush()/close().
 See README.md for the policies and their measured costs.
 
 The names load lazily (on first use), so `from l3pool.cache.events import KvEventPublisher` (and
