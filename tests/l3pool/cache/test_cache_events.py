@@ -269,3 +269,15 @@ def test_the_publisher_imports_without_torch() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_the_publisher_never_takes_the_caches_lock() -> None:
+    """It pulls through `cache.events` (CacheEvents takes the lock itself): no `_mu` of the cache,
+    no sink the cache calls, in events.py."""
+    from pathlib import Path
+
+    from l3pool.cache import events
+
+    src = Path(events.__file__).read_text()
+    assert "cache._mu" not in src and "cache.mu" not in src and "cache.events =" not in src
+    assert "._source.take()" in src and "._source.snapshot()" in src
