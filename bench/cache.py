@@ -255,7 +255,7 @@ def _overlap(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
 def _check_loaded(cache: TieredCache, pool: HostKVPool, l1_pages: np.ndarray, m: Any, bufs: list[torch.Tensor],
                   spec: KVSpec) -> bool:  # fmt: skip
     """Every loaded L1 page equals its L2 page (page_first_direct: [pages, L, page, 1, D])."""
-    l2p = cache.t2.pages_of(cache._req(m.request_id).hashes[: len(l1_pages)])
+    l2p = cache.t2.pages_of(cache.plan.req(m.request_id).hashes[: len(l1_pages)])
     if (l2p < 0).any():
         return False
     want = pool.view()[torch.from_numpy(l2p)]  # [n, L, page, 1, D]

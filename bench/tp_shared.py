@@ -4,7 +4,7 @@
 
 For each TP size, TP rank processes (spawned; with --device cuda they share the one GPU) run the
 same request trace through their own cache controller, one variant after another:
-  shared     one `SharedTieredCache` per rank over ONE shared L2 pool of `--l2-pages` pages
+  shared     one TP-shared cache (`TPShared` movers) per rank over ONE shared L2 pool of `--l2-pages` pages
              (l2core.shm; rank 0 copies D2H, every rank loads), digests compared across the
              ranks every `--check-every` requests (any difference fails the run);
   per_rank   one `TieredCache` per rank over its own pool, the same total host memory split over

@@ -18,7 +18,7 @@ Two registries, one per role, so an endpoint exports only what its process can c
   time by the collector in l3pool/index/metrics.py (no second tally), and `process_*`;
   `l3pool index --metrics-port` serves it.
 Derived at scrape time, by collectors registered from their own package (one home per concept):
-the index's (l3pool/index/metrics.py) and the TieredCache occupancy gauges (below). The router's
+the index's (l3pool/index/metrics.py) and the TieredCache's series, counts and occupancy (below). The router's
 families are in l3pool/router/metrics.py (engine registry).
 All carry `l3pool_build_info{version, python, mooncake}` (always 1). `serve()` drops
 prometheus_client's `<name>_created` samples (a second, timestamp-valued series per counter and
@@ -326,79 +326,112 @@ PPLOCK_ACQUIRE_SECONDS = _rh(
 PPLOCK_TIMEOUTS = _rc("l3pool_pplock_timeouts_total", "join() calls that found no lock within their timeout")
 
 # -- TieredCache (cache/controller.py) -----------------------------------------------------------
-CACHE_REQUESTS = _rc("l3pool_cache_requests_total", "Requests load() served")
-_CACHE_HIT_PAGES = _rc("l3pool_cache_hit_pages_total", "Pages a request found per tier (l1, l2, l3)", ["tier"])
-_CACHE_HIT_BYTES = _rc("l3pool_cache_hit_bytes_total", "Bytes of the pages found per tier", ["tier"])
-CACHE_MISS_PAGES = _rc("l3pool_cache_miss_pages_total", "Pages no tier had (computed by the engine)")
-# token-denominated twins (pages x page_size), as LMCache dashboards count (lmcache:num_hit_tokens,
-# lmcache:num_requested_tokens): only whole pages are cached, so a request's tail is never counted
-_CACHE_HIT_TOKENS = _rc("l3pool_cache_hit_tokens_total", "Tokens of the pages found per tier (pages x page_size)",
-                            ["tier"])  # fmt: skip
-CACHE_MISS_TOKENS = _rc("l3pool_cache_miss_tokens_total", "Tokens of the pages no tier had (pages x page_size)")
-CACHE_REQUESTED_TOKENS = _rc(
-    "l3pool_cache_requested_tokens_total", "Tokens of the whole pages requests asked for (hit + miss tokens)"
-)
-_CACHE_WAIT_SECONDS = _rh(
-    "l3pool_cache_wait_seconds",
-    "Time a caller waited on a tier: l2 = an L2 -> L1 load, l3 = the L3 -> L2 prefetch at load()",
-    ["tier"],
-    buckets=WAIT_BUCKETS,
-)
-_CACHE_EVICTIONS = _rc("l3pool_cache_evictions_total", "Pages evicted per tier (l1, l2)", ["tier"])
-CACHE_GHOST_HITS = _rc(
-    "l3pool_cache_ghost_hits_total", "Rebuilt pages found in the ghost list (evicted before: proven reuse)"
-)
-CACHE_ERRORS = _rc("l3pool_cache_errors_total", "Errors of the cache's background work")
-_CACHE_BACKUP_SKIPS = _rc(
-    "l3pool_cache_backup_skipped_pages_total",
-    "Pages not backed up L1 -> L2 because every L2 page was pinned, by cause (l3_slow: pages waiting for the L3 "
-    "writer held the room; l2_pinned: requests' pins alone)",
-    ["cause"],
-)
-CACHE_HIT_PAGES = (_CACHE_HIT_PAGES).preinit(*[(t,) for t in TIERS])
-CACHE_HIT_BYTES = (_CACHE_HIT_BYTES).preinit(*[(t,) for t in TIERS])
-CACHE_HIT_TOKENS = (_CACHE_HIT_TOKENS).preinit(*[(t,) for t in TIERS])
-CACHE_WAIT_SECONDS = (_CACHE_WAIT_SECONDS).preinit(("l2",), ("l3",))
-CACHE_EVICTIONS = (_CACHE_EVICTIONS).preinit(("l1",), ("l2",))
-CACHE_BACKUP_SKIPS = (_CACHE_BACKUP_SKIPS).preinit(("l3_slow",), ("l2_pinned",))
+# Derived at scrape time from each cache's CacheStats (stats()), counted there once: no second tally.
+# The counters: (family, help, stats() key, label, label values); a cache's counts stay in them after
+# it closed (folded into `_retired` by unwatch_cache), so they only grow.
+CACHE_COUNTERS: tuple[tuple[str, str, str, str | None, tuple[str, ...]], ...] = (
+    ("l3pool_cache_requests", "Requests load() served", "requests", None, ()),
+    ("l3pool_cache_hit_pages", "Pages a request found per tier (l1, l2, l3)", "hit_pages", "tier", TIERS),
+    ("l3pool_cache_hit_bytes", "Bytes of the pages found per tier", "hit_bytes", "tier", TIERS),
+    ("l3pool_cache_miss_pages", "Pages no tier had (computed by the engine)", "miss_pages", None, ()),
+    # token-denominated twins (pages x page_size), as LMCache dashboards count (lmcache:num_hit_tokens,
+    # lmcache:num_requested_tokens): only whole pages are cached, so a request's tail is never counted
+    ("l3pool_cache_hit_tokens", "Tokens of the pages found per tier (pages x page_size)", "hit_tokens", "tier", TIERS),
+    ("l3pool_cache_miss_tokens", "Tokens of the pages no tier had (pages x page_size)", "miss_tokens", None, ()),
+    ("l3pool_cache_requested_tokens", "Tokens of the whole pages requests asked for (hit + miss tokens)",
+     "requested_tokens", None, ()),
+    ("l3pool_cache_evictions", "Pages evicted per tier (l1, l2)", "evictions", "tier", ("l1", "l2")),
+    ("l3pool_cache_ghost_hits", "Rebuilt pages found in the ghost list (evicted before: proven reuse)",
+     "ghost_hits", None, ()),
+    ("l3pool_cache_errors", "Errors of the cache's background work", "errors", None, ()),
+    ("l3pool_cache_backup_skipped_pages",
+     "Pages not backed up L1 -> L2 because every L2 page was pinned, by cause (l3_slow: pages waiting for the L3 "
+     "writer held the room; l2_pinned: requests' pins alone)", "backup_skips", "cause", ("l3_slow", "l2_pinned")),
+)  # fmt: skip
+CACHE_WAIT_TIERS = ("l2", "l3")  # stats()["wait_counts"][tier]: per WAIT_BUCKETS bucket, then +Inf
+_WAIT_DOC = "Time a caller waited on a tier: l2 = an L2 -> L1 load, l3 = the L3 -> L2 prefetch at load()"
 
-# occupancy, derived from each open TieredCache's stats() at scrape time (no second tally): the
-# cache registers itself (`watch_cache`) when made and leaves (`unwatch_cache`) at close(); the
-# gauges sum the process's caches, labelled with its rank
+# occupancy, derived from each open TieredCache's stats() at scrape time too: the cache registers
+# itself (`watch_cache`) when made and leaves (`unwatch_cache`) at close(); the gauges sum the
+# process's open caches, labelled with its rank
 CACHE_PAGE_STATES = ("total", "free", "cached", "pinned")
 _caches: weakref.WeakSet[Any] = weakref.WeakSet()
+_caches_mu = threading.Lock()  # a cache leaves (its counts folded) atomically with respect to a scrape
+_retired: dict[str, Any] = {}  # the counter keys of closed caches' stats, summed
+
+
+def _sum(a: Any, b: Any) -> Any:
+    """a + b over the shapes of stats() (numbers, lists of bucket counts, dicts of them); a: None = 0."""
+    if isinstance(b, dict):
+        return {**(a or {}), **{k: _sum((a or {}).get(k), v) for k, v in b.items()}}
+    if isinstance(b, list):
+        return list(b) if a is None else [x + y for x, y in zip(a, b, strict=True)]
+    return b if a is None else a + b
+
+
+def _fold(into: dict[str, Any], st: dict[str, Any]) -> None:
+    for key in (*(c[2] for c in CACHE_COUNTERS), "wait_s", "wait_counts"):
+        if key in st:
+            into[key] = _sum(into.get(key), st[key])
 
 
 def watch_cache(cache: Any) -> None:
-    """Export this cache's occupancy (its `stats()`: l1_pages, l2_pages, writer_pending, ...)."""
-    _caches.add(cache)
+    """Export this cache's counts and occupancy (its `stats()`) from now on."""
+    with _caches_mu:
+        _caches.add(cache)
 
 
-def unwatch_cache(cache: Any) -> None:
-    _caches.discard(cache)
+def unwatch_cache(cache: Any, final: dict[str, Any]) -> None:
+    """The cache closed: its occupancy leaves the gauges, its `final` counts (stats()) stay in the counters."""
+    with _caches_mu:
+        if cache in _caches:
+            _fold(_retired, final)
+            _caches.discard(cache)
 
 
 class _CacheCollector:
-    """l3pool_cache_pages{tier,state}, l3pool_cache_writer_pending_pages, l3pool_cache_active_requests,
-    l3pool_cache_ghost_entries: the sums over the open caches' stats() of this scrape."""
+    """The l3pool_cache_* counters and wait histogram (the open caches' stats() plus the closed ones'
+    last counts); l3pool_cache_pages{tier,state}, l3pool_cache_writer_pending_pages,
+    l3pool_cache_active_requests, l3pool_cache_ghost_entries: the sums over the open caches' stats()."""
 
     def describe(self) -> Iterator[Any]:
-        return self._families([])
+        return self._families([], {})
 
     def collect(self) -> Iterator[Any]:
         stats = []
-        for c in list(_caches):
-            try:
-                stats.append(c.stats())
-            except Exception:  # closing meanwhile, or a bug: that cache is left out of this scrape
-                log.debug("cache metrics: stats() failed", exc_info=True)
-        return self._families(stats)
+        with _caches_mu:
+            for c in list(_caches):
+                try:
+                    stats.append(c.stats())
+                except Exception:  # closing meanwhile, or a bug: that cache is left out of this scrape
+                    log.debug("cache metrics: stats() failed", exc_info=True)
+            total: dict[str, Any] = {}
+            _fold(total, _retired)
+        for st in stats:
+            _fold(total, st)
+        return self._families(stats, total)
 
     @staticmethod
-    def _families(stats: list[dict[str, Any]]) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+    def _families(stats: list[dict[str, Any]], total: dict[str, Any]) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         r = list(_rank)
+        for name, doc, key, label, values in CACHE_COUNTERS:
+            fam = CounterMetricFamily(name, doc, labels=[*RANK_LABELS, *([label] if label else [])])
+            v = total.get(key, {} if label else 0)
+            if label is None:
+                fam.add_metric(r, float(v))
+            for lv in values:
+                fam.add_metric([*r, lv], float(v.get(lv, 0)))
+            yield fam
+        wait = HistogramMetricFamily("l3pool_cache_wait_seconds", _WAIT_DOC, labels=[*RANK_LABELS, "tier"])
+        n = len(WAIT_BUCKETS) + 1
+        for tier in CACHE_WAIT_TIERS:
+            counts = total.get("wait_counts", {}).get(tier, [0] * n)
+            cum = [sum(counts[: i + 1]) for i in range(n)]
+            buckets = [(repr(float(le)), float(c)) for le, c in zip(WAIT_BUCKETS, cum, strict=False)]
+            wait.add_metric([*r, tier], [*buckets, ("+Inf", float(cum[-1]))], total.get("wait_s", {}).get(tier, 0.0))
+        yield wait
         pages = GaugeMetricFamily("l3pool_cache_pages",
                                   "Pages of the process's caches per tier (l1, l2) and state (total, free in its "
                                   "allocator, cached, pinned by requests), from stats()",

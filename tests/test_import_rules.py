@@ -1,4 +1,4 @@
-"""The floors' import rules (READMEs, DESIGN.md §2), checked over the source tree so the diagram
+"""The floors' import rules (READMEs, docs/design.md §2), checked over the source tree so the diagram
 cannot drift: every `import` / `from ... import` statement of every module counts, the lazy ones
 inside functions too (a lazy upward import is still an upward import), and so do the imports by
 name: `importlib.import_module("...")` / `__import__("...")` with a literal, and the tables of

@@ -42,10 +42,7 @@ RULES = (
         ("page_slots", "slot_pages"),
         re.compile(r"\[:, *None\] *\* *[A-Za-z_.()]+ *\+ *[A-Za-z_.]*arange"),
         EVERYTHING,
-        (
-            ("l2core/layout.py", "byte strides of the (kv, layer) runs of a host page, not token slots"),
-            ("l3pool/cache/controller.py", "PENDING: its rewrite (another branch) calls l2core.l1.page_slots"),
-        ),
+        (("l2core/layout.py", "byte strides of the (kv, layer) runs of a host page, not token slots"),),
     ),
     Rule(
         "L1 buffer allocation",

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     report["targets"] = {
         "prefetch_ratio>=0.90": report["prefetch_ratio"] >= 0.90,
         # judged against the raw floors of the same run (paired medians; the p99 ratios move with the
-        # machine's load), not an absolute 2 ms: the acquire floor alone is above 2 ms (l3pool/DESIGN.md)
+        # machine's load), not an absolute 2 ms: the acquire floor alone is above 2 ms (docs/design.md)
         "lock_acquire_vs_raw<=1.5": at_most("lock_acquire_vs_raw", LOCK_VS_RAW_TARGET),
         "stage_join_vs_raw<=1.5": at_most("stage_join_vs_raw", LOCK_VS_RAW_TARGET),
         "interrupt_p99_ms<=150": at_most("interrupt_p99_ms", 150.0),

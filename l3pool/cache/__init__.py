@@ -16,9 +16,11 @@ Lifecycle of one request (all ids are the engine's request ids):
     cache.release(rid)                 # unpin; uncommitted L1 pages go back to the free list
     cache.flush() / cache.stats() / cache.close()
 
-Everything else stays behind these calls: per-tier indexes with LRU and reference counts
-(index.py), hit counts per distinct request, the ghost list, PP stage locks, the writer thread
-(writer.py), stats. Errors of background threads are recorded and raised by flush()/close().
+Everything else stays behind these calls: the planner's books (planner.py: per-tier indexes with
+reference counts and an eviction policy, hit counts per distinct request, the ghost list, PP stage
+locks, stats) and the movers that execute its plans (movers.py: transfer engine, backup thread,
+prefetcher, writer; the TP-shared ones in shared.py, picked by build()). Tier changes are pulled
+(`cache.events`, tier_events.py). Errors of background threads are raised by flush()/close().
 See README.md for the policies and their measured costs.
 
 The names load lazily (on first use), so `from l3pool.cache.events import KvEventPublisher` (and
@@ -36,8 +38,10 @@ if TYPE_CHECKING:
     from l3pool.cache.controller import LoadHandle, TieredCache
     from l3pool.cache.events import EventOptions, KvEventPublisher
     from l3pool.cache.index import GhostList, TierIndex
-    from l3pool.cache.shared import SharedTieredCache
+    from l3pool.cache.movers import Movers, plain_movers
+    from l3pool.cache.shared import TPShared
     from l3pool.cache.stack import CacheStack, L3Tier, build, l3_tier
+    from l3pool.cache.tier_events import EventBatch, TierEvent
     from l3pool.cache.types import (
         L1,
         BackgroundError,
@@ -56,7 +60,9 @@ _LAZY = {
     **dict.fromkeys(("LoadHandle", "TieredCache"), "l3pool.cache.controller"),
     **dict.fromkeys(("EventOptions", "KvEventPublisher"), "l3pool.cache.events"),
     **dict.fromkeys(("GhostList", "TierIndex"), "l3pool.cache.index"),
-    "SharedTieredCache": "l3pool.cache.shared",
+    **dict.fromkeys(("Movers", "plain_movers"), "l3pool.cache.movers"),
+    "TPShared": "l3pool.cache.shared",
+    **dict.fromkeys(("EventBatch", "TierEvent"), "l3pool.cache.tier_events"),
     **dict.fromkeys(("CacheStack", "L3Tier", "build", "l3_tier"), "l3pool.cache.stack"),
     **dict.fromkeys(
         ("L1", "BackgroundError", "CacheError", "CacheFull", "CacheStats", "Match", "PPShortLoad", "UnknownRequest"),
@@ -72,6 +78,7 @@ __all__ = [
     "CacheFull",
     "CacheStack",
     "CacheStats",
+    "EventBatch",
     "EventOptions",
     "GhostList",
     "KvEventPublisher",
@@ -79,9 +86,11 @@ __all__ = [
     "L3Tier",
     "LoadHandle",
     "Match",
+    "Movers",
     "PPShortLoad",
     "PrefetchPolicy",
-    "SharedTieredCache",
+    "TPShared",
+    "TierEvent",
     "TierIndex",
     "TieredCache",
     "UnknownRequest",
@@ -89,6 +98,7 @@ __all__ = [
     "build",
     "l3_settings",
     "l3_tier",
+    "plain_movers",
 ]
 
 

@@ -13,7 +13,8 @@ import torch
 
 from l2core import _native
 from l2core.spec import ConfigError
-from l3pool.cache.config import CacheConfig
+from l3pool.cache.config import PP_REFUSED, CacheConfig
+from l3pool.cache.tier_events import EventQueue
 from l3pool.cache.types import L1
 from l3pool.pool.keys import HASH_BYTES, hash_keys, join_hashes
 from l3pool.pool.prefetch import PrefetchHandle
@@ -25,13 +26,12 @@ _EMPTY = np.empty(0, dtype=np.int64)
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def check_parts(cfg: Any, l1: Any, l2: Any, l3: Any, locks: Any, tp_shared: bool) -> None:
-    """What a TieredCache is built from, checked before anything starts (ConfigError, one line);
-    `tp_shared`: the caller is the TP-shared controller."""
+def check_parts(cfg: Any, l1: Any, l2: Any, l3: Any, locks: Any) -> None:
+    """What a TieredCache is built from, checked before anything starts (ConfigError, one line)."""
     if not isinstance(cfg, CacheConfig):
         raise ConfigError(f"cfg must be a CacheConfig, got {type(cfg).__name__}")
-    if cfg.tp_shared and not tp_shared:  # the TP-shared controller is l3pool.cache.shared's
-        raise ConfigError("tp_shared = true: use SharedTieredCache (l3pool.cache.build() picks it)")
+    if cfg.tp_shared and locks is not None:
+        raise ConfigError(PP_REFUSED)
     check_roles(("l2", l2, HostPages, "l2core's HostKVPool"), ("l3", l3, L3Pages, "L3Client"),
                 ("locks", locks, StageLockService, "StageLocks"))  # fmt: skip
     if not isinstance(l1, L1) or not l1.bufs or not isinstance(l1.bufs[0], torch.Tensor):
@@ -77,6 +77,29 @@ def _join(hs: list[bytes]) -> bytes:
     return buf
 
 
+def commit_args(r: _Req, page_hashes: Any, l1_pages: Any) -> tuple[list[bytes], np.ndarray, bytes, bool]:
+    """commit()'s arguments checked against the request: (hashes, their L1 pages as int64, the
+    hashes joined, whether they are a prefix of the list match() got)."""
+    hs = page_hashes if isinstance(page_hashes, list) else list(page_hashes)
+    p = np.asarray(l1_pages)
+    if p.size and p.dtype.kind not in "iu":
+        raise TypeError(f"l1_pages must be integers, got {p.dtype}")
+    p = p.astype(np.int64, copy=False).reshape(-1)
+    m = len(hs)
+    if len(p) < m:
+        raise ValueError(f"{m} page hashes but only {len(p)} L1 pages")
+    known = min(m, len(r.hashes))
+    # the list match() got, or one C pass (identical objects compare by identity)
+    same = hs is r.hashes or hs[:known] == r.hashes[:known]
+    if (not same or known < r.n_hit) and hs[: r.n_hit] != r.hashes[: r.n_hit]:
+        raise ValueError(f"page_hashes of {r.rid!r} disagree with the {r.n_hit} pages it matched")
+    if m < r.n_hit:
+        raise ValueError(f"commit of {m} pages is shorter than the {r.n_hit} pages {r.rid!r} hit")
+    if same and m == known:  # match() checked r.hashes already
+        return hs, p[:m], (r.buf if m == len(r.hashes) else r.buf[: m * HASH_BYTES]), True
+    return hs, p[:m], _join(hs), False
+
+
 def _member(s: set[bytes] | dict[bytes, str], hs: list[bytes]) -> np.ndarray:
     """hs[i] in s, as a bool array (C-speed map)."""
     if not s:
@@ -108,16 +131,6 @@ class _Req:
     l3_wait_s: float = 0.0
 
 
-@dataclass
-class _Backup:
-    job: int
-    hashes: list[bytes]
-    l1: np.ndarray
-    l2: np.ndarray
-    reason: str
-    hits: np.ndarray
-
-
 class _Loads:
     """The cache's side of every LoadHandle (types.LoadTracker), built from the controller's own
     callables: its transfer engine's layer waits, a collected load's outcome, wait accounting."""
@@ -143,11 +156,11 @@ def _select(hs: list[bytes], pages: np.ndarray, mask: np.ndarray) -> tuple[list[
     return [hs[i] for i in sel.tolist()], pages[sel]
 
 
-def _emit(ev: Any, tier: str, stored: bool, keys: Any, index: Any = None, ok: np.ndarray | None = None) -> None:
-    """Report pages of a tier to the cache's TierEvents sink (the caller holds the cache's lock:
-    the sink only queues). `keys`: a native buffer of 16-byte hashes, a list of hashes, or (with
-    `index`, a TierIndex) page ids whose keys it holds; `ok`: a mask of the keys to report."""
-    if ev is None or not len(keys):
+def _emit(q: EventQueue, tier: str, stored: bool, keys: Any, index: Any = None, ok: np.ndarray | None = None) -> None:
+    """Queue a tier change for the event reader (the caller holds the cache's lock; nothing is
+    computed while no reader subscribed). `keys`: a native buffer of 16-byte hashes, a list of
+    hashes, or (with `index`, a TierIndex) page ids whose keys it holds; `ok`: a mask of the keys."""
+    if not q.on or not len(keys):
         return
     if index is not None:
         k = index.key64_of(keys)
@@ -155,5 +168,4 @@ def _emit(ev: Any, tier: str, stored: bool, keys: Any, index: Any = None, ok: np
         k = hash_keys(keys)
     if ok is not None:
         k = k[ok]
-    if len(k):
-        (ev.stored if stored else ev.removed)(tier, k)
+    q.put(tier, stored, k)

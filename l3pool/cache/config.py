@@ -9,12 +9,19 @@ from typing import Any, Literal
 
 from l2core.shm_segment import check_group
 from l2core.units import ConfigError, check_int
-from l3pool.cache.policy import PREFETCH_POLICIES, WRITE_POLICIES
+from l3pool.cache.policy import EVICTION_POLICIES, PREFETCH_POLICIES, WRITE_POLICIES
 from l3pool.values import BadValue, choice, number_at_least, unknown_key_hint
 
 # the built-in names (l3pool/cache/policy.py); a policy class added to its registry is accepted too
 WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+EvictionPolicy = Literal["lru", "lfu"]
+
+# One home for the refusal (stack.build refuses first, the cache again when built by hand).
+PP_REFUSED = (
+    "tp_shared does not take PP stage locks yet: every TP rank would need the lock's length from its stage's "
+    'rank 0, a handshake not built (l3pool/README.md, "TP-shared L2")'
+)
 
 
 def _choice(name: str, value: object, registry: dict[str, Any]) -> None:
@@ -40,6 +47,8 @@ class CacheConfig:
     once `hit_threshold` distinct requests used the page (or the ghost list proves its reuse).
     `ghost_capacity`: page hashes evicted from L1 remembered (0: no ghost list; kept only under
     l1_to_l2 write_through_selective, the policy that reads it).
+    `eviction`: which unpinned pages leave L1 / L2 when they need room: `lru` (least recently
+    used, the default) or `lfu` (fewest distinct-request hits, LRU among equals).
     `prefetch_policy`: what `load()` does with an unfinished L3 -> L2 prefetch: `best_effort`
     interrupts it at once, `wait_complete` waits for it, `timeout` waits up to
     `prefetch_timeout_s` then interrupts. `writer_batch_pages`: the L2 -> L3 writer coalesces
@@ -49,13 +58,14 @@ class CacheConfig:
     how long a stage > 0 waits for stage 0's lock.
     `tp_shared`: the L2 pool is one host copy shared by the TP group `tp_group` (MLA: the ranks'
     latent KV is bit-identical); this process is rank `tp_rank` of `tp_size`. Rank 0 alone copies
-    D2H, every rank loads the same pages (l3pool.cache.shared, l2core.shm).
+    D2H, every rank loads the same pages (the movers of l3pool.cache.shared, l2core.shm).
     """
 
     l1_to_l2: WritePolicy = "write_through"
     l2_to_l3: WritePolicy = "write_through"
     hit_threshold: int = 2
     ghost_capacity: int = 65536
+    eviction: EvictionPolicy = "lru"
     prefetch_policy: PrefetchPolicy = "best_effort"
     prefetch_timeout_s: float = 0.05
     prefetch_batch_pages: int = 32
@@ -74,6 +84,7 @@ class CacheConfig:
         _choice("l1_to_l2", self.l1_to_l2, WRITE_POLICIES)
         _choice("l2_to_l3", self.l2_to_l3, WRITE_POLICIES)
         _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
+        _choice("eviction", self.eviction, EVICTION_POLICIES)
         check_int("hit_threshold", self.hit_threshold, 1)
         check_int("ghost_capacity", self.ghost_capacity, 0)
         check_int("prefetch_batch_pages", self.prefetch_batch_pages, 1)

@@ -1,23 +1,26 @@
-"""KV events of one engine instance: `KvEventPublisher`, the TieredCache's TierEvents sink.
+"""KV events of one engine instance: `KvEventPublisher`, the reader of a TieredCache's tier events.
 
     pub = KvEventPublisher("prefill-0", namespace=ns.ns_id)      # binds tcp://127.0.0.1:* twice
-    pub.attach(stack.cache)                                   # the cache reports pages per tier
+    pub.attach(stack.cache)                                   # it pulls the cache's tier changes
     pub.register(metadata, ttl=10)                            # {prefix}/kv_events/prefill-0, leased
     ...
     pub.close()                                               # deregisters, stops the thread
 
-The cache calls `stored` / `removed` with its lock held: they append to a bounded queue (counted
-in pages, `queue_pages`) and return; a full queue drops the operation (counted in `stats()` and
-`l3pool_kv_events_dropped_total`) and the next message skips a sequence number, so every
-subscriber sees the gap and resynchronises from a snapshot (which heals the loss). One background
+The cache queues its tier changes itself (typed `TierEvent`s in a bounded queue of `queue_pages`
+pages, l3pool/cache/tier_events.py) and wakes the publisher when the queue stops being empty; the
+publisher pulls them (`cache.events.take()`) and never takes the cache's lock. `stored` /
+`removed` queue changes directly (a source that is not a cache). A full queue drops the operation
+(counted in `stats()` and `l3pool_kv_events_dropped_total`) and the next message skips a sequence
+number, so every subscriber sees the gap and resynchronises from a snapshot (which heals the loss). One background
 thread owns both ZeroMQ sockets: it batches the queue into one message per `linger_ms` (one
 msgpack frame: ops + one uint64 key buffer, l3pool/pool/kv_events.py), sends without blocking (a
 subscriber at its high-water mark loses messages, again a gap), sends a heartbeat every
 `heartbeat_s` (so a lost last message is seen too) and answers snapshot requests on its ROUTER
-socket: the cache's L1/L2 contents and the queue flushed under the cache's lock, so the snapshot
-is exactly the state as of its sequence number. L3 has no removal events (the pool evicts
+socket: the cache's L1/L2 contents and the changes queued before them, taken by the cache in one
+step (`cache.events.snapshot()`), sent first, so the snapshot is exactly the state as of its
+sequence number. L3 has no removal events (the pool evicts
 without telling the cache): the publisher keeps its last `l3_hints` L3 writes in a ring and sends
-them in snapshots as hints (DESIGN.md, "KV events and the global index").
+them in snapshots as hints (docs/design.md, "KV events and the global index").
 """
 
 from __future__ import annotations
@@ -49,12 +52,14 @@ from l3pool.pool.kv_events import (
 
 if TYPE_CHECKING:
     from l3pool.cache.controller import TieredCache
+    from l3pool.cache.tier_events import CacheEvents, EventBatch
     from l3pool.pool.etcd import LeaseKeeper
     from l3pool.pool.metadata import Metadata
 
 log = logging.getLogger(__name__)
 
-Contents = Callable[[Callable[[], None] | None], dict[str, np.ndarray]]
+# a source that is not a cache (bind()): its tiers' contents now, `under_lock()` run while nothing can change
+Contents = Callable[[Callable[[], None]], dict[str, np.ndarray]]
 
 
 def _zmq() -> Any:
@@ -63,21 +68,6 @@ def _zmq() -> Any:
     except ModuleNotFoundError:  # pragma: no cover - the `index` extra installs it
         raise RuntimeError("KV events need pyzmq: pip install 'l3pool[index]'") from None
     return zmq
-
-
-def cache_contents(cache: TieredCache) -> Contents:
-    """The cache's L1 and L2 keys now, `under_lock()` run under the same hold of its lock."""
-
-    def contents(under_lock: Callable[[], None] | None) -> dict[str, np.ndarray]:
-        with cache._mu:
-            out = {}
-            for tier, t in (("l1", cache.t1), ("l2", cache.t2)):
-                out[tier] = t.key64_of(np.flatnonzero(t.cached).astype(np.int64))
-            if under_lock is not None:
-                under_lock()
-            return out
-
-    return contents
 
 
 @dataclass(frozen=True)
@@ -151,7 +141,8 @@ class KvEventPublisher:
         self._seq = 0  # last seq assigned (sender thread only, or under the cache's lock at a snapshot)
         self._ring = np.zeros(l3_hints, dtype=np.uint64)  # recent L3 writes (hints)
         self._ring_n = 0
-        self._contents: Contents | None = None
+        self._source: CacheEvents | None = None  # the cache whose events it pulls (attach)
+        self._contents: Contents | None = None  # or another source's contents (bind)
         self.sent = self.pages = self.dropped_ops = self.dropped_pages = self.snapshots = 0
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._wfd, False)
@@ -167,15 +158,35 @@ class KvEventPublisher:
         ep: bytes = sock.getsockopt(_zmq().LAST_ENDPOINT)
         return ep.decode()
 
-    # -- the TierEvents protocol (called under the cache's lock: never blocks) --------------------
+    # -- the events' sources ------------------------------------------------------------------------
     def bind(self, contents: Contents) -> None:
+        """A source that is not a cache: it reports through stored() / removed(), its snapshots
+        read `contents`."""
         self._contents = contents
 
     def attach(self, cache: TieredCache) -> None:
-        """Make `cache` report to this publisher (its snapshots read the cache's tiers)."""
-        with cache._mu:
-            self.bind(cache_contents(cache))
-            cache.events = self
+        """Pull `cache`'s tier changes from now on (its snapshots read the cache's tiers)."""
+        if self._source is not None:
+            raise ValueError("this publisher already reads a cache")
+        self._source = cache.events
+        self._source.subscribe(self.queue_pages, self._wake)
+
+    def _wake(self) -> None:  # the cache calls it under its lock: never blocks
+        try:
+            os.write(self._wfd, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _pull(self, batch: EventBatch) -> None:
+        """Queue what the cache took for the next message (the cache's drops are a gap too)."""
+        for ev in batch.events:
+            self._put(ev.tier, STORE if ev.stored else REMOVE, ev.keys)
+        if batch.dropped_ops:
+            with self._mu:
+                self.dropped_ops += batch.dropped_ops
+                self.dropped_pages += batch.dropped_pages
+                self._gap = True
+            metrics.KV_EVENTS_DROPPED.inc(batch.dropped_ops)
 
     def stored(self, tier: str, keys: np.ndarray) -> None:
         self._put(tier, STORE, keys)
@@ -204,10 +215,7 @@ class KvEventPublisher:
             self._ops.append((code, op, k))
             self._queued += n
         if wake:
-            try:
-                os.write(self._wfd, b"x")
-            except (BlockingIOError, OSError):
-                pass
+            self._wake()
 
     def _remember_l3(self, k: np.ndarray) -> None:
         cap = len(self._ring)
@@ -219,7 +227,9 @@ class KvEventPublisher:
         self._ring_n += len(k)
 
     # -- the sender thread ----------------------------------------------------------------------
-    def _take(self) -> tuple[list[int], bytes, int, float | None]:
+    def _take(self, pull: bool = True) -> tuple[list[int], bytes, int, float | None]:
+        if pull and self._source is not None:
+            self._pull(self._source.take())
         with self._mu:
             ops, self._ops, n, self._queued = self._ops, [], self._queued, 0
             gap, self._gap = self._gap, False
@@ -231,9 +241,9 @@ class KvEventPublisher:
         flat = [x for code, op, k in ops for x in (code, op, len(k))]
         return flat, np.concatenate([k for _, _, k in ops]).astype("<u8", copy=False).tobytes(), n, first
 
-    def _send(self, heartbeat: bool = False) -> None:
+    def _send(self, heartbeat: bool = False, pull: bool = True) -> None:
         zmq = _zmq()
-        flat, keys, n, first = self._take()
+        flat, keys, n, first = self._take(pull)
         if not flat and not heartbeat:
             return
         if flat:
@@ -315,15 +325,19 @@ class KvEventPublisher:
     def _snapshot(self) -> bytes:
         seq = [0]
 
-        def under_lock() -> None:  # the cache's lock is held: no event can enter the queue now
-            self._send()  # also consumes a pending gap's seq number
+        def send_first() -> None:
+            self._send(pull=False)  # also consumes a pending gap's seq number
             seq[0] = self._seq
 
-        if self._contents is None:
-            tiers: dict[str, np.ndarray] = {}
-            under_lock()
+        tiers: dict[str, np.ndarray] = {}
+        if self._source is not None:  # the contents, and the changes before them sent first
+            tiers, before = self._source.snapshot()
+            self._pull(before)
+            send_first()
+        elif self._contents is not None:
+            tiers = dict(self._contents(send_first))
         else:
-            tiers = dict(self._contents(under_lock))
+            send_first()
         with self._mu:
             cap = len(self._ring)
             tiers["l3"] = self._ring[: min(self._ring_n, cap)].copy()
@@ -381,6 +395,8 @@ class KvEventPublisher:
             except Exception as e:
                 log.warning("KV events: deregistering %s failed: %s", self.instance, e)
         self._stop = True
+        if self._source is not None:
+            self._source.unsubscribe()
         try:
             os.write(self._wfd, b"x")
         except OSError:

@@ -38,9 +38,6 @@ from l3pool.pool.keys import HASH_BYTES, join_hashes, split_hashes
 Hashes = Sequence[bytes] | bytes
 
 
-split = split_hashes  # controller.py imports this name (its rewrite imports l3pool.pool.keys.split_hashes)
-
-
 def _check(native: Any) -> None:
     """A native structure's self-check, as the AssertionError tests expect."""
     try:
@@ -108,11 +105,11 @@ class TierIndex:
         """Up to `n` unpinned cached pages, least recently used first, removed from the index
         (the caller writes them back if its policy says so, then frees them)."""
         pages, keys = self.native.evict(n)
-        return pages, split(keys)
+        return pages, split_hashes(keys)
 
     def drop(self, pages: np.ndarray) -> list[bytes]:
         """Remove cached `pages` from the index (not freed); returns their hashes."""
-        return split(self.native.drop(pages))
+        return split_hashes(self.native.drop(pages))
 
     # -- state ------------------------------------------------------------------------------------
     @property

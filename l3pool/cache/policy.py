@@ -10,17 +10,20 @@ page arrays, so a policy never loops over pages and never touches the cache's st
 - `evict_copies`: whether a page evicted from the upper tier is copied down first (write-back);
 - `ghost`: whether it reads the ghost list (L1 -> L2 only): rebuilt pages the ghost list proves
   were evicted before are moved at once, whatever their hit count.
-A prefetch policy turns an unfinished L3 -> L2 prefetch into its result when `load()` runs.
+A prefetch policy turns an unfinished L3 -> L2 prefetch into its result when `load()` runs. An
+eviction policy picks which unpinned pages leave a tier (`LRU`, the default, or `LFU`).
 
-A new policy is one class and one entry in `WRITE_POLICIES` / `PREFETCH_POLICIES` (the names
-`CacheConfig` accepts).
+A new policy is one class and one entry in `WRITE_POLICIES` / `PREFETCH_POLICIES` /
+`EVICTION_POLICIES` (the names `CacheConfig` accepts).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from l3pool.pool.keys import hash_keys
 
 if TYPE_CHECKING:
     from l3pool.pool.prefetch import PrefetchHandle, PrefetchResult
@@ -137,3 +140,49 @@ PREFETCH_POLICIES: dict[str, type[PrefetchPolicy]] = {p.name: p for p in (BestEf
 
 def prefetch_policy(name: str, timeout_s: float) -> PrefetchPolicy:
     return PREFETCH_POLICIES[name](timeout_s)
+
+
+class EvictionPolicy:
+    """Which unpinned pages leave a tier when it needs room. `victims(index, n, ghost)`: up to `n`
+    of the tier's evictable pages, removed from its index (a TierIndex: the native index keeps the
+    mechanics - LRU links, hit counts, the map), and their hashes as one buffer; their first 8
+    bytes go into `ghost` (a GhostList, L1 only) when given. The same policy serves L1 and L2."""
+
+    name = ""
+
+    def victims(self, index: Any, n: int, ghost: Any = None) -> tuple[np.ndarray, bytes]:
+        raise NotImplementedError
+
+
+class LRU(EvictionPolicy):
+    """Least recently used first: one native call, O(1) per page (the index's LRU list)."""
+
+    name = "lru"
+
+    def victims(self, index: Any, n: int, ghost: Any = None) -> tuple[np.ndarray, bytes]:
+        pages, keys = index.native.evict(n, ghost.native if ghost is not None else None)
+        return pages, keys
+
+
+class LFU(EvictionPolicy):
+    """Fewest distinct-request hits first, the least recently used first among equals: one sort
+    of the evictable pages' hit counts per eviction (O(E log E) for E evictable pages, vectorised),
+    then one native drop. Keeps a prefix many requests share through bursts of one-off requests."""
+
+    name = "lfu"
+
+    def victims(self, index: Any, n: int, ghost: Any = None) -> tuple[np.ndarray, bytes]:
+        order: np.ndarray = index.lru()  # evictable pages, least recently used first
+        if n < len(order):
+            order = order[np.argsort(index.hits[order], kind="stable")[:n]]
+        keys: bytes = index.native.drop(order) if order.size else b""
+        if ghost is not None and order.size:
+            ghost.add(hash_keys(keys))
+        return order, keys
+
+
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (LRU, LFU)}
+
+
+def eviction_policy(name: str) -> EvictionPolicy:
+    return EVICTION_POLICIES[name]()

@@ -1,4 +1,4 @@
-"""The L3 tier of a TP-shared cache (`SharedTieredCache` with an L3Client): what keeps the ranks'
+"""The L3 tier of a TP-shared cache (`TPShared` movers with an L3Client: `TPFetch`, `TPWrites`): what keeps the ranks'
 bookkeeping identical while only rank 0 talks to the pool.
 
 - **Lookups.** Rank 0 alone asks L3 how much of a request's prefix it holds and publishes the
@@ -20,11 +20,12 @@ bookkeeping identical while only rank 0 talks to the pool.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -33,6 +34,8 @@ from l2core.shm import SharedTransferEngine
 from l2core.shm_segment import TABLE_SLOTS, Segment
 from l2core.transfer import TransferError
 from l3pool import metrics
+from l3pool.cache.config import CacheConfig
+from l3pool.cache.movers import Hooks, PutOutcome, Writes
 from l3pool.cache.types import CacheError
 from l3pool.cache.writer import L3Writer
 from l3pool.pool.prefetch import PrefetchResult, batch_schedule
@@ -279,3 +282,99 @@ class TPWriter(L3Writer):
     def submit(self, hashes: Any, pages: np.ndarray) -> None:
         self.reading.add(pages)
         super().submit(hashes, pages)
+
+
+class TPFetch:
+    """The L3In mover of a TP rank: lookups and prefetch lengths through rank 0 (the handshake);
+    a prefetch's L2 pages are allocated on the caller's thread, the same on every rank."""
+
+    def __init__(
+        self, cfg: CacheConfig, l3: L3Pages, engine: SharedTransferEngine, seg: Segment, rank: int, hooks: Hooks
+    ) -> None:
+        self.cfg, self.l3, self.rank, self.hooks = cfg, l3, rank, hooks
+        self.hand = Handshake(seg, rank)
+        self.fetcher = SharedFetcher(
+            l3, engine, self.hand, hooks.free_l2, rank=rank, batch_pages=cfg.prefetch_batch_pages,
+            max_batch_pages=cfg.prefetch_max_batch_pages, max_inflight=2, timeout_s=cfg.load_timeout_s,
+        )  # fmt: skip
+        self._seqs: dict[str, int] = {}  # request -> its lookup's handshake row (until its fetch starts)
+        self._seq = 0
+
+    def lookup(self, rid: str, keys: list[str]) -> tuple[int, bool]:
+        seq, failed = self._seq, False
+        self._seq += 1
+        if self.rank == 0:
+            try:
+                n = self.l3.lookup(keys)
+            except Exception as e:  # a miss, published as one
+                log.warning("L3 lookup for %s failed (treated as a miss): %s", rid, e)
+                n, failed = 0, True
+            self.hand.publish_lookup(seq, n)
+        else:
+            n = self.hand.wait(seq, 1, self.cfg.load_timeout_s, f"the L3 lookup of {rid!r}")
+        if n:
+            self._seqs[rid] = seq
+        return n, failed
+
+    def start(self, rid: str, keys: list[str], wait_all: bool) -> Any:
+        with self.hooks.mu:
+            pages = self.hooks.alloc_prefetch(len(keys))
+            return self.fetcher.start(rid, self._seqs.pop(rid), keys, pages, wait_all)
+
+    def finish(self, h: Any, wait_all: bool) -> PrefetchResult:
+        if not h.delivered:
+            self.fetcher.finish(h, self.cfg.prefetch_policy, self.cfg.prefetch_timeout_s)
+        res: PrefetchResult = h.wait()
+        return res
+
+    def forget(self, rid: str) -> None:
+        self._seqs.pop(rid, None)
+
+    def close(self) -> None:
+        self.fetcher.close()
+
+
+class TPWrites(Writes):
+    """Rank 0's L3Out mover: no pins (a page is rewritten only once no put reads it, `Reading`),
+    each put after rank 0's D2H copy of its pages completed; outcomes are booked when the cache's
+    lock is free (a caller holding it may wait for these very pages) or at the next settle()."""
+
+    pins = False
+
+    def __init__(
+        self, cfg: CacheConfig, l3: L3Pages, hooks: Hooks, more_coming: Any, engine: SharedTransferEngine,
+        num_pages: int,
+    ) -> None:  # fmt: skip
+        self.engine, self.timeout_s = engine, cfg.load_timeout_s
+        self.reading = Reading(num_pages, cfg.load_timeout_s)
+        engine.before_write = self.reading.wait_unread
+        self._outcomes: collections.deque[tuple[Any, ...]] = collections.deque()
+        super().__init__(cfg, l3, hooks, more_coming, client=cast(L3Pages, ReadyPuts(l3, engine, self.timeout_s)))
+
+    def _writer(self, client: L3Pages, cfg: CacheConfig, more_coming: Any) -> L3Writer:
+        return TPWriter(self.reading, client, self._done, cfg.writer_batch_pages, cfg.writer_linger_ms, more_coming,
+                        parallel=cfg.writer_parallel)  # fmt: skip
+
+    def _done(self, hs: list[bytes], pages: np.ndarray, res: Any, err: BaseException | None, s: float) -> None:
+        self.reading.done(pages)
+        self._outcomes.append((hs, pages, res, err))
+        self._book(block=False)
+
+    def _book(self, block: bool) -> None:
+        if not self.hooks.mu.acquire(blocking=block):
+            return
+        try:
+            while self._outcomes:
+                hs, pages, res, err = self._outcomes.popleft()
+                self.hooks.written(hs, pages, res, err, unpin=False)
+        finally:
+            self.hooks.mu.release()
+
+    def settle(self) -> None:
+        self._book(block=True)
+
+    def put_now(self, keys: list[str], pages: np.ndarray) -> PutOutcome | None:
+        if not self.engine.wait_ready(pages, self.timeout_s):
+            self.hooks.error(f"write-back of {len(keys)} L2 pages to L3 skipped: rank 0's D2H copy did not complete")
+            return None
+        return super().put_now(keys, pages)

@@ -23,8 +23,8 @@ construction, with one ConfigError:
   (`writer_batch_pages`; default at least 64 pages), so a writer batch is one put (the client
   still cuts it to Mooncake's transfer limit);
 - a store needs a namespace, a namespace a store; PP stage locks need an L3 client;
-- `cache.tp_shared`: the pool is the TP group's shared segment (l2core.shm) and the controller a
-  `SharedTieredCache` (with L3: rank 0 alone talks to the pool; PP stage locks are refused); with
+- `cache.tp_shared`: the pool is the TP group's shared segment (l2core.shm) and the cache's movers
+  the TP-shared ones (`TPShared`; with L3: rank 0 alone talks to the pool; PP stage locks are refused); with
   `tp_process_group` (a torch.distributed group of the TP ranks, used by nothing else) its loads
   are MLA split reads (l2core.split_read): each rank copies 1/TP of every page and an all-gather
   completes them. A group without tp_shared is refused.
@@ -44,7 +44,8 @@ from l2core.spec import ConfigError, KVSpec
 from l3pool.cache.config import CacheConfig, L3Settings, l3_settings
 from l3pool.cache.controller import TieredCache
 from l3pool.cache.events import EventOptions, KvEventPublisher
-from l3pool.cache.shared import PP_REFUSED, SharedTieredCache
+from l3pool.cache.movers import MoverFactory, plain_movers
+from l3pool.cache.shared import PP_REFUSED, TPShared
 from l3pool.cache.types import L1
 from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace
@@ -177,13 +178,13 @@ def build(
     try:
         if store is not None and namespace is not None and settings is not None:
             l3 = l3_tier(pool, store, namespace, settings, metadata=metadata, client_id=client_id).reader
-        if cfg.tp_shared:
+        movers: MoverFactory = plain_movers
+        if cfg.tp_shared:  # the TP-shared movers: rank 0 copies, every rank books alike (cache/shared.py)
             split_kw: dict[str, Any] = {"process_group": tp_process_group}
             if tp_split_min_rank_bytes is not None:
                 split_kw["split_min_rank_bytes"] = tp_split_min_rank_bytes
-            tc: TieredCache = SharedTieredCache(cfg, l1, pool, l3, locks, **split_kw)
-        else:
-            tc = TieredCache(cfg, l1, pool, l3, locks)
+            movers = TPShared(**split_kw)
+        tc = TieredCache(cfg, l1, pool, l3, locks, movers=movers)
     except BaseException:
         if l3 is not None:
             l3.close()

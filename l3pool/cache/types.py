@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -71,7 +72,15 @@ class CacheStats:
     hit_pages: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
     miss_pages: int = 0
     hit_bytes: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    # token twins (pages x page_size): only whole pages are cached, a request's tail is never counted
+    hit_tokens: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    miss_tokens: int = 0
+    requested_tokens: int = 0
     wait_s: dict[str, float] = field(default_factory=lambda: {"l2": 0.0, "l3": 0.0})
+    # the waits per metrics.WAIT_BUCKETS bucket (the last: above them all): l3pool_cache_wait_seconds
+    wait_counts: dict[str, list[int]] = field(
+        default_factory=lambda: {t: [0] * (len(metrics.WAIT_BUCKETS) + 1) for t in ("l2", "l3")}
+    )
     evictions: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0})
     ghost_hits: int = 0
     # pages written per boundary and reason ("through", "selective", "ghost", "back")
@@ -95,27 +104,35 @@ class CacheStats:
     moved_s: dict[str, float] = field(default_factory=lambda: {"l2": 0.0, "l3": 0.0})
 
     def count_request(self, hits: dict[str, int], pages: int, page_bytes: int, page_size: int) -> None:
-        """One loaded request: its hit pages per tier (l1, l2, l3) of its `pages` whole pages, here
-        and in the Prometheus mirrors (pages, bytes and tokens)."""
+        """One loaded request: its hit pages per tier (l1, l2, l3) of its `pages` whole pages (in
+        pages, bytes and tokens; l3pool.metrics derives its series from these)."""
         self.requests += 1
-        metrics.CACHE_REQUESTS.inc()
         for t, n in hits.items():
             self.hit_pages[t] += n
             self.hit_bytes[t] += n * page_bytes
-            metrics.CACHE_HIT_PAGES(t).inc(n)
-            metrics.CACHE_HIT_BYTES(t).inc(n * page_bytes)
-            metrics.CACHE_HIT_TOKENS(t).inc(n * page_size)
+            self.hit_tokens[t] += n * page_size
         miss = pages - sum(hits.values())
         self.miss_pages += miss
-        metrics.CACHE_MISS_PAGES.inc(miss)
-        metrics.CACHE_MISS_TOKENS.inc(miss * page_size)
-        metrics.CACHE_REQUESTED_TOKENS.inc(pages * page_size)
+        self.miss_tokens += miss * page_size
+        self.requested_tokens += pages * page_size
+
+    def waited(self, tier: str, seconds: float) -> None:
+        """A caller waited `seconds` on `tier` (l2: a load, l3: the prefetch at load())."""
+        self.wait_s[tier] += seconds
+        self.wait_counts[tier][bisect.bisect_left(metrics.WAIT_BUCKETS, seconds)] += 1
 
     def moved(self, tier: str, nbytes: int, seconds: float) -> None:
         """A finished copy into the tier above `tier` (caller holds the cache's lock)."""
         if nbytes > 0 and seconds > 0:
             self.moved_bytes[tier] += nbytes
             self.moved_s[tier] += seconds
+
+    def fetched(self, res: Any, page_bytes: int) -> None:
+        """A prefetch's result (pool.prefetch.PrefetchResult) at load()."""
+        self.moved("l3", len(res.pages) * page_bytes, res.elapsed_s)
+        self.prefetch_interrupted += int(res.interrupted)
+        if res.error is not None or res.stopped_by not in (None, "miss"):
+            self.l3_read_failures += 1
 
     def backed_up(self, reason: str, pages: int, page_bytes: int) -> None:
         """`pages` copied L1 -> L2 because of `reason` (caller holds the cache's lock)."""
@@ -132,24 +149,6 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# tier contents as of a moment: l1 / l2 -> uint64 page keys; `under_lock` runs with the cache's lock held
-TierContents = Callable[["Callable[[], None] | None"], "dict[str, np.ndarray]"]
-
-
-class TierEvents(Protocol):
-    """Where a TieredCache reports pages entering or leaving a tier (l3pool/cache/events.py's
-    KvEventPublisher; l3pool/pool/kv_events.py has the wire format). Called with the cache's lock
-    held, so calls must return at once (queue, never block); `keys` are 64-bit page keys (the
-    first 8 bytes of each page hash). Tiers: "l1", "l2", "l3" (an L3 store = this instance wrote
-    the page to the pool; the pool's own removals are invisible to the cache)."""
-
-    def bind(self, contents: TierContents) -> None: ...
-
-    def stored(self, tier: str, keys: np.ndarray) -> None: ...
-
-    def removed(self, tier: str, keys: np.ndarray) -> None: ...
 
 
 class LoadTracker(Protocol):

@@ -1,6 +1,6 @@
 """The global KV index: which instance holds which prefix, in which tier, built from the cache's
 own events (l3pool/cache/events.py), outside the engine. See types.py for what a query answers,
-DESIGN.md "KV events and the global index" for the design.
+docs/design.md "KV events and the global index" for the design.
 
     from l3pool.index import GlobalIndex, IndexService, IndexClient, GuardedIndex, PrefixHits, TierPrefix
 

@@ -21,7 +21,7 @@ Event message (ZeroMQ PUB, one frame, msgpack array):
 Snapshot request (to the instance's ROUTER): [1, "snapshot"]
 Snapshot reply: [1, "snap", instance, epoch, seq, namespace, l1_keys, l2_keys, l3_keys]
     the instance's tier contents exactly as of event `seq` (every op of messages <= seq applied,
-    none after); l3_keys are the instance's recent L3 writes (hints, see DESIGN.md).
+    none after); l3_keys are the instance's recent L3 writes (hints, see docs/design.md).
 Error reply: [1, "err", message]
 """
 

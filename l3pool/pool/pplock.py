@@ -15,7 +15,7 @@ and re-grants Mooncake read leases on its locked pages (`batch_is_exist`) every 
 until it reports; a dead participant simply stops, so the lock expires `ttl` after the last live
 holder let go. Release: a report is a txn "create my done marker if absent while the lock is
 still under its lease" that returns the marker count; the one report that sees the count reach
-`stages` revokes the lease (lock + markers vanish atomically). See l3pool/DESIGN.md.
+`stages` revokes the lease (lock + markers vanish atomically). See docs/design.md.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class StageLocks:
     `ttl` (etcd lease, s) bounds how long a lock outlives its last live holder; `refresh_s` is the
     period of lease keep-alives and Mooncake read-lease re-grants and must stay below both `ttl`/2
     and the master's `--default_kv_lease_ttl` minus `ttl` (10 s by default), so locked pages stay
-    leased without a gap (see DESIGN.md). `parallel_lookup`: acquire checks the stages' keys with
+    leased without a gap (see docs/design.md). `parallel_lookup`: acquire checks the stages' keys with
     one `batch_is_exist` per stage, issued concurrently (the binding releases the GIL), instead of
     one call over all of them; the same keys are checked and leased either way.
     """

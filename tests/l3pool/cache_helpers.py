@@ -62,7 +62,7 @@ class Engine:
         """NaN into every unallocated L1 page (under the cache's lock, which every L1 allocation
         holds: concurrent requests allocate either before, and are skipped, or after, and
         overwrite it)."""
-        with self.cache._mu, self.cache._l1_alloc.holding_free() as free:
+        with self.cache._mu, self.cache.plan.l1_alloc.holding_free() as free:
             s = self.cache.slots(free)
             for b in self.bufs:
                 b[s] = float("nan")
@@ -122,7 +122,7 @@ class Engine:
         c.t1.check()
         c.t2.check()
         return (
-            c._l1_alloc.used_pages - int(c.t1.cached.sum()),
+            c.plan.l1_alloc.used_pages - int(c.t1.cached.sum()),
             self.pool.allocator.used_pages - int(c.t2.cached.sum()),
         )
 

@@ -498,15 +498,23 @@ def test_cache_occupancy_is_read_from_stats_at_scrape_time(endpoint: str) -> Non
 def test_set_rank_labels_the_engine_series() -> None:
     from prometheus_client import REGISTRY
 
+    from .cache_helpers import Engine, chain
+
     saved = metrics.rank()
     try:
         metrics.set_rank(3, 1)
         lb = {"tp_rank": "3", "pp_rank": "1"}
-        assert REGISTRY.get_sample_value("l3pool_cache_requests_total", lb) == 0  # pre-initialised for the rank
-        metrics.CACHE_REQUESTS.inc(2)
-        metrics.CACHE_HIT_PAGES("l2").inc()
-        assert REGISTRY.get_sample_value("l3pool_cache_requests_total", lb) == 2
-        assert REGISTRY.get_sample_value("l3pool_cache_hit_pages_total", {**lb, "tier": "l2"}) == 1
+        before = REGISTRY.get_sample_value("l3pool_cache_requests_total", lb)
+        assert before is not None  # every family is there for the rank from the first scrape
+        hit = REGISTRY.get_sample_value("l3pool_cache_hit_pages_total", {**lb, "tier": "l2"})
+        e = Engine(l1_pages=8, l2_pages=16)
+        try:
+            e.run("a", chain(1, 3))
+            assert REGISTRY.get_sample_value("l3pool_cache_requests_total", lb) == before + 1  # open: from stats()
+        finally:
+            e.close()
+        assert REGISTRY.get_sample_value("l3pool_cache_requests_total", lb) == before + 1  # closed: still counted
+        assert REGISTRY.get_sample_value("l3pool_cache_hit_pages_total", {**lb, "tier": "l2"}) == hit
         assert REGISTRY.get_sample_value("l3pool_cache_pages", {**lb, "tier": "l1", "state": "total"}) is not None
         with pytest.raises(ValueError, match="rank"):
             metrics.set_rank(-1, 0)

@@ -1,4 +1,4 @@
-"""TP rank processes for test_cache_shared_l3.py: one SharedTieredCache with an L3 tier per rank over
+"""TP rank processes for test_cache_shared_l3.py: one TP-shared cache (TPShared movers) with an L3 tier per rank over
 one shared L2 pool and a real mooncake_master (each rank a pure Mooncake client), the same requests
 on every rank. Every L3 call a rank makes is counted."""
 

@@ -1,4 +1,4 @@
-"""TP rank processes for test_cache_shared.py: one SharedTieredCache per rank over one shared L2
+"""TP rank processes for test_cache_shared.py: one TP-shared cache (TPShared movers) per rank over one shared L2
 pool, the same request trace on every rank (spawned, as TP ranks are separate processes)."""
 
 from __future__ import annotations

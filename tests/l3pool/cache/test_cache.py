@@ -380,7 +380,7 @@ def test_prefetch_policies(engines: list[Engine], policy: str) -> None:
     m = r.cache.match("q", hs)
     assert m.l3 == 48
     r.cache.prefetch(m)
-    pf = r.cache.prefetcher
+    pf = r.cache.movers.l3_in.prefetcher  # type: ignore[union-attr]
     assert pf is not None
     deadline = time.monotonic() + 5
     while not pf.batch_ms and time.monotonic() < deadline:  # the first batch landed
@@ -426,7 +426,7 @@ def test_prefetch_cancelled_by_release_and_l3_errors_are_misses(engines: list[En
     m = r.cache.match("q", hs)
     r.cache.prefetch(m)
     r.cache.release("q")  # never loaded: the prefetch is cancelled, its pages freed
-    r.cache.prefetcher.close()  # type: ignore[union-attr]  # joins the worker
+    r.cache.movers.l3_in.prefetcher.close()  # type: ignore[union-attr]  # joins the worker
     assert r.used() == (0, 0)
     r2 = mk(engines, l1_pages=32, l2_pages=32, store=store, cfg=CacheConfig(prefetch_policy="wait_complete"))
     store.get_delay_s, store.fail_get_after = 0.0, 5  # a transfer failure at page 5 ends the prefix
@@ -623,7 +623,7 @@ def test_close_returns_every_page(engines: list[Engine]) -> None:
     e.run("a", chain(1, 4))
     e.cache.match("open", chain(2, 2))  # still active at close
     e.cache.close()
-    assert e.cache._l1_alloc.used_pages == 0 and e.pool.allocator.used_pages == 0
+    assert e.cache.plan.l1_alloc.used_pages == 0 and e.pool.allocator.used_pages == 0
     with pytest.raises(CacheError, match="closed"):
         e.cache.match("x", chain(3, 1))
     e.l3.close()  # type: ignore[union-attr]

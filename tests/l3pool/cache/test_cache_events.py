@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import zmq
 
-from l3pool.cache import CacheConfig
+from l3pool.cache import CacheConfig, TieredCache
 from l3pool.cache.events import KvEventPublisher
+from l3pool.cache.tier_events import EventBatch, TierEvent
 from l3pool.pool import kv_events as kv
 from l3pool.pool.keys import hash_keys
 
@@ -24,19 +25,17 @@ pytestmark = pytest.mark.usefixtures("native")
 
 
 class Recorder:
-    """A TierEvents sink that keeps every call (the controller's side of the contract)."""
+    """What a reader pulls from the cache (the controller's side of the contract): every typed
+    TierEvent, in order."""
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, list[int]]] = []
+    def __init__(self, cache: TieredCache) -> None:
+        self.cache = cache
+        self.events: list[TierEvent] = []
 
-    def bind(self, contents: object) -> None:
-        self.contents = contents
-
-    def stored(self, tier: str, keys: np.ndarray) -> None:
-        self.calls.append(("store", tier, keys.tolist()))
-
-    def removed(self, tier: str, keys: np.ndarray) -> None:
-        self.calls.append(("remove", tier, keys.tolist()))
+    @property
+    def calls(self) -> list[tuple[str, str, list[int]]]:
+        self.events.extend(self.cache.take_events().events)
+        return [("store" if e.stored else "remove", e.tier, e.keys.tolist()) for e in self.events]
 
     def keys(self, op: str, tier: str) -> set[int]:
         return {k for o, t, ks in self.calls if o == op and t == tier for k in ks}
@@ -65,10 +64,8 @@ def _snapshot(pub: KvEventPublisher, body: bytes | None = None) -> bytes:
 
 
 def _attach(e: Engine) -> Recorder:
-    r = Recorder()
-    with e.cache._mu:
-        e.cache.events = r
-    return r
+    e.cache.events.subscribe(1 << 20)
+    return Recorder(e.cache)
 
 
 def test_controller_reports_l1_l2_l3_stores_and_evictions() -> None:
@@ -103,11 +100,38 @@ def test_controller_reports_l1_l2_l3_stores_and_evictions() -> None:
         e.close()
 
 
-def test_no_sink_no_reports_and_no_cost_path() -> None:
+def test_no_reader_no_events_queued() -> None:
     e = Engine(CacheConfig(), l1_pages=8, l2_pages=12)
     try:
-        assert e.cache.events is None
-        e.run("a", chain(1, 4))  # runs with no sink at all
+        e.run("a", chain(1, 4))  # runs with no reader at all: nothing is kept
+        assert e.cache.take_events() == EventBatch()
+    finally:
+        e.close()
+
+
+def test_events_are_typed_pulled_in_order_and_bounded() -> None:
+    """take_events(): frozen TierEvents in the order of the changes; a queue over its bound drops
+    whole events and says how many (the reader's gap); wake() once per empty -> non-empty."""
+    e = Engine(CacheConfig(l1_to_l2="write_back"), l1_pages=8, l2_pages=12)
+    woken: list[int] = []
+    try:
+        e.cache.events.subscribe(10, lambda: woken.append(1))
+        a, b = chain(1, 6), chain(2, 6)
+        e.run("a", a)
+        assert len(woken) == 1
+        got = e.cache.take_events()
+        assert [(ev.tier, ev.stored) for ev in got.events] == [("l1", True)]
+        assert got.events[0].keys.tolist() == hash_keys(a).tolist() and got.dropped_ops == 0
+        with pytest.raises(AttributeError):
+            got.events[0].tier = "l2"  # type: ignore[misc]
+        e.run("b", b)  # 4 of a's pages evicted (and written back), then b's 6 stored: 14 pages > 10
+        got = e.cache.take_events()
+        assert len(woken) == 2
+        assert [(ev.tier, ev.stored, len(ev.keys)) for ev in got.events] == [("l1", False, 4), ("l2", True, 4)]
+        assert (got.dropped_ops, got.dropped_pages) == (1, 6)
+        e.cache.events.unsubscribe()
+        e.run("c", chain(3, 2))
+        assert e.cache.take_events() == EventBatch()
     finally:
         e.close()
 
@@ -245,3 +269,15 @@ def test_the_publisher_imports_without_torch() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_the_publisher_never_takes_the_caches_lock() -> None:
+    """It pulls through `cache.events` (CacheEvents takes the lock itself): no `_mu` of the cache,
+    no sink the cache calls, in events.py."""
+    from pathlib import Path
+
+    from l3pool.cache import events
+
+    src = Path(events.__file__).read_text()
+    assert "cache._mu" not in src and "cache.mu" not in src and "cache.events =" not in src
+    assert "._source.take()" in src and "._source.snapshot()" in src

@@ -340,7 +340,7 @@ def test_commit_after_own_evictions_hit_the_looked_up_range(engines: list[Engine
     assert np.array_equal(c.t1.pages_of(hs), h.l1_pages) and c.t1.hits[h.l1_pages].tolist() == [2, 2, 2, 1, 1, 1]
     c.release("a")
     c.t1.check()
-    assert c._l1_alloc.used_pages == int(c.t1.cached.sum()) == 8
+    assert c.plan.l1_alloc.used_pages == int(c.t1.cached.sum()) == 8
 
 
 @pytest.mark.parametrize(

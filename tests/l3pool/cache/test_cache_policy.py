@@ -1,6 +1,7 @@
-"""Write and prefetch policies as objects (l3pool/cache/policy.py): their answers on constructed
-hit counts, the controller holding no policy names of its own, and a new policy added as one
-class that CacheConfig accepts and the cache runs (with byte-checked pages, on the fake store)."""
+"""Write, prefetch and eviction policies as objects (l3pool/cache/policy.py): their answers on
+constructed hit counts (eviction: on a real native index), the cache holding no policy names of
+its own, and a new write / eviction policy added as one class that CacheConfig accepts and the
+cache runs (with byte-checked pages, on the fake store)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from ..cache_helpers import Engine, chain
 from ..fake_store import FakePageStore
 from .test_cache import mk
 
-CONTROLLER = Path(P.__file__).with_name("controller.py")
+CACHE_FILES = [Path(P.__file__).with_name(n) for n in ("controller.py", "planner.py", "movers.py")]
 
 
 def test_write_policy_answers() -> None:
@@ -61,10 +62,10 @@ def test_prefetch_policy_answers() -> None:
 
 
 def test_the_controller_compares_no_policy_names() -> None:
-    src = CONTROLLER.read_text()
-    names = [*P.WRITE_POLICIES, *P.PREFETCH_POLICIES]
+    src = "".join(f.read_text() for f in CACHE_FILES)
+    names = [*P.WRITE_POLICIES, *P.PREFETCH_POLICIES, *P.EVICTION_POLICIES]
     found = [n for n in names if re.search(rf"[\"']{n}[\"']", src)]
-    assert found == [], f"policy names in controller.py: {found}"
+    assert found == [], f"policy names in the cache: {found}"
     assert "cfg.l1_to_l2 ==" not in src and "cfg.l2_to_l3 ==" not in src and "cfg.prefetch_policy ==" not in src
 
 
@@ -106,3 +107,71 @@ def test_unknown_policy_names_are_refused() -> None:
         CacheConfig(l1_to_l2="write_bak")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"prefetch_policy: .* is not one of"):
         CacheConfig(prefetch_policy="eventually")  # type: ignore[arg-type]
+
+
+# -- eviction policies ---------------------------------------------------------------------------
+def _index(pages: int) -> Any:
+    from l2core.allocator import PageAllocator
+    from l3pool.cache.index import TierIndex
+
+    t = TierIndex("T", PageAllocator(pages))
+    return t
+
+
+def test_lru_and_lfu_pick_their_victims_on_a_real_index() -> None:
+    """LRU: least recently used first; LFU: fewest distinct-request hits first, LRU among equals;
+    both take the victims out of the native index (and LRU/LFU put L1 victims into the ghost list)."""
+    from l3pool.cache.index import GhostList
+    from l3pool.pool.keys import hash_keys
+
+    for name, want in (("lru", [0, 1, 2]), ("lfu", [1, 3, 0])):
+        t = _index(6)
+        hs = chain(9, 6)
+        pages = t.alloc.alloc(6)
+        t.insert(hs, pages)  # LRU order: 0 1 2 3 4 5
+        t.hits[pages] = [1, 0, 2, 0, 3, 2]
+        ghost = GhostList(16)
+        victims, keys = P.eviction_policy(name).victims(t, 3, ghost)
+        assert victims.tolist() == want, name
+        assert keys == b"".join(hs[i] for i in want)
+        assert (t.pages_of(hs) < 0).tolist() == [i in want for i in range(6)]
+        assert set(ghost.order().tolist()) == set(hash_keys([hs[i] for i in want]).tolist())
+        assert t.evictable == 3
+        t.check()
+        assert P.eviction_policy(name).victims(t, 10)[0].size == 3  # no more than are evictable
+
+
+class NewestFirst(P.EvictionPolicy):
+    """An eviction policy written outside the package: the most recently used page leaves first."""
+
+    name = "newest_first"
+
+    def victims(self, index: Any, n: int, ghost: Any = None) -> tuple[np.ndarray, bytes]:
+        order = index.lru()[::-1][:n].copy()
+        return order, index.native.drop(order) if order.size else b""
+
+
+@pytest.fixture
+def newest_first() -> Any:
+    P.EVICTION_POLICIES[NewestFirst.name] = NewestFirst
+    yield NewestFirst
+    del P.EVICTION_POLICIES[NewestFirst.name]
+
+
+def test_a_new_eviction_policy_is_one_class(engines: list[Engine], newest_first: type[P.EvictionPolicy]) -> None:
+    """Under LRU the oldest request leaves L1 first; under the new policy the newest does (and the
+    pages still read back right: the Engine checks every loaded byte)."""
+    got = {}
+    for ev in ("lru", "newest_first"):
+        e = mk(engines, l1_pages=8, l2_pages=32, cfg=CacheConfig(eviction=ev))  # type: ignore[arg-type]
+        a, b, c = chain(1, 4), chain(2, 4), chain(3, 4)
+        e.run("a", a)
+        e.run("b", b)  # L1 full: a (older), then b
+        e.run("c", c)  # 4 pages evicted
+        got[ev] = (e.cache.match("qa", a).l1, e.cache.match("qb", b).l1)
+        e.cache.release("qa")
+        e.cache.release("qb")
+        assert e.run("again", b).hit_pages == 4  # from L1 or L2, bytes checked
+    assert got == {"lru": (0, 4), "newest_first": (4, 0)}
+    with pytest.raises(ConfigError, match=r"eviction: .* is not one of"):
+        CacheConfig(eviction="mru")  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""SharedTieredCache: TP ranks (spawned processes) over one shared L2 pool run the same trace:
+"""The TP-shared cache (TPShared movers): TP ranks (spawned processes) over one shared L2 pool run the same trace:
 identical bookkeeping on every rank, L2 hits on every rank served from rank 0's copies, D2H only
 on rank 0, a diverged rank caught by tp_check; bad configurations refused."""
 
@@ -15,7 +15,7 @@ import torch
 from l2core.pool import HostKVPool, L2Config
 from l2core.shm_segment import segment_path
 from l2core.spec import ConfigError
-from l3pool.cache import L1, CacheConfig, SharedTieredCache, TieredCache, build
+from l3pool.cache import L1, CacheConfig, TieredCache, TPShared, build
 
 from ...support.ranks import Ranks, collect, join, no_leaked_segment
 from ..cache_helpers import SPEC, Engine
@@ -99,11 +99,11 @@ def test_shared_cache_needs_a_shared_pool_and_no_pp_locks() -> None:
     bufs = [torch.zeros(64, 1, SPEC.dim, dtype=torch.bfloat16) for _ in range(SPEC.num_layers)]
     pool = HostKVPool(L2Config(kv=SPEC, tokens=64, pin="never"))
     with pytest.raises(ConfigError, match="shared memory"):
-        SharedTieredCache(cfg, L1(bufs, SPEC.page_size), pool)
+        TieredCache(cfg, L1(bufs, SPEC.page_size), pool, movers=TPShared())
     with pytest.raises(ConfigError, match="tp_shared = true"):
-        SharedTieredCache(CacheConfig(), L1(bufs, SPEC.page_size), pool)
-    with pytest.raises(ConfigError, match="use SharedTieredCache"):
-        TieredCache(cfg, L1(bufs, SPEC.page_size), pool)  # the plain controller would copy on every rank
+        TieredCache(CacheConfig(), L1(bufs, SPEC.page_size), pool, movers=TPShared())
+    with pytest.raises(ConfigError, match="needs the TP-shared movers"):
+        TieredCache(cfg, L1(bufs, SPEC.page_size), pool)  # the plain movers would copy on every rank
     pool.close()
     locks = types.SimpleNamespace(stages=2)  # refused before anything is built from it
     with pytest.raises(ConfigError, match=r"does not take PP stage locks yet"):

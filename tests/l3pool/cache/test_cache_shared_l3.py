@@ -1,4 +1,4 @@
-"""SharedTieredCache with an L3 tier (real mooncake_master; the ranks are spawned processes, each a
+"""The TP-shared cache (TPShared movers) with an L3 tier (real mooncake_master; the ranks are spawned processes, each a
 pure Mooncake client; this process donates the pool's memory): only rank 0 calls L3, every rank
 gets the same hit length and bytes, also when rank 0's prefetch is interrupted, and the others fail
 with a clear error soon after rank 0 dies mid-prefetch. No segment is left behind."""

@@ -173,7 +173,7 @@ def test_build_makes_the_stacks_event_publisher() -> None:
                   events=EventOptions("stack-0", linger_ms=0.0))  # fmt: skip
     try:
         pub = stack.events
-        assert pub is not None and stack.cache.events is pub
+        assert pub is not None and pub._source is stack.cache.events and stack.cache.plan.events.on
         assert pub.info().namespace == ns.ns_id and pub.info().id == "stack-0"
         hs = chain(21, 3)
         m = stack.cache.match("r", hs)

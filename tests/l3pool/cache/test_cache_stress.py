@@ -168,7 +168,7 @@ def test_racing_requests_across_instances_threads_and_pp_stages(
             assert s["errors"] == 0 and s["pp_short"] == 0 and s["active_requests"] == 0, s
             assert s["l1_pages"]["pinned"] == 0 and s["l2_pages"]["pinned"] == 0, s
         for e in inst + pp:
-            pf = e.cache.prefetcher
+            pf = e.cache.movers.l3_in.prefetcher  # type: ignore[union-attr]
             assert pf is not None
             end = time.monotonic() + 10  # batches interrupt() left behind free their pages when they land
             while pf.quarantined_pages() and time.monotonic() < end:

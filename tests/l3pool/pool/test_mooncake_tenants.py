@@ -8,7 +8,7 @@ key makes its own object) or evict them by writing more than its quota (its own 
 Without the flag Mooncake ignores the tenant id: every client sees, reads and removes every
 object (second test). Tenant ids are not authenticated: any client may
 claim any tenant — this keeps honest tenants apart, it does not stop a hostile client (see the
-threat model in deploy/README.md).
+threat model in docs/security.md).
 """
 
 from __future__ import annotations
