@@ -336,14 +336,15 @@ def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     sec = security_from_args(a) if a.master else EtcdSecurity()  # the local cluster's etcd is plain
     with _endpoints(a) as (ep, how):
         log.info("demo: %s", how)
-        store = ep.store()
-        md = Metadata(EtcdClient(ep.etcd, timeout=2.0, security=sec)) if ep.etcd else None
-        bar = progress_bar(1, "demo", disable=a.no_progress)
-        try:
-            rep = run(opts, store, md, bar)
-        finally:
-            bar.close()
-            store.close()
+        with ep.store() as store:
+            md = Metadata(EtcdClient(ep.etcd, timeout=2.0, security=sec)) if ep.etcd else None
+            bar = progress_bar(1, "demo", disable=a.no_progress)
+            try:
+                rep = run(opts, store, md, bar)
+            finally:
+                bar.close()
+                if md is not None:
+                    md.etcd.close()
         rep["setup"]["pool"] = how
     return rep
 

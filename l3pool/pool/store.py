@@ -251,7 +251,10 @@ class MooncakeStore:
             enabled=cfg.breaker,
         )
         metrics.watch_breaker(self.breaker, "mooncake")
-        log.info("mooncake client up: host=%s master=%s segment=%d", cfg.local_hostname, cfg.master, cfg.segment_bytes)
+        self._close_lock = threading.Lock()
+        self._closed = False
+        log.info("mooncake client %s up: host=%s master=%s segment=%d", self.conn.current.name, cfg.local_hostname,
+                 cfg.master, cfg.segment_bytes)  # fmt: skip
 
     @property
     def _s(self) -> Any:
@@ -633,6 +636,25 @@ class MooncakeStore:
         return str(self._s.get_hostname())
 
     def close(self) -> None:
+        """Close the Mooncake client: its buffers unregistered, its segment (a donor's) unmounted,
+        its records removed from the metadata server. Idempotent and thread-safe; an owner closes
+        what it opened (a client left open is closed at exit, with a warning: connection.py)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         metrics.unwatch_breaker(self.breaker)
         self.breaker.close()
+        name, t0 = self.conn.current.name, time.monotonic()
         self.conn.close()
+        log.info("mooncake client %s closed in %.2f s", name, time.monotonic() - t0)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> MooncakeStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
