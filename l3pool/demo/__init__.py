@@ -238,7 +238,8 @@ def _options(a: argparse.Namespace) -> Any:
 @contextlib.contextmanager
 def _endpoints(a: argparse.Namespace) -> Iterator[tuple[Endpoints, str]]:
     """The pool (`Endpoints`: `.store()` is this process's client) and its description, starting a
-    local cluster when needed (the demo always starts its own: it never joins a running one)."""
+    local cluster when needed (the demo always starts its own: it never joins a running one; it is
+    torn down at the end and its state dir removed: `own_cluster`)."""
     from l3pool.cluster.running import Endpoints
 
     if a.master:
@@ -250,9 +251,10 @@ def _endpoints(a: argparse.Namespace) -> Iterator[tuple[Endpoints, str]]:
         return
     if a.metadata or a.etcd or a.host:
         raise DemoError("--metadata/--etcd/--host need --master (or give none to start a local cluster)")
-    from l3pool.cluster.local import LocalCluster
+    from l3pool.cluster.running import own_cluster
 
-    with LocalCluster(agents=2, segment_size=a.segment_size, name=f"demo{os.getpid() % 100000}") as c:
+    # a state dir of its own, removed with the cluster (the default one of the name stayed behind)
+    with own_cluster(f"demo{os.getpid() % 100000}", a.segment_size) as c:
         os.environ.update(c.client_env())  # this program is the application: Mooncake's address
         how = f"local cluster ({c.mode}): etcd, mooncake_master, {len(c.agents)} decode agents"
         yield Endpoints(c.master, c.metadata_url, c.client_host, c.etcd_endpoints, mode=c.mode, cluster=c), how
