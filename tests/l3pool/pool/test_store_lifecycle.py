@@ -6,6 +6,7 @@ Real processes: a bare mooncake_master, a donor client in this process, the tool
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from l3pool.pool.store import MooncakeStore
+from l3pool.pool.store import MooncakeStore, Outcome, StoreClosed
 from l3pool.procenv import python_env
 
 from ..conftest import MasterServer
@@ -116,3 +117,41 @@ def test_close_is_idempotent(mooncake_master: MasterServer) -> None:
     assert s.closed and s.conn.closed
     s.close()  # again: nothing
     assert records(mooncake_master, seg) == [404, 404]
+    assert s.segment_name == seg and not s.healthy()  # no call into the closed binding (it would crash)
+    try:  # a page call: UNAVAILABLE at once (while its breaker refuses) or StoreClosed, never the binding
+        assert s.exists(["k"]) == [Outcome.UNAVAILABLE]
+    except StoreClosed:
+        pass
+    with pytest.raises(StoreClosed, match=f"mooncake client {seg} is closed"):
+        s.remove_prefix("ns/")  # a call on the binding itself
+    with pytest.raises(StoreClosed):
+        s.register(1 << 20, 4096)
+
+
+def test_close_left_open_closes_only_the_newer_clients(
+    mooncake_master: MasterServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What the command line does at the end of a command: the clients opened during it and left
+    open are closed, each with a warning naming where it was opened; older ones (an embedder's) stay."""
+    from l3pool.pool import connection
+
+    older = master_store(mooncake_master)
+    try:
+        since = connection.opened_so_far()
+        newer = master_store(mooncake_master)
+        assert connection.opened_so_far() > since
+        with caplog.at_level(logging.WARNING, logger="l3pool.pool.connection"):
+            assert connection.close_left_open(since=since, when="at the end of the test") == 1
+        assert newer.conn.current.closed and not older.conn.current.closed
+        assert records(mooncake_master, newer.segment_name) == [404, 404]
+        assert records(mooncake_master, older.segment_name) == [200, 200]
+        (line,) = [r.getMessage() for r in caplog.records if r.name == "l3pool.pool.connection"]
+        assert re.fullmatch(
+            rf"mooncake client {re.escape(newer.segment_name)} opened at \S+/pool_helpers\.py:\d+ \(master_store\) "
+            rf"from {re.escape(__file__)}:\d+ \(test_close_left_open_closes_only_the_newer_clients\) was still open "
+            r"at the end of the test: closing it \(its owner should close it\)", line
+        ), line  # fmt: skip
+        newer.close()  # the store's own close after that: nothing left to do
+        assert connection.close_left_open(since=since) == 0
+    finally:
+        older.close()
