@@ -7,6 +7,12 @@ The cache root is `~/.cache/l2core` (the base overridable with the L2CORE_BUILD_
 variable); each build names its keyed dirs `<tag>-<key>`, `<key>` a hash of the sources' bytes and
 of what the binary depends on besides them (`build_key`). Pruning (`prune_siblings`) removes a
 build's own stale keyed dirs only (the pattern of its names), each while holding its build lock.
+
+A build says what it does (`progress`): an INFO line when it starts (what, where, why), one every
+PROGRESS_EVERY_S seconds from a thread while the compiler runs ("still building ... (N s)"), and one
+at the end (how long, where it is cached); a failed build ends with a WARNING instead. The first
+use on a node builds for about a minute (inside SGLang's scheduler on a prefill node, where nothing
+else would say why it is silent); `l3pool info` builds or loads it ahead (deploy/README.md).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +37,7 @@ class NativeBuildError(RuntimeError):
 
 
 FLOCK = ".l2core-build.flock"
+PROGRESS_EVERY_S = 10.0  # a "still building" line this often while a build runs
 KEEP_OTHERS = 3  # keyed dirs kept besides the one just built, the most recently used first ...
 MAX_IDLE_DAYS = 14.0  # ... unless unused for longer than this
 
@@ -73,7 +81,11 @@ def build_lock(build_dir: Path) -> Iterator[None]:
         except FileNotFoundError:  # pruned between the mkdir and the open
             continue
         with f:
-            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another process builds or loads it now: say why this one waits
+                log.info("waiting for another process's build or load in %s", build_dir)
+                fcntl.flock(f, fcntl.LOCK_EX)
             if not locked_here(f.fileno(), path):  # pruned while this process waited: lock the new one
                 continue
             with contextlib.suppress(OSError):
@@ -88,6 +100,35 @@ def build_lock(build_dir: Path) -> Iterator[None]:
                 fcntl.flock(f, fcntl.LOCK_UN)
             return
     raise OSError(f"{build_dir} kept disappearing while being locked")
+
+
+@contextlib.contextmanager
+def progress(what: str, where: Path, why: str, every_s: float = PROGRESS_EVERY_S) -> Iterator[None]:
+    """Log the build that runs inside the block: its start (`what`, built in `where`, because
+    `why`), "still building <what> (N s)" every `every_s` seconds from a daemon thread until the
+    block ends, and its end (INFO: took N s, cached at `where`; WARNING when the block raised)."""
+    log.info("building %s in %s (%s); this takes a while, once per build key", what, where, why)
+    t0 = time.monotonic()
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            log.info("still building %s (%.0f s)", what, time.monotonic() - t0)
+
+    ticker = threading.Thread(target=tick, name="l2core-build-progress", daemon=True)
+    ticker.start()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        done.set()
+        ticker.join()
+        took = time.monotonic() - t0
+        if ok:
+            log.info("built %s: took %.0f s, cached at %s", what, took, where)
+        else:
+            log.warning("building %s failed after %.0f s (in %s)", what, took, where)
 
 
 def default_root() -> Path:

@@ -21,10 +21,12 @@ L2CORE_BUILD_DIR points elsewhere than `~/.cache/l2core`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -48,6 +50,7 @@ _PACKAGE = Path(__file__).resolve().parent
 _ROOT = _find_sources(_PACKAGE)
 _lock = threading.Lock()
 _module: ModuleType | None = None
+_how: dict[str, object] = {}  # how this process got the module: `load_info()`
 _SO = "l2core_native.so"
 # what pruning may remove: `_plan`'s names only (torch<version with + as _>-<cpu|cuXX.Y>-<16 hex>)
 _KEYED_DIR = re.compile(r"torch[0-9A-Za-z._]+-(?:cpu|cu[0-9.]+)-[0-9a-f]{16}")
@@ -119,38 +122,51 @@ def load() -> ModuleType:
             raise NativeBuildError(f"l2core's native sources are missing: neither {where} holds csrc/: reinstall")
         from torch.utils import cpp_extension
 
+        t0 = time.monotonic()
         cuda = _want_cuda()
         files = _native_files()
         build_dir, cflags, extra = _plan(cuda, files)
         src = build_dir / "src"
         names = [*_SOURCES, *([_CUDA_SOURCE] if cuda else [])]
         sources = [str(src / "csrc" / n) for n in names]
-        log.info("loading l2core native extension from %s", build_dir)
         try:
             with _build_lock(build_dir):
                 fresh = not (build_dir / _SO).exists()
                 _sync_sources(files, src)
-                module = cpp_extension.load(
-                    name="l2core_native",
-                    sources=sources,
-                    extra_include_paths=[str(src / "include")],
-                    extra_cflags=cflags,
-                    build_directory=str(build_dir),
-                    with_cuda=cuda,
-                    verbose=False,
-                    **extra,  # type: ignore[arg-type]
-                )
+                what = f"l2core's native extension ({'CPU + CUDA' if cuda else 'CPU'} kernels)"
+                said = _build.progress(what, build_dir, "no cached build for this key") if fresh else None
+                if said is None:
+                    log.info("loading l2core native extension from %s", build_dir)
+                with said or contextlib.nullcontext():
+                    module = cpp_extension.load(
+                        name="l2core_native",
+                        sources=sources,
+                        extra_include_paths=[str(src / "include")],
+                        extra_cflags=cflags,
+                        build_directory=str(build_dir),
+                        with_cuda=cuda,
+                        verbose=False,
+                        **extra,  # type: ignore[arg-type]
+                    )
         except OSError as e:
             raise NativeBuildError(f"cannot lock the l2core build directory {build_dir}: {e}") from e
         except Exception as e:
             raise NativeBuildError(f"building the l2core native extension in {build_dir} failed: {e}") from e
         _module = module
+        _how.update(dir=str(build_dir), built_now=fresh, seconds=round(time.monotonic() - t0, 1))
         if fresh:  # a key built for the first time: the cache root may hold stale ones
             try:
                 _prune_siblings(build_dir)
             except Exception as e:  # never fails the load
                 log.warning("pruning stale l2core build dirs beside %s failed: %s", build_dir, e)
         return _module
+
+
+def load_info() -> dict[str, object]:
+    """How `load()` got the module in this process: {"dir": its build dir, "built_now": whether
+    it was compiled here (no cached build for its key) or loaded from the cache, "seconds"};
+    empty before the first load."""
+    return dict(_how)
 
 
 def has_cuda() -> bool:

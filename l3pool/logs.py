@@ -17,7 +17,9 @@ It is deleted at exit when nothing was written to it (`l3pool --help`
 names the place; an error stays one line, so the path is not repeated there). Child processes
 started without their own stderr inherit it. When `mooncake` is already loaded as the command
 starts (`main()` called inside a process that set up Mooncake itself, e.g. a test), descriptor 2
-is left alone: that process owns it.
+is left alone: that process owns it. A Mooncake client the command left open is closed (with a
+warning naming its opener) before descriptor 2 is given back (`l3pool.cli.main`,
+`l3pool.pool.connection.close_left_open`), so that its teardown's lines land in the file too.
 
 Our log records go through `tqdm.write` (`TqdmHandler`), so a line logged while a progress bar is
 drawn appears above the bar instead of breaking it.

@@ -36,6 +36,10 @@ Wiring: SGLang's own controller drives the tiers, so the backend takes only the 
 cache builder (`l3pool.cache.stack.l3_tier`, the place every engine's L3 clients are made and
 their settings checked) over SGLang's borrowed host buffer; its Mooncake store and etcd client
 are the backend's own (one per rank, made in `__init__` so a bad pool address fails there).
+SGLang closes a storage backend only when it is detached at runtime, never at shutdown, so the
+backend registers its own `close()` with atexit (a documented last resort: otherwise the rank's
+Mooncake client is torn down by Mooncake's C++ exit handler after libcurl is gone, and its records
+stay on the metadata server; l3pool/pool/connection.py); `close()` unregisters it.
 Unsupported configurations (DCP, attention context parallelism, heterogeneous-TP head splitting,
 page_head/page_unified layouts, hybrid side pools, dtypes outside bf16/fp16/fp8_e4m3) are refused
 with a ConfigError at construction or registration, never silently mis-keyed.
@@ -43,11 +47,13 @@ with a ConfigError at construction or registration, never silently mis-keyed.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -136,6 +142,7 @@ class L3PoolStorage(HiCacheStorage):
         self.metadata: Any = None
         c = self.config
         self.store = MooncakeStore(c.store_config(cfg.tp_rank, cfg.tp_size, cfg.pp_size))
+        self._exit_hook = _close_at_exit(self)
         if c.etcd is not None:
             from l3pool.pool.etcd import EtcdClient, EtcdSecurity
             from l3pool.pool.metadata import Metadata, check_prefix
@@ -145,7 +152,7 @@ class L3PoolStorage(HiCacheStorage):
                 sec = EtcdSecurity.from_mapping(c.etcd_security, "extra-config 'etcd_security'")
                 etcd = EtcdClient(c.etcd, security=sec)
             except ValueError as e:
-                self.store.close()
+                self.close()
                 raise ConfigError(f"extra-config 'etcd'/'key_prefix'/'etcd_security': {e}") from None
             self.metadata = Metadata(etcd, c.key_prefix)
         log.info(
@@ -465,7 +472,9 @@ class L3PoolStorage(HiCacheStorage):
         return m
 
     def close(self) -> None:
-        """Close the L3 clients (stats publication, buffer registrations) and the Mooncake client."""
+        """Close the L3 clients (stats publication, buffer registrations) and the Mooncake client
+        (idempotent; also run at interpreter exit while open: the module docstring)."""
+        atexit.unregister(self._exit_hook)
         if self.tier is not None:
             self.tier.close()  # the writer, then the reader
             self.tier = None
@@ -481,6 +490,21 @@ class L3PoolStorage(HiCacheStorage):
         if self.shared is not None:
             self.shared.close()
             self.shared = None
+
+
+def _close_at_exit(backend: L3PoolStorage) -> Any:
+    """An atexit hook that closes `backend` if it is still alive and open then (a weak reference:
+    the hook keeps nothing alive); returned for `close()` to unregister."""
+    ref = weakref.ref(backend)
+
+    def hook() -> None:
+        b = ref()
+        if b is not None and b.store is not None:
+            log.info("l3pool HiCache backend: closing at exit (SGLang does not close storage backends)")
+            b.close()
+
+    atexit.register(hook)
+    return hook
 
 
 def _sglang_hicache_modes() -> tuple[str | None, str | None]:

@@ -1,7 +1,9 @@
 """The running local cluster, as tools see it: `status` of a recorded cluster, `running_cluster`
 (the one `l3pool cluster up` left running, when every process is alive) and `pool_endpoints`
 (the pool a tool or benchmark runs against: given endpoints, that running cluster, or a
-LocalCluster of its own). Starting and stopping clusters stays in `local`.
+LocalCluster of its own) and `own_cluster` (a LocalCluster of a tool's own, in a state dir of its
+own, removed with it: `pool_endpoints` and `l3pool demo` start theirs with it). Starting and
+stopping clusters stays in `local`.
 """
 
 from __future__ import annotations
@@ -193,18 +195,30 @@ def pool_endpoints(
         log.info("using the running local cluster in %s", state["state_dir"])
         yield _from_state(state)
         return
-    name = name or f"l3t{uuid.uuid4().hex[:6]}"
+    with own_cluster(name or f"l3t{uuid.uuid4().hex[:6]}", segment_size) as c:
+        os.environ.update(c.client_env())
+        wa = c.agents[-1]
+        yield Endpoints(c.master, c.metadata_url, c.client_host, c.etcd_endpoints, wa.netns,
+                        wa.ip if wa.netns else None, c.mode, c.admin_url, c.key_prefix, c)  # fmt: skip
+
+
+@contextlib.contextmanager
+def own_cluster(name: str, segment_size: int | str = "1GB", agents: int = 2) -> Iterator[LocalCluster]:
+    """A LocalCluster of `agents` agents started here (a context manager yielding it, started),
+    its state dir a new private one under the runtime dir (`cluster-<name>-XXXX`, never a running
+    cluster's); on exit the cluster is torn down and the dir, logs included, removed once every
+    process stopped. A survivor keeps the dir (with a warning): `l3pool cluster down --state-dir`
+    needs its state.json."""
     own = Path(tempfile.mkdtemp(prefix=f"cluster-{name}-", dir=runtime_dir()))  # ours alone: removed at the end
-    cluster = LocalCluster(agents=2, segment_size=segment_size, name=name, state_dir=own)
     try:
-        with cluster as c:
-            os.environ.update(c.client_env())
-            wa = c.agents[-1]
-            yield Endpoints(c.master, c.metadata_url, c.client_host, c.etcd_endpoints, wa.netns,
-                            wa.ip if wa.netns else None, c.mode, c.admin_url, c.key_prefix, c)  # fmt: skip
+        with LocalCluster(agents=agents, segment_size=segment_size, name=name, state_dir=own) as c:
+            yield c
     finally:
-        if read_state(own) is None:  # every process stopped (else `l3pool cluster down --state-dir` needs it)
+        if read_state(own) is None:  # every process stopped
             shutil.rmtree(own, ignore_errors=True)
+        else:
+            log.warning("local cluster %s: processes survived its teardown; its state stays in %s "
+                        "(l3pool cluster down --state-dir %s)", name, own, own)  # fmt: skip
 
 
 def cluster_with_etcd(etcd: str, state_dir: str | Path | None = None) -> dict[str, Any] | None:

@@ -237,7 +237,8 @@ def _options(a: argparse.Namespace) -> Any:
 @contextlib.contextmanager
 def _endpoints(a: argparse.Namespace) -> Iterator[tuple[Endpoints, str]]:
     """The pool (`Endpoints`: `.store()` is this process's client) and its description, starting a
-    local cluster when needed (the demo always starts its own: it never joins a running one)."""
+    local cluster when needed (the demo always starts its own: it never joins a running one; it is
+    torn down at the end and its state dir removed: `own_cluster`)."""
     from l3pool.cluster.running import Endpoints
 
     if a.master:
@@ -249,9 +250,10 @@ def _endpoints(a: argparse.Namespace) -> Iterator[tuple[Endpoints, str]]:
         return
     if a.metadata or a.etcd or a.host:
         raise DemoError("--metadata/--etcd/--host need --master (or give none to start a local cluster)")
-    from l3pool.cluster.local import LocalCluster
+    from l3pool.cluster.running import own_cluster
 
-    with LocalCluster(agents=2, segment_size=a.segment_size, name=f"demo{os.getpid() % 100000}") as c:
+    # a state dir of its own, removed with the cluster (the default one of the name stayed behind)
+    with own_cluster(f"demo{os.getpid() % 100000}", a.segment_size) as c:
         os.environ.update(c.client_env())  # this program is the application: Mooncake's address
         how = f"local cluster ({c.mode}): etcd, mooncake_master, {len(c.agents)} decode agents"
         yield Endpoints(c.master, c.metadata_url, c.client_host, c.etcd_endpoints, mode=c.mode, cluster=c), how
@@ -335,14 +337,15 @@ def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
     sec = security_from_args(a) if a.master else EtcdSecurity()  # the local cluster's etcd is plain
     with _endpoints(a) as (ep, how):
         log.info("demo: %s", how)
-        store = ep.store()
-        md = Metadata(EtcdClient(ep.etcd, timeout=2.0, security=sec)) if ep.etcd else None
-        bar = progress_bar(1, "demo", disable=a.no_progress)
-        try:
-            rep = run(opts, store, md, bar)
-        finally:
-            bar.close()
-            store.close()
+        with ep.store() as store:
+            md = Metadata(EtcdClient(ep.etcd, timeout=2.0, security=sec)) if ep.etcd else None
+            bar = progress_bar(1, "demo", disable=a.no_progress)
+            try:
+                rep = run(opts, store, md, bar)
+            finally:
+                bar.close()
+                if md is not None:
+                    md.etcd.close()
         rep["setup"]["pool"] = how
     return rep
 

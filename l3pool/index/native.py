@@ -111,7 +111,8 @@ def load() -> ctypes.CDLL:
                 fresh = not so.exists()
                 if fresh:
                     _build.sync_sources(files, build_dir / "src")
-                    _compile(cxx, build_dir / "src", so)
+                    with _build.progress("the index's native table", build_dir, "no cached build for this key"):
+                        _compile(cxx, build_dir / "src", so)
                 lib = ctypes.CDLL(str(so))
         except OSError as e:
             raise NativeBuildError(f"cannot build or load the index's native table in {build_dir}: {e}") from e

@@ -17,17 +17,31 @@ never rebuild: a new client would mount a second segment under another name than
 member record in etcd names, and Mooncake's own heartbeat re-mounts a donor's segment on a
 restarted master by itself (measured: ~1 s). Without an http:// metadata URL on the master's
 host there is no such proof: no rebuild.
+
+Closing: `Connection.close()` (through `MooncakeStore.close()`) is idempotent; each Mooncake client
+is closed once, whichever thread gets there first. Its owner closes what it opened. A client still
+open when the interpreter exits is closed by an atexit hook of this module, with a warning naming
+where it was opened (`close_left_open`; `l3pool`'s command line runs it at the end of each command
+too, while Mooncake's own lines still go to the command's log file): a last resort, because
+otherwise Mooncake's own C++ exit handler tears it down after libcurl is gone ("curl: Failed
+initialization" on stderr) and the client's `mooncake/ram/<segment>` and `mooncake/rpc_meta/<segment>`
+records stay on the metadata server. Owners that cannot close (SGLang never closes a storage
+backend at shutdown) rely on it.
 """
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import logging
 import socket
+import sys
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -74,6 +88,7 @@ class ClientSettings(Protocol):
 
 log = logging.getLogger(__name__)
 
+CLOSE_WAIT_S = 5.0  # close() waits this long for the calls inside the client to return
 PROBE_KEY = "__l3pool_probe__"  # never stored: a probe's batch_is_exist answers 0 when the master is up
 
 
@@ -83,6 +98,11 @@ class StoreError(RuntimeError):
 
 class StoreUnavailable(StoreError):
     """The master or the metadata server could not be reached at setup."""
+
+
+class StoreClosed(StoreError):
+    """A call on a store after its close() (the binding itself would crash the process: a closed
+    MooncakeDistributedStore segfaults on its next call, measured on 0.3.13)."""
 
 
 def mooncake_store_module() -> Any:
@@ -185,26 +205,100 @@ def setup(cfg: ClientSettings) -> Any:
     return s
 
 
-def _close_later(s: Any, what: str) -> None:
+def _close_later(c: Client, what: str) -> None:
     """Close a Mooncake client on a daemon thread (its teardown may retry an unreachable master)."""
 
     def run() -> None:
         try:
-            s.close()
+            c.close()
         except Exception as e:  # pragma: no cover - binding errors
             log.debug("closing %s: %s", what, e)
 
     threading.Thread(target=run, name="l3pool-store-close", daemon=True).start()
 
 
+_serials = itertools.count(1)
+_last_serial = 0
+_unclosed: weakref.WeakSet[Client] = weakref.WeakSet()  # opened and not closed yet (a dropped one closes itself)
+_HERE = (__file__.rpartition("/")[0] or ".") + "/"  # l3pool/pool/: a client's opener is the first frame outside
+
+
+def _opener() -> str:
+    """Where the client being set up was opened: the first caller outside l3pool/pool/, and its caller."""
+    f: Any = sys._getframe(1)
+    while f.f_back is not None and f.f_code.co_filename.startswith(_HERE):
+        f = f.f_back
+    where = [f"{g.f_code.co_filename}:{g.f_lineno} ({g.f_code.co_name})" for g in (f, f.f_back) if g is not None]
+    return " from ".join(where)
+
+
+def _segment_name(s: Any) -> str:
+    try:
+        return str(s.get_hostname())
+    except Exception:  # pragma: no cover - binding errors
+        return "?"
+
+
 class Client:
     """One MooncakeDistributedStore and the calls using it (a rebuilt store retires it; the last
-    call out closes it)."""
+    call out closes it). `close()` closes it once, from any thread."""
 
-    __slots__ = ("gen", "retired", "s", "users")
+    __slots__ = ("__weakref__", "_close_lock", "_owner", "closed", "gen", "name", "opened_at", "retired", "s",
+                 "serial", "users")  # fmt: skip
 
-    def __init__(self, s: Any, gen: int) -> None:
-        self.s, self.gen, self.users, self.retired = s, gen, 0, False
+    def __init__(self, s: Any, gen: int, owner: Connection | None = None) -> None:
+        global _last_serial
+        self.s, self.gen, self.users, self.retired, self.closed = s, gen, 0, False, False
+        self._owner = weakref.ref(owner) if owner is not None else None  # the connection whose current client it is
+        self.name = _segment_name(s)  # "host:port": its segment's name, its metadata records' suffix
+        self.opened_at = _opener()
+        self._close_lock = threading.Lock()
+        self.serial = _last_serial = next(_serials)
+        _unclosed.add(self)
+
+    def owner(self) -> Connection | None:
+        return self._owner() if self._owner is not None else None
+
+    def close(self) -> None:
+        """Close the Mooncake client; a second call (another thread's included) waits for the
+        first to finish and does nothing."""
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+            _unclosed.discard(self)
+            self.s.close()
+
+
+def opened_so_far() -> int:
+    """The serial of the last client opened in this process (0: none): `close_left_open(since=)`."""
+    return _last_serial
+
+
+def close_left_open(since: int = 0, when: str = "at exit") -> int:
+    """Close every Mooncake client opened after serial `since` and not closed yet, oldest first,
+    each with a warning naming where it was opened (a retired client, whose close on its own thread
+    had not run yet, with a debug line); returns how many. The last resort of the module docstring:
+    registered with atexit, and called by the command line at the end of each command."""
+    left = sorted((c for c in list(_unclosed) if c.serial > since and not c.closed), key=lambda c: c.serial)
+    for c in left:
+        if c.retired:
+            log.debug("closing retired mooncake client %s %s", c.name, when)
+        else:
+            log.warning("mooncake client %s opened at %s was still open %s: closing it (its owner should close it)",
+                        c.name, c.opened_at, when)  # fmt: skip
+        owner = c.owner()
+        try:
+            if owner is not None and owner.current is c:
+                owner.close()  # through its connection: later calls get StoreClosed, not a crashed binding
+            else:
+                c.close()
+        except Exception as e:  # pragma: no cover - binding errors
+            log.warning("closing mooncake client %s: %s", c.name, e)
+    return len(left)
+
+
+atexit.register(close_left_open)  # before Mooncake's own C++ exit handler, which runs after libcurl is gone
 
 
 class Connection:
@@ -214,7 +308,7 @@ class Connection:
     def __init__(self, cfg: ClientSettings) -> None:
         self.cfg = cfg
         check_reachable(cfg.master)
-        self.current = Client(setup(cfg), 0)
+        self.current = Client(setup(cfg), 0, self)
         self._lock = threading.Lock()  # the current client, its users, the registrations
         self._registered: dict[tuple[int, int], int] = {}  # (ptr, size) -> references
         self.failing_since: float | None = None  # first failure (call or probe) with no call success since
@@ -223,6 +317,7 @@ class Connection:
         self._rebuild_tried = 0.0
         self._rebuild_lock = threading.Lock()
         self.counts = {"rebuilds": 0, "rebuild_failures": 0}
+        self._closed = False
 
     # -- registrations -------------------------------------------------------------------------
     def register(self, ptr: int, nbytes: int) -> None:
@@ -231,6 +326,8 @@ class Connection:
         registers every buffer registered here again."""
         key = (int(ptr), int(nbytes))
         with self._lock:
+            if self._closed:
+                raise StoreClosed(f"mooncake client {self.current.name} is closed")
             if key in self._registered:
                 self._registered[key] += 1
                 return
@@ -259,7 +356,10 @@ class Connection:
 
     # -- the calls inside a client -------------------------------------------------------------
     def acquire(self) -> Client:
+        """The current client for one call (`release` it after); StoreClosed after close()."""
         with self._lock:
+            if self._closed:
+                raise StoreClosed(f"mooncake client {self.current.name} is closed")
             c = self.current
             c.users += 1
             return c
@@ -269,7 +369,7 @@ class Connection:
             c.users -= 1
             done = c.retired and c.users == 0
         if done:
-            _close_later(c.s, f"retired mooncake client {c.gen}")
+            _close_later(c, f"retired mooncake client {c.gen}")
 
     # -- failing and recovering ----------------------------------------------------------------
     def failed(self, call: bool = False) -> None:
@@ -333,39 +433,58 @@ class Connection:
         now = time.monotonic()
         self._rebuild_tried = now
         try:
-            new = setup(self.cfg)
+            new = Client(setup(self.cfg), self.current.gen + 1, self)
         except StoreError as e:
             self.counts["rebuild_failures"] += 1
             log.warning("mooncake client rebuild failed: %s", e)
             return False
         with self._lock:
+            if self._closed:  # closed while the new client was set up: it is not needed
+                new.retired = True
+                _close_later(new, "a rebuild's client after close")
+                return False
             for ptr, size in self._registered:
-                rc = new.register_buffer(ptr, size)
+                rc = new.s.register_buffer(ptr, size)
                 if rc != 0:
                     self.counts["rebuild_failures"] += 1
                     log.warning("mooncake client rebuild: register_buffer(0x%x, %d) failed with %d", ptr, size, rc)
+                    new.retired = True
                     _close_later(new, "a failed rebuild's client")
                     return False
-            old, self.current = self.current, Client(new, self.current.gen + 1)
+            old, self.current = self.current, new
             old.retired = True
             idle = old.users == 0
             self.counts["rebuilds"] += 1
         if idle:
-            _close_later(old.s, f"retired mooncake client {old.gen}")
+            _close_later(old, f"retired mooncake client {old.gen}")
         log.warning(
             "mooncake client rebuilt (master %s answers, the old client failed for %.1f s; %d buffer(s) "
             "registered again)", self.cfg.master, now - (self.failing_since or now), len(self._registered),
         )  # fmt: skip
         return True
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        """Unregister every buffer and close the current client."""
+        """Refuse new calls (StoreClosed), wait up to CLOSE_WAIT_S for the calls inside the client
+        to return, unregister every buffer and close the current client. Idempotent."""
         with self._lock:
-            s = self.current.s
+            if self._closed:
+                return
+            self._closed = True
+            c = self.current
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while c.users > 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if c.users > 0:
+            log.warning("closing mooncake client %s with %d call(s) still inside it", c.name, c.users)
+        with self._lock:
             for ptr, _ in list(self._registered):
                 try:
-                    s.unregister_buffer(ptr)
+                    c.s.unregister_buffer(ptr)
                 except Exception as e:
                     log.debug("unregister_buffer(0x%x): %s", ptr, e)
             self._registered.clear()
-        s.close()
+        c.close()

@@ -67,6 +67,7 @@ from l3pool.pool.breaker import Breaker
 from l3pool.pool.connection import (
     PROBE_KEY,
     Connection,
+    StoreClosed,
     StoreError,
     StoreUnavailable,
     mem_available,
@@ -77,7 +78,7 @@ from l3pool.pool.protocols import Outcome
 from l3pool.pool.transfers import TransferBudget, default_budget, fragment_chunks
 
 __all__ = [
-    "MooncakeStore", "Outcome", "Placement", "StoreConfig", "StoreError", "StoreUnavailable",
+    "MooncakeStore", "Outcome", "Placement", "StoreClosed", "StoreConfig", "StoreError", "StoreUnavailable",
     "replicate_config",
 ]  # fmt: skip
 
@@ -251,11 +252,17 @@ class MooncakeStore:
             enabled=cfg.breaker,
         )
         metrics.watch_breaker(self.breaker, "mooncake")
-        log.info("mooncake client up: host=%s master=%s segment=%d", cfg.local_hostname, cfg.master, cfg.segment_bytes)
+        self._close_lock = threading.Lock()
+        self._closed = False
+        log.info("mooncake client %s up: host=%s master=%s segment=%d", self.conn.current.name, cfg.local_hostname,
+                 cfg.master, cfg.segment_bytes)  # fmt: skip
 
     @property
     def _s(self) -> Any:
-        """The current MooncakeDistributedStore (tools that call the binding itself)."""
+        """The current MooncakeDistributedStore (tools that call the binding itself); StoreClosed
+        after close()."""
+        if self.conn.closed:
+            raise StoreClosed(f"mooncake client {self.conn.current.name} is closed")
         return self.conn.current.s
 
     @property
@@ -324,7 +331,9 @@ class MooncakeStore:
         """The master answers: TCP connect, then a one-key batch_is_exist within probe_timeout_s,
         on a thread of its own (a hung probe holds only that thread; no second one starts). A
         client failing for rebuild_after_s while its master answers is rebuilt
-        (`Connection.stuck`)."""
+        (`Connection.stuck`). False once closed."""
+        if self.conn.closed:
+            return False
         host, _, port = self.cfg.master.rpartition(":")
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=min(0.5, self.cfg.probe_timeout_s)).close()
@@ -615,7 +624,9 @@ class MooncakeStore:
     def healthy(self) -> bool:
         """Whether the master answers now: False while the breaker is open; when no call
         succeeded within `health_max_age_s`, a probe decides (bounded by ~probe_timeout_s + 0.5 s).
-        Mooncake's own health_check() is not used: it stays 0 while the master is down."""
+        Mooncake's own health_check() is not used: it stays 0 while the master is down. False once closed."""
+        if self.conn.closed:
+            return False
         if not self.cfg.breaker:
             return bool(self._probe())
         if self.breaker.is_open:
@@ -630,9 +641,28 @@ class MooncakeStore:
     def segment_name(self) -> str:
         """This client's name at the master ("host:port"): its donated segment's name in the
         master's /get_all_segments and /query_segment (one host can run several clients)."""
-        return str(self._s.get_hostname())
+        return self.conn.current.name  # read at setup: the binding's get_hostname() crashes after close
 
     def close(self) -> None:
+        """Close the Mooncake client: its buffers unregistered, its segment (a donor's) unmounted,
+        its records removed from the metadata server. Idempotent and thread-safe; an owner closes
+        what it opened (a client left open is closed at exit, with a warning: connection.py)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         metrics.unwatch_breaker(self.breaker)
         self.breaker.close()
+        name, t0 = self.conn.current.name, time.monotonic()
         self.conn.close()
+        log.info("mooncake client %s closed in %.2f s", name, time.monotonic() - t0)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> MooncakeStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

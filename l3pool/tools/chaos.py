@@ -591,7 +591,7 @@ def _child_main(argv: list[str]) -> int:
     (sc_master_restart SIGSTOPs it in the middle of a get)."""
     from l2core import HostKVPool, L2Config
     from l3pool.pool.client import L3Client
-    from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+    from l3pool.pool.store import MooncakeStore, StoreConfig
 
     p = argparse.ArgumentParser(prog="python -m l3pool.tools.chaos _child")
     p.add_argument("role", choices=("writer", "reader"))
@@ -604,15 +604,29 @@ def _child_main(argv: list[str]) -> int:
     spec = _spec()
     pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=2 * a.pages * spec.page_size, pin="never"))
     ns, keys = _page_set(a.tenant, a.pages, a.seed, pool)
-    store = MooncakeStore(StoreConfig(master=a.master, metadata=a.metadata, local_hostname=a.host))
-    client = L3Client(pool, store, ns, batch_pages=a.pages)
+    try:
+        with MooncakeStore(StoreConfig(master=a.master, metadata=a.metadata, local_hostname=a.host)) as store:
+            client = L3Client(pool, store, ns, batch_pages=a.pages)
+            try:
+                _child_role(a, client, keys)
+            finally:
+                client.close()
+    finally:
+        pool.close()
+    return 0
+
+
+def _child_role(a: argparse.Namespace, client: Any, keys: list[str]) -> None:
+    import torch
+
+    from l3pool.pool.store import Outcome
+
     if a.role == "writer":
         print("putting", flush=True)
         client.put(keys, range(a.pages))
         print("done", flush=True)
-        return 0
-    import torch
-
+        return
+    pool = client.pool
     rows = pool.buffer.view(pool.num_pages, -1)
     want, dst = rows[: a.pages].clone(), np.arange(a.pages, 2 * a.pages)
     while not os.path.exists(a.stop_file):
@@ -624,7 +638,6 @@ def _child_main(argv: list[str]) -> int:
         print(json.dumps({"ok": len(ok), "wrong": wrong, "pages": a.pages}), flush=True)
         if not len(ok):
             time.sleep(0.05)
-    return 0
 
 
 _FUNCS: dict[str, Callable[[Ctx, Result], None]] = {

@@ -117,32 +117,41 @@ def _writer_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from l2core import HostKVPool, L2Config
     from l3pool.pool.client import L3Client
-    from l3pool.pool.store import MooncakeStore, Outcome, StoreConfig
+    from l3pool.pool.store import MooncakeStore, StoreConfig
 
     ps = PrefixSet(a.layers, a.page_size, a.pages, a.requests, a.seed, a.tenant)
     spec = ps.spec()
     pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=ps.pages * ps.page_size, pin="never"))
-    store = MooncakeStore(StoreConfig(master=a.master, metadata=a.metadata, local_hostname=a.host))
-    client = L3Client(pool, store, ps.namespace(), batch_pages=64)
-    bad, put_s, outcomes = 0, 0.0, collections.Counter[str]()
     try:
-        view = _pages_view(pool)
-        for r in range(ps.requests):
-            view.copy_(ps.expected(r))
-            t0 = time.perf_counter()
-            res = client.put(ps.keys(r), range(ps.pages))
-            put_s += time.perf_counter() - t0
-            bad += sum(x is not Outcome.OK for x in res)
-            outcomes.update(x.name for x in res if x is not Outcome.OK)
+        with MooncakeStore(StoreConfig(master=a.master, metadata=a.metadata, local_hostname=a.host)) as store:
+            client = L3Client(pool, store, ps.namespace(), batch_pages=64)
+            try:
+                bad, put_s, outcomes = _write_set(ps, pool, client)
+            finally:
+                client.close()
     finally:
-        client.close()
-        store.close()
         pool.close()
     nbytes = ps.requests * ps.pages * spec.page_bytes
     print(json.dumps({"written_pages": ps.requests * ps.pages - bad, "failed": bad, "refused": dict(outcomes),
                       "put_s": put_s,
                       "put_GBps": nbytes / put_s / 1e9 if put_s else None, "host": a.host}))  # fmt: skip
     return 0 if bad == 0 else 1
+
+
+def _write_set(ps: PrefixSet, pool: Any, client: Any) -> tuple[int, float, collections.Counter[str]]:
+    """Put every request of the set through `client`: (pages refused, put seconds, refusals by outcome)."""
+    from l3pool.pool.store import Outcome
+
+    bad, put_s, outcomes = 0, 0.0, collections.Counter[str]()
+    view = _pages_view(pool)
+    for r in range(ps.requests):
+        view.copy_(ps.expected(r))
+        t0 = time.perf_counter()
+        res = client.put(ps.keys(r), range(ps.pages))
+        put_s += time.perf_counter() - t0
+        bad += sum(x is not Outcome.OK for x in res)
+        outcomes.update(x.name for x in res if x is not Outcome.OK)
+    return bad, put_s, outcomes
 
 
 def run_writer(ps: PrefixSet, ep: Endpoints, timeout: float = 300) -> dict[str, Any]:
@@ -322,9 +331,20 @@ def run_test(ps: PrefixSet, ep: Endpoints, args: argparse.Namespace, progress: b
     bar.update(1)
     spec = ps.spec()
     pool = HostKVPool(L2Config(kv=spec, layout=LAYOUT, tokens=ps.requests * ps.pages * ps.page_size, pin="never"))
-    store = ep.store()
-    client = L3Client(pool, store, ps.namespace(), batch_pages=max(64, args.batch))
-    pf = Prefetcher(client, batch_pages=args.batch, max_inflight=args.inflight)
+    try:
+        store = ep.store()
+    except BaseException:
+        pool.close()
+        bar.close()
+        raise
+    try:
+        client = L3Client(pool, store, ps.namespace(), batch_pages=max(64, args.batch))
+        pf = Prefetcher(client, batch_pages=args.batch, max_inflight=args.inflight)
+    except BaseException:
+        store.close()
+        pool.close()
+        bar.close()
+        raise
     view = _pages_view(pool)
     correct, wrong = True, []
     checked, interrupted = {"full": 0, "interrupt": 0}, 0  # prefix pages byte-checked per phase

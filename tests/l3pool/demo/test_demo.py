@@ -3,8 +3,10 @@ against a real local cluster (etcd, mooncake_master, 2 decode agents)."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import os
 import uuid
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from l3pool.demo.engine import PrefillInstance
 from l3pool.demo.model import ModelConfig, RefModel
 from l3pool.demo.replay import read_kv_check
 from l3pool.demo.workload import WorkloadConfig, generate, prefix_reuse
+from l3pool.paths import runtime_dir
 
 TINY = ["--quick", "--layers", "2", "--sessions", "3", "--turns", "3", "--min-context", "256", "--max-context", "640"]
 
@@ -206,10 +209,34 @@ def test_spread_verdict() -> None:
 
 
 # -- l3pool demo, end to end ------------------------------------------------------------------------
+def _own_cluster_dirs() -> list[Path]:
+    """The state dirs a demo of this process left in the runtime dir (its cluster's name carries the pid)."""
+    return sorted(runtime_dir().glob(f"cluster-demo{os.getpid() % 100000}*"))
+
+
+def test_demo_cluster_is_torn_down_with_its_state_dir() -> None:
+    """Without endpoints the demo starts a local cluster of its own; at the end nothing of it stays:
+    no process, no state dir (its logs included)."""
+    from l3pool.cluster.processes import alive
+    from l3pool.demo import _endpoints
+
+    assert not _own_cluster_dirs()
+    a = argparse.Namespace(master=None, metadata=None, etcd=None, host=None, segment_size="64MB")
+    with _endpoints(a) as (ep, how):
+        c = ep.cluster
+        assert c is not None and how.startswith("local cluster")
+        state_dir, procs = c.state_dir, list(c._procs.values())
+        assert (state_dir / "state.json").is_file() and (state_dir / "master.log").is_file()
+        assert _own_cluster_dirs() == [state_dir] and len(procs) >= 4  # etcd, master, 2 agents
+    assert not state_dir.exists() and not _own_cluster_dirs()
+    assert not [p.id for p in procs if alive(p)]
+
+
 def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["demo", *TINY, "--json", "--no-progress", "--out", str(tmp_path)])
     rep = json.loads(capsys.readouterr().out)
     assert rc == 0, rep
+    assert not _own_cluster_dirs()  # its local cluster's state dir went with it
     assert rep == json.loads((tmp_path / "report.json").read_text())
     for k in ("model", "device", "ttft_ms", "hit_rate", "fit", "cache_overhead", "interference", "what_if", "biased"):
         assert k in rep, k

@@ -141,6 +141,7 @@ def test_multi_tenant_master_keeps_tenants_apart(tenant_master: MasterServer) ->
         assert other.store.exists(keys) == [Outcome.OK] * PAGES  # and only its own objects went
     finally:
         client.close()
+        client.store.close()  # _victim's own client of the pool (an L3Client never closes its store)
         pool.close()
         same.close()
         other.close()
@@ -161,6 +162,7 @@ def test_without_the_flag_tenant_ids_are_ignored(mooncake_master: MasterServer) 
         assert client.store.exists(keys) == [Outcome.MISS] * PAGES
     finally:
         client.close()
+        client.store.close()  # _victim's own client of the pool (an L3Client never closes its store)
         pool.close()
         other.close()
         donor.close()

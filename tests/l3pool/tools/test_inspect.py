@@ -51,6 +51,7 @@ ptr = ctypes.addressof(buf)
 store.register(ptr, len(keys) * page)
 res = store.put(keys, [ptr + i * page for i in range(len(keys))], [page] * len(keys))
 print("RESULT " + json.dumps([r.value for r in res]), flush=True)
+store.close()
 """
 
 
