@@ -91,7 +91,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$out/gpu.tx
 
 case $group in
   suite)  # without sglang (not in the host's image): its tests skip, as the adapter tests do
-    step suite 540 python3 -m pytest -q -n 8 -p no:cacheprovider -rs --durations=15 tests ;;
+    step suite 540 python3 -m pytest -q -n 8 -p no:cacheprovider -rs --durations=15 -m "slow or not slow" tests ;;
   l3)
     [ -d sglang-bundle ] || { echo "no ./sglang-bundle: run scripts/gpu-sglang-bundle.sh first" >&2; exit 2; }
     PYTHONPATH=$PWD/sglang-bundle:$PYTHONPATH step l3 420 \
