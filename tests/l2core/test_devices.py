@@ -51,7 +51,6 @@ class TorchProvider(DeviceProvider):
         num_threads: int,
         staging_bytes: int,
         error_flag: torch.Tensor | None,
-        staging_chunks: int = 8,
     ) -> None:
         s = layout.spec
         ps, ts, ls, ks = layout.strides
