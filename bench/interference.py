@@ -22,9 +22,6 @@ per-layer loads + backups at full duty, once per variant:
   naive_loads     only the loads, method "naive": one cudaMemcpyAsync per (page, layer, K/V)
                   straight into the L1 slots, no staging buffer and no scatter kernel (CPU-bound by
                   its driver calls, so a slower rate): whether the staged path's kernel is the cost
-  chunks2_loads   only the loads, each staged call in 2 chunks instead of 8 (about a third of the
-                  driver calls per layer; events reused since 2026-12-04 in every variant)
-  chunks2         the default path (loads + backups) with 2 chunks per staged call
 Probes (issue 36: where the loads' cost comes from; not variants of the path, so no "vs_default"):
   gil_spin        no bytes: a thread holding the GIL in pure Python 100 us of every 1.1 ms:
                   what GIL contention alone costs the forward pass
@@ -70,8 +67,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "backups_only": {"directions": ("backup",)},
     "layer_first_loads": {"directions": ("load",), "layout": "layer_first"},
     "naive_loads": {"directions": ("load",), "method": "naive"},
-    "chunks2_loads": {"directions": ("load",), "staging_chunks": 2},
-    "chunks2": {"staging_chunks": 2},
 }
 LAYOUT = "page_first_direct"  # the demo's L2 layout
 # probes: (traffic kind in the child process or "gil_spin", TransferEngine options)

@@ -59,12 +59,9 @@ class DeviceProvider:
         num_threads: int,
         staging_bytes: int,
         error_flag: torch.Tensor | None,
-        staging_chunks: int = 8,
     ) -> None:
         """Move `slots` of layers `layers` between `bufs` (the moved layers' buffers only, layer
-        major) and host `pages`. Inputs are checked by `l2core.ops.transfer`; `method` resolved.
-        `staging_chunks`: how many chunks a staged call splits its pages into (fewer: fewer driver
-        calls, less of the copy overlapped with the staging kernel)."""
+        major) and host `pages`. Inputs are checked by `l2core.ops.transfer`; `method` resolved."""
         raise NotImplementedError
 
     def resolve_method(
@@ -128,7 +125,7 @@ class _NativeProvider(DeviceProvider):
             list(bufs), slots, host, pages, s.page_size, lb, le - lb, s.num_kv, list(layout.strides),
             layout.num_pages, kw["to_host"], kw["method"], int(kw["max_sms"]), int(kw["num_threads"]),
             int(kw["staging_bytes"]), False,  # slots were range-checked by ops.transfer when asked
-            kw["error_flag"], int(kw.get("staging_chunks", 8)),
+            kw["error_flag"],
         )  # fmt: skip
 
 

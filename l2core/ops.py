@@ -31,7 +31,6 @@ from .layout import HostLayout
 Method = Literal["auto", "direct", "staged", "naive"]
 DEFAULT_MAX_SMS = 16
 DEFAULT_STAGING_BYTES = 256 << 20
-DEFAULT_STAGING_CHUNKS = 8  # chunks per staged call (l2core.devices.DeviceProvider.transfer)
 
 
 def kv_buffers_shape(layout: HostLayout, num_slots: int) -> tuple[int, int, int]:
@@ -122,7 +121,6 @@ def transfer(
     max_sms: int = DEFAULT_MAX_SMS,
     num_threads: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
-    staging_chunks: int = DEFAULT_STAGING_CHUNKS,
     check_slots: bool = True,
     error_flag: torch.Tensor | None = None,
     validated: bool = False,
@@ -156,8 +154,6 @@ def transfer(
         raise ValueError(f"host buffer has {host.numel()} bytes, the layout needs {layout.total_bytes}")
     if max_sms < 1:
         raise ValueError("max_sms must be >= 1")
-    if isinstance(staging_chunks, bool) or not isinstance(staging_chunks, int) or staging_chunks < 1:
-        raise ValueError(f"staging_chunks must be an int >= 1, got {staging_chunks!r}")
     device = bufs[0].device
     _check_range(pages_t, layout.num_pages, "host page index")
     if check_slots or slots_t.device.type == "cpu":
@@ -177,7 +173,6 @@ def transfer(
         num_threads=int(num_threads or torch.get_num_threads()),
         staging_bytes=int(staging_bytes),
         error_flag=error_flag,
-        staging_chunks=staging_chunks,
     )
 
 

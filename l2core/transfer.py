@@ -96,7 +96,6 @@ class TransferEngine:
         layers_per_step: int = 1,
         split: SplitRead | None = None,
         load_priority: int = LOAD_PRIORITY,
-        staging_chunks: int = ops.DEFAULT_STAGING_CHUNKS,
     ) -> None:
         spec = pool.spec
         if len(bufs) != spec.num_layers * spec.num_kv:
@@ -105,8 +104,6 @@ class TransferEngine:
             raise ValueError("layers_per_step must be >= 1")
         if isinstance(load_priority, bool) or not isinstance(load_priority, int):
             raise TypeError(f"load_priority must be an int, got {type(load_priority).__name__}")
-        if isinstance(staging_chunks, bool) or not isinstance(staging_chunks, int) or staging_chunks < 1:
-            raise ValueError(f"staging_chunks must be an int >= 1, got {staging_chunks!r}")
         ops._check_buffers(bufs, pool.layout, (0, spec.num_layers))  # once, up front
         self.pool, self.bufs = pool, list(bufs)
         self.device = self.bufs[0].device
@@ -116,7 +113,6 @@ class TransferEngine:
         self.split = split  # MLA split reads across TP ranks (l2core.split_read), or None
         self.method, self.max_sms, self.layers_per_step = method, max_sms, layers_per_step
         self.load_priority = load_priority
-        self.staging_chunks = staging_chunks  # chunks per staged call: fewer, fewer driver calls per load
         self.stats = EngineStats()
         self._ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}
@@ -180,7 +176,6 @@ class TransferEngine:
             "validated": True,
             "check_slots": flag is None,
             "error_flag": flag,
-            "staging_chunks": self.staging_chunks,
         }
         prov = self.provider
         with prov.stream_context(stream):

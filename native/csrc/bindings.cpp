@@ -7,7 +7,6 @@
 #include <atomic>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "l2core_kernels.h"
@@ -164,29 +163,9 @@ void memcpy_runs(const CopyRun* runs, size_t n, const char* src_base, char* dst_
 // Staged path: kernel gather/scatter into a compact device staging area, plus one DMA per
 // contiguous host run (adjacent pages are merged). Returns false when the layout has no
 // page-contiguous runs for this layer range (the caller then uses the direct kernel).
-// The staged path's four events, created once per (thread, device) and reused by every call: a
-// record overwrites the previous one, and a wait enqueued earlier keeps the record it saw. Event
-// creation and destruction per call were driver calls in the process of the forward pass, which
-// slow its launches (bench/results/2026-12-04-h200-interference-probes).
-struct StagedEvents {
-  cudaEvent_t kernel_done[2], dma_done[2];
-};
-
-StagedEvents& staged_events(int device) {
-  thread_local std::unordered_map<int, StagedEvents> per_device;
-  auto it = per_device.find(device);
-  if (it != per_device.end()) return it->second;
-  StagedEvents ev;
-  for (int h = 0; h < 2; ++h) {
-    cuda_ok(cudaEventCreateWithFlags(&ev.kernel_done[h], cudaEventDisableTiming), "cudaEventCreate");
-    cuda_ok(cudaEventCreateWithFlags(&ev.dma_done[h], cudaEventDisableTiming), "cudaEventCreate");
-  }
-  return per_device.emplace(device, ev).first->second;
-}
-
 void staged_transfer(const Checked& c, const torch::Tensor& slots_dev, const torch::Tensor& host,
                      const torch::Tensor& pages, bool to_host, int64_t max_blocks, int64_t staging_bytes,
-                     int64_t staging_chunks, int* bad_index, cudaStream_t stream) {
+                     int* bad_index, cudaStream_t stream) {
   const TransferGeom& g = c.g;
   const int64_t item = g.item_bytes, P = g.page_size, nl = g.num_layers, nkv = g.num_kv;
   // Which host runs are contiguous: case A (layer-major inside a page, any layer range),
@@ -200,18 +179,20 @@ void staged_transfer(const Checked& c, const torch::Tensor& slots_dev, const tor
   const int64_t moved_per_page = P * nl * nkv * item;
   const int64_t n_pages = pages.numel();
   // Two staging halves: the kernel fills/drains one while the copy engine DMAs the other.
-  // `staging_chunks` chunks (default 8) so the first gather and the last DMA (the parts that do
-  // not overlap) are short, capped by the staging budget; fewer chunks make fewer driver calls.
-  const int64_t chunk = std::max<int64_t>(
-      1, std::min<int64_t>((n_pages + staging_chunks - 1) / staging_chunks, staging_bytes / 2 / moved_per_page));
+  // About 8 chunks so the first gather and the last DMA (the parts that do not overlap) are
+  // short, capped by the staging budget.
+  const int64_t chunk =
+      std::max<int64_t>(1, std::min<int64_t>((n_pages + 7) / 8, staging_bytes / 2 / moved_per_page));
   auto staging = torch::empty({2 * chunk * moved_per_page}, torch::dtype(torch::kUInt8).device(c.device));
   const int64_t* pg = pages.data_ptr<int64_t>();
   char* host_base = static_cast<char*>(host.data_ptr());
   cudaStream_t copy_stream = c10::cuda::getStreamFromPool(false, c.device.index()).stream();
   // kernel_done[h]: the kernel last using half h finished; dma_done[h]: the DMAs of half h finished.
-  StagedEvents& ev = staged_events(c.device.index());
-  cudaEvent_t* kernel_done = ev.kernel_done;
-  cudaEvent_t* dma_done = ev.dma_done;
+  cudaEvent_t kernel_done[2], dma_done[2];
+  for (int h = 0; h < 2; ++h) {
+    cuda_ok(cudaEventCreateWithFlags(&kernel_done[h], cudaEventDisableTiming), "cudaEventCreate");
+    cuda_ok(cudaEventCreateWithFlags(&dma_done[h], cudaEventDisableTiming), "cudaEventCreate");
+  }
   // the copy stream starts after everything already queued on the caller's stream
   cuda_ok(cudaEventRecord(kernel_done[1], stream), "cudaEventRecord");
   cuda_ok(cudaStreamWaitEvent(copy_stream, kernel_done[1], 0), "cudaStreamWaitEvent");
@@ -276,6 +257,8 @@ void staged_transfer(const Checked& c, const torch::Tensor& slots_dev, const tor
   // allocator, whose reuse is ordered on the caller's stream.
   for (int h = 0; h < 2; ++h) {
     if (n_pages > h * chunk) cuda_ok(cudaStreamWaitEvent(stream, dma_done[h], 0), "cudaStreamWaitEvent");
+    cudaEventDestroy(kernel_done[h]);
+    cudaEventDestroy(dma_done[h]);
   }
 }
 #endif
@@ -288,11 +271,11 @@ void transfer(const std::vector<torch::Tensor>& bufs, const torch::Tensor& slots
               const torch::Tensor& pages, int64_t page_size, int64_t layer_begin, int64_t num_layers,
               int64_t num_kv, const std::vector<int64_t>& strides, int64_t num_host_pages, bool to_host,
               const std::string& method, int64_t max_blocks, int64_t num_threads, int64_t staging_bytes,
-              bool check_slots, const c10::optional<torch::Tensor>& error_flag, int64_t staging_chunks) {
+              bool check_slots, const c10::optional<torch::Tensor>& error_flag) {
   TORCH_CHECK_VALUE(method == "direct" || method == "staged" || method == "naive", "unknown method '", method,
                     "' (direct, staged, naive)");
-  TORCH_CHECK_VALUE(max_blocks >= 1 && num_threads >= 1 && staging_bytes >= 1 && staging_chunks >= 1,
-                    "max_blocks, num_threads, staging_bytes and staging_chunks must be >= 1");
+  TORCH_CHECK_VALUE(max_blocks >= 1 && num_threads >= 1 && staging_bytes >= 1,
+                    "max_blocks, num_threads and staging_bytes must be >= 1");
   Checked c = check_transfer(bufs, slots, host, pages, page_size, layer_begin, num_layers, num_kv, strides,
                              num_host_pages, check_slots);
   if (c.g.n_tokens == 0) return;
@@ -351,7 +334,7 @@ void transfer(const std::vector<torch::Tensor>& bufs, const torch::Tensor& slots
     bad_index = reinterpret_cast<int*>(mapped_host_ptr(f));
   }
   if (method == "staged") {
-    staged_transfer(c, slots_dev, host, pages, to_host, max_blocks, staging_bytes, staging_chunks, bad_index, stream);
+    staged_transfer(c, slots_dev, host, pages, to_host, max_blocks, staging_bytes, bad_index, stream);
     return;
   }
   char* hptr = mapped_host_ptr(host);

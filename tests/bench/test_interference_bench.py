@@ -28,8 +28,6 @@ def test_interference_bench_json_contract(tmp_path: Path) -> None:
     assert rep["rows"]["loads_only"]["options"] == {"directions": ["load"]}
     assert rep["rows"]["layer_first_loads"]["options"] == {"directions": ["load"], "layout": "layer_first"}
     assert rep["rows"]["naive_loads"]["options"] == {"directions": ["load"], "method": "naive"}
-    assert rep["rows"]["chunks2_loads"]["options"] == {"directions": ["load"], "staging_chunks": 2}
-    assert rep["rows"]["chunks2"]["options"] == {"staging_chunks": 2}
     for k, row in rep["rows"].items():
         assert row["slowdown_per_10GBps"] == pytest.approx(
             10 * row["slowdown"] / row["copy_GBps"]["median"], abs=1e-5

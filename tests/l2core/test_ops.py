@@ -319,9 +319,6 @@ def test_methods(
         kw_small = {**kw, "staging_bytes": 2 * case.spec.page_bytes + 1}  # 2 pages per chunk: 5 chunks
         check_gather(case, **kw_small)
         check_scatter(case, round_trip=True, **kw_small)
-        for chunks in (1, 2, 3):  # one chunk (one half of the staging used), two, an odd split
-            check_gather(case, staging_chunks=chunks, **kw)
-            check_scatter(case, round_trip=True, staging_chunks=chunks, **kw)
     elif method == "direct" and dev != "cpu":
         check_gather(case, max_sms=1, **kw)  # one block: the grid-stride loop covers everything
         check_scatter(case, round_trip=True, max_sms=1, **kw)
@@ -669,34 +666,3 @@ def test_native_index_error_raises_not_crashes(native: Any, request: pytest.Fixt
     assert len(lines) == 2 * len(devs)
     want = "slot out of range" if what == "slot" else "page index out of range"
     assert all(" IndexError " in ln and want in ln for ln in lines), r.stdout
-
-
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
-def test_staging_chunks_must_be_a_positive_int(make_case: Callable[..., Case], bad: Any) -> None:
-    case = make_case("cpu", "page_first_direct", "mha", 16, "bf16")
-    expect_error(
-        case,
-        lambda: ops.scatter_to_device(
-            case.bufs, case.slots, case.pool.buffer, case.pages, case.pool.layout, staging_chunks=bad
-        ),
-        ValueError,
-        "staging_chunks must be an int >= 1",
-    )
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_staged_calls_leave_no_device_memory_or_events_behind(make_case: Callable[..., Case]) -> None:
-    """1,000 staged per-layer loads and backups: the staging blocks go back to the allocator and the
-    reused events add nothing, so device memory in use is where it was after the first call."""
-    case = make_case("cuda", "page_first_direct", "mha", 16, "bf16")
-    args = (case.bufs, case.slots, case.pool.buffer, case.pages, case.pool.layout)
-    ops.scatter_to_device(*args, layers=(0, 1), method="staged")
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    for i in range(500):
-        ops.scatter_to_device(*args, layers=(i % LAYERS, i % LAYERS + 1), method="staged", staging_chunks=1 + i % 8)
-        ops.gather_to_host(*args, method="staged")
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before
-    check_scatter(case, round_trip=True, method="staged")  # and the bytes are still right
