@@ -26,10 +26,28 @@ import os
 import re
 import shlex
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from l3pool.tools.deploy import Process
+
+class Process(Protocol):
+    """What a unit is written from: the fields of `l3pool.tools.deploy.Process` it reads (a
+    protocol, so this module needs nothing of deploy.py, which imports it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def argv(self) -> list[str]: ...
+    @property
+    def env(self) -> dict[str, str]: ...
+    @property
+    def ready_ports(self) -> tuple[int, ...]: ...
+    @property
+    def files(self) -> dict[str, str]: ...
+
 
 PREFIX = "l3pool-"
 STOP_TIMEOUT_S = 15  # the script's `_stop`: SIGKILL after 15 s
