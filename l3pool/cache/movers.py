@@ -3,7 +3,8 @@ small protocols; the cache (controller.py) keeps the books and hands them plans.
 
 - `Loads`: L2 <-> L1 jobs (l2core's TransferEngine, or its TP-shared twin); the load thread.
 - `BackupSink`: L1 -> L2 backups (`BackupPlan`: hashes, L1 pages, the L2 pages booked for them):
-  `Backups` copies on the backup thread and the cache books the L2 copies when a copy completes.
+  `Backups` copies on the backup thread and the cache books the L2 copies when a copy completes;
+  `InlineBackups` copies and books them before the call that planned them returns.
 - `L3In`: L3 lookups and L3 -> L2 prefetches (`Fetch`, over pool.prefetch.Prefetcher).
 - `L3Out`: L2 -> L3 writes, queued (`Writes`, over the coalescing L3Writer) or at once (write-back
   on eviction); their outcomes go back to the cache's books (`Hooks.written`).
@@ -200,6 +201,40 @@ class Backups:
         self._thread.join()
 
 
+class InlineBackups:
+    """L1 -> L2 copies on the caller's thread, booked before the call that planned them (commit(),
+    match()) returns: no backup thread, no L1 pins across calls. The books after each call then
+    depend on the calls alone (a trace replay needs no flush() between requests, as bench.eviction's
+    does), and the L2 copy exists when commit() returns. The caller pays the copy, under the cache's
+    lock (as write_back's copies on eviction do). `TieredCache(..., movers=partial(plain_movers,
+    sink=InlineBackups))`."""
+
+    copies = True
+
+    def __init__(self, engine: Loads, hooks: Hooks) -> None:
+        self.engine, self.hooks = engine, hooks
+
+    def submit(self, plan: BackupPlan) -> None:
+        try:
+            res = self.engine.wait([self.engine.submit_backup(self.hooks.slots(plan.l1), plan.l2)])[0]
+        except BaseException:
+            self.hooks.backup_done(plan, False, None)  # its L2 pages freed
+            raise
+        self.hooks.backup_done(plan, res.ok, res.error)  # a failed copy: a background error
+
+    def busy(self) -> bool:
+        return False
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        return True
+
+    def before_reuse(self) -> None:
+        """Nothing is in flight."""
+
+    def close(self) -> None:
+        pass
+
+
 class Fetch:
     """L3 lookups through the client; prefetches on the Prefetcher's thread into L2 pages it asks
     the cache for, ended at load() by the prefetch policy."""
@@ -323,12 +358,14 @@ def engine_over(l2: HostPages, l1: L1, make: Callable[..., Any] = TransferEngine
         raise ConfigError(f"L1 buffers do not match the L2 pool's KV spec: {e}") from None
 
 
-def plain_movers(cfg: CacheConfig, l1: L1, l2: HostPages, l3: L3Pages | None, hooks: Hooks) -> Movers:
-    """The movers of one engine's own cache: its engine, backup thread, prefetcher and writer."""
+def plain_movers(cfg: CacheConfig, l1: L1, l2: HostPages, l3: L3Pages | None, hooks: Hooks, *,
+                 sink: Callable[[Any, Hooks], BackupSink] = Backups) -> Movers:  # fmt: skip
+    """The movers of one engine's own cache: its engine, backup sink (`sink`: the backup thread,
+    or `InlineBackups`), prefetcher and writer."""
     if cfg.tp_shared:
         raise ConfigError("tp_shared = true: the cache needs the TP-shared movers (l3pool.cache.build() picks them)")
     engine = engine_over(l2, l1)
-    m = Movers(engine, Backups(engine, hooks))
+    m = Movers(engine, sink(engine, hooks))
     try:
         if l3 is not None:
             m.l3_in = Fetch(cfg, l3, hooks)

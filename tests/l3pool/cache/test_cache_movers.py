@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import threading
 import uuid
+from functools import partial
 
 import numpy as np
 import torch
 
 from l2core import HostKVPool, L2Config
 from l3pool.cache import L1, CacheConfig, TieredCache
-from l3pool.cache.movers import BackupPlan, Backups, Hooks, Movers, engine_over
+from l3pool.cache.movers import BackupPlan, Backups, Hooks, InlineBackups, Movers, engine_over, plain_movers
 from l3pool.cache.planner import Planner
 from l3pool.cache.shared import TPBackups, TPSharedMovers
 from l3pool.pool.protocols import HostPages, L3Pages
@@ -83,6 +84,43 @@ def test_a_new_mover_is_one_class() -> None:
         l2_hit, got = run("a2", a)
         assert l2_hit == 5 and cache.movers.backups.copied == 10
         assert torch.equal(got.reshape(-1), contents(a).reshape(-1))  # the bytes SyncBackups copied down
+    finally:
+        cache.close()
+        pool.close()
+
+
+def test_inline_backups_are_booked_when_commit_returns() -> None:
+    """InlineBackups (the package's own sink): the L2 copy is there, its bytes right, when commit()
+    returns - no flush, no backup thread, no L1 page left pinned - and a later request loads it."""
+    pool = HostKVPool(L2Config(kv=SPEC, tokens=32 * SPEC.page_size, pin="never"))
+    bufs = [torch.zeros(8 * SPEC.page_size, SPEC.heads, SPEC.dim, dtype=SPEC.torch_dtype)
+            for _ in range(SPEC.num_layers * SPEC.num_kv)]  # fmt: skip
+    cfg = CacheConfig(l1_to_l2="write_through")
+    cache = TieredCache(cfg, L1(bufs, SPEC.page_size), pool, movers=partial(plain_movers, sink=InlineBackups))
+    try:
+        assert isinstance(cache.movers.backups, InlineBackups)
+        assert "l3pool-cache-backup" not in {t.name for t in threading.enumerate()}
+        a, b = chain(11, 5), chain(12, 5)
+        for rid, hs in (("a", a), ("b", b)):  # b's 5 pages evict 2 of a's from the 8 L1 pages
+            m = cache.match(rid, hs)
+            h = cache.load(m, total_pages=len(hs))
+            want = contents(hs)
+            for i, layer in enumerate(bufs):
+                layer[cache.slots(h.l1_pages)] = want[i].reshape(-1, SPEC.heads, SPEC.dim)
+            cache.commit(rid, hs, h.l1_pages)
+            l2p = cache.t2.pages_of(hs)
+            assert (l2p >= 0).all() and not cache.plan.pending_l2  # booked on return
+            l2_bytes = pool.view()[torch.from_numpy(l2p)]  # [pages, layers, P, 1, D]
+            assert torch.equal(l2_bytes, want.transpose(0, 1))
+            cache.release(rid)
+            assert cache.t1.evictable == {"a": 5, "b": 8}[rid]  # every cached L1 page: none held for a copy
+        m = cache.match("a2", a)
+        assert (m.l1, m.l2) == (0, 5)  # a's first pages left L1: the prefix loads from L2
+        h = cache.load(m)
+        h.wait()
+        assert torch.equal(torch.stack([layer[h.slots] for layer in bufs]).reshape(-1), contents(a).reshape(-1))
+        cache.release("a2")
+        assert cache.stats()["l1_to_l2_writes"] == {"through": 10}
     finally:
         cache.close()
         pool.close()
