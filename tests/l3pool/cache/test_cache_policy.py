@@ -39,7 +39,7 @@ class _Handle:
     def __init__(self, done_after: float | None) -> None:
         self.done_after, self.calls = done_after, []  # type: ignore[var-annotated]
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait_live(self, timeout: float | None = None) -> Any:
         self.calls.append(("wait", timeout))
         if timeout is not None and (self.done_after is None or self.done_after > timeout):
             raise TimeoutError
@@ -51,6 +51,7 @@ class _Handle:
 
 
 def test_prefetch_policy_answers() -> None:
+    """The waiting policies wait through `wait_live` (bounded by the pool's liveness)."""
     h = _Handle(None)
     assert P.prefetch_policy("best_effort", 0.1).finish(h) == "prefix" and h.calls == [("interrupt", None)]  # type: ignore[arg-type]
     h = _Handle(None)
