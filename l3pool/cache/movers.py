@@ -30,14 +30,13 @@ import torch
 from l2core.spec import ConfigError
 from l2core.transfer import TransferEngine
 from l3pool.cache.config import CacheConfig
-from l3pool.cache.policy import WaitComplete, prefetch_policy
+from l3pool.cache.policy import prefetch_policy
 from l3pool.cache.types import L1, CacheError
 from l3pool.cache.writer import L3Writer
 from l3pool.pool.prefetch import Prefetcher, PrefetchHandle, PrefetchResult
 from l3pool.pool.protocols import HostPages, L3Pages, Outcome
 
 log = logging.getLogger(__name__)
-_WAIT_COMPLETE = WaitComplete()
 PutOutcome = tuple[list[Outcome] | None, BaseException | None, float]  # (outcomes, error, seconds)
 
 
@@ -258,8 +257,9 @@ class Fetch:
         return self.prefetcher.submit(rid, keys)
 
     def finish(self, h: PrefetchHandle, wait_all: bool) -> PrefetchResult:
-        """`wait_all`: load() started it, or PP (every stage needs the locked length): waited for whole."""
-        return (_WAIT_COMPLETE if wait_all else self.policy).finish(h)
+        """`wait_all`: load() started it, or PP (every stage needs the locked length): waited for
+        whole, a hung master included (its batch ends with Mooncake's RPC timeout)."""
+        return h.wait() if wait_all else self.policy.finish(h)
 
     def forget(self, rid: str) -> None:
         pass

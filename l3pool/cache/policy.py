@@ -115,22 +115,23 @@ class BestEffort(PrefetchPolicy):
 
 
 class WaitComplete(PrefetchPolicy):
-    """Wait for the whole prefetch (what PP stages and a prefetch load() started itself need)."""
+    """Wait for the whole prefetch, unless L3 stops answering while a batch is in flight (then
+    interrupt: `PrefetchHandle.wait_live`)."""
 
     name = "wait_complete"
 
     def finish(self, h: PrefetchHandle) -> PrefetchResult:
-        return h.wait()
+        return h.wait_live()
 
 
 class Timeout(PrefetchPolicy):
-    """Wait up to `timeout_s`, then interrupt."""
+    """Wait up to `timeout_s` (less when L3 stops answering: `wait_live`), then interrupt."""
 
     name = "timeout"
 
     def finish(self, h: PrefetchHandle) -> PrefetchResult:
         try:
-            return h.wait(self.timeout_s)
+            return h.wait_live(self.timeout_s)
         except TimeoutError:
             return h.interrupt()
 

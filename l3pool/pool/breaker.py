@@ -20,6 +20,11 @@ breaker before the hung call returns (Mooncake blocks 30 s per call on a master 
 but does not answer, measured with SIGSTOP on 0.3.13). A slow call of a healthy dependency (a large
 transfer) costs one successful probe and nothing else.
 
+Overdue calls: a caller that stopped waiting for a call past its deadline (the store's metadata
+calls, `StoreConfig.call_deadline_s`) reports it with `suspect()`: the thread runs the probe at
+once, and a failed probe trips the breaker. The caller does not wait for that probe, so a wrongly
+suspected call of a healthy but slow dependency costs one miss and one probe, never an open breaker.
+
 Thread-safe. The thread is a daemon started on first use and stopped by `close()`.
 """
 
@@ -83,6 +88,8 @@ class Breaker:
         self._idle = False  # the thread waits with no deadline: a new call must wake it
         self._probe_lock = threading.Lock()
         self._seen_up = False  # a trip is logged as a warning only once the dependency had answered
+        self._suspect_now = ""  # an overdue call's reason: the thread probes at once
+        self._suspect_probe: Callable[[], bool] | None = None  # the probe for it (None: `probe`)
 
     # -- hot path ------------------------------------------------------------------------
     def allow(self, items: int = 1) -> bool:
@@ -136,6 +143,21 @@ class Breaker:
             del self._inflight[cid]
             self._checked.discard(cid)
 
+    def suspect(self, reason: str, probe: Callable[[], bool] | None = None) -> None:
+        """A call went past its deadline (the caller stopped waiting): probe now, on the thread,
+        with `probe` when given (e.g. one bounded by the caller's deadline) else the breaker's own;
+        a failed probe opens the breaker. No-op while open (the thread probes already), while a
+        suspicion is pending, or disabled."""
+        if not self.enabled:
+            return
+        with self._cv:
+            if self._open or self._closed or self._suspect_now:
+                return
+            self._suspect_now, self._suspect_probe = reason, probe
+            self._ensure_thread()
+            self._idle = False
+            self._cv.notify_all()
+
     def trip(self, reason: str) -> None:
         """The dependency failed: open (no-op when already open or disabled)."""
         if not self.enabled:
@@ -153,12 +175,12 @@ class Breaker:
         level = logging.WARNING if self._seen_up else logging.DEBUG
         log.log(level, "%s unavailable (%s): calls fail fast until a probe sees it again", self.name, reason)
 
-    def probe(self) -> bool:
-        """Run the probe now (one at a time; a concurrent caller waits for the running one).
-        A failure opens the breaker, a success closes it."""
+    def probe(self, fn: Callable[[], bool] | None = None) -> bool:
+        """Run the probe (`fn`, default the breaker's) now (one at a time; a concurrent caller
+        waits for the running one). A failure opens the breaker, a success closes it."""
         with self._probe_lock:
             try:
-                ok = bool(self._probe_fn())
+                ok = bool((fn or self._probe_fn)())
             except Exception as e:  # a probe must never kill its thread
                 log.debug("%s probe raised: %s", self.name, e)
                 ok = False
@@ -225,8 +247,13 @@ class Breaker:
                     return
                 now = time.monotonic()
                 suspect: int | None = None
+                overdue = ""
                 if self._open:
                     wait: float | None = backoff
+                    self._suspect_now, self._suspect_probe = "", None
+                elif self._suspect_now:
+                    overdue, self._suspect_now, wait = self._suspect_now, "", 0.0
+                    suspect_probe, self._suspect_probe = self._suspect_probe, None
                 else:
                     backoff = self.backoff_s[0]
                     wait = None
@@ -239,7 +266,7 @@ class Breaker:
                                 suspect = cid
                                 break
                             wait = due if wait is None else min(wait, due)
-                if suspect is None:
+                if suspect is None and not overdue:
                     self._idle = wait is None
                     self._cv.wait(wait)
                     self._idle = False
@@ -247,8 +274,12 @@ class Breaker:
                         return
                     if not self._open:
                         continue  # re-evaluate the calls in flight
-                else:
+                elif suspect is not None:
                     self._checked.add(suspect)
+            if overdue:
+                if not self.probe(suspect_probe):
+                    log.warning("%s: %s, and the probe failed", self.name, overdue)
+                continue
             if suspect is not None:
                 if not self.probe():
                     log.warning("%s: a call has been inside it for > %.1f s and the probe failed", self.name,

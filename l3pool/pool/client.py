@@ -313,6 +313,15 @@ class L3Client:
             self._free.put(slot)
 
     # -- lookups -----------------------------------------------------------------------------
+    @property
+    def call_deadline_s(self) -> float | None:
+        """The store's deadline for metadata calls (`StoreConfig.call_deadline_s`; None: none)."""
+        return self.store.call_deadline_s
+
+    def answering(self, deadline_s: float) -> bool:
+        """Whether the store answers a one-key lookup within `deadline_s` now."""
+        return self.store.answers(deadline_s)
+
     def lookup(self, keys: Sequence[str]) -> int:
         """Length of the longest prefix of `keys` present in L3 (stops at the first miss)."""
         n, acc, lat = 0, dict[str, int](), metrics.CLIENT_BATCH_SECONDS("exists")

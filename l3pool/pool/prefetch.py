@@ -35,6 +35,14 @@ Mooncake call returns (a hung `batch_get_into` may still write into them), and o
 freed; `quarantined_pages()` counts them. They are never delivered and never handed out again
 before the call returned. `close()` waits for such calls.
 
+Hung pool: `wait_live()` is `wait()` bounded by the pool's liveness (the cache's wait_complete
+and timeout policies use it). While a batch has been inside L3 longer than half the client's
+`call_deadline_s`, the waiter asks the store whether the master answers a one-key lookup within
+the other half (`L3Pages.answering`, every half deadline, ~1 ms healthy); when it does not, the
+prefetch is interrupted at once: the prefix that landed is delivered and the batch in flight is
+left behind, quarantined as above. A frozen master so costs a waiting load() about one
+`call_deadline_s`, not Mooncake's RPC timeout; a slow transfer of a healthy master is waited for.
+
 Ownership: until a result is *delivered* (returned by `wait()` or `interrupt()` of its handle)
 every L2 page of a prefetch belongs to the prefetcher, which frees it on `cancel()`, on failure,
 when a newer generation supersedes it, and on `close()`. Once delivered, `result.pages` belong to
@@ -139,6 +147,7 @@ class PrefetchHandle:
         self._inflight_pages = 0
         self._detached = False  # interrupt() delivered without waiting for the batches in flight
         self._batch_ms: list[float] = []
+        self._batch_t0: float | None = None  # perf_counter() when the oldest batch in flight was issued
         self.submitted_at = time.perf_counter()
 
     # -- caller side -----------------------------------------------------------------------
@@ -150,6 +159,30 @@ class PrefetchHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"prefetch {self.request_id!r} gen {self.generation} not done within {timeout} s")
         return self._deliver()
+
+    def wait_live(self, timeout: float | None = None) -> PrefetchResult:
+        """`wait()`, unless the pool stops answering while a batch is in flight: then the
+        prefetch is interrupted at once (module docstring "Hung pool"). TimeoutError after
+        `timeout` s, as `wait()`. Without a client deadline it is `wait()`."""
+        d = self._owner.client.call_deadline_s
+        if d is None:
+            return self.wait(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        step, checked = d / 5, -float("inf")
+        while True:
+            left = None if end is None else end - time.monotonic()
+            if self._done.wait(step if left is None else max(0.0, min(step, left))):
+                return self._deliver()
+            if left is not None and left <= step:
+                raise TimeoutError(f"prefetch {self.request_id!r} gen {self.generation} not done within {timeout} s")
+            t0, now = self._batch_t0, time.perf_counter()
+            if t0 is None or now - t0 < d / 2 or now - checked < d / 2:
+                continue
+            checked = now
+            if not self._owner.client.answering(d / 2):
+                log.warning("prefetch %s gen %d: L3 does not answer while a batch has been in flight for %.0f ms: "
+                            "interrupted", self.request_id, self.generation, (now - t0) * 1e3)  # fmt: skip
+                return self.interrupt(0.0)
 
     def interrupt(self, timeout: float | None = None) -> PrefetchResult:
         """Stop issuing batches and return the prefix that arrived (usable). Waits at most
@@ -442,6 +475,7 @@ class Prefetcher:
                             break
                         h._inflight_pages += len(pages)
                     flight.append((issued, pages, self._io.submit(self._get, ks, pages), time.perf_counter()))
+                    h._batch_t0 = flight[0][3]
                     issued += len(ks)
                 if not flight:
                     break
@@ -449,6 +483,7 @@ class Prefetcher:
                 try:
                     out = fut.result()
                 except BaseException as e:
+                    h._batch_t0 = flight[0][3] if flight else None
                     if not self._landed(h, pages):
                         self._free(pages)
                     if not ended:
@@ -457,6 +492,7 @@ class Prefetcher:
                     ended = True
                     issuing = False
                     continue
+                h._batch_t0 = flight[0][3] if flight else None
                 if self._landed(h, pages):  # left behind by interrupt(): freed there
                     ended = True
                     continue

@@ -97,6 +97,15 @@ class PageStore(Protocol):
         fit; `L3Client` sizes its batches by it)."""
         ...
 
+    @property
+    def call_deadline_s(self) -> float | None:
+        """The longest a caller waits for a metadata call (None: no deadline)."""
+        ...
+
+    def answers(self, deadline_s: float | None = None) -> bool:
+        """Whether the store answers a one-key lookup within `deadline_s` now."""
+        ...
+
     def register(self, ptr: int, nbytes: int) -> None: ...
 
     def unregister(self, ptr: int) -> None: ...
@@ -192,6 +201,16 @@ class L3Pages(Protocol):
 
     def lookup(self, keys: Sequence[str]) -> int:
         """Length of the longest prefix of `keys` present in L3."""
+        ...
+
+    @property
+    def call_deadline_s(self) -> float | None:
+        """The store's deadline for metadata calls (None: none)."""
+        ...
+
+    def answering(self, deadline_s: float) -> bool:
+        """Whether the store answers a one-key lookup within `deadline_s` now (a waiter of a get
+        that cannot be abandoned tells a hung master from a slow transfer by it)."""
         ...
 
     def put(self, keys: Sequence[str], pages: Sequence[int] | np.ndarray) -> list[Outcome]: ...

@@ -41,6 +41,20 @@ transfer engines refuse a TCP connect (their RPC address from the metadata serve
 marked, gets answer its objects MISS at once and puts go to a live donor (Mooncake's
 `preferred_segment`). A failure is a miss, never data; a put is OK only when Mooncake stored it.
 
+Deadlines (`call_deadline_s`, default 40 ms): the metadata calls an engine waits on (`exists`,
+`present`, `replicas`, `unfinished`) run on the store's call threads and the caller waits at most
+the deadline (plus 20 us per key); with the thread hand-off (~1 ms) a call costs under 50 ms
+whatever the master does. An overdue call answers UNAVAILABLE for its keys at once (a lookup: a
+miss) and makes the breaker probe the master now, within the same deadline (`Breaker.suspect`):
+a failed probe opens it (~2 deadlines after the freeze), and later calls answer at once. A
+healthy master answers in ~1 ms; a host that deschedules the call's thread past the deadline
+costs that one call a miss and one probe, never wrong data. The call itself stays inside Mooncake until it returns,
+on its thread; a call that was still queued when its caller gave up is never sent. These calls
+write no caller memory, so abandoning them is safe. Calls that move bytes (get, put) are not
+abandoned here: Mooncake may still write or read the caller's registered buffers; the prefetcher
+leaves such a batch behind and quarantines its pages (`l3pool.pool.prefetch`), using `answers()`
+to tell a hung master from a slow transfer.
+
 Frozen master: a call already inside Mooncake when the master stops answering returns only when
 Mooncake's RPC deadline ends it: 30 s by default; `MC_RPC_TIMEOUT_MS` in the process environment
 shortens it (`RPC_TIMEOUT_MS`, which the local cluster gives its processes; an engine sets it in its
@@ -50,12 +64,15 @@ own environment: library code never writes os.environ). Calls started after dete
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,6 +210,8 @@ class StoreConfig:
     # dead donors (module docstring)
     dead_retry_s: float = 2.0  # a dead mark is re-checked (TCP connect) this often
     dead_forget_s: float = 60.0  # and dropped after this long (the master has dropped the segment)
+    # the longest an engine waits for a metadata call (module docstring "Deadlines"); None: no deadline
+    call_deadline_s: float | None = 0.04
 
     def __post_init__(self) -> None:
         if self.tenant and not _TENANT.fullmatch(self.tenant):
@@ -204,6 +223,9 @@ class StoreConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise StoreError(f"StoreConfig.{name} must be a number > 0, got {v!r}")
+        d = self.call_deadline_s
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 60):
+            raise StoreError(f"StoreConfig.call_deadline_s must be a number of seconds in (0, 60] or None, got {d!r}")
         if isinstance(self.max_transfers, bool) or not isinstance(self.max_transfers, int) or self.max_transfers < 0:
             raise StoreError(
                 f"StoreConfig.max_transfers must be an integer >= 0 (0: Mooncake's), got {self.max_transfers!r}"
@@ -226,6 +248,12 @@ _FAILED = (Outcome.UNAVAILABLE, Outcome.ERROR)
 # a one-fragment object included): no field makes a pure client's put faster than the default, so
 # L3Client passes none; `_put` passes preferred_segment only while a donor is marked dead.
 Placement = Mapping[str, Any] | None
+
+# a deadline's allowance per key (batch_is_exist: 1.6-2.2 us per key on the 16-core host, measured)
+_DEADLINE_PER_KEY_S = 20e-6
+# threads that run calls under a deadline: one hung call holds one; when all are held the queued
+# calls pass their deadlines (UNAVAILABLE) and the breaker is open by then
+_DEADLINE_THREADS = 8
 
 # keys of recent successful puts (a sample of each call's) kept to find the donors after a put's transfers fail
 _RECENT_KEYS, _RECENT_PER_CALL = 64, 16
@@ -254,6 +282,9 @@ class MooncakeStore:
         metrics.watch_breaker(self.breaker, "mooncake")
         self._close_lock = threading.Lock()
         self._closed = False
+        self._call_pool: ThreadPoolExecutor | None = None  # made on the first call under a deadline
+        self._pool_lock = threading.Lock()
+        self.overdue_calls = 0  # calls whose caller stopped waiting at the deadline
         log.info("mooncake client %s up: host=%s master=%s segment=%d", self.conn.current.name, cfg.local_hostname,
                  cfg.master, cfg.segment_bytes)  # fmt: skip
 
@@ -278,11 +309,43 @@ class MooncakeStore:
         self.conn.unregister(ptr)
 
     # -- breaker plumbing ------------------------------------------------------------------
-    def _guarded(self, n: int, name: str, *args: Any) -> tuple[Any, float, int] | None:
+    def _guarded(self, n: int, name: str, *args: Any, bounded: bool = False) -> tuple[Any, float, int] | None:
         """Run one Mooncake call (the client's method `name`) unless the breaker is open (then
-        None: answer UNAVAILABLE): (codes, seconds, the client's generation)."""
+        None: answer UNAVAILABLE): (codes, seconds, the client's generation). `bounded`: a call
+        that writes no caller memory, waited for at most the deadline (module docstring); None
+        when it is overdue."""
         if not self.breaker.allow(n):
             return None
+        if not bounded or self.cfg.call_deadline_s is None:
+            return self._call(name, args)
+        return self._within(self.cfg.call_deadline_s + n * _DEADLINE_PER_KEY_S, name, args, f"{name} of {n} keys")
+
+    def _within(self, limit: float, name: str, args: tuple[Any, ...], what: str) -> tuple[Any, float, int] | None:
+        """`_call` on a call thread, waited for at most `limit` s; None when overdue (counted, and
+        the breaker probes now)."""
+        given_up = threading.Event()
+        fut = self._calls().submit(self._call, name, args, given_up)
+        try:
+            return fut.result(limit)
+        except FutureTimeout:
+            given_up.set()
+            with self._pool_lock:
+                self.overdue_calls += 1
+            bounded_probe = functools.partial(self._probe, min(limit, self.cfg.probe_timeout_s))
+            self.breaker.suspect(f"{what} had no answer within {limit * 1e3:.0f} ms", bounded_probe)
+            return None
+
+    def _calls(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._call_pool is None:
+                self._call_pool = ThreadPoolExecutor(_DEADLINE_THREADS, thread_name_prefix="l3pool-store-call")
+            return self._call_pool
+
+    def _call(
+        self, name: str, args: tuple[Any, ...], given_up: threading.Event | None = None
+    ) -> tuple[Any, float, int] | None:
+        if given_up is not None and given_up.is_set():
+            return None  # queued behind hung calls until its caller gave up: never sent
         c = self.conn.acquire()
         t0 = time.monotonic()
         cid = self.breaker.enter()
@@ -300,11 +363,12 @@ class MooncakeStore:
         name: str,
         *args: Any,
         decode: Callable[[Sequence[int]], list[Outcome]] | None = None,
+        bounded: bool = False,
     ) -> list[Outcome]:
         """One batched Mooncake call through the breaker: per-key Outcomes (`decode` of the codes,
         default `outcome_of` each), all UNAVAILABLE when the breaker short-circuits it; the answer
         and its duration are judged (a slow or unavailable answer opens the breaker)."""
-        r = self._guarded(n, name, *args)
+        r = self._guarded(n, name, *args, bounded=bounded)
         if r is None:
             return [Outcome.UNAVAILABLE] * n
         out = [outcome_of(c) for c in r[0]] if decode is None else decode(r[0])
@@ -327,8 +391,9 @@ class MooncakeStore:
             self.conn.succeeded()
             self.breaker.ok()
 
-    def _probe(self) -> bool:
-        """The master answers: TCP connect, then a one-key batch_is_exist within probe_timeout_s,
+    def _probe(self, timeout_s: float | None = None) -> bool:
+        """The master answers: TCP connect, then a one-key batch_is_exist within `timeout_s`
+        (default probe_timeout_s; an overdue call's probe: its own deadline),
         on a thread of its own (a hung probe holds only that thread; no second one starts). A
         client failing for rebuild_after_s while its master answers is rebuilt
         (`Connection.stuck`). False once closed."""
@@ -340,15 +405,15 @@ class MooncakeStore:
         except OSError:
             self.conn.failed()
             return False
-        ok = self._rpc_probe()
+        ok = self._rpc_probe(timeout_s)
         if ok is None:
             return False  # the previous probe is still inside Mooncake (its RPC deadline ends it)
         if self.conn.stuck(ok) and self.conn.rebuild():
-            ok = bool(self._rpc_probe())
+            ok = bool(self._rpc_probe(timeout_s))
         self.conn.last_probe = (ok, time.monotonic())
         return ok
 
-    def _rpc_probe(self) -> bool | None:
+    def _rpc_probe(self, timeout_s: float | None = None) -> bool | None:
         """One batch_is_exist of PROBE_KEY through the current client on its own thread, within
         probe_timeout_s; None while the previous probe of this client is still inside Mooncake."""
         t = self._probe_thread
@@ -366,7 +431,7 @@ class MooncakeStore:
         self._probe_gen = c.gen
         t = self._probe_thread = threading.Thread(target=run, name="l3pool-store-probe", daemon=True)
         t.start()
-        t.join(self.cfg.probe_timeout_s)
+        t.join(self.cfg.probe_timeout_s if timeout_s is None else timeout_s)
         ok = not t.is_alive() and len(out) == 1 and out[0] in (0, 1)
         if ok:
             self._last_ok = time.monotonic()
@@ -382,7 +447,7 @@ class MooncakeStore:
         if not keys:
             return []
         try:
-            r = self._guarded(len(keys), "batch_get_replica_desc", list(keys))
+            r = self._guarded(len(keys), "batch_get_replica_desc", list(keys), bounded=True)
         except Exception as e:  # pragma: no cover - binding errors
             log.debug("batch_get_replica_desc failed: %s", e)
             return None
@@ -475,17 +540,17 @@ class MooncakeStore:
     def stats(self) -> dict[str, object]:
         """Breaker counters (state, trips, short_circuits (calls / items), probes, recoveries,
         open_s), rebuilds / rebuild_failures, dead_endpoints_marked / dead_skipped_items /
-        steered_puts and dead_endpoints (marked now)."""
+        steered_puts, dead_endpoints (marked now) and overdue_calls (past their deadline)."""
         return {
             **self.breaker.stats().as_dict(), **self.conn.counts, **self.donors.counts,
-            "dead_endpoints": len(self.donors),
+            "dead_endpoints": len(self.donors), "overdue_calls": self.overdue_calls,
         }  # fmt: skip
 
     # -- data ------------------------------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[Outcome]:
         if not keys:
             return []
-        return self._batch(len(keys), "exists", "batch_is_exist", list(keys), decode=_exists_outcomes)
+        return self._batch(len(keys), "exists", "batch_is_exist", list(keys), decode=_exists_outcomes, bounded=True)
 
     def present(self, keys: list[str]) -> np.ndarray:
         """`exists` as a bool array (True: present), without building per-key Outcomes; like
@@ -493,7 +558,7 @@ class MooncakeStore:
         Unreachable (or breaker open): all False."""
         if not keys:
             return np.zeros(0, dtype=np.bool_)
-        r = self._guarded(len(keys), "batch_is_exist", keys)
+        r = self._guarded(len(keys), "batch_is_exist", keys, bounded=True)
         if r is None:
             return np.zeros(len(keys), dtype=np.bool_)
         codes = np.asarray(r[0])
@@ -577,7 +642,7 @@ class MooncakeStore:
         only (a put that said OK for a key that is not complete right after)."""
         out: list[bool | None] = []
         for k in keys:
-            r = self._guarded(1, "get_size", k)
+            r = self._guarded(1, "get_size", k, bounded=True)
             code = None if r is None else int(r[0])
             out.append(True if code == -703 else False if code == -704 else None)
         return out
@@ -638,6 +703,25 @@ class MooncakeStore:
         return self.breaker.probe()
 
     @property
+    def call_deadline_s(self) -> float | None:
+        """`StoreConfig.call_deadline_s`: the longest a caller waits for a metadata call."""
+        return self.cfg.call_deadline_s
+
+    def answers(self, deadline_s: float | None = None) -> bool:
+        """Whether the master answers a one-key lookup within `deadline_s` (default
+        `call_deadline_s`, else `probe_timeout_s`) now; False at once while the breaker is open or
+        the client is closed. For waiters of calls that move bytes, which cannot be abandoned: it
+        tells a hung master (overdue: the breaker probes) from a slow transfer (~1 ms healthy)."""
+        if self.conn.closed or (self.cfg.breaker and self.breaker.is_open):
+            return False
+        limit = deadline_s or self.cfg.call_deadline_s or self.cfg.probe_timeout_s
+        r = self._within(limit, "batch_is_exist", ([PROBE_KEY],), "a one-key lookup")
+        if r is None or len(r[0]) != 1 or r[0][0] not in (0, 1):
+            return False
+        self._last_ok = time.monotonic()
+        return True
+
+    @property
     def segment_name(self) -> str:
         """This client's name at the master ("host:port"): its donated segment's name in the
         master's /get_all_segments and /query_segment (one host can run several clients)."""
@@ -653,6 +737,10 @@ class MooncakeStore:
             self._closed = True
         metrics.unwatch_breaker(self.breaker)
         self.breaker.close()
+        with self._pool_lock:
+            calls, self._call_pool = self._call_pool, None
+        if calls is not None:  # calls still inside Mooncake end with it (conn.close waits for them)
+            calls.shutdown(wait=False, cancel_futures=True)
         name, t0 = self.conn.current.name, time.monotonic()
         self.conn.close()
         log.info("mooncake client %s closed in %.2f s", name, time.monotonic() - t0)

@@ -18,6 +18,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 MAINS = (
     "bench._sglang_bundle",
     "bench.cache",
+    "bench.eviction",
     "bench.index",
     "bench.index_service",
     "bench.interference",

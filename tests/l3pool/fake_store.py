@@ -51,6 +51,13 @@ class FakePageStore:
         self.refuse: Callable[[str, int], bool] | None = None
         self.evict_fresh: Callable[[str], bool] | None = None
 
+    call_deadline_s: float | None = None  # a test sets it to make waiters check answers()
+
+    def answers(self, deadline_s: float | None = None) -> bool:
+        """False while `exists_answer` says the store is unreachable (or exists raises)."""
+        self.calls.append("answers")
+        return "exists" not in self.raise_on and self.exists_answer in (None, Outcome.OK, Outcome.MISS)
+
     def register(self, ptr: int, nbytes: int) -> None:
         self.registered[int(ptr)] = int(nbytes)
 

@@ -19,7 +19,11 @@ def cluster_store(c: LocalCluster, **kw: object) -> MooncakeStore:
     """A prefill-side client in the root namespace. Mooncake advertises the address named by
     MC_TCP_BIND_ADDRESS (else the first non-loopback NIC): point it at the cluster's address so
     every byte stays on loopback / the test's own namespaces. The test process is the
-    application here, so it sets the variable (library code never does)."""
+    application here, so it sets the variable (library code never does). Its metadata calls
+    get a 1 s deadline unless `call_deadline_s` is passed: the shared 2-core CI host deschedules
+    threads for 100+ ms (`slack()`), which the product's 40 ms would turn into misses in tests
+    that are not about deadlines (test_store_recover.py tests the default)."""
+    kw.setdefault("call_deadline_s", 1.0)
     with pytest.MonkeyPatch.context() as mp:
         for k, v in c.client_env().items():
             mp.setenv(k, v)

@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from l3pool.cluster.local import default_state_dir, live_pids, read_state
+from l3pool.cluster.local import live_pids, read_state
+from l3pool.paths import runtime_dir
 from l3pool.procenv import python_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,12 +29,15 @@ def test_sigterm_stops_the_demo_and_its_cluster(tmp_path: Path) -> None:
     env = python_env()  # the bundle's packages too, where the parent found them on PYTHONPATH
     p = subprocess.Popen([sys.executable, "-m", "l3pool", "demo", "--quick", "--out", str(tmp_path / "out")],
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    state_dir = default_state_dir(f"demo{p.pid % 100000}")
+    pattern = f"cluster-demo{p.pid % 100000}-*"  # the demo's own state dir (own_cluster)
+    state_dir = None
     try:
         deadline = time.monotonic() + 120
         state = None
         while time.monotonic() < deadline and p.poll() is None:
-            state = read_state(state_dir)
+            found = sorted(runtime_dir().glob(pattern))
+            state_dir = found[0] if found else None
+            state = read_state(state_dir) if state_dir is not None else None
             if state and len(live_pids(state)) >= 4:  # etcd, master, 2 agents (+ the launcher)
                 break
             time.sleep(0.2)
@@ -51,4 +55,5 @@ def test_sigterm_stops_the_demo_and_its_cluster(tmp_path: Path) -> None:
     while time.monotonic() < deadline and any(_alive(q) for q in pids):
         time.sleep(0.1)
     assert not [q for q in pids if _alive(q)], "cluster processes outlived the demo"
-    assert read_state(state_dir) is None
+    assert state_dir is not None and read_state(state_dir) is None
+    assert not list(runtime_dir().glob(pattern)), "the demo left its cluster's state dir behind"

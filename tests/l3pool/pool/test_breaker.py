@@ -104,3 +104,32 @@ def test_disabled_never_opens_and_close_resets() -> None:
 def test_bad_settings(kw: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         Breaker("dep", ProbeFake(), **kw)  # type: ignore[arg-type]
+
+
+def test_suspect_probes_at_once_and_opens_only_on_a_failed_probe() -> None:
+    """An overdue call (suspect): one probe at once on the thread, the caller not waiting; a
+    healthy dependency stays closed (one probe, no trip), a dead one opens. Disabled: nothing."""
+    probe = ProbeFake(up=True)
+    br = Breaker("dep", probe, backoff_s=(0.02, 0.08))
+    try:
+        t0 = time.monotonic()
+        br.suspect("a call of 3 keys had no answer within 50 ms")
+        assert time.monotonic() - t0 < 0.01  # the caller does not run the probe
+        _until(lambda: len(probe.calls) == 1)
+        time.sleep(0.05)
+        assert not br.is_open and len(probe.calls) == 1 and br.stats().trips == 0
+        probe.up = False
+        br.suspect("again")
+        _until(lambda: br.is_open)
+        assert br.stats().trips == 1 and br.last_reason == "probe failed"
+        br.suspect("while open: the backoff probes already")
+        probe.up = True
+        _until(lambda: not br.is_open)
+    finally:
+        br.close()
+    off = ProbeFake(up=False)
+    br = Breaker("dep", off, enabled=False)
+    br.suspect("disabled")
+    time.sleep(0.05)
+    assert off.calls == [] and not br.is_open
+    br.close()

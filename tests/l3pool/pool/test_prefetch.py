@@ -30,6 +30,7 @@ from l3pool.pool.prefetch import PrefetchClosed, Prefetcher, batch_schedule
 from l3pool.pool.store import MooncakeStore, Outcome
 from l3pool.procenv import python_env
 
+from ..conftest import wait_for
 from ..pool_helpers import cluster_store, random_keys, random_pool
 
 SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
@@ -542,3 +543,68 @@ def test_prefetch_check_leaves_nothing_in_the_pool(
         pt.run_test(ps2, ep, args, progress=False)
     assert stored == [96]  # the pages were there when the writer failed ...
     assert not store.present([k for r in range(ps2.requests) for k in ps2.keys(r)]).any()  # ... and are gone
+
+
+# -- wait_live: a waiter bounded by the pool's liveness (fake store: logic only) -----------------
+class _Fake:
+    """A writer's pages in a FakePageStore and a reader client with a deadline set."""
+
+    def __init__(self, delay_s: float) -> None:
+        from ..fake_store import FakePageStore
+
+        self.store = FakePageStore()
+        self.store.call_deadline_s = 0.05
+        self.ns = Namespace.for_pool(SPEC, LAYOUT, "live", tenant=uuid.uuid4().hex)
+        self.wpool = random_pool(SPEC, LAYOUT, 16, 7)
+        self.keys = random_keys(self.ns, 16, 7)
+        writer = L3Client(self.wpool, self.store, self.ns, batch_pages=16)  # type: ignore[arg-type]
+        assert writer.put(self.keys, range(16)) == [Outcome.OK] * 16
+        writer.close()
+        self.pool = HostKVPool(L2Config(kv=SPEC, layout=LAYOUT, tokens=32 * SPEC.page_size, pin="never"))
+        self.client = L3Client(self.pool, self.store, self.ns, batch_pages=16)  # type: ignore[arg-type]
+        self.store.get_delay_s = delay_s
+
+    def close(self) -> None:
+        self.client.close()
+        self.pool.close()
+        self.wpool.close()
+
+
+def test_wait_live_waits_for_a_slow_transfer_of_a_live_pool() -> None:
+    """A get slower than the deadline while the store answers: waited for, whole, byte-exact
+    (the liveness checks ran, and none interrupted it)."""
+    f = _Fake(delay_s=0.3)
+    try:
+        with Prefetcher(f.client, batch_pages=16, max_inflight=1) as pf:
+            res = pf.submit("slow", f.keys).wait_live(timeout=10)
+            assert not res.interrupted and res.keys_loaded == 16 and res.left_in_flight == 0
+            got = f.pool.buffer.view(f.pool.num_pages, -1)[torch.from_numpy(res.pages)]
+            assert torch.equal(got, f.wpool.buffer.view(16, -1))
+            assert f.store.calls.count("answers") >= 3  # every half deadline while the batch was out
+            f.pool.free(res.pages)
+    finally:
+        f.close()
+
+
+def test_wait_live_interrupts_when_the_pool_stops_answering() -> None:
+    """The store stops answering while a batch is in flight: wait_live() returns within about
+    one deadline, interrupted, the batch's pages quarantined until its call returns, then freed;
+    a timeout still raises TimeoutError while the pool answers."""
+    f = _Fake(delay_s=1.0)
+    try:
+        with Prefetcher(f.client, batch_pages=16, max_inflight=1) as pf:
+            h = pf.submit("hung", f.keys)
+            f.store.exists_answer = Outcome.UNAVAILABLE
+            t0 = time.monotonic()
+            res = h.wait_live()
+            took = time.monotonic() - t0
+            assert res.interrupted and res.keys_loaded == 0 and res.left_in_flight == 16, res
+            assert took < 0.5, took  # ~25-35 ms; the get itself takes 1 s
+            assert pf.quarantined_pages() == 16
+            wait_for(lambda: pf.quarantined_pages() == 0, 10, "the quarantine to drain")
+            assert f.pool.stats().used_pages == 0
+            f.store.exists_answer = None
+            with pytest.raises(TimeoutError):
+                pf.submit("slow", f.keys).wait_live(timeout=0.2)
+    finally:
+        f.close()

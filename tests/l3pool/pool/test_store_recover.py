@@ -25,7 +25,8 @@ from l3pool.pool.client import L3Client
 from l3pool.pool.connection import PROBE_KEY
 from l3pool.pool.keys import Namespace
 from l3pool.pool.metadata import Metadata
-from l3pool.pool.store import RPC_TIMEOUT_MS, MooncakeStore, Outcome
+from l3pool.pool.prefetch import Prefetcher
+from l3pool.pool.store import RPC_TIMEOUT_MS, MooncakeStore, Outcome, StoreConfig
 
 from ..conftest import slack, wait_for
 from ..pool_helpers import cluster_store, random_keys, random_pool
@@ -33,6 +34,7 @@ from ..pool_helpers import cluster_store, random_keys, random_pool
 SPEC = KVSpec.mla(2, page_size=16)  # 36 KB pages
 LAYOUT = "page_first_direct"
 N = 32
+DEFAULT_DEADLINE = StoreConfig.call_deadline_s  # the product's default (the dataclass field's)
 
 
 class Pages:
@@ -199,6 +201,65 @@ def test_frozen_master_detected_fast_and_calls_fail_fast(cluster1: LocalCluster)
         assert st.stats()["rebuilds"] == 0  # the client was never broken: nothing to rebuild
     finally:
         cluster1.signal_master(signal.SIGCONT)
+        p.close()
+        st.close()
+
+
+def test_frozen_master_costs_a_call_its_deadline(cluster1: LocalCluster) -> None:
+    """Master SIGSTOPped while a prefetch's get is inside Mooncake: a load waiting for it
+    (`wait_live`, the wait_complete and timeout policies) returns within one deadline (the
+    product's default, 40 ms), interrupted, the get's pages quarantined; every lookup from then
+    on answers within 50 ms (its deadline + 20 us per key + the hand-off) as a miss, the first
+    ones included, and the breaker opens on the failed probe. After SIGCONT the quarantine
+    drains, no page leaks, pages round-trip."""
+    st = cluster_store(cluster1, call_deadline_s=DEFAULT_DEADLINE)
+    assert DEFAULT_DEADLINE is not None and DEFAULT_DEADLINE < 0.05  # the bound below: deadline + hand-off
+    p = Pages(st)
+    pf: Prefetcher | None = None
+    go = threading.Event()
+    try:
+        assert p.put() == [Outcome.OK] * N and p.reader.lookup(p.keys) == N
+        started, real = threading.Event(), p.reader.get
+
+        def held_get(keys: list[str], pages: np.ndarray) -> list[Outcome]:
+            started.set()
+            go.wait(10)  # enters Mooncake once the master is frozen
+            return real(keys, pages)
+
+        p.reader.get = held_get  # type: ignore[method-assign]
+        pf = Prefetcher(p.reader, batch_pages=N, max_inflight=1)
+        h = pf.submit("r", p.keys)
+        assert started.wait(10)
+        assert cluster1.signal_master(signal.SIGSTOP)
+        go.set()
+        time.sleep(0.05)  # the get is inside Mooncake, waiting for the master
+        t = time.monotonic()
+        res = h.wait_live()
+        took = time.monotonic() - t
+        assert res.interrupted and res.keys_loaded == 0 and res.left_in_flight == N, res
+        lat = []
+        for _ in range(8):
+            t = time.monotonic()
+            assert p.reader.lookup(p.keys) == 0
+            lat.append(time.monotonic() - t)
+        bound = 0.05 * slack()
+        assert took <= bound, f"the load waited {took * 1e3:.0f} ms for a get caught by the frozen master"
+        assert max(lat) <= bound, f"lookups took {[round(x * 1e3) for x in lat]} ms"
+        assert st.stats()["overdue_calls"] >= 1
+        wait_for(lambda: st.breaker.is_open, 5, "the breaker to open")
+        cluster1.signal_master(signal.SIGCONT)
+        wait_for(lambda: pf is not None and pf.quarantined_pages() == 0, 40, "the quarantine to drain")
+        assert p.pool.stats().used_pages == 0
+        p.reader.get = real  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        while p.get() != [Outcome.OK] * N:
+            assert time.monotonic() - t0 < 10 * slack(), f"pages not back 10 s after SIGCONT: {st.stats()}"
+            time.sleep(0.1)
+    finally:
+        go.set()
+        cluster1.signal_master(signal.SIGCONT)
+        if pf is not None:
+            pf.close()
         p.close()
         st.close()
 
