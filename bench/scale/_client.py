@@ -150,9 +150,9 @@ class CallCounter:
     def wrap_store(self, store: MooncakeStore) -> None:
         real = store._guarded  # every Mooncake binding call goes through it (l3pool/pool/store.py)
 
-        def counted(n: int, name: str, *args: Any) -> Any:
+        def counted(n: int, name: str, *args: Any, **kw: Any) -> Any:
             self.hit("master")
-            return real(n, name, *args)
+            return real(n, name, *args, **kw)
 
         store._guarded = counted  # type: ignore[method-assign]
 
