@@ -7,5 +7,6 @@ source scripts/env.sh
 echo "[test] ruff"; ruff check . && ruff format --check .
 echo "[test] mypy"; mypy
 # two pytest-xdist workers (CI has 2 cores; a later -n N in "$@" wins), one test file per worker at a
-# time so a module's cluster fixture starts once; each worker caps its OpenMP threads (tests/conftest.py)
-echo "[test] pytest"; python -m pytest -q -ra -n 2 --dist loadfile "$@"
+# time so a module's cluster fixture starts once; each worker caps its OpenMP threads (tests/conftest.py);
+# the 25 slowest tests are listed at the end (the suite's time budget: ~12 minutes on 2 cores)
+echo "[test] pytest"; python -m pytest -q -ra -n 2 --dist loadfile --durations=25 "$@"
