@@ -24,6 +24,11 @@
 #            instances, 6 sessions x 3 turns of 4-8K, reuse 0.8, load 2); estimated, not measured 35     6-7
 # llama      the real-scale demo, llama-8b shape (deterministic kernels)             23     5
 # mla        the real-scale demo, DeepSeek MLA shape, 12 of 61 layers                23     5
+# mla-61     the same at all 61 layers, split into 3 parts (`demo --parts 3`, one round each; the
+#            last also the fit and interference): run the group once per device call with the same
+#            OUTDIR inside the repository (carried to the next call as untracked files, e.g.
+#            bench/results/DAY-h200-demo-deepseek-mla-61l); the third call writes the report.
+#            Not yet measured: ~5 min per part estimated from 12 layers (5x the compute)   34   3x5
 # llama-long, mla-long  the same shapes at 32K-64K tokens (4 sessions x 4 turns at reuse 0.82,
 #            turns of 33K, 39-42K, 46-51K, 58-62K: 723K tokens), 3 instances, no HF reference,
 #            no side study (both shown at 24-31K by llama/mla); measured 2026-12-03: 511 s and
@@ -52,13 +57,13 @@
 # each step's exit code is printed and collected in OUTDIR/exit-codes.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|routing-llama-busy|routing-grid|llama|mla|llama-long|mla-long|interference|prefill|split OUTDIR [DATE]}
+group=${1:?usage: bench/gpu-runs.sh suite|l3|index|swa|routing|routing-llama|routing-llama-busy|routing-grid|llama|mla|mla-61|llama-long|mla-long|interference|prefill|split OUTDIR [DATE]}
 out=${2:?usage: bench/gpu-runs.sh GROUP OUTDIR [DATE]}
 day=${3:-$(date +%F)}
 case $group in
-  suite | l3 | index | swa | routing | routing-llama | routing-llama-busy | routing-grid | llama | mla | llama-long | mla-long | interference | prefill | split) ;;
+  suite | l3 | index | swa | routing | routing-llama | routing-llama-busy | routing-grid | llama | mla | mla-61 | llama-long | mla-long | interference | prefill | split) ;;
   *)
-    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|routing-llama-busy|routing-grid|llama|mla|llama-long|mla-long|interference|prefill|split" >&2
+    echo "unknown group '$group': suite|l3|index|swa|routing|routing-llama|routing-llama-busy|routing-grid|llama|mla|mla-61|llama-long|mla-long|interference|prefill|split" >&2
     exit 2 ;;
 esac
 mkdir -p "$out"
@@ -127,6 +132,11 @@ case $group in
     step llama 540 bash scripts/demo-real.sh llama-8b "$out/demo-llama-8b" ;;
   mla)
     step mla 540 bash scripts/demo-real.sh deepseek-mla "$out/demo-deepseek-mla-12l" ;;
+  mla-61)  # one part per call (OUTDIR kept between calls): the part's log beside the others
+    n=$(find "$out/demo-deepseek-mla-61l/parts" -name 'part-*.json' 2> /dev/null | wc -l)
+    step "mla-61-part$((n + 1))" 590 python3 -m l3pool demo --model deepseek-mla --parts 3 --rounds 3 --instances 3 \
+      --queue-depth 1 --sessions 6 --turns 2 --placement affinity --l2-tokens 60032 --segment-size 8GB --no-progress \
+      --out "$out/demo-deepseek-mla-61l" ;;
   llama-long | mla-long)
     model=llama-8b; layers=()
     # deepseek-mla at 8 of 61 layers: the 62K turns at 12 layers would not fit one device call

@@ -63,7 +63,7 @@ def __getattr__(name: str) -> Any:
 
 QUICK = {
     "sessions": 3, "turns": 3, "min_context": 512, "max_context": 1536, "cold": 2, "fit_points": 3, "repeats": 2,
-    "side_turns": 0, "rounds": 3,
+    "side_turns": 0, "rounds": 3, "fit_tries": 3,
 }  # fmt: skip
 DEFAULTS_CPU = {
     "sessions": 6, "turns": 5, "min_context": 2048, "max_context": 6144, "cold": 3, "fit_points": 5, "repeats": 3,
@@ -108,6 +108,14 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--chunk", type=positive_int, default=0, help="prefill chunk of a real model (default 2048)")
     p.add_argument("--rounds", type=positive_int, help="interleaved timing rounds (default 3; every time a median)")
+    p.add_argument(
+        "--parts",
+        type=positive_int,
+        default=1,
+        help="split the run into N processes (e.g. device calls of limited length): each run of the same "
+        "command does the next part (a block of rounds) into OUT/parts/, the last one also the fit and the rest "
+        "and writes the report; with every part there it only merges (default 1)",
+    )
     p.add_argument("--no-side", action="store_true", help="skip the savings/policies comparisons (real: always)")
     p.add_argument("--no-interference", action="store_true", help="skip the interference measurement")
     p.add_argument("--hf-reference", action="store_true", help="also time HF transformers' own prefill (real models)")
@@ -226,6 +234,7 @@ def _options(a: argparse.Namespace) -> Any:
     return DemoOptions(
         model=model, workload=wl, device=device, instances=a.instances, l1_tokens=a.l1_tokens,
         l2_tokens=a.l2_tokens, l2_layout=a.layout, cold_requests=base["cold"], fit_points=base["fit_points"],
+        fit_tries=base.get("fit_tries", 5),
         queue_depth=a.queue_depth, repeats=a.repeats if a.repeats is not None else base["repeats"],
         side_sessions=a.side_sessions, sweep_l2=a.sweep_l2, rounds=a.rounds or base.get("rounds", 3),
         side=not (a.no_side or real), interference=not a.no_interference, hf_reference=a.hf_reference,
@@ -273,6 +282,8 @@ def _cmd(a: argparse.Namespace) -> int:
         return run_cli(a, _endpoints)
     try:
         opts = _options(a)
+        if a.parts > opts.rounds:
+            raise DemoError(f"--parts {a.parts} > --rounds {opts.rounds}: each part runs at least one round")
         report = _run(a, opts)
     except (ConfigError, DemoError, ClusterError, StoreError, ValueError, EtcdAuthError) as e:
         from l3pool.cliutil import MASTER_HINT, fail
@@ -280,11 +291,16 @@ def _cmd(a: argparse.Namespace) -> int:
         if isinstance(e, (ClusterError, StoreError)):  # a dependency or the cluster failed: exit 1 (l3pool.cli)
             return fail("l3pool demo", str(e), MASTER_HINT if isinstance(e, StoreUnavailable) else None, code=1)
         return fail("l3pool demo", str(e))
+    if report is None:  # a part of a split run (--parts), not the last
+        done = sorted(a.out.glob("parts/part-*.json"))
+        print(f"l3pool demo: part {len(done)} of {a.parts} done ({done[-1] if done else a.out}); run the same "
+              "command again for the next")  # fmt: skip
+        return 0
     ok = _write(a, report)
     return 0 if ok else 1
 
 
-def _run(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
+def _run(a: argparse.Namespace, opts: Any) -> dict[str, Any] | None:
     import torch
 
     torch.set_flush_denormal(True)  # random weights produce denormals; they cost 10x on x86
@@ -328,26 +344,32 @@ def deterministic_cuda() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any]:
+def _run_demo(a: argparse.Namespace, opts: Any) -> dict[str, Any] | None:
     from l3pool.demo.run import run
     from l3pool.logs import progress_bar
     from l3pool.pool.etcd import EtcdClient, EtcdSecurity, security_from_args
     from l3pool.pool.metadata import Metadata
 
     sec = security_from_args(a) if a.master else EtcdSecurity()  # the local cluster's etcd is plain
+    parts = None
+    if a.parts > 1:
+        from l3pool.demo.parts import RunDir
+        from l3pool.demo.run import merge
+
+        parts = RunDir(a.out / "parts", a.parts, opts)  # refuses another run's parts (PartsError: exit 2)
+        if parts.next_part() is None:
+            return merge(opts, parts)
     with _endpoints(a) as (ep, how):
         log.info("demo: %s", how)
         with ep.store() as store:
             md = Metadata(EtcdClient(ep.etcd, timeout=2.0, security=sec)) if ep.etcd else None
             bar = progress_bar(1, "demo", disable=a.no_progress)
             try:
-                rep = run(opts, store, md, bar)
+                return run(opts, store, md, bar, parts, pool=how)
             finally:
                 bar.close()
                 if md is not None:
                     md.etcd.close()
-        rep["setup"]["pool"] = how
-    return rep
 
 
 def _verdict(rep: dict[str, Any]) -> list[str]:

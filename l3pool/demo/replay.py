@@ -12,7 +12,7 @@ import itertools
 import logging
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,12 @@ def break_even(points: list[dict[str, Any]]) -> float | None:
         if d0 <= 0 < d1:
             return round(n0 + (0 - d0) * (n1 - n0) / (d1 - d0), 1)
     return None
+
+
+def _median_record(recs: list[Record]) -> tuple[Record, float]:
+    """The record of the median try (by arrival-to-logits time) and the tries' half-range (s)."""
+    recs = sorted(recs, key=lambda r: r.total_s)
+    return recs[len(recs) // 2], (recs[-1].total_s - recs[0].total_s) / 2
 
 
 def cache_overhead(no_cache_s: float, cache_s: float) -> float:
@@ -140,6 +146,9 @@ class DemoOptions:
     l2_layout: str = "page_first_direct"
     cold_requests: int = 3
     fit_points: int = 4
+    # tries per fit point (the median is the point). 1 try per point (rounds 1) gave llama-8b long-run
+    # intercepts of 18.7-345 ms (short points' spreads 7-564 ms, H200 2026-12-03); 3 in --quick
+    fit_tries: int = 5
     verify_every: int = 1  # digest-check the hit pages of every k-th cached request
     queue_depth: int = 2  # requests in the system at once (one computing, the others queued)
     repeats: int = 3  # runs per variant for the overlap/prefetch savings
@@ -437,6 +446,7 @@ class Demo:
         ns: Namespace | None = None,
         *,
         cache: CacheConfig = DEMO_CACHE,
+        l1_tokens: int = 0,
         l2_tokens: int = 0,
         overlap: bool = True,
         prefetch: bool = True,
@@ -444,8 +454,8 @@ class Demo:
         l1, l2 = self.opts.sizes()
         l3 = L3Side(self.store, ns, self.metadata) if cfg == "l1_l2_l3" and ns is not None else None
         return PrefillInstance(
-            name, self.model, l1_tokens=l1, l2_tokens=l2_tokens or l2, l2_layout=self.opts.l2_layout, l3=l3,
-            use_cache=cfg != "no_cache", cache=cache, overlap=overlap, prefetch=prefetch,
+            name, self.model, l1_tokens=l1_tokens or l1, l2_tokens=l2_tokens or l2, l2_layout=self.opts.l2_layout,
+            l3=l3, use_cache=cfg != "no_cache", cache=cache, overlap=overlap, prefetch=prefetch,
         )  # fmt: skip
 
     def drop(self, ns: Namespace) -> None:
@@ -473,14 +483,18 @@ class Demo:
             ca.close()
             self.drop(ns)
 
-    def replay(self, requests: list[Request], cold: list[np.ndarray]) -> tuple[dict[str, list[QueueRun]], Any]:
-        """`rounds` rounds; in each, fresh instances of the three configurations replay the trace
-        request by request in a rotating configuration order (interleaved), then the never-hit
-        `cold` prompts the same way. The last round's L3 pages stay for the fit."""
+    def replay(
+        self, requests: list[Request], cold: list[np.ndarray], rounds: Sequence[int] | None = None
+    ) -> tuple[dict[str, list[QueueRun]], Any]:
+        """The rounds (`rounds`: these of the run's `opts.rounds`, default all); in each, fresh
+        instances of the three configurations replay the trace request by request in a rotating
+        configuration order (interleaved), then the never-hit `cold` prompts the same way. The
+        last round's L3 pages stay for the fit."""
         trace = list(enumerate(requests))
         runs: dict[str, list[QueueRun]] = {c: [] for c in CONFIGS}
         colds: dict[str, list[list[Record]]] = {c: [] for c in CONFIGS}
-        for rnd in range(self.opts.rounds):
+        rounds = range(self.opts.rounds) if rounds is None else rounds
+        for rnd in rounds:
             ns = self.namespace(f"trace-r{rnd}")
             self.trace_ns = ns
             qs = {c: QueueReplay(self, trace, c, ns if c == "l1_l2_l3" else None, tick=c) for c in CONFIGS}
@@ -514,7 +528,7 @@ class Demo:
                 for q in qs.values():
                     q.close()
             log.info("demo: round %d of %d replayed", rnd + 1, self.opts.rounds)
-            if rnd < self.opts.rounds - 1:
+            if rnd != rounds[-1]:
                 self.drop(ns)
         return runs, colds
 
@@ -575,8 +589,35 @@ class Demo:
                 recs.append(rec)
             finally:
                 reader.close()
-        recs.sort(key=lambda r: r.total_s)
-        return recs[len(recs) // 2], (recs[-1].total_s - recs[0].total_s) / 2
+        return _median_record(recs)
+
+    def _l2_served(self, toks: np.ndarray, ns: Namespace, tries: int) -> tuple[Record, float]:
+        """Prefill of `toks` with every used page in the reader's L2 and none in its L1: a reader
+        whose L1 holds one prompt reads `toks` from L3 (untimed), then each try first runs a filler
+        prompt of the same length (untimed: it takes every L1 page, so `toks`'s L1 copies go while
+        their L2 copies stay; from the second try on the filler itself comes from L2) and then times
+        `toks`. The record of the median try and the tries' half-range (s); every read is checked."""
+        P = self.opts.model.page_size
+        pages = -(-toks.size // P)
+        filler = np.random.default_rng(toks.size).integers(0, self.opts.model.vocab, size=toks.size, dtype=np.int64)
+        reader = self.instance("fit-l2-reader", "l1_l2_l3", ns, l1_tokens=pages * P, l2_tokens=(2 * pages + 2) * P)
+        recs = []
+        try:
+            for t in range(tries + 1):
+                if t:
+                    reader.prefill(filler)
+                    reader.flush()
+                rec = reader.prefill(toks, hold=True)
+                try:
+                    self.verifier.check_pages(reader, rec, f"L2-served prompt of {toks.size} tokens")
+                finally:
+                    reader.release(rec)
+                reader.flush()
+                if t:
+                    recs.append(rec)
+        finally:
+            reader.close()
+        return _median_record(recs)
 
     def short_prompts(self, tries: int) -> list[dict[str, Any]]:
         """All-hit and no-cache times (medians of `tries`) of short prompts (1-16 alignment units
@@ -609,9 +650,11 @@ class Demo:
                 self._compare_short(toks, refs, hits, len(nc.bufs) // nc.spec.num_layers)
                 ref_ms = [r.total_s * 1e3 for r in refs]
                 hit_ms = [h.total_s * 1e3 for h in hits]
+                l2, l2_spread = self._l2_served(toks, ns, tries)
                 points.append({
                     "tokens": int(toks.size), "hit_pages": min(h.hit_l3 for h in hits),
                     "all_hit_ms": float(np.median(hit_ms)), "all_hit_spread_ms": (max(hit_ms) - min(hit_ms)) / 2,
+                    "l2_hit_pages": l2.hit_l2, "l2_hit_ms": l2.total_s * 1e3, "l2_hit_spread_ms": l2_spread * 1e3,
                     "no_cache_ms": float(np.median(ref_ms)), "no_cache_spread_ms": (max(ref_ms) - min(ref_ms)) / 2,
                 })  # fmt: skip
                 self.tick("short")
@@ -648,18 +691,20 @@ class Demo:
             h.recomputed = h.read_check = None
 
     def fit(self, requests: list[Any], no_cache: list[float]) -> dict[str, Any]:
-        """All-hit prefill time T(n) = a + b n and the break-even prompt length.
+        """All-hit prefill time T(n) = a + b n, one line per serving tier, and the break-even prompt
+        length of each.
 
-        All-hit points: the short prompts, plus `fit_points` trace prompts of spread-out lengths
-        cut to whole alignment units + one token, on fresh instances (empty L1/L2): every used page
-        comes from L3, where the last round's l1_l2_l3 replay left it (median of `rounds` tries).
-        The no-cache line is fit over the short prompts and the trace's no-cache medians
-        (`no_cache`, ms per request). A negative intercept is never a result (timing.linear_fit).
-        The break-even length is where the measured no-cache and all-hit times of the short
-        prompts cross (interpolated; extrapolated to 0 from the two shortest when hits win
-        everywhere), not an extrapolation of the lines."""
+        Points: the short prompts, plus `fit_points` trace prompts of spread-out lengths cut to
+        whole alignment units + one token, each the median of `fit_tries` tries (at least `rounds`).
+        L3-served (the top-level line): fresh instances (empty L1/L2), every used page from L3,
+        where the last round's l1_l2_l3 replay left it. L2-served (`l2`): every used page from the
+        reader's L2, none from its L1 (`_l2_served`). The no-cache line is fit over the short
+        prompts and the trace's no-cache medians (`no_cache`, ms per request). A negative intercept
+        is never a result (timing.linear_fit). A break-even length is where the measured no-cache
+        and all-hit times of the short prompts cross (interpolated; extrapolated to 0 from the two
+        shortest when hits win everywhere), not an extrapolation of the lines."""
         A, P = self.align, self.opts.model.page_size
-        tries = max(3, self.opts.rounds) if self.opts.rounds > 1 else 1
+        tries = max(self.opts.fit_tries, self.opts.rounds)
         short = self.short_prompts(tries)
         order = sorted(range(len(requests)), key=lambda i: requests[i].length)
         k = min(self.opts.fit_points, len(order))
@@ -669,20 +714,32 @@ class Demo:
             toks = requests[i].tokens
             toks = toks[: (toks.size - 1) // A * A + 1]
             hit, spread = self._all_hit(toks, self.trace_ns, tries)
+            l2, l2_spread = self._l2_served(toks, self.trace_ns, tries)
             points.append({"tokens": int(toks.size), "hit_pages": hit.hit_l3, "all_hit_ms": hit.total_s * 1e3,
-                           "all_hit_spread_ms": spread * 1e3})  # fmt: skip
+                           "all_hit_spread_ms": spread * 1e3, "l2_hit_pages": l2.hit_l2,
+                           "l2_hit_ms": l2.total_s * 1e3, "l2_hit_spread_ms": l2_spread * 1e3})  # fmt: skip
             self.tick("fit")
-        line = timing.linear_fit([p["tokens"] for p in points], [p["all_hit_ms"] for p in points])
+        xs = [p["tokens"] for p in points]
+        line = timing.linear_fit(xs, [p["all_hit_ms"] for p in points])
+        l2_line = timing.linear_fit(xs, [p["l2_hit_ms"] for p in points])
         nx = [p["tokens"] for p in short] + [r.length for r in requests]
         ny = [p["no_cache_ms"] for p in short] + list(no_cache)
         nline = timing.linear_fit(nx, ny)
+        used = [(p["tokens"] - 1) // A * A // P for p in points]
         return {
             **line,
+            "served_from": "L3",
             "no_cache_a_ms": nline["a_ms"],
             "no_cache_b_us_per_token": nline["b_us_per_token"],
             "no_cache_intercept_clamped": nline["intercept_clamped"],
             "break_even_tokens": break_even(short),
-            "all_hit": all(p["hit_pages"] == (p["tokens"] - 1) // A * A // P for p in points),
+            "all_hit": all(p["hit_pages"] == u for p, u in zip(points, used, strict=True)),
+            "l2": {
+                **l2_line,
+                "served_from": "L2",
+                "break_even_tokens": break_even([{**p, "all_hit_ms": p["l2_hit_ms"]} for p in short]),
+                "all_hit": all(p["l2_hit_pages"] == u for p, u in zip(points, used, strict=True)),
+            },
             "tries": tries,
             "points": [{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()} for p in points],
         }

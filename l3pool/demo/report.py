@@ -36,6 +36,14 @@ def _engine_part(e: dict[str, Any] | None, what: str) -> str:
             f"{gbps} GB/s")  # fmt: skip
 
 
+def _line(f: dict[str, Any], be: float | None) -> str:
+    """One all-hit line of the fit: T(n) = a + b n and its break-even length."""
+    a = f"{f['a_ms']:.2f} ms" + (" (intercept < 0: clamped)" if f["intercept_clamped"] else "")
+    return f"T(n) = {a} + {f['b_us_per_token']:.3f} us/token; break-even " + (
+        f"{be:.0f} tokens" if be is not None else "none"
+    )
+
+
 def table(rep: dict[str, Any]) -> str:
     tr, hr, fit, t, tt = rep["trace"], rep["hit_rate"], rep["fit"], rep["tiers"], rep["ttft_ms"]
     be = fit["break_even_tokens"]
@@ -63,11 +71,9 @@ def table(rep: dict[str, Any]) -> str:
         "hit rate   " + rates(hr) + "   (L1+L2 only: " + rates(rep["hit_rate_by_config"]["l1_l2"]) + ")",
         f"overhead   miss path {ov['headline']} (rounds {ov['spread'][0]:+.1%}..{ov['spread'][1]:+.1%}); "
         f"biased: {rep['biased']}",
-        "fit        all-hit T(n) = "
-        + (f"{fit['a_ms']:.2f} ms" + (" (intercept < 0: clamped)" if fit["intercept_clamped"] else ""))
-        + f" + {fit['b_us_per_token']:.3f} us/token; no cache {fit['no_cache_b_us_per_token']:.2f} us/token; "
-        + "break-even "
-        + (f"{be:.0f} tokens" if be is not None else "none"),
+        f"fit        all-hit from L3 {_line(fit, be)}",
+        *([f"           all-hit from L2 {_line(fit['l2'], fit['l2']['break_even_tokens'])}"] if "l2" in fit else []),
+        f"           no cache {fit['no_cache_b_us_per_token']:.2f} us/token; medians of {fit.get('tries', '?')} tries",
         f"L3->L2     {gb(t['L3_to_L2'])}    L2->L1 {gb(t['L2_to_L1'])}",
         f"L1->L2     {gb(t['L1_to_L2_backup'])}    L2->L3 {gb(t['L2_to_L3_put'])}   (background threads)",
         "what-if    "
@@ -218,12 +224,16 @@ def plot(rep: dict[str, Any], out: Path) -> list[str]:
     nc += [(p["tokens"], p["no_cache_ms"]) for p in fit["points"] if "no_cache_ms" in p]
     ax.scatter([n for n, _ in nc], [m for _, m in nc], marker="x", label="no cache, median")
     x0, x1 = 0, max(xs + [n for n, _ in nc])
-    a_lbl = f"T(n) = {fit['a_ms']:.1f} ms + {fit['b_us_per_token']:.2f} us/token"
-    ax.plot([x0, x1], [fit["a_ms"] + fit["b_us_per_token"] * v / 1e3 for v in (x0, x1)], "--", label=a_lbl)
+    if "l2" in fit:
+        ax.scatter(xs, [p["l2_hit_ms"] for p in fit["points"]], marker="^", label="all hit (from L2), median")
+    for f, tier in ((fit, "L3"), (fit.get("l2"), "L2")):
+        if f is not None:
+            a_lbl = f"from {tier}: T(n) = {f['a_ms']:.1f} ms + {f['b_us_per_token']:.2f} us/token"
+            ax.plot([x0, x1], [f["a_ms"] + f["b_us_per_token"] * v / 1e3 for v in (x0, x1)], "--", label=a_lbl)
     ax.plot([x0, x1], [fit["no_cache_a_ms"] + fit["no_cache_b_us_per_token"] * v / 1e3 for v in (x0, x1)], ":",
             label="no-cache line")  # fmt: skip
-    if fit["break_even_tokens"] is not None:
-        ax.axvline(fit["break_even_tokens"], color="grey", lw=0.8, label=f"break-even {fit['break_even_tokens']:.0f}")
+    if (be := fit["break_even_tokens"]) is not None:
+        ax.axvline(be, color="grey", lw=0.8, label=f"break-even (L3) {be:.0f}")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("All-hit fit T(n) = a + b n")

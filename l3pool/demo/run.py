@@ -45,7 +45,8 @@ from l3pool.demo import routing, study, timing
 from l3pool.demo.engine import CONFIGS, DEMO_CACHE
 from l3pool.demo.hf import HFConfig, HFModel
 from l3pool.demo.model import ModelConfig
-from l3pool.demo.replay import SHORT_PAGES, Demo, DemoOptions
+from l3pool.demo.parts import COUNTERS, RunDir
+from l3pool.demo.replay import MAX_MISMATCHES, SHORT_PAGES, Demo, DemoOptions
 from l3pool.demo.summary import summarize
 from l3pool.demo.workload import Request, generate
 from l3pool.pool.protocols import NamespaceRegistry
@@ -54,20 +55,35 @@ from l3pool.pool.store import MooncakeStore
 log = logging.getLogger(__name__)
 
 
-def total_ticks(o: DemoOptions, n_requests: int, n_side: int) -> int:
-    """Progress-bar steps of a whole demo run."""
+def total_ticks(o: DemoOptions, n_requests: int, n_side: int, rounds: int | None = None, final: bool = True) -> int:
+    """Progress-bar steps of a demo run (of `rounds` rounds, and the phases after them if `final`)."""
     rows = len(study.VARIANTS) * o.repeats + 2 * len(study.POLICIES) + (o.sweep_points if o.sweep_l2 else 0)
-    main = o.rounds * len(CONFIGS) * (n_requests + o.cold_requests)
-    return main + o.fit_points + len(SHORT_PAGES) + n_side * rows + 3 * o.hf_reference
+    main = (o.rounds if rounds is None else rounds) * len(CONFIGS) * (n_requests + o.cold_requests)
+    return main + final * (o.fit_points + len(SHORT_PAGES) + n_side * rows + 3 * o.hf_reference)
 
 
 def run(
-    opts: DemoOptions, store: MooncakeStore, metadata: NamespaceRegistry | None = None, bar: Any = None
-) -> dict[str, Any]:
+    opts: DemoOptions,
+    store: MooncakeStore,
+    metadata: NamespaceRegistry | None = None,
+    bar: Any = None,
+    parts: RunDir | None = None,
+    pool: str = "",
+) -> dict[str, Any] | None:
+    """The whole run and its report (`pool`: how the pool was set up, for the report). With
+    `parts` (a run split over processes: parts.py), the first part missing from the run dir:
+    None after a part that is not the last (its rounds are saved), the merged report after the
+    last; with every part there, the merge alone (`merge`)."""
     t0 = time.perf_counter()
-    requests = generate(opts.workload)
-    if not requests:
-        raise ConfigError("the workload is empty: raise --max-context or lower --min-context")
+    requests = _requests(opts)
+    k = None
+    if parts is not None:
+        k = parts.next_part()
+        if k is None:
+            return merge(opts, parts)
+        parts.start()
+    rounds = range(opts.rounds) if parts is None or k is None else parts.blocks[k]
+    last = parts is None or k == parts.count - 1
 
     def tick(what: str) -> None:
         if bar is not None:
@@ -77,12 +93,14 @@ def run(
     demo = Demo(opts, store, metadata, tick)
     side = study.side_trace(requests, opts.side_count(), opts.side_turns)
     if bar is not None:
-        bar.total = total_ticks(opts, len(requests), len(side) if opts.side else 0)
+        bar.total = total_ticks(opts, len(requests), len(side) if opts.side else 0, len(rounds), last)
         bar.refresh()
 
     def phase(what: str) -> None:
         log.info("demo: %s at %.1f s", what, time.perf_counter() - t0)
 
+    if parts is not None and k is not None:
+        phase(f"part {k + 1} of {parts.count} (rounds {rounds[0] + 1}-{rounds[-1] + 1} of {opts.rounds})")
     phase("model built; warm-up")
     demo.warmup(requests)
     phase("warm-up done; interleaved rounds")
@@ -91,8 +109,54 @@ def run(
         median = min(median, 4 * opts.model.chunk)
     rng = np.random.default_rng(opts.workload.seed + 7)
     cold = [rng.integers(0, opts.model.vocab, size=median, dtype=np.int64) for _ in range(opts.cold_requests)]
-    runs, colds = demo.replay(requests, cold)
+    runs, colds = demo.replay(requests, cold, rounds)
+    if parts is not None and k is not None:
+        parts.save(k, runs, colds, demo.verifier, time.perf_counter() - t0)
+        if not last:
+            phase(f"part {k + 1} of {parts.count} saved in {parts.file(k)}")
+            return None
+        m = parts.merged(need_final=False)  # every part's rounds: the phases after them use all
+        runs, colds = m["runs"], m["colds"]
     rep = summarize(opts, requests, runs, colds, demo.model.cfg.kv_spec().page_bytes)
+    final = final_phases(demo, requests, rep, side, phase)
+    final["setup"]["pool"] = pool
+    if bar is not None:  # the sweep may stop before its last point
+        bar.total = bar.n
+        bar.refresh()
+    if parts is not None and k is not None:
+        parts.save(k, *_own(runs, colds, len(rounds)), demo.verifier, time.perf_counter() - t0, final)
+        return assemble(opts, requests, parts.merged())
+    v = demo.verifier
+    return assemble(opts, requests, {
+        "runs": runs, "colds": colds, "counts": {n: getattr(v, n) for n in COUNTERS}, "mismatches": v.mismatches,
+        "final": final, "parts": None, "elapsed_s": round(time.perf_counter() - t0, 2),
+    })  # fmt: skip
+
+
+def merge(opts: DemoOptions, parts: RunDir) -> dict[str, Any]:
+    """The report of a run whose every part is in the run dir (no cluster, no model)."""
+    log.info("demo: every part of %s is there: merging", parts.path)
+    return assemble(opts, _requests(opts), parts.merged())
+
+
+def _requests(opts: DemoOptions) -> list[Request]:
+    requests = generate(opts.workload)
+    if not requests:
+        raise ConfigError("the workload is empty: raise --max-context or lower --min-context")
+    return requests
+
+
+def _own(runs: dict[str, list[Any]], colds: dict[str, list[Any]], n: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The last `n` rounds (the last part's own, after the merge put the earlier parts' first)."""
+    return {c: r[-n:] for c, r in runs.items()}, {c: r[-n:] for c, r in colds.items()}
+
+
+def final_phases(
+    demo: Demo, requests: list[Request], rep: dict[str, Any], side: list[Any], phase: Any
+) -> dict[str, Any]:
+    """What follows the rounds (with the last round's L3 pages still in the pool): routing, the
+    fit, interference, HF's reference and the side study; and the setup of this process."""
+    opts = demo.opts
     nc_ms = [r["no_cache_ms"] for r in rep["requests"]]
     nc_s = [x / 1e3 for x in nc_ms]
     routed = routing.compare(demo, requests, opts.routing, opts.repeats, nc_s) if opts.routing else None
@@ -108,61 +172,71 @@ def run(
         sav = study.savings(demo, side, opts.repeats)
         pol = study.policies(demo, side, [small, 4 * small])
         swp = study.sweep(demo, side, small, opts.sweep_points) if opts.sweep_l2 else None
-    if bar is not None:  # the sweep may stop before its last point
-        bar.total = bar.n
-        bar.refresh()
     spec = opts.model.kv_spec()
-    v = demo.verifier
     l1, l2 = opts.sizes()
     dev = demo.model.device
+    return {
+        "model": model_name(opts.model),
+        "device": device_name(dev),
+        "fit": fit,
+        "interference": inter,
+        "hf_reference": hf_ref,
+        "savings": sav,
+        "policies": pol,
+        "sweep": swp,
+        "routing": routed,
+        "side_trace": {
+            "sessions": len({r.session for _, r in side}),
+            "turns": len({r.turn for _, r in side}),
+            "requests": len(side),
+            "tokens": sum(r.length for _, r in side),
+            "why": "savings, policies and sweep replay the first sessions and turns (each row is a full replay)",
+        } if opts.side else None,
+        "setup": {
+            "device": str(dev),
+            "deterministic_kernels": torch.are_deterministic_algorithms_enabled(),
+            "sdpa_cudnn": demo.model.sdpa_cudnn if isinstance(demo.model, HFModel) else None,
+            "model": opts.model.describe() if isinstance(opts.model, HFConfig) else asdict(opts.model),
+            "model_flops_per_token": opts.model.flops_per_token(),
+            "kv_bytes_per_token": spec.token_bytes,
+            "page_bytes": spec.page_bytes,
+            "hit_alignment_tokens": demo.align,
+            "instances": opts.instances,
+            "l1_tokens_per_instance": l1,
+            "l2_tokens_per_instance": l2,
+            "l2_layout": opts.l2_layout,
+            "torch_threads": torch.get_num_threads(),
+            "queue_depth": opts.queue_depth,
+            "placement": opts.placement,
+            "rounds": opts.rounds,
+            "cache": asdict(DEMO_CACHE),
+        },
+    }  # fmt: skip
+
+
+def assemble(opts: DemoOptions, requests: list[Request], m: dict[str, Any]) -> dict[str, Any]:
+    """The report from the rounds (`m`: runs, colds, the verifier's counts and mismatches, the
+    final phases, the parts if split, the elapsed time): summary.py's numbers and the checks."""
+    rep = summarize(opts, requests, m["runs"], m["colds"], opts.model.kv_spec().page_bytes)
+    c = m["counts"]
+    rep.update(m["final"])
     rep.update(
         {
-            "model": model_name(opts.model),
-            "device": device_name(dev),
-            "fit": fit,
-            "interference": inter,
-            "hf_reference": hf_ref,
-            "savings": sav,
-            "policies": pol,
-            "sweep": swp,
-            "routing": routed,
-            "side_trace": {
-                "sessions": len({r.session for _, r in side}),
-                "turns": len({r.turn for _, r in side}),
-                "requests": len(side),
-                "tokens": sum(r.length for _, r in side),
-                "why": "savings, policies and sweep replay the first sessions and turns (each row is a full replay)",
-            } if opts.side else None,
-            "logits_identical": v.mismatched_logits == 0 and v.compared > 0,
-            "logits_compared": v.compared,
-            "logits_mismatched": v.mismatched_logits,
+            "logits_identical": c["mismatched_logits"] == 0 and c["compared"] > 0,
+            "logits_compared": c["compared"],
+            "logits_mismatched": c["mismatched_logits"],
             # of those, proven the forward pass's own variation (Verifier.forward_variance)
-            "logits_forward_variance": v.forward_variance,
-            "logits_mismatches": v.mismatches,
-            "wrong_pages": v.wrong_pages,
-            "pages_verified": v.pages_checked,
-            "setup": {
-                "device": str(dev),
-                "deterministic_kernels": torch.are_deterministic_algorithms_enabled(),
-                "sdpa_cudnn": demo.model.sdpa_cudnn if isinstance(demo.model, HFModel) else None,
-                "model": opts.model.describe() if isinstance(opts.model, HFConfig) else asdict(opts.model),
-                "model_flops_per_token": opts.model.flops_per_token(),
-                "kv_bytes_per_token": spec.token_bytes,
-                "page_bytes": spec.page_bytes,
-                "hit_alignment_tokens": demo.align,
-                "instances": opts.instances,
-                "l1_tokens_per_instance": l1,
-                "l2_tokens_per_instance": l2,
-                "l2_layout": opts.l2_layout,
-                "torch_threads": torch.get_num_threads(),
-                "queue_depth": opts.queue_depth,
-                "placement": opts.placement,
-                "rounds": opts.rounds,
-                "cache": asdict(DEMO_CACHE),
-            },
-            "elapsed_s": round(time.perf_counter() - t0, 2),
+            "logits_forward_variance": c["forward_variance"],
+            "logits_mismatches": m["mismatches"][:MAX_MISMATCHES],
+            "wrong_pages": c["wrong_pages"],
+            "pages_verified": c["pages_checked"],
+            "elapsed_s": m["elapsed_s"],
         }
-    )  # fmt: skip
+    )
+    if m["parts"] is not None:
+        rep["parts"] = m["parts"]
+        rep["references_identical_across_parts"] = m["references_identical_across_parts"]
+    sav = rep.get("savings")
     if sav is not None:
         for what in ("overlap", "prefetch"):
             rep[f"{what}_saved_s"] = sav[what]["saved_s"]
