@@ -292,9 +292,12 @@ def _cmd(a: argparse.Namespace) -> int:
             return fail("l3pool demo", str(e), MASTER_HINT if isinstance(e, StoreUnavailable) else None, code=1)
         return fail("l3pool demo", str(e))
     if report is None:  # a part of a split run (--parts), not the last
-        done = sorted(a.out.glob("parts/part-*.json"))
-        print(f"l3pool demo: part {len(done)} of {a.parts} done ({done[-1] if done else a.out}); run the same "
-              "command again for the next")  # fmt: skip
+        k = len(list(a.out.glob("parts/part-*.json")))  # parts run in order: this one is the k-th
+        f = a.out / "parts" / f"part-{k}.json"
+        if a.json:
+            print(json.dumps({"part": k, "parts": a.parts, "file": str(f), "report": None}))
+        else:
+            print(f"l3pool demo: part {k} of {a.parts} done ({f}); run the same command again for the next")
         return 0
     ok = _write(a, report)
     return 0 if ok else 1

@@ -48,9 +48,9 @@ def test_a_run_in_parts_resumes_merges_and_refuses_another(tmp_path: Path, capsy
     assert "--parts 3 > --rounds 2" in err and "Traceback" not in err, err
 
     out = tmp_path / "run"
-    assert _demo(out, "--parts", "2") == 0
-    said = capsys.readouterr().out
-    assert "part 1 of 2 done" in said, said
+    assert _demo(out, "--parts", "2", "--json") == 0
+    said = json.loads(capsys.readouterr().out)  # a part that is not the last: where it went, no report
+    assert said == {"part": 1, "parts": 2, "file": str(out / "parts" / "part-1.json"), "report": None}
     assert (out / "parts" / "part-1.json").is_file() and not (out / "report.json").exists()
     assert _demo(out, "--parts", "2", "--json") == 0  # the last part: the fit, then the merged report
     rep = json.loads(capsys.readouterr().out)
