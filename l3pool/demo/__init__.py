@@ -277,6 +277,10 @@ def _cmd(a: argparse.Namespace) -> int:
 
     output_dir(a.out, "--out")  # before the run: a path it cannot write fails now, not after minutes
     if a.attention == "hybrid":
+        if a.parts > 1:
+            from l3pool.cliutil import fail
+
+            return fail("l3pool demo", f"--parts {a.parts}: only the main demo splits; --attention hybrid runs whole")
         from l3pool.demo.swa_cli import run_cli
 
         return run_cli(a, _endpoints)

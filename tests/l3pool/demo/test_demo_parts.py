@@ -46,6 +46,8 @@ def test_a_run_in_parts_resumes_merges_and_refuses_another(tmp_path: Path, capsy
     assert _demo(tmp_path / "x", "--parts", "3") == 2  # more parts than rounds: refused before any work
     err = capsys.readouterr().err
     assert "--parts 3 > --rounds 2" in err and "Traceback" not in err, err
+    assert main(["demo", "--attention", "hybrid", "--parts", "2", "--out", str(tmp_path / "h")]) == 2  # not split
+    assert "--attention hybrid runs whole" in capsys.readouterr().err
 
     out = tmp_path / "run"
     assert _demo(out, "--parts", "2", "--json") == 0
