@@ -3,7 +3,7 @@
 # cluster parts of l3pool (the tests, `l3pool demo`, bench/gpu-runs.sh): Mooncake's non-CUDA wheel
 # for CPython 3.12 (it works beside a CUDA torch: the pool moves host memory), msgpack and pyzmq (the
 # index), the etcd clients and the packages they need beyond grpcio/protobuf/requests, and, as Debian
-# packages, etcd and the RDMA user-space libraries Mooncake links against. About 60 MB.
+# packages, etcd and the RDMA user-space libraries Mooncake links against. About 45 MB.
 #
 #   bash scripts/gpu-bundle.sh DIR     # on a machine with pip and apt: download into DIR
 #                                      # (put DIR inside the checkout and git-ignore it: /gpu-bundle/ is)
@@ -21,6 +21,23 @@ wheels() {  # binary wheels for the GPU host's CPython, whatever this machine ru
     -d "$dir" "$@"
 }
 wheels mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack pyzmq
+# Mooncake's wheel without the two programs l3pool never runs (transfer_engine_bench, mooncake_client:
+# about 15 MB of the 46 MB), so the bundle and a checkout fit a device call's 64 MiB
+python3 - "$dir"/mooncake_transfer_engine_non_cuda-*.whl << 'SLIM'
+import sys, zipfile, os
+drop = ("mooncake/transfer_engine_bench", "mooncake/mooncake_client")
+for path in sys.argv[1:]:
+    tmp = path + ".tmp"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            if info.filename in drop:
+                continue
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = b"".join(l for l in data.splitlines(True) if not l.split(b",")[0].decode() in drop)
+            dst.writestr(info, data)
+    os.replace(tmp, path)
+SLIM
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$dir" etcd3gw pbr futurist debtcollector aetcd
 if ! ls /var/lib/apt/lists 2> /dev/null | grep -q Packages; then
   apt-get update -qq

@@ -70,45 +70,56 @@ PARTIAL_CHUNK_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTEN
 PREFIX_METHODS = ("split", "lower_right", "hf_sdpa")  # hf_sdpa: transformers' own (the engine before these)
 PREFIX_ATTENTION = {"split": "l3pool_prefix_split", "lower_right": "l3pool_prefix_lower_right", "hf_sdpa": "sdpa"}
 _aten = torch.ops.aten
-_LSE_KERNEL: dict[tuple[int, int, int], str] = {}  # (device index, qk dim, v dim) -> the kernel that took it
+_LSE_KERNEL: dict[tuple[Any, ...], tuple[str, str]] = {}  # (device, qk dim, v dim, groups, cudnn) -> what took it
+GQA_KERNELS = ("cudnn", "flash")  # kernels tried with the shared K/V heads in place, before repeating them
+
+
+def _lse_kernel(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    if kind == "cudnn":
+        r = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        return r[0], r[1]
+    if kind == "flash":
+        r = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return r[0], r[1]
+    r = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    return r[0], r[1][..., : q.shape[2]]
 
 
 def _attend_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [1, H, m, d] over k/v [1, H, n, d / dv] (causal: top-left, m == n) with its
-    log-sum-exp: ([1, H, m, dv], [1, H, m] float32)."""
+    """Attention of q [1, H, m, d] over k/v [1, Hk, n, d / dv] (Hk divides H: grouped-query heads
+    share a K/V head; causal: top-left, m == n) with its log-sum-exp: ([1, H, m, dv], [1, H, m]
+    float32). Grouped K/V heads are read in place by the kernels of GQA_KERNELS that take them, and
+    repeated per query head for the others."""
+    groups = q.shape[1] // k.shape[1]
     if q.device.type != "cuda":  # written out in float32 (the CPU runs the tiny shapes only)
+        if groups > 1:
+            k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
         s = (q.float() @ k.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
         if causal:
             s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
         lse = s.logsumexp(-1)
         return ((s - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
-    key = (q.device.index or 0, q.shape[-1], v.shape[-1])
-    kinds = ["cudnn", "flash", "efficient"]
     cudnn = torch.backends.cuda.cudnn_sdp_enabled()  # off inside sdpa_kernel(PARTIAL_CHUNK_BACKENDS)
-    if not cudnn:
-        kinds.remove("cudnn")
+    # the order is fixed (not timed per process): every process of a model picks the same kernel
+    # for the same shape, so cached KV rounds exactly as recomputed KV
+    kinds = [("gqa", x) for x in GQA_KERNELS if groups > 1 and (cudnn or x != "cudnn")]
+    kinds += [("repeat" if groups > 1 else "same", x) for x in ("cudnn", "flash", "efficient") if cudnn or x != "cudnn"]
+    key = (q.device.index or 0, q.shape[-1], v.shape[-1], groups, cudnn)
     known = _LSE_KERNEL.get(key)
     if known in kinds:
         kinds = [known] + [x for x in kinds if x != known]
     err: Exception | None = None
-    for kind in kinds:
+    for how, kind in kinds:
+        kk, vv = (k, v) if how != "repeat" else (x.repeat_interleave(groups, dim=1) for x in (k, v))
         try:
-            if kind == "cudnn":
-                r = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
-                o, lse = r[0], r[1]
-            elif kind == "flash":
-                r = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-                o, lse = r[0], r[1]
-            else:
-                r = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-                o, lse = r[0], r[1][..., : q.shape[2]]
+            o, lse = _lse_kernel(kind, q, kk, vv, causal, scale)
         except RuntimeError as e:  # this kernel does not take the shape: the next one
             err = e
             continue
-        if known is None and cudnn:
-            _LSE_KERNEL[key] = kind
+        _LSE_KERNEL.setdefault(key, (how, kind))
         return o, lse.reshape(o.shape[:3]).float()
     raise RuntimeError(f"no attention kernel took q {tuple(q.shape)} over k {tuple(k.shape)}: {err}")
 
@@ -135,18 +146,20 @@ def prefix_causal_attention(
     groups = int(getattr(module, "num_key_value_groups", 1))
     split = method == "split" and 1 < m < n
     extra: dict[str, Any] = {}
-    if groups > 1:
-        if not split and query.device.type == "cuda" and key.shape[-1] == value.shape[-1] <= 256:
-            extra["enable_gqa"] = True  # flash attention reads the shared K/V heads itself
-        else:
-            key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
-    if split:
+    if split:  # the shared K/V heads go to _attend_lse as they are
         p = n - m
         o1, l1 = _attend_lse(query, key[:, :, :p], value[:, :, :p], False, scaling)
         o2, l2 = _attend_lse(query, key[:, :, p:], value[:, :, p:], True, scaling)
-        lse = torch.logaddexp(l1, l2)
-        out = (o1.float() * (l1 - lse).exp_()[..., None] + o2.float() * (l2 - lse).exp_()[..., None]).to(query.dtype)
-        return out.transpose(1, 2).contiguous(), None
+        # exp(l1 - lse) = sigmoid(l1 - l2): out = o2 + (o1 - o2) * sigmoid(l1 - l2), in float32,
+        # written straight in the [1, m, heads, dv] order the caller wants (4 passes over the output)
+        w = torch.sigmoid(l1 - l2).transpose(1, 2)[..., None]
+        out = torch.lerp(o2.transpose(1, 2).float(), o1.transpose(1, 2).float(), w)
+        return out.to(query.dtype, memory_format=torch.contiguous_format), None
+    if groups > 1:
+        if query.device.type == "cuda" and key.shape[-1] == value.shape[-1] <= 256:
+            extra["enable_gqa"] = True  # flash attention reads the shared K/V heads itself
+        else:
+            key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
     if m == 1:
         mask, causal = None, False  # the last position sees every key
     elif m == n:
@@ -282,27 +295,46 @@ class L1View:
         self.family, self.bufs, self.r = family, bufs, r
         self.slots = self.new_slots = torch.empty(0, dtype=torch.int64)
         self.past = 0
+        self.run: int | None = None  # the request's slots are run, run + 1, ...: slices, not gathers
         self.before_layer: Callable[[int], None] | None = None
         self.keep: list[torch.Tensor] | None = None  # (verification) what each layer read: see HFModel.prefill
 
     def layer(self, li: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.before_layer is not None:
             self.before_layer(li)
+        # One contiguous run of slots (the no-cache request, on slots [0, n)): the chunk's K/V are
+        # copied into a slice and the attention reads a slice, the same bytes in the same layout as
+        # the gather below. A pass that keeps what it read (verification) gathers: its tensors must
+        # outlive the slots' next writer.
+        run = self.run if self.keep is None else None
+        new = slice(run + self.past, run + self.slots.numel()) if run is not None else self.new_slots
+        upto = slice(run, run + self.slots.numel()) if run is not None else self.slots
         if self.family == "mla":  # a: latent [1, 1, m, r], b: rope key [1, 1, m, dr]
             buf = self.bufs[li]
-            buf[self.new_slots, 0, : self.r] = a[0, 0]
-            buf[self.new_slots, 0, self.r :] = b[0, 0]
-            kv = buf[self.slots, 0]  # [n, r + dr]: one gather per layer and chunk
+            buf[new, 0, : self.r] = a[0, 0]
+            buf[new, 0, self.r :] = b[0, 0]
+            kv = buf[upto, 0]  # [n, r + dr]: a slice, or one gather per layer and chunk
             if self.keep is not None:
                 self.keep.append(kv)
             return kv[None, None, :, : self.r], kv[None, None, :, self.r :]
         kb, vb = self.bufs[2 * li], self.bufs[2 * li + 1]  # a, b: K, V [1, kv_heads, m, d]
-        kb[self.new_slots] = a[0].transpose(0, 1)
-        vb[self.new_slots] = b[0].transpose(0, 1)
-        k, v = kb[self.slots], vb[self.slots]  # [n, kv_heads, d]: one gather each per layer and chunk
+        kb[new] = a[0].transpose(0, 1)
+        vb[new] = b[0].transpose(0, 1)
+        k, v = kb[upto], vb[upto]  # [n, kv_heads, d]: slices, or one gather each per layer and chunk
         if self.keep is not None:
             self.keep += (k, v)
         return k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]
+
+
+def slot_run(slots: torch.Tensor) -> int | None:
+    """The first slot when `slots` are consecutive (s, s + 1, ..., s + n - 1), else None (one
+    device synchronisation for a CUDA tensor)."""
+    n = slots.numel()
+    if n == 0:
+        return None
+    d = slots.reshape(-1) - torch.arange(n, device=slots.device, dtype=slots.dtype)
+    lo, hi = (int(x) for x in torch.stack(d.aminmax()).tolist())
+    return lo if lo == hi else None
 
 
 def _cache_classes() -> tuple[type, type]:
@@ -411,8 +443,9 @@ class HFModel:
         if slots.numel() < n:
             raise ValueError(f"{slots.numel()} slots for {n} tokens")
         tok = torch.as_tensor(tokens, dtype=torch.int64).to(self.device)
-        slots = slots.to(self.device)
         v = self._view
+        v.run = slot_run(slots[:n])
+        slots = slots.to(self.device)
         v.bufs = bufs
         hidden = torch.empty(0)
         with self._attention_impl(PREFIX_ATTENTION[self.cfg.prefix_attention]):  # this variant's, for the call
@@ -428,7 +461,7 @@ class HFModel:
                                             past_key_values=self._cache, use_cache=True)  # fmt: skip
                     hidden = out.last_hidden_state[0, -1:]
             finally:
-                v.bufs, v.before_layer, v.keep = [], None, None
+                v.bufs, v.before_layer, v.keep, v.run = [], None, None, None
         return self.hf.lm_head(hidden)[0].float()
 
     def variant(self, **cfg: Any) -> HFModel:

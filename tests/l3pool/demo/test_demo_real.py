@@ -86,6 +86,52 @@ def test_hf_model_over_l1_is_bit_identical_with_a_loaded_prefix(name: str) -> No
         m.prefill(toks, 16, slots2, bufs2)
 
 
+def test_slot_run_finds_one_consecutive_run() -> None:
+    from l3pool.demo.hf import slot_run
+
+    assert slot_run(torch.arange(5, 900)) == 5
+    assert slot_run(torch.arange(1)) == 0
+    assert slot_run(torch.tensor([3, 4, 6])) is None
+    assert slot_run(torch.tensor([4, 3])) is None
+    assert slot_run(torch.empty(0, dtype=torch.int64)) is None
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "mla-tiny"])
+def test_consecutive_slots_are_sliced_and_compute_what_scattered_slots_compute(name: str) -> None:
+    """Consecutive slots (the no-cache request) are written and read as slices of the L1 buffers,
+    scattered slots (a cached request's pages) by index: the same bytes in, the same logits and
+    K/V out, bit for bit; a pass that keeps what it read gets copies either way."""
+    m = HFModel(HFConfig(name, page_size=16, chunk=64))
+    toks = np.random.default_rng(3).integers(0, m.cfg.vocab, 150)
+    run, bufs = torch.arange(40, 190), m.new_l1(512)
+    scattered = torch.randperm(512, generator=torch.Generator().manual_seed(1))[:150]
+    bufs2 = m.new_l1(512)
+    gathers = 0
+    real_getitem = torch.Tensor.__getitem__
+
+    def counting(t: torch.Tensor, idx: object) -> torch.Tensor:
+        nonlocal gathers
+        gathers += isinstance(idx, torch.Tensor) or (isinstance(idx, tuple) and isinstance(idx[0], torch.Tensor))
+        return real_getitem(t, idx)  # type: ignore[index]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "__getitem__", counting)
+        ref = m.prefill(toks, 0, run, bufs)
+        sliced_gathers, gathers = gathers, 0
+        got = m.prefill(toks, 0, scattered, bufs2)
+        assert sliced_gathers == 0 < gathers  # slices for the run, gathers for the scattered slots
+    assert torch.equal(ref, got)
+    for b, b2 in zip(bufs, bufs2, strict=True):
+        assert torch.equal(b[run], b2[scattered])
+        assert not b[:40].any() and not b[190:].any()  # nothing outside the run was written
+    keep: list[torch.Tensor] = []
+    assert torch.equal(m.prefill(toks, 0, run, bufs, keep=keep), ref)
+    assert keep and all(k.untyped_storage().data_ptr() != bufs[0].untyped_storage().data_ptr() for k in keep)
+    kept = [k.clone() for k in keep]
+    m.prefill(toks[::-1].copy(), 0, run, bufs)  # another request over the same slots
+    assert all(torch.equal(a, b) for a, b in zip(keep, kept, strict=True))  # the kept reads are its own
+
+
 def test_partial_chunks_run_without_cudnn_attention_in_deterministic_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """Deterministic CUDA mode: cuDNN's SDPA is left out of partial chunks only (hf.PARTIAL_CHUNK_BACKENDS;
     it varied on a 1-token chunk on the H200). Checked on the CPU by switching the policy on: which
@@ -243,6 +289,34 @@ def test_prefix_attention_is_bottom_right_causal(
     out, w = prefix_causal_attention(mod, q, k, v, None, method=method)  # type: ignore[arg-type]
     assert w is None and out.shape == (1, m, heads, dv)
     assert torch.allclose(out.double(), _masked_reference(q, k, v), atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cudnn", [True, False])
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "dv"), [(8, 2, 128, 128), (4, 4, 192, 128), (4, 1, 64, 64)])
+def test_split_prefix_attention_on_cuda_kernels(cudnn: bool, heads: int, kv_heads: int, d: int, dv: int) -> None:
+    """The split method on the GPU's kernels (cuDNN / flash with the shared K/V heads in place, or
+    repeated per query head; MLA's unequal head dims): the bottom-right causal function, to bf16
+    rounding, and the same bits on every call."""
+    import types
+
+    import l3pool.demo.hf as hf
+
+    g = torch.Generator().manual_seed(heads * 10 + d)
+    q = torch.randn(1, heads, 64, d, generator=g).bfloat16()
+    k = torch.randn(1, kv_heads, 320, d, generator=g).bfloat16()
+    v = torch.randn(1, kv_heads, 320, dv, generator=g).bfloat16()
+    mod = types.SimpleNamespace(num_key_value_groups=heads // kv_heads)
+    ref = _masked_reference(q.double(), k.double(), v.double())
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    try:
+        outs = [hf.prefix_causal_attention(mod, q.cuda(), k.cuda(), v.cuda(), None)[0] for _ in range(3)]
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+    assert outs[0].shape == (1, 64, heads, dv) and outs[0].dtype == torch.bfloat16 and outs[0].is_contiguous()
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.allclose(outs[0].double().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_prefix_attention_refuses_a_mask_and_more_queries_than_keys() -> None:
