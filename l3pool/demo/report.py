@@ -88,10 +88,16 @@ def table(rep: dict[str, Any]) -> str:
         lines.append(interference_line(x))
     if rep.get("hf_reference"):
         for p in rep["hf_reference"]["points"]:
+            hf = {
+                k: f"{p[f'{k}_ms']['median']:.0f} ms" if p.get(f"{k}_ms") else "OOM"
+                for k in ("hf_one_forward", "hf_chunked")
+            }
+            vs = p.get("vs_hf_one_forward") or {}
             lines.append(
-                f"hf ref     {p['tokens']} tokens: engine {p['engine_no_cache_ms']:.0f} ms, HF chunked "
-                + (f"{p['hf_chunked_ms']['median']:.0f} ms" if p["hf_chunked_ms"] else "OOM")
-                + f" ({p['engine_vs_hf_chunked']}x)"
+                f"hf ref     {p['tokens']} tokens: engine no cache {p['engine_no_cache_ms']:.0f} ms "
+                f"({p.get('engine_vs_hf_one_forward')}x HF one forward {hf['hf_one_forward']}; "
+                f"{p['engine_vs_hf_chunked']}x HF chunked {hf['hf_chunked']})"
+                + (f"; with the cache {vs['l1_l2_l3']}x one forward" if vs.get("l1_l2_l3") is not None else "")
             )
     if rep.get("savings"):
         sv, side = rep["savings"], rep["side_trace"]

@@ -266,8 +266,9 @@ def model_name(m: ModelConfig | HFConfig) -> str:
 
 
 def hf_reference(demo: Demo, requests: list[Request], rep: dict[str, Any]) -> dict[str, Any]:
-    """HF transformers' own prefill (DynamicCache, the same chunks; and one forward) of the trace's
-    shortest, median and longest request, against our no-cache engine's median for it."""
+    """HF transformers' own prefill (DynamicCache, the same chunks; and one forward, the fastest
+    prefill we can show) of the trace's median and longest request, against our engine's medians
+    for it: no cache (the baseline of every reduction) and with the cache."""
     assert isinstance(demo.model, HFModel)
     m = demo.model
     by_len = sorted(range(len(requests)), key=lambda i: requests[i].length)
@@ -290,8 +291,14 @@ def hf_reference(demo: Demo, requests: list[Request], rep: dict[str, Any]) -> di
             except torch.OutOfMemoryError:
                 row[key] = None
                 torch.cuda.empty_cache()
-        ref = row["hf_chunked_ms"]["median"] if row["hf_chunked_ms"] else None
-        row["engine_vs_hf_chunked"] = round(row["engine_no_cache_ms"] / ref, 3) if ref else None
+        for key in ("hf_chunked", "hf_one_forward"):
+            ref = row[f"{key}_ms"]["median"] if row[f"{key}_ms"] else None
+            row[f"engine_vs_{key}"] = round(row["engine_no_cache_ms"] / ref, 3) if ref else None
+        one = row["hf_one_forward_ms"]["median"] if row["hf_one_forward_ms"] else None
+        # the cache's time for this request against the fastest prefill of it we can show
+        row["vs_hf_one_forward"] = {
+            c: round(rep["requests"][i][f"{c}_ms"] / one, 3) if one else None for c in ("l1_l2", "l1_l2_l3")
+        }
         rows.append(row)
         demo.tick("hf")
-    return {"target": "engine within 1.2x of HF's own prefill", "points": rows}
+    return {"target": "engine (no cache) <= 1.1x HF's one forward of the same request", "points": rows}

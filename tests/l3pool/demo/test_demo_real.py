@@ -232,7 +232,15 @@ def test_demo_real_model_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureF
     assert rep["logits_identical"] and rep["wrong_pages"] == 0 and rep["pages_verified"] > 0
     assert rep["hit_rate"]["L3"] > 0 and rep["savings"] is None  # real models skip the side comparisons
     assert isinstance(rep["biased"], bool) and "spread" in rep["cache_overhead"]
-    assert all(p["hf_chunked_ms"]["runs"] == 3 for p in rep["hf_reference"]["points"])
+    for p in rep["hf_reference"]["points"]:
+        assert p["hf_chunked_ms"]["runs"] == p["hf_one_forward_ms"]["runs"] == 3
+        one = p["hf_one_forward_ms"]["median"]
+        assert p["engine_vs_hf_one_forward"] == round(p["engine_no_cache_ms"] / one, 3)
+        req = next(r for r in rep["requests"] if r["tokens"] == p["tokens"])
+        assert p["vs_hf_one_forward"]["l1_l2_l3"] == round(req["l1_l2_l3_ms"] / one, 3)
+    from l3pool.demo.report import table
+
+    assert sum("x HF one forward" in ln for ln in table(rep).splitlines()) == len(rep["hf_reference"]["points"])
 
 
 def test_demo_affinity_placement_serves_from_every_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
