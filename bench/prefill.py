@@ -173,13 +173,13 @@ def attention_probe(m: Any, tokens: int, chunk: int, tries: int) -> dict[str, An
     # the prefix part of the split alone (the chunk's queries over the keys before them, no mask) per
     # kernel, the shared K/V heads read in place ("gqa") or repeated beforehand (the repeat not timed):
     # what the order of hf.GQA_KERNELS rests on. A different function: no diff against the mask.
-    from l3pool.demo.hf import _lse_kernel
+    from l3pool.demo import attention_with_lse
 
     p = tokens - chunk
     for kind in ("cudnn", "flash", "efficient"):
         for how, kk, vv in (("gqa", k, v), ("repeated", kr, vr)) if g > 1 else (("same", k, v),):
             ways[f"prefix_{kind}_{how}"] = functools.partial(
-                _lse_kernel, kind, q, kk[:, :, :p], vv[:, :, :p], False, None
+                attention_with_lse, kind, q, kk[:, :, :p], vv[:, :, :p], False, None
             )
     ref = ways["explicit_mask"]().float()
     for name, f in ways.items():

@@ -39,6 +39,7 @@ _EXPORTS = {
     "HFModel": "hf",
     "PREFIX_METHODS": "hf",
     "prefix_causal_attention": "hf",
+    "attention_with_lse": "hf",
     "EngineTraffic": "interference",
     "GBPS_DIGITS": "interference",
     "PlainTraffic": "interference",

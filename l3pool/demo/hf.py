@@ -74,8 +74,10 @@ _LSE_KERNEL: dict[tuple[Any, ...], tuple[str, str]] = {}  # (device, qk dim, v d
 GQA_KERNELS = ("cudnn", "flash")  # kernels tried with the shared K/V heads in place, before repeating them
 
 
-def _lse_kernel(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def attention_with_lse(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One SDPA kernel (`kind`: "cudnn", "flash" or "efficient") called directly, returning the
+    output and its log-sum-exp; RuntimeError when the kernel does not take the shapes."""
     if kind == "cudnn":
         r = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
         return r[0], r[1]
@@ -115,7 +117,7 @@ def _attend_lse(
     for how, kind in kinds:
         kk, vv = (k, v) if how != "repeat" else (x.repeat_interleave(groups, dim=1) for x in (k, v))
         try:
-            o, lse = _lse_kernel(kind, q, kk, vv, causal, scale)
+            o, lse = attention_with_lse(kind, q, kk, vv, causal, scale)
         except RuntimeError as e:  # this kernel does not take the shape: the next one
             err = e
             continue
