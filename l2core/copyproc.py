@@ -132,7 +132,12 @@ class _PJob:
 
 class ProcessTransferEngine:
     """TransferEngine's API (submit_backup, submit_load, wait_layer, poll, pop_finished, wait,
-    close, stats, context manager) with the copies submitted by one child process."""
+    close, stats, context manager) with the copies submitted by one child process.
+
+    `max_in_flight`: jobs per kind between submit and completion (the event rings' size; a submit
+    beyond it waits). `start_timeout_s`: the child's start imports torch and, for a pinned pool
+    with CUDA L1, registers its own mapping of the whole pool (cudaHostRegister: seconds per tens
+    of GiB). `close_timeout_s`: how long close() lets the child drain before it is killed."""
 
     def __init__(
         self,
@@ -144,7 +149,7 @@ class ProcessTransferEngine:
         layers_per_step: int = 1,
         load_priority: int = LOAD_PRIORITY,
         max_in_flight: int = 32,
-        start_timeout_s: float = 120.0,
+        start_timeout_s: float = 600.0,
         close_timeout_s: float = 120.0,
     ) -> None:
         spec = pool.spec
