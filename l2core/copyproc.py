@@ -341,8 +341,9 @@ class ProcessTransferEngine:
         except (EOFError, OSError):
             pass
         if not bye:
-            wait_ready([self._proc.sentinel], 5.0)  # it closed its pipe: exiting, or gone already
-            with self._proc_lock:
+            with self._proc_lock:  # it closed its pipe: exiting, or gone already
+                # join, not exitcode: the sentinel fires when its fds close, before it can be reaped
+                self._proc.join(5.0)
                 code = self._proc.exitcode
             why = _exit_text(self.pid, code)
             log.warning("l2core copy process gone: %s", why)
