@@ -18,6 +18,7 @@ _EXPORTS = {
     "PageAllocator": "allocator",
     "HostMemory": "memory",
     "HostKVPool": "pool",
+    "ProcessTransferEngine": "copyproc",
     "SharedHostMemory": "shm",
     "SharedTransferEngine": "shm",
     "SplitRead": "split_read",

@@ -204,11 +204,15 @@ class TransferEngine:
                     layers=(lb, le),
                     **kw,
                 )
-                self._publish(job, lb, le, prov.record(stream, self.device) if stream is not None else None)
+                self._publish(job, lb, le, self._layer_event(job, stream, lb))
             self._sync(stream, flag)
 
-    @staticmethod
-    def _publish(job: _Job, lb: int, le: int, ev: Any) -> None:
+    def _layer_event(self, job: _Job, stream: Any, lb: int) -> Any:
+        """The event that marks the step of `job` starting at layer `lb` done on `stream` (None on a
+        synchronous device); l2core.copyproc's child records a preallocated interprocess one."""
+        return self.provider.record(stream, self.device) if stream is not None else None
+
+    def _publish(self, job: _Job, lb: int, le: int, ev: Any) -> None:
         """Layers [lb, le) of a load may be read once `ev` completed (None: now)."""
         with job.cond:
             job.layer_events.extend([ev] * (le - lb))
