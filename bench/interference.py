@@ -22,6 +22,9 @@ per-layer loads + backups at full duty, once per variant:
   naive_loads     only the loads, method "naive": one cudaMemcpyAsync per (page, layer, K/V)
                   straight into the L1 slots, no staging buffer and no scatter kernel (CPU-bound by
                   its driver calls, so a slower rate): whether the staged path's kernel is the cost
+  copy_process    the default path with its copies submitted from a child process
+                  (l2core.ProcessTransferEngine: the pool in /dev/shm, L1 through CUDA IPC): the fix
+                  the xproc probes point to; copy_process_loads: the same, loads only
 Probes (issue 36: where the loads' cost comes from; not variants of the path, so no "vs_default"):
   gil_spin        no bytes: a thread holding the GIL in pure Python 100 us of every 1.1 ms:
                   what GIL contention alone costs the forward pass
@@ -67,6 +70,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "backups_only": {"directions": ("backup",)},
     "layer_first_loads": {"directions": ("load",), "layout": "layer_first"},
     "naive_loads": {"directions": ("load",), "method": "naive"},
+    "copy_process": {"process": True},
+    "copy_process_loads": {"directions": ("load",), "process": True},
 }
 LAYOUT = "page_first_direct"  # the demo's L2 layout
 # probes: (traffic kind in the child process or "gil_spin", TransferEngine options)

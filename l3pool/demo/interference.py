@@ -19,6 +19,8 @@ spread.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from l2core.copyproc import ProcessTransferEngine
 from l2core.pool import HostKVPool, L2Config
+from l2core.shm_segment import TPGroup
 from l2core.transfer import TransferEngine
 from l3pool.demo.engine import PrefillInstance
 from l3pool.demo.timing import med_spread
@@ -100,19 +104,29 @@ class EngineTraffic(Traffic):
         layout: str,
         rate: float | None = None,
         directions: tuple[str, ...] = ("load", "backup"),
+        process: bool = False,
         **engine: Any,
     ) -> None:
         """`tokens` moved per step (<= 2 GiB, as `plain`); `rate`: see Traffic; `directions`: a step
-        runs a load, a backup, or both (in that order); `engine`: TransferEngine's own options
-        (max_sms, layers_per_step, load_priority; bench.interference)."""
+        runs a load, a backup, or both (in that order); `process`: the copies submitted from a child
+        process (l2core.ProcessTransferEngine, over a pool in /dev/shm and L1 shared with it);
+        `engine`: the engine's own options (max_sms, layers_per_step, load_priority; bench.interference)."""
         super().__init__(rate)
         if not directions or not set(directions) <= {"load", "backup"} or len(set(directions)) != len(directions):
             raise ValueError(f"directions must be 'load' and/or 'backup' once each, got {directions!r}")
         self.directions = tuple(directions)
         spec = inst.spec
         n = max(1, min(tokens, (2 << 30) // spec.token_bytes) // spec.page_size)  # pages
-        self.pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=n * spec.page_size))  # type: ignore[arg-type]
-        self.eng = TransferEngine(self.pool, inst.model.new_l1(n * spec.page_size), **engine)
+        shared = TPGroup(f"l3pool-interference-{os.getpid()}-{next(_GROUPS)}", rank=0, size=1) if process else None
+        self.pool = HostKVPool(L2Config(kv=spec, layout=layout, tokens=n * spec.page_size, shared=shared))  # type: ignore[arg-type]
+        l1 = inst.model.new_l1(n * spec.page_size)
+        self.eng: TransferEngine | ProcessTransferEngine
+        if process:
+            self.eng = ProcessTransferEngine(
+                self.pool, [b.share_memory_() if b.device.type == "cpu" else b for b in l1], **engine
+            )
+        else:
+            self.eng = TransferEngine(self.pool, l1, **engine)
         dev = inst.device
         self.slots = torch.arange(n * spec.page_size, dtype=torch.int64, device=dev)
         self.pages = np.arange(n, dtype=np.int64)
@@ -150,6 +164,7 @@ def paired_slowdown(alone: list[float], loaded: list[float]) -> dict[str, Any]:
 
 # copy rates keep 6 decimals: a tiny CPU run copies ~0.001 GB/s, which 3 decimals could round to 0
 GBPS_DIGITS = 6
+_GROUPS = itertools.count()  # a /dev/shm segment name per process-engine traffic
 PACED_STEP_S = 0.05  # a paced step moves about this long's worth of its rate (at least one page)
 
 

@@ -28,6 +28,9 @@ def test_interference_bench_json_contract(tmp_path: Path) -> None:
     assert rep["rows"]["loads_only"]["options"] == {"directions": ["load"]}
     assert rep["rows"]["layer_first_loads"]["options"] == {"directions": ["load"], "layout": "layer_first"}
     assert rep["rows"]["naive_loads"]["options"] == {"directions": ["load"], "method": "naive"}
+    # the copies from a child process (l2core.ProcessTransferEngine) moved bytes and left no segment
+    assert rep["rows"]["copy_process_loads"]["options"] == {"directions": ["load"], "process": True}
+    assert not [p for p in Path("/dev/shm").glob("*l3pool-interference-*")]
     for k, row in rep["rows"].items():
         assert row["slowdown_per_10GBps"] == pytest.approx(
             10 * row["slowdown"] / row["copy_GBps"]["median"], abs=1e-5
