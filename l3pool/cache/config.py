@@ -59,6 +59,11 @@ class CacheConfig:
     `tp_shared`: the L2 pool is one host copy shared by the TP group `tp_group` (MLA: the ranks'
     latent KV is bit-identical); this process is rank `tp_rank` of `tp_size`. Rank 0 alone copies
     D2H, every rank loads the same pages (the movers of l3pool.cache.shared, l2core.shm).
+    `copy_process`: the L1 <-> L2 copies are submitted from a child process
+    (l2core.ProcessTransferEngine; the L2 pool is then a /dev/shm segment the child maps, and CPU
+    L1 buffers must be shared-memory tensors): loads issued from a thread of the forward pass's
+    own process contend with it for the CUDA driver (bench/results/2026-12-04-h200-interference-probes).
+    Not with tp_shared (rank 0 of a TP group already copies for the others).
     """
 
     l1_to_l2: WritePolicy = "write_through"
@@ -79,6 +84,7 @@ class CacheConfig:
     tp_group: str = ""
     tp_rank: int = 0
     tp_size: int = 1
+    copy_process: bool = False
 
     def __post_init__(self) -> None:
         _choice("l1_to_l2", self.l1_to_l2, WRITE_POLICIES)
@@ -101,6 +107,10 @@ class CacheConfig:
             check_group(self.tp_group, self.tp_rank, self.tp_size)
         elif self.tp_group or self.tp_rank or self.tp_size != 1:
             raise ConfigError("tp_group / tp_rank / tp_size describe a TP-shared L2: set tp_shared = true too")
+        if not isinstance(self.copy_process, bool):
+            raise ConfigError(f"copy_process must be true or false, got {self.copy_process!r}")
+        if self.copy_process and self.tp_shared:
+            raise ConfigError("copy_process and tp_shared do not go together: a TP-shared L2 has its own movers")
         if self.prefetch_max_batch_pages < self.prefetch_batch_pages:
             raise ConfigError(
                 f"prefetch_max_batch_pages ({self.prefetch_max_batch_pages}) must be >= "

@@ -359,12 +359,14 @@ def engine_over(l2: HostPages, l1: L1, make: Callable[..., Any] = TransferEngine
 
 
 def plain_movers(cfg: CacheConfig, l1: L1, l2: HostPages, l3: L3Pages | None, hooks: Hooks, *,
-                 sink: Callable[[Any, Hooks], BackupSink] = Backups) -> Movers:  # fmt: skip
-    """The movers of one engine's own cache: its engine, backup sink (`sink`: the backup thread,
+                 sink: Callable[[Any, Hooks], BackupSink] = Backups,
+                 make: Callable[..., Any] = TransferEngine) -> Movers:  # fmt: skip
+    """The movers of one engine's own cache: its engine (`make`: TransferEngine, or l2core's
+    ProcessTransferEngine for CacheConfig.copy_process), backup sink (`sink`: the backup thread,
     or `InlineBackups`), prefetcher and writer."""
     if cfg.tp_shared:
         raise ConfigError("tp_shared = true: the cache needs the TP-shared movers (l3pool.cache.build() picks them)")
-    engine = engine_over(l2, l1)
+    engine = engine_over(l2, l1, make)
     m = Movers(engine, sink(engine, hooks))
     try:
         if l3 is not None:

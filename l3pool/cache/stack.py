@@ -35,9 +35,13 @@ cache (it reports every tier change) and, with a registry, registered in etcd fo
 
 from __future__ import annotations
 
+import functools
+import itertools
+import os
 from dataclasses import dataclass
 from typing import Any
 
+from l2core.copyproc import ProcessTransferEngine
 from l2core.pool import HostKVPool, L2Config, PinMode
 from l2core.shm_segment import TPGroup
 from l2core.spec import ConfigError, KVSpec
@@ -51,6 +55,8 @@ from l3pool.pool.client import L3Client
 from l3pool.pool.keys import Namespace
 from l3pool.pool.pplock import StageLocks
 from l3pool.pool.protocols import NamespaceRegistry, PageStore
+
+_COPY_POOLS = itertools.count()  # a /dev/shm segment name per copy-process pool of this process
 
 
 @dataclass
@@ -173,12 +179,16 @@ def build(
     if cfg.tp_shared and locks is not None:
         raise ConfigError(PP_REFUSED)
     shared = TPGroup(cfg.tp_group, cfg.tp_rank, cfg.tp_size) if cfg.tp_shared else None
+    if cfg.copy_process:  # the copy process maps the pool: a /dev/shm segment of this process alone
+        shared = TPGroup(f"l3pool-copy-{os.getpid()}-{next(_COPY_POOLS)}", 0, 1)
     pool = HostKVPool(L2Config(kv=spec, layout=l2_layout, tokens=l2_tokens, pin=pin, shared=shared))  # type: ignore[arg-type]
     l3: L3Client | None = None
     try:
         if store is not None and namespace is not None and settings is not None:
             l3 = l3_tier(pool, store, namespace, settings, metadata=metadata, client_id=client_id).reader
-        movers: MoverFactory = plain_movers
+        movers: MoverFactory = (
+            functools.partial(plain_movers, make=ProcessTransferEngine) if cfg.copy_process else plain_movers
+        )
         if cfg.tp_shared:  # the TP-shared movers: rank 0 copies, every rank books alike (cache/shared.py)
             split_kw: dict[str, Any] = {"process_group": tp_process_group}
             if tp_split_min_rank_bytes is not None:

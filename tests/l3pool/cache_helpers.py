@@ -51,6 +51,8 @@ class Engine:
         **build_kw: Any,
     ) -> None:
         self.bufs = kv_buffers(SPEC, l1_pages * P, "cpu")
+        if cfg is not None and cfg.copy_process:  # the copy process writes L1: CPU buffers in shared memory
+            self.bufs = [b.share_memory_() for b in self.bufs]
         ns = None if store is None else Namespace.for_pool(SPEC, layout, "cachetest", layers=layers, tenant=tenant)
         self.stack = build(
             L1(self.bufs, P), SPEC, l2_tokens=l2_pages * P, l2_layout=layout, pin="never", cache=cfg,

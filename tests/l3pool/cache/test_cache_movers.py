@@ -4,15 +4,19 @@ moves nothing itself (no engine, no thread); the builder picks the movers (plain
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from functools import partial
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
-from l2core import HostKVPool, L2Config
-from l3pool.cache import L1, CacheConfig, TieredCache
+from l2core import ConfigError, HostKVPool, L2Config
+from l2core.copyproc import ProcessTransferEngine
+from l3pool.cache import L1, CacheConfig, TieredCache, build
 from l3pool.cache.movers import BackupPlan, Backups, Hooks, InlineBackups, Movers, engine_over, plain_movers
 from l3pool.cache.planner import Planner
 from l3pool.cache.shared import TPBackups, TPSharedMovers
@@ -167,3 +171,41 @@ def test_build_picks_the_movers() -> None:
         assert e.cache.stats()["tp_shared"]["rank"] == 0
     finally:
         e.close()
+
+
+def test_copy_process_movers_move_the_bytes_from_a_child_process() -> None:
+    """CacheConfig(copy_process=True): build() puts the pool in /dev/shm and the L1 <-> L2 copies in
+    a child process (l2core.ProcessTransferEngine); pages backed up and loaded back from L2 by it
+    are the computed bytes (Engine.run checks every hit page), and close() leaves no segment, no
+    child."""
+    e = Engine(CacheConfig(copy_process=True), l1_pages=8, l2_pages=32)
+    try:
+        eng = e.cache.movers.engine
+        assert type(eng) is ProcessTransferEngine and any("l3pool-copy-" in p.name for p in Path("/dev/shm").iterdir())
+        a = chain(1, 4)
+        e.run("a", a)
+        for i in (2, 3):  # L1 holds 8 pages: a leaves it
+            e.cache.flush()
+            e.run(f"r{i}", chain(i, 4))
+        e.cache.flush()
+        m = e.run("a-again", a)
+        assert (m.l1, m.l2) == (0, 4)  # a's 4 pages from L2, loaded by the child; bytes checked in run()
+        assert eng.stats.bytes_loaded >= 4 * SPEC.page_bytes and eng.stats.failed == 0
+    finally:
+        e.close()
+    assert not _copy_segments()  # this process's pool segments: other workers' files may come and go
+
+
+def _copy_segments() -> list[Path]:
+    return [p for p in Path("/dev/shm").iterdir() if f"l3pool-copy-{os.getpid()}-" in p.name]
+
+
+def test_copy_process_refuses_what_the_child_cannot_share() -> None:
+    with pytest.raises(ConfigError, match="copy_process and tp_shared do not go together"):
+        CacheConfig(copy_process=True, tp_shared=True, tp_group="g", tp_size=1)
+    with pytest.raises(ConfigError, match="copy_process must be true or false"):
+        CacheConfig(copy_process="yes")  # type: ignore[arg-type]
+    private = L1([torch.zeros(8 * 4, 1, SPEC.dim, dtype=torch.bfloat16) for _ in range(SPEC.num_layers)], 4)
+    with pytest.raises(ConfigError, match="share_memory_"):  # CPU L1 the child cannot write
+        build(private, SPEC, l2_tokens=64, pin="never", cache=CacheConfig(copy_process=True))
+    assert not _copy_segments()  # the refused build's pool segment is gone
