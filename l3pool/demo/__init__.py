@@ -120,6 +120,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-side", action="store_true", help="skip the savings/policies comparisons (real: always)")
     p.add_argument("--no-interference", action="store_true", help="skip the interference measurement")
     p.add_argument("--hf-reference", action="store_true", help="also time HF transformers' own prefill (real models)")
+    p.add_argument("--copy-process", action="store_true",
+                   help="the caches' L1<->L2 copies from a child process (cache config copy_process)")  # fmt: skip
     p.add_argument(
         "--attention",
         choices=["mla", "mha", "hybrid"],
@@ -239,6 +241,7 @@ def _options(a: argparse.Namespace) -> Any:
         queue_depth=a.queue_depth, repeats=a.repeats if a.repeats is not None else base["repeats"],
         side_sessions=a.side_sessions, sweep_l2=a.sweep_l2, rounds=a.rounds or base.get("rounds", 3),
         side=not (a.no_side or real), interference=not a.no_interference, hf_reference=a.hf_reference,
+        copy_process=a.copy_process,
         side_turns=a.side_turns if a.side_turns is not None else base["side_turns"],
         routing=parse_policies(a.routing), routing_load=a.routing_load, placement=a.placement,
     )  # fmt: skip

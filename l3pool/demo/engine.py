@@ -151,6 +151,8 @@ class PrefillInstance:
         if l1_pages < 1:
             raise ConfigError(f"l1_tokens {l1_tokens} must hold at least one page of {self.P} tokens")
         self.bufs = model.new_l1(l1_pages * self.P)
+        if use_cache and cache.copy_process and self.device.type == "cpu":  # the copy process writes L1 too
+            self.bufs = [b.share_memory_() for b in self.bufs]
         pin = "auto" if self.device.type == "cuda" else "never"
         self._ids = itertools.count()
         self.stack: CacheStack | None = None

@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -167,6 +167,7 @@ class DemoOptions:
     side: bool = True  # run the savings/policies(/sweep) comparisons on the side trace
     interference: bool = True  # forward pass alone vs with concurrent L2 <-> L1 traffic
     hf_reference: bool = False  # time HF transformers' own prefill of the same lengths (real models)
+    copy_process: bool = False  # the caches' L1 <-> L2 copies from a child process (CacheConfig.copy_process)
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -455,7 +456,8 @@ class Demo:
         l3 = L3Side(self.store, ns, self.metadata) if cfg == "l1_l2_l3" and ns is not None else None
         return PrefillInstance(
             name, self.model, l1_tokens=l1_tokens or l1, l2_tokens=l2_tokens or l2, l2_layout=self.opts.l2_layout,
-            l3=l3, use_cache=cfg != "no_cache", cache=cache, overlap=overlap, prefetch=prefetch,
+            l3=l3, use_cache=cfg != "no_cache", overlap=overlap, prefetch=prefetch,
+            cache=replace(cache, copy_process=True) if self.opts.copy_process else cache,
         )  # fmt: skip
 
     def drop(self, ns: Namespace) -> None:

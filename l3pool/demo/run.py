@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -209,7 +209,7 @@ def final_phases(
             "queue_depth": opts.queue_depth,
             "placement": opts.placement,
             "rounds": opts.rounds,
-            "cache": asdict(DEMO_CACHE),
+            "cache": asdict(replace(DEMO_CACHE, copy_process=opts.copy_process)),
         },
     }  # fmt: skip
 

@@ -440,3 +440,17 @@ def test_demo_against_a_running_pool(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert rep["hit_rate"]["L3"] > 0 and rep["wrong_pages"] == 0
         spaces = Metadata(c.etcd()).namespaces()
         assert any(ns.get("model", "").startswith("l3pool-demo-mla") for ns in spaces.values())
+
+
+@pytest.mark.slow  # ~90 s on 2 cores: every instance of the fit spawns its copy process
+def test_demo_with_the_copy_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--copy-process`: every cached instance's L1 <-> L2 copies run in a child process
+    (CacheConfig.copy_process); the checks hold as without it (logits identical, no wrong page)."""
+    args = [*TINY, "--rounds", "1", "--no-side", "--no-interference", "--copy-process"]
+    rc = main(["demo", *args, "--json", "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0, rep
+    assert rep["setup"]["cache"]["copy_process"] is True
+    assert rep["logits_identical"] is True and rep["wrong_pages"] == 0 and rep["pages_verified"] > 0
+    assert rep["hit_rate"]["L2"] + rep["hit_rate"]["L3"] > 0  # pages came back through the copy process
+    assert not [p for p in Path("/dev/shm").iterdir() if f"l3pool-copy-{os.getpid()}-" in p.name]
