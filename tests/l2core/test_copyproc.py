@@ -38,7 +38,8 @@ def _group() -> TPGroup:
 
 
 def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """This process's pool segments (other xdist workers' files come and go beside them)."""
+    return {n for n in os.listdir("/dev/shm") if f"cptest-{os.getpid()}-" in n}
 
 
 def _fds() -> int:
@@ -178,7 +179,8 @@ def test_bytes_exact_every_layout_mha_and_mla() -> None:
             r.close()
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists(), f"child {pid} left behind (zombie or running)"
-    assert set(threading.enumerate()) == before_threads and _tasks() == before_tasks, "a thread was left behind"
+    # none added (a thread of an earlier test may end meanwhile: not equality)
+    assert not set(threading.enumerate()) - before_threads and _tasks() <= before_tasks, "a thread was left behind"
     deadline = time.monotonic() + 5  # the segments' janitors unlink at their next poll at the latest
     while _shm() - before_shm and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -319,7 +321,7 @@ def test_thousand_small_loads_leave_nothing_behind(rig: Rig) -> None:
     took = time.monotonic() - t0
     assert took < 20, f"1000 loads took {took:.1f} s"
     assert eng.stats.completed - c0 == 1000 and eng.pop_finished() == []
-    assert (eng.pid, _tasks(), _fds(), _shm()) == (pid, tasks, fds, shm)
+    assert (eng.pid, _shm()) == (pid, shm) and _tasks() <= tasks and _fds() <= fds  # nothing per load
     assert {p.pid for p in multiprocessing.active_children()} == children and eng.alive()
     assert torch.equal(rig.l1[:, dst], rig.l1[:, page_slots([(999 % 8)], P)])
 
@@ -333,7 +335,7 @@ def test_killed_child_fails_jobs_in_flight_and_later_submits() -> None:
         eng.wait([eng.submit_backup(page_slots([0, 1, 2], P), pages)], timeout=30)
         dst = _poison(rig, [60, 61, 62])
         _warm()
-        tasks_with_reader = _tasks()
+        threads_with_reader = set(threading.enumerate())
         os.kill(eng.pid, signal.SIGSTOP)
         loads = [eng.submit_load(dst, pages) for _ in range(3)]
         backup = eng.submit_backup(page_slots([3, 4, 5], P), pages)
@@ -364,7 +366,8 @@ def test_killed_child_fails_jobs_in_flight_and_later_submits() -> None:
         t0 = time.monotonic()
         eng.close()
         assert time.monotonic() - t0 < 5, "close() after the child died was not prompt"
-        assert _tasks() == tasks_with_reader - 1, "the reader thread was left behind"
+        assert not eng._reader.is_alive(), "the reader thread was left behind"
+        assert not set(threading.enumerate()) - threads_with_reader, "close() started a thread"
         assert not Path(f"/proc/{eng.pid}").exists(), "the killed child was not reaped"
         with pytest.raises(RuntimeError, match="closed"):
             eng.submit_backup(page_slots([0], P), pages[:1])
