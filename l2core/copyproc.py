@@ -54,8 +54,7 @@ import signal
 import struct
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready
@@ -68,7 +67,7 @@ from . import ops
 from .layout import HostKV, HostLayout
 from .memory import HostMemory
 from .spec import ConfigError, KVSpec
-from .transfer import LOAD_PRIORITY, EngineStats, JobKind, JobResult, TransferEngine, TransferError, _Job
+from .transfer import LOAD_PRIORITY, EngineStats, JobBook, JobKind, JobResult, TransferEngine, TransferError, _Job
 from .units import check_int
 
 log = logging.getLogger(__name__)
@@ -130,7 +129,7 @@ class _PJob:
     cond: threading.Condition = field(default_factory=threading.Condition)
 
 
-class ProcessTransferEngine:
+class ProcessTransferEngine(JobBook):
     """TransferEngine's API (submit_backup, submit_load, wait_layer, poll, pop_finished, wait,
     close, stats, context manager) with the copies submitted by one child process.
 
@@ -174,6 +173,9 @@ class ProcessTransferEngine:
                         "or call share_memory_() on them before the engine)"
                     )
         path, ino, offset = _segment_of(pool)
+        from . import _native
+
+        _native.load()  # built here, once, with its progress report; the child only loads it
         mem = pool.memory  # type: ignore[attr-defined]
         self.method, self.max_sms, self.layers_per_step = method, max_sms, layers_per_step
         self.load_priority, self.max_in_flight = load_priority, max_in_flight
@@ -413,35 +415,6 @@ class ProcessTransferEngine:
             ev = self._layer_events[job.layer_base + layer // self.layers_per_step]
             torch.cuda.current_stream(self.device).wait_event(ev)
 
-    def poll(self, job_id: int) -> JobResult | None:
-        """The job's result if it has finished (not removed), else None."""
-        with self._lock:
-            if job_id not in self._finished and job_id not in self._jobs:
-                raise KeyError(f"unknown or already popped job {job_id}")
-            return self._finished.get(job_id)
-
-    def pop_finished(self) -> list[JobResult]:
-        """All finished results, oldest first; they are removed."""
-        with self._lock:
-            out = [self._finished[k] for k in sorted(self._finished)]
-            self._finished.clear()
-            return out
-
-    def wait(self, ids: Iterable[int], timeout: float | None = None) -> list[JobResult]:
-        """Block until every job in `ids` finished; return (and remove) their results in order."""
-        ids = list(ids)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            for i in ids:
-                if i not in self._jobs and i not in self._finished:
-                    raise KeyError(f"unknown or already popped job {i}")
-            while not all(i in self._finished for i in ids):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"jobs {[i for i in ids if i not in self._finished]} not done in {timeout} s")
-                self._lock.wait(left)
-            return [self._finished.pop(i) for i in ids]
-
     def alive(self) -> bool:
         """Whether the copy process runs (False once it died or the engine closed)."""
         if self._closed or self._dead is not None:
@@ -525,6 +498,9 @@ class _ChildEngine(TransferEngine):
     """The plain engine, fed by the parent's messages; reports steps and completions back."""
 
     def __init__(self, init: dict[str, Any], send: Callable[[bytes], None]) -> None:
+        from . import _native
+
+        _native.load()  # before READY: a first job never waits for the native kernels (the parent built them)
         bufs: list[torch.Tensor] = init["bufs"]
         device = bufs[0].device
         if device.type == "cuda":

@@ -85,7 +85,45 @@ class EngineStats:
     bytes_loaded: int = 0
 
 
-class TransferEngine:
+class JobBook:
+    """The finished-job book of an L1 <-> L2 engine (TransferEngine, l2core.copyproc's
+    ProcessTransferEngine): jobs in flight in `_jobs`, results in `_finished`, both under `_lock`."""
+
+    _jobs: dict[int, Any]
+    _finished: dict[int, JobResult]
+    _lock: threading.Condition
+
+    def poll(self, job_id: int) -> JobResult | None:
+        """The job's result if it has finished (not removed), else None."""
+        with self._lock:
+            if job_id not in self._finished and job_id not in self._jobs:
+                raise KeyError(f"unknown or already popped job {job_id}")
+            return self._finished.get(job_id)
+
+    def pop_finished(self) -> list[JobResult]:
+        """All finished results, oldest first; they are removed."""
+        with self._lock:
+            out = [self._finished[k] for k in sorted(self._finished)]
+            self._finished.clear()
+            return out
+
+    def wait(self, ids: Iterable[int], timeout: float | None = None) -> list[JobResult]:
+        """Block until every job in `ids` finished; return (and remove) their results in order."""
+        ids = list(ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            for i in ids:
+                if i not in self._jobs and i not in self._finished:
+                    raise KeyError(f"unknown or already popped job {i}")
+            while not all(i in self._finished for i in ids):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"jobs {[i for i in ids if i not in self._finished]} not done in {timeout} s")
+                self._lock.wait(left)
+            return [self._finished.pop(i) for i in ids]
+
+
+class TransferEngine(JobBook):
     def __init__(
         self,
         pool: HostKV,
@@ -270,35 +308,6 @@ class TransferEngine:
             ev = job.layer_events[layer] if layer < len(job.layer_events) else None
         if ev is not None:
             self.provider.wait(None, self.device, ev)
-
-    def poll(self, job_id: int) -> JobResult | None:
-        """The job's result if it has finished (not removed), else None."""
-        with self._lock:
-            if job_id not in self._finished and job_id not in self._jobs:
-                raise KeyError(f"unknown or already popped job {job_id}")
-            return self._finished.get(job_id)
-
-    def pop_finished(self) -> list[JobResult]:
-        """All finished results, oldest first; they are removed."""
-        with self._lock:
-            out = [self._finished[k] for k in sorted(self._finished)]
-            self._finished.clear()
-            return out
-
-    def wait(self, ids: Iterable[int], timeout: float | None = None) -> list[JobResult]:
-        """Block until every job in `ids` finished; return (and remove) their results in order."""
-        ids = list(ids)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            for i in ids:
-                if i not in self._jobs and i not in self._finished:
-                    raise KeyError(f"unknown or already popped job {i}")
-            while not all(i in self._finished for i in ids):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"jobs {[i for i in ids if i not in self._finished]} not done in {timeout} s")
-                self._lock.wait(left)
-            return [self._finished.pop(i) for i in ids]
 
     def close(self) -> None:
         """Finish the queued jobs, then stop both threads."""
