@@ -168,13 +168,13 @@ _GROUPS = itertools.count()  # a /dev/shm segment name per process-engine traffi
 PACED_STEP_S = 0.05  # a paced step moves about this long's worth of its rate (at least one page)
 
 
-def paced_traffic(inst: PrefillInstance, GBps: float, layout: str) -> EngineTraffic:
+def paced_traffic(inst: PrefillInstance, GBps: float, layout: str, process: bool = False) -> EngineTraffic:
     """The TransferEngine path (a load then a backup per step) paced to `GBps`, in steps of about
-    PACED_STEP_S of that rate."""
+    PACED_STEP_S of that rate; `process`: submitted from a copy process (EngineTraffic)."""
     if not GBps > 0:
         raise ValueError(f"paced_GBps must be > 0, got {GBps}")
     step = max(inst.spec.page_size, int(GBps * 1e9 * PACED_STEP_S / 2 / inst.spec.token_bytes))
-    return EngineTraffic(inst, step, layout, rate=GBps * 1e9)
+    return EngineTraffic(inst, step, layout, rate=GBps * 1e9, process=process)
 
 
 def rotation(
@@ -219,18 +219,20 @@ def measure(
     tries: int,
     layout: str = "page_first_direct",
     paced_GBps: float | None = None,
+    process: bool = False,
 ) -> dict[str, Any]:
     """Forward pass of `toks` on a no-cache instance alone vs with concurrent copies (plain DMAs,
-    the cache's own TransferEngine path, and that path paced to `paced_GBps` when given)."""
+    the cache's own TransferEngine path, and that path paced to `paced_GBps` when given); `process`:
+    the cache's path submitted from a copy process, as the caches of `demo --copy-process` do."""
     if paced_GBps is not None and not paced_GBps > 0:
         raise ValueError(f"paced_GBps must be > 0, got {paced_GBps}")
     kv = inst.spec.token_bytes * int(toks.size)
     build: dict[str, Callable[[], Traffic]] = {
         "plain": lambda: PlainTraffic(inst.device, kv),
-        "engine": lambda: EngineTraffic(inst, int(toks.size), layout),
+        "engine": lambda: EngineTraffic(inst, int(toks.size), layout, process=process),
     }
     if paced_GBps is not None:
-        build["paced"] = lambda: paced_traffic(inst, paced_GBps, layout)
+        build["paced"] = lambda: paced_traffic(inst, paced_GBps, layout, process)
     ms, gbps, traffic = rotation(inst, toks, tries, build)
     plain, engine = traffic["plain"], traffic["engine"]
     assert isinstance(plain, PlainTraffic) and isinstance(engine, EngineTraffic)
@@ -248,7 +250,9 @@ def measure(
             "copy_GBps": med_spread(gbps["engine"], GBPS_DIGITS),
             "bytes_per_round": 2 * engine.nbytes,
             "how": f"l2core TransferEngine ({layout} L2, the model's KV spec): per-layer loads then a backup of "
-            "one request's pages, back to back, submitted from a side stream",
+            "one request's pages, back to back, submitted from a side stream"
+            + (" by a copy process (ProcessTransferEngine)" if process else ""),
+            "copy_process": process,
         },
         "engine_paced": {
             "compute_with_paced_traffic_ms": med_spread(ms["paced"]),

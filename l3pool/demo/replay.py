@@ -752,11 +752,14 @@ class Demo:
         """The same no-cache forward pass alone and with concurrent L2 <-> L1 traffic (plain copies
         of one request's KV, the cache's own TransferEngine path, and that path paced to
         `paced_GBps`: the trace's own rate; interference.py), `rounds` interleaved tries each; the
-        copy bandwidth reached."""
+        copy bandwidth reached. With `copy_process` the cache's path runs from a copy process, as
+        the caches' copies do."""
         from l3pool.demo.interference import measure
 
         inst = self.instance("interference", "no_cache")
         try:
-            return measure(inst, toks, max(3, self.opts.rounds), self.opts.l2_layout, paced_GBps)
+            return measure(
+                inst, toks, max(3, self.opts.rounds), self.opts.l2_layout, paced_GBps, self.opts.copy_process
+            )
         finally:
             inst.close()

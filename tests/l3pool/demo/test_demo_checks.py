@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,3 +156,22 @@ def test_engine_traffic_moves_its_directions_bytes(directions: tuple[str, ...], 
     for bad in [(), ("load", "load"), ("restore",)]:
         with pytest.raises(ValueError, match="directions must be"):
             interference.EngineTraffic(inst, 48, "page_first_direct", directions=bad)
+
+
+def test_interference_measures_the_copy_process_when_asked() -> None:
+    """`demo --copy-process` measures the cache's path from a copy process: the engine row and the
+    paced row move bytes through the child, say so, and leave no /dev/shm segment behind."""
+    from l3pool.demo.engine import PrefillInstance
+    from l3pool.demo.model import ModelConfig, RefModel
+
+    m = RefModel(ModelConfig(layers=2, hidden=64, heads=2, head_dim=32, kv_lora_rank=64, rope_dim=16, mlp=128,
+                             vocab=512, page_size=16))  # fmt: skip
+    inst = PrefillInstance("t", m, l1_tokens=64, l2_tokens=64, use_cache=False)
+    toks = np.arange(48, dtype=np.int64) % 512
+    try:
+        rep = interference.measure(inst, toks, 1, paced_GBps=0.01, process=True)
+    finally:
+        inst.close()
+    assert rep["engine"]["copy_process"] is True and "copy process" in rep["engine"]["how"]
+    assert rep["engine"]["copy_GBps"]["median"] > 0 and rep["engine_paced"]["copy_GBps"]["median"] > 0
+    assert not [p for p in Path("/dev/shm").iterdir() if f"l3pool-interference-{os.getpid()}-" in p.name]
