@@ -22,7 +22,9 @@
 #            3 paired repeats: llama-8b on issue 35's own trace (4 instances, 8 sessions x 3
 #            turns of 6-18K, reuse 0.7, load 2, seed 7) and deepseek-mla at 8 of 61 layers (3
 #            instances, 6 sessions x 3 turns of 4-8K, reuse 0.8, load 2); estimated, not measured 35     6-7
-# llama      the real-scale demo, llama-8b shape (deterministic kernels)             23     5
+# llama      the real-scale demo, llama-8b shape (deterministic kernels); DARGS: further demo
+#            arguments (DARGS=--copy-process: the caches' copies and the interference rows from a
+#            copy process, issue 36)                                                      23     5
 # mla        the real-scale demo, DeepSeek MLA shape, 12 of 61 layers                23     5
 # mla-61     the same at all 61 layers, split into 3 parts (`demo --parts 3`, one round each; the
 #            last also the fit and interference): run the group once per device call with the same
@@ -129,9 +131,11 @@ case $group in
       --instances 3 --sessions-per-instance 2 --load 2 --context 4-8 --reuse 0.8 --turns 3 --seeds 1 --repeats 3 \
       --json --out "$out/$day-h200-routing-real-deepseek-mla-8l.json" ;;
   llama)
-    step llama 540 bash scripts/demo-real.sh llama-8b "$out/demo-llama-8b" ;;
+    # shellcheck disable=SC2086  # DARGS: extra demo arguments, word-split on purpose
+    step llama 540 bash scripts/demo-real.sh llama-8b "$out/demo-llama-8b" ${DARGS:-} ;;
   mla)
-    step mla 540 bash scripts/demo-real.sh deepseek-mla "$out/demo-deepseek-mla-12l" ;;
+    # shellcheck disable=SC2086
+    step mla 540 bash scripts/demo-real.sh deepseek-mla "$out/demo-deepseek-mla-12l" ${DARGS:-} ;;
   mla-61)  # one part per call (OUTDIR kept between calls): the part's log beside the others
     n=$(find "$out/demo-deepseek-mla-61l/parts" -name 'part-*.json' 2> /dev/null | wc -l)
     step "mla-61-part$((n + 1))" 590 python3 -m l3pool demo --model deepseek-mla --parts 3 --rounds 3 --instances 3 \
