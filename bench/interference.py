@@ -25,6 +25,13 @@ per-layer loads + backups at full duty, once per variant:
   copy_process    the default path with its copies submitted from a child process
                   (l2core.ProcessTransferEngine: the pool in /dev/shm, L1 through CUDA IPC): the fix
                   the xproc probes point to; copy_process_loads: the same, loads only
+  dma_loads       only the loads, method "dma": naive's per-(page, layer, K/V) copies merged where
+                  both sides continue, in one cudaMemcpyBatchAsync per call: copy engines only
+  copy_process_dma, copy_process_dma_loads  the copy process with method "dma": its staged path's
+                  gather/scatter kernels, in a second CUDA context, time-slice with the forward's
+                  (2026-12-07: +19 % at 12.7 GB/s); copy engines alone do not
+  copy_process_dma_lf_loads  the same loads from a layer_first L2: a layer of consecutive pages is
+                  one host run, so the batched DMAs merge into one per (layer, K/V)
 Probes (issue 36: where the loads' cost comes from; not variants of the path, so no "vs_default"):
   gil_spin        no bytes: a thread holding the GIL in pure Python 100 us of every 1.1 ms:
                   what GIL contention alone costs the forward pass
@@ -72,6 +79,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "naive_loads": {"directions": ("load",), "method": "naive"},
     "copy_process": {"process": True},
     "copy_process_loads": {"directions": ("load",), "process": True},
+    "dma_loads": {"directions": ("load",), "method": "dma"},
+    "copy_process_dma": {"process": True, "method": "dma"},
+    "copy_process_dma_loads": {"directions": ("load",), "process": True, "method": "dma"},
+    "copy_process_dma_lf_loads": {"directions": ("load",), "process": True, "method": "dma", "layout": "layer_first"},
 }
 LAYOUT = "page_first_direct"  # the demo's L2 layout
 # probes: (traffic kind in the child process or "gil_spin", TransferEngine options)

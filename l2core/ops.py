@@ -12,7 +12,10 @@ The copy itself is the device's provider's (`l2core.devices`: cpu and cuda built
 accelerator registers its own); the checks here are the same for every device.
 Methods on CUDA: "direct" (one kernel reading/writing pinned host memory, at most `max_sms`
 SMs), "staged" (gather in device memory, then one DMA per contiguous host run), "naive" (one
-copy per page, layer and kv: the baseline we beat). "auto" picks per layout and direction.
+copy per page, layer and kv: the baseline we beat), "dma" (naive's copies merged where both sides
+continue and submitted in one batched call on the copy engines: no kernel, so no SM taken from the
+compute; for a copy process, whose kernels would time-slice with the compute's; like naive it needs
+each page's slots contiguous, as l2core.l1's pages are). "auto" picks per layout and direction.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from .devices import LAYER_FIRST_STAGED_MIN_PAGES as LAYER_FIRST_STAGED_MIN_PAGE
 from .devices import provider_for
 from .layout import HostLayout
 
-Method = Literal["auto", "direct", "staged", "naive"]
+Method = Literal["auto", "direct", "staged", "naive", "dma"]
 DEFAULT_MAX_SMS = 16
 DEFAULT_STAGING_BYTES = 256 << 20
 

@@ -355,6 +355,7 @@ class QueueReplay:
         v = demo.verifier
         self.before = (v.compared, v.mismatched_logits, v.wrong_pages)
         self.insts: list[PrefillInstance] = []
+        self.queued: deque[tuple[int, Request, PrefillInstance, Queued]] = deque()  # before close() may run
         try:
             for k in range(demo.opts.instances):
                 self.insts.append(demo.instance(f"{cfg}-{k}", cfg, ns, cache=cache, l2_tokens=l2_tokens,
@@ -363,7 +364,6 @@ class QueueReplay:
             self.close()
             raise
         self.run = QueueRun()
-        self.queued: deque[tuple[int, Request, PrefillInstance, Queued]] = deque()
         self.nxt = 0
 
     def done(self) -> bool:

@@ -121,6 +121,11 @@ char* mapped_host_ptr(const torch::Tensor& host) {
   return static_cast<char*>(dptr);
 }
 
+// base + offset as an address; a null base makes the offsets absolute addresses (method "dma")
+inline void* at(const char* base, int64_t off) {
+  return reinterpret_cast<void*>(reinterpret_cast<intptr_t>(base) + static_cast<intptr_t>(off));
+}
+
 // Submits `n` copies on `stream`: with CUDA >= 12.8 as one cudaMemcpyBatchAsync (one driver call
 // for thousands of small runs, copy engines preferred), else one cudaMemcpyAsync each. A batch the
 // driver refuses (old driver) falls back to the loop once and is not tried again.
@@ -134,8 +139,8 @@ void memcpy_runs(const CopyRun* runs, size_t n, const char* src_base, char* dst_
     std::vector<const void*> srcs(n);
     std::vector<size_t> sizes(n);
     for (size_t i = 0; i < n; ++i) {
-      dsts[i] = dst_base + runs[i].dst;
-      srcs[i] = src_base + runs[i].src;
+      dsts[i] = at(dst_base, runs[i].dst);
+      srcs[i] = at(src_base, runs[i].src);
       sizes[i] = static_cast<size_t>(runs[i].bytes);
     }
     cudaMemcpyAttributes attr{};
@@ -156,7 +161,7 @@ void memcpy_runs(const CopyRun* runs, size_t n, const char* src_base, char* dst_
   }
 #endif
   for (size_t i = 0; i < n; ++i)
-    cuda_ok(cudaMemcpyAsync(dst_base + runs[i].dst, src_base + runs[i].src, runs[i].bytes, kind, stream),
+    cuda_ok(cudaMemcpyAsync(at(dst_base, runs[i].dst), at(src_base, runs[i].src), runs[i].bytes, kind, stream),
             "cudaMemcpyAsync");
 }
 
@@ -265,49 +270,69 @@ void staged_transfer(const Checked& c, const torch::Tensor& slots_dev, const tor
 
 }  // namespace
 
-// method: "direct" (kernel touches host memory), "staged" (device staging + DMA), or "naive"
-// (one DMA/memcpy per (page, layer, kv); needs each page's slots contiguous; a baseline only).
+// method: "direct" (kernel touches host memory), "staged" (device staging + DMA), "naive" (one
+// DMA/memcpy per (page, layer, kv); needs each page's slots contiguous; a baseline only) or "dma"
+// (the same runs, merged where both sides continue (consecutive slots over a layer_first L2), all
+// submitted in one cudaMemcpyBatchAsync on the copy engines: no kernel, no SM; for a copy process,
+// whose kernels would time-slice with the compute's context).
 void transfer(const std::vector<torch::Tensor>& bufs, const torch::Tensor& slots, const torch::Tensor& host,
               const torch::Tensor& pages, int64_t page_size, int64_t layer_begin, int64_t num_layers,
               int64_t num_kv, const std::vector<int64_t>& strides, int64_t num_host_pages, bool to_host,
               const std::string& method, int64_t max_blocks, int64_t num_threads, int64_t staging_bytes,
               bool check_slots, const c10::optional<torch::Tensor>& error_flag) {
-  TORCH_CHECK_VALUE(method == "direct" || method == "staged" || method == "naive", "unknown method '", method,
-                    "' (direct, staged, naive)");
+  TORCH_CHECK_VALUE(method == "direct" || method == "staged" || method == "naive" || method == "dma",
+                    "unknown method '", method, "' (direct, staged, naive, dma)");
   TORCH_CHECK_VALUE(max_blocks >= 1 && num_threads >= 1 && staging_bytes >= 1,
                     "max_blocks, num_threads and staging_bytes must be >= 1");
   Checked c = check_transfer(bufs, slots, host, pages, page_size, layer_begin, num_layers, num_kv, strides,
                              num_host_pages, check_slots);
   if (c.g.n_tokens == 0) return;
   const TransferGeom& g = c.g;
-  if (method == "naive") {
+  if (method == "naive" || method == "dma") {
+    const bool dma = method == "dma";
     auto sl = slots.cpu();
     const int64_t* s = sl.data_ptr<int64_t>();
     const int64_t* pg = pages.data_ptr<int64_t>();
     const int64_t n_pages = pages.numel(), run = page_size * g.item_bytes;
     for (int64_t j = 0; j < n_pages; ++j)
       for (int64_t t = 1; t < page_size; ++t)
-        TORCH_CHECK_VALUE(s[j * page_size + t] == s[j * page_size] + t,
-                          "method='naive' needs the slots of each page to be contiguous");
-    TORCH_CHECK_VALUE(g.token_stride == g.item_bytes, "method='naive' needs token-contiguous host pages");
+        TORCH_CHECK_VALUE(s[j * page_size + t] == s[j * page_size] + t, "method='", method,
+                          "' needs the slots of each page to be contiguous");
+    TORCH_CHECK_VALUE(g.token_stride == g.item_bytes, "method='", method, "' needs token-contiguous host pages");
     std::vector<CopyRun> runs;
     runs.reserve(n_pages * num_layers * num_kv);
     char* hb = static_cast<char*>(host.data_ptr());
-    for (int64_t j = 0; j < n_pages; ++j)
+    auto add = [&](int64_t j, int64_t l, int64_t k) {
+      auto d = reinterpret_cast<int64_t>(c.dev.ptr[l * num_kv + k] + s[j * page_size] * g.item_bytes);
+      auto h = reinterpret_cast<int64_t>(hb + pg[j] * g.page_stride + (layer_begin + l) * g.layer_stride +
+                                         k * g.kv_stride);
+      CopyRun r = to_host ? CopyRun{d, h, run} : CopyRun{h, d, run};
+      CopyRun* last = runs.empty() ? nullptr : &runs.back();
+      if (dma && last != nullptr && last->src + last->bytes == r.src && last->dst + last->bytes == r.dst)
+        last->bytes += run;  // both sides continue: one larger DMA
+      else
+        runs.push_back(r);
+    };
+    if (dma) {  // per (layer, kv), pages in order: consecutive pages can merge
       for (int64_t l = 0; l < num_layers; ++l)
-        for (int64_t k = 0; k < num_kv; ++k) {
-          auto d = reinterpret_cast<int64_t>(c.dev.ptr[l * num_kv + k] + s[j * page_size] * g.item_bytes);
-          auto h = reinterpret_cast<int64_t>(hb + pg[j] * g.page_stride + (layer_begin + l) * g.layer_stride +
-                                             k * g.kv_stride);
-          runs.push_back(to_host ? CopyRun{d, h, run} : CopyRun{h, d, run});
-        }
+        for (int64_t k = 0; k < num_kv; ++k)
+          for (int64_t j = 0; j < n_pages; ++j) add(j, l, k);
+    } else {
+      for (int64_t j = 0; j < n_pages; ++j)
+        for (int64_t l = 0; l < num_layers; ++l)
+          for (int64_t k = 0; k < num_kv; ++k) add(j, l, k);
+    }
     if (c.device.is_cpu()) {
-      cpu_copy_runs(runs.data(), static_cast<int64_t>(runs.size()), 1);
+      cpu_copy_runs(runs.data(), static_cast<int64_t>(runs.size()), dma ? static_cast<int>(num_threads) : 1);
       return;
     }
 #ifdef L2CORE_WITH_CUDA
     c10::cuda::CUDAGuard guard(c.device);
     cudaStream_t st = c10::cuda::getCurrentCUDAStream();
+    if (dma) {  // absolute addresses: null bases
+      memcpy_runs(runs.data(), runs.size(), nullptr, nullptr, to_host, st);
+      return;
+    }
     for (const auto& r : runs)
       cuda_ok(cudaMemcpyAsync(reinterpret_cast<void*>(r.dst), reinterpret_cast<const void*>(r.src), r.bytes,
                               cudaMemcpyDefault, st),

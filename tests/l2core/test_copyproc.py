@@ -54,6 +54,9 @@ def _tasks() -> int:
 def _warm() -> None:
     x = torch.ones(1 << 16)
     torch.equal(x, x.clone())  # torch starts its intra-op thread pool lazily
+    if torch.cuda.is_available():  # and CUDA its driver threads, at the first pinning (the pools pin)
+        torch.empty(1 << 12, dtype=torch.uint8, pin_memory=True)
+        torch.cuda.synchronize()
 
 
 @dataclass

@@ -290,8 +290,8 @@ def _methods() -> list[Any]:
     out = []
     for d in devices():
         marks = [pytest.mark.gpu] if d != "cpu" else []
-        # On CPU every method runs the CPU kernels; 'naive' has its own CPU path (one memcpy per run).
-        for m in ("direct", "naive") if d == "cpu" else ("direct", "staged", "naive"):
+        # On CPU every method runs the CPU kernels; 'naive' and 'dma' have their own CPU path (memcpy runs).
+        for m in ("direct", "naive", "dma") if d == "cpu" else ("direct", "staged", "naive", "dma"):
             out.append(pytest.param(d, m, id=f"{d}-{m}", marks=marks))
     return out
 
@@ -301,16 +301,16 @@ def _methods() -> list[Any]:
 def test_methods(
     make_case: Callable[..., Case], dev: str, method: str, layout: str, attn: str, page_size: int, dtype: str
 ) -> None:
-    case = make_case(dev, layout, attn, page_size, dtype, page_contiguous_slots=(method == "naive"))
+    case = make_case(dev, layout, attn, page_size, dtype, page_contiguous_slots=method in ("naive", "dma"))
     L = LAYERS
     partial = [(lay, lay + 1) for lay in range(L)] + [(1, L)]
     kw: dict[str, Any] = {"method": method}
-    if method == "naive" and layout == "page_first":
+    if method in ("naive", "dma") and layout == "page_first":
         # one copy per (page, layer, kv) needs token-contiguous host pages; page_first interleaves layers
         for fn in (ops.gather_to_host, ops.scatter_to_device):
             expect_error(
                 case,
-                lambda fn=fn: fn(case.bufs, case.slots, case.pool.buffer, case.pages, case.pool.layout, method="naive"),
+                lambda fn=fn: fn(case.bufs, case.slots, case.pool.buffer, case.pages, case.pool.layout, method=method),
                 ValueError,
                 "token-contiguous",
             )
@@ -342,12 +342,13 @@ def test_methods(
         check_scatter(case, layers=rng, **kw)
 
 
-def test_naive_needs_page_contiguous_slots(make_case: Callable[..., Case], device: str) -> None:
+@pytest.mark.parametrize("method", ["naive", "dma"])
+def test_naive_and_dma_need_page_contiguous_slots(make_case: Callable[..., Case], device: str, method: str) -> None:
     case = make_case(device, "page_first_direct", "mha", 16, "bf16")  # scattered slots
     for fn in (ops.gather_to_host, ops.scatter_to_device):
         expect_error(
             case,
-            lambda fn=fn: fn(case.bufs, case.slots, case.pool.buffer, case.pages, case.pool.layout, method="naive"),
+            lambda fn=fn: fn(case.bufs, case.slots, case.pool.buffer, case.pages, case.pool.layout, method=method),
             ValueError,
             "slots of each page to be contiguous",
         )
@@ -360,6 +361,8 @@ def test_naive_needs_page_contiguous_slots(make_case: Callable[..., Case], devic
         pytest.param("mla", "layer_first", "direct", id="mla-40B-items-layer_first-direct"),
         pytest.param("mla", "page_first_direct", "naive", id="mla-40B-items-page_first_direct-naive"),
         pytest.param("mha", "layer_first", "naive", id="mha-2KiB-items-layer_first-naive"),
+        pytest.param("mha", "layer_first", "dma", id="mha-2KiB-items-layer_first-dma-merged"),
+        pytest.param("mla", "page_first_direct", "dma", id="mla-40B-items-page_first_direct-dma"),
     ],
 )
 def test_large_cpu_transfer(autoclose: Callable[[Any], Any], native: Any, attn: str, layout: str, method: str) -> None:
@@ -380,9 +383,13 @@ def test_large_cpu_transfer(autoclose: Callable[[Any], Any], native: Any, attn: 
     if method == "naive":
         dev_pages = torch.randperm(n_pages + 8, generator=g)[:n_pages]
         slots = page_slots(dev_pages, P)
+    elif method == "dma":  # consecutive slots and runs of consecutive pages: DMAs merge across pages
+        slots = torch.arange(3 * P, (n_pages + 3) * P)
     else:
         slots = torch.randperm(S, generator=g)[: n_pages * P]
     pages = torch.randperm(n_pages + 8, generator=g)[:n_pages].numpy().astype(np.int64)
+    if method == "dma":  # ascending runs of 5 pages, their order shuffled
+        pages = np.concatenate([np.arange(i, min(i + 5, n_pages)) for i in range(0, n_pages, 5)][::-1]) + 4
     pool = autoclose(HostKVPool(L2Config(kv=spec, layout=layout, tokens=(n_pages + 8) * P)))  # type: ignore[arg-type]
     case = Case(spec, layout, "cpu", pool, bufs, slots, pages, seed=0)
     for threads in (1, 4):

@@ -175,3 +175,30 @@ def test_interference_measures_the_copy_process_when_asked() -> None:
     assert rep["engine"]["copy_process"] is True and "copy process" in rep["engine"]["how"]
     assert rep["engine"]["copy_GBps"]["median"] > 0 and rep["engine_paced"]["copy_GBps"]["median"] > 0
     assert not [p for p in Path("/dev/shm").iterdir() if f"l3pool-interference-{os.getpid()}-" in p.name]
+
+
+def test_an_instance_that_fails_to_build_surfaces_its_own_error() -> None:
+    """When the second instance of a queue cannot be built (e.g. the GPU is full), the first is
+    closed and the caller sees that error, not one from the half-built queue's clean-up."""
+    from types import SimpleNamespace
+
+    from l3pool.demo.replay import QueueReplay
+
+    closed: list[str] = []
+
+    class _Built:
+        cache = None
+
+        def close(self) -> None:
+            closed.append("a")
+
+    def instance(name: str, *a: object, **kw: object) -> _Built:
+        if name.endswith("-1"):
+            raise MemoryError("CUDA out of memory (as the device said)")
+        return _Built()
+
+    demo = SimpleNamespace(verifier=SimpleNamespace(compared=0, mismatched_logits=0, wrong_pages=0),
+                           opts=SimpleNamespace(instances=3), instance=instance)  # fmt: skip
+    with pytest.raises(MemoryError, match="out of memory"):
+        QueueReplay(demo, [], "l1_l2", None, tick="l1_l2")  # type: ignore[arg-type]
+    assert closed == ["a"]
