@@ -134,7 +134,10 @@ class ProcessTransferEngine(JobBook):
     close, stats, context manager) with the copies submitted by one child process.
 
     `max_in_flight`: jobs per kind between submit and completion (the event rings' size; a submit
-    beyond it waits). `start_timeout_s`: the child's start imports torch and, for a pinned pool
+    beyond it waits). On CUDA an engine holds `max_in_flight * (2 + load steps)` interprocess events,
+    and the driver runs out of them (cudaErrorMemoryAllocation) at a few thousand per process: four
+    engines of 1,088 (32 in flight, 32 layers) failed on an H100 where two ran; at the default of 8,
+    a 32-layer engine holds 272. `start_timeout_s`: the child's start imports torch and, for a pinned pool
     with CUDA L1, registers its own mapping of the whole pool (cudaHostRegister: seconds per tens
     of GiB). `close_timeout_s`: how long close() lets the child drain before it is killed."""
 
@@ -147,7 +150,7 @@ class ProcessTransferEngine(JobBook):
         max_sms: int = ops.DEFAULT_MAX_SMS,
         layers_per_step: int = 1,
         load_priority: int = LOAD_PRIORITY,
-        max_in_flight: int = 32,
+        max_in_flight: int = 8,
         start_timeout_s: float = 600.0,
         close_timeout_s: float = 120.0,
     ) -> None:
@@ -198,11 +201,21 @@ class ProcessTransferEngine(JobBook):
         self._layer_events: list[Any] = []
         handles: dict[str, list[bytes]] | None = None
         if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                self._after = {k: [torch.cuda.Event(interprocess=True) for _ in range(max_in_flight)] for k in _KINDS}
-                self._layer_events = [torch.cuda.Event(interprocess=True) for _ in range(self._layer_ring_size)]
-                handles = {k: [e.ipc_handle() for e in v] for k, v in self._after.items()}
-                handles["layers"] = [e.ipc_handle() for e in self._layer_events]
+            n_events = len(_KINDS) * max_in_flight + self._layer_ring_size
+            try:
+                with torch.cuda.device(self.device):
+                    self._after = {k: [torch.cuda.Event(interprocess=True) for _ in range(max_in_flight)]
+                                   for k in _KINDS}  # fmt: skip
+                    self._layer_events = [torch.cuda.Event(interprocess=True) for _ in range(self._layer_ring_size)]
+                    handles = {k: [e.ipc_handle() for e in v] for k, v in self._after.items()}
+                    handles["layers"] = [e.ipc_handle() for e in self._layer_events]
+            except RuntimeError as e:  # torch.AcceleratorError is one
+                self._after, self._layer_events = {"backup": [], "load": []}, []
+                raise ConfigError(
+                    f"ProcessTransferEngine: CUDA refused this engine's {n_events} interprocess events ({e}); "
+                    f"the driver has a few thousand per process: fewer copy-process engines, or a smaller "
+                    f"max_in_flight (now {max_in_flight})"
+                ) from None
         init = {
             "spec": spec, "layout": pool.layout.name, "num_pages": pool.layout.num_pages,
             "memory": (path, ino, offset, pool.layout.total_bytes, bool(mem.pinned), bool(mem.hugepages)),
