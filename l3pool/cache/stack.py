@@ -61,6 +61,7 @@ _COPY_POOLS = itertools.count()  # a /dev/shm segment name per copy-process pool
 # the copy process moves bytes on the copy engines alone: its staged path's kernels, in a second CUDA
 # context, time-slice with the compute's (bench.interference, 2026-12-07 H100: +19 % at 12.7 GB/s)
 COPY_PROCESS_METHOD: Method = "dma"
+COPY_PROCESS_LAYOUTS = ("page_first_direct", "layer_first")  # token-contiguous pages: what "dma" copies
 
 
 @dataclass
@@ -184,6 +185,12 @@ def build(
         raise ConfigError(PP_REFUSED)
     shared = TPGroup(cfg.tp_group, cfg.tp_rank, cfg.tp_size) if cfg.tp_shared else None
     if cfg.copy_process:  # the copy process maps the pool: a /dev/shm segment of this process alone
+        if l2_layout not in COPY_PROCESS_LAYOUTS:
+            raise ConfigError(
+                f"copy_process needs an L2 layout of per-layer page runs ({' or '.join(COPY_PROCESS_LAYOUTS)}), "
+                f"not {l2_layout}: the copy process moves bytes with DMAs alone (method {COPY_PROCESS_METHOD!r}), "
+                "and a page_first page interleaves its layers token by token"
+            )
         shared = TPGroup(f"l3pool-copy-{os.getpid()}-{next(_COPY_POOLS)}", 0, 1)
     pool = HostKVPool(L2Config(kv=spec, layout=l2_layout, tokens=l2_tokens, pin=pin, shared=shared))  # type: ignore[arg-type]
     l3: L3Client | None = None

@@ -193,7 +193,7 @@ def test_bytes_exact_every_layout_mha_and_mla() -> None:
 # -- one engine shared by the cheaper tests of this module ---------------------------------------------
 @pytest.fixture(scope="module")
 def rig() -> Iterator[Rig]:
-    r = _rig(KVSpec.mha(6, 2, 32, page_size=P), max_in_flight=8)
+    r = _rig(KVSpec.mha(6, 2, 32, page_size=P), max_in_flight=8, method="dma")  # the cache's copy-process method
     pages = r.pool.alloc(8)
     assert np.array_equal(pages, r.ref_pool.alloc(8))
     _both(r, "backup", page_slots(range(8), P), pages)  # pool pages 0..7 hold source pages 0..7

@@ -209,3 +209,9 @@ def test_copy_process_refuses_what_the_child_cannot_share() -> None:
     with pytest.raises(ConfigError, match="share_memory_"):  # CPU L1 the child cannot write
         build(private, SPEC, l2_tokens=64, pin="never", cache=CacheConfig(copy_process=True))
     assert not _copy_segments()  # the refused build's pool segment is gone
+    shared = L1(
+        [torch.zeros(8 * 4, 1, SPEC.dim, dtype=torch.bfloat16).share_memory_() for _ in range(SPEC.num_layers)], 4
+    )
+    with pytest.raises(ConfigError, match="copy_process needs an L2 layout of per-layer page runs"):
+        build(shared, SPEC, l2_tokens=64, l2_layout="page_first", pin="never", cache=CacheConfig(copy_process=True))
+    assert not _copy_segments()  # refused before any pool exists
