@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from l2core.copyproc import ProcessTransferEngine
+from l2core.names import TOKEN_CONTIGUOUS_LAYOUTS
 from l2core.ops import Method
 from l2core.pool import HostKVPool, L2Config, PinMode
 from l2core.shm_segment import TPGroup
@@ -61,7 +62,6 @@ _COPY_POOLS = itertools.count()  # a /dev/shm segment name per copy-process pool
 # the copy process moves bytes on the copy engines alone: its staged path's kernels, in a second CUDA
 # context, time-slice with the compute's (bench.interference, 2026-12-07 H100: +19 % at 12.7 GB/s)
 COPY_PROCESS_METHOD: Method = "dma"
-COPY_PROCESS_LAYOUTS = ("page_first_direct", "layer_first")  # token-contiguous pages: what "dma" copies
 
 
 @dataclass
@@ -185,9 +185,9 @@ def build(
         raise ConfigError(PP_REFUSED)
     shared = TPGroup(cfg.tp_group, cfg.tp_rank, cfg.tp_size) if cfg.tp_shared else None
     if cfg.copy_process:  # the copy process maps the pool: a /dev/shm segment of this process alone
-        if l2_layout not in COPY_PROCESS_LAYOUTS:
+        if l2_layout not in TOKEN_CONTIGUOUS_LAYOUTS:
             raise ConfigError(
-                f"copy_process needs an L2 layout of per-layer page runs ({' or '.join(COPY_PROCESS_LAYOUTS)}), "
+                f"copy_process needs an L2 layout of per-layer page runs ({' or '.join(TOKEN_CONTIGUOUS_LAYOUTS)}), "
                 f"not {l2_layout}: the copy process moves bytes with DMAs alone (method {COPY_PROCESS_METHOD!r}), "
                 "and a page_first page interleaves its layers token by token"
             )

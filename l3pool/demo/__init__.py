@@ -202,6 +202,7 @@ class DemoError(RuntimeError):
 def _options(a: argparse.Namespace) -> Any:
     import torch
 
+    from l2core.names import TOKEN_CONTIGUOUS_LAYOUTS
     from l3pool.demo.model import ModelConfig
     from l3pool.demo.replay import DemoOptions
     from l3pool.demo.routing import parse_policies
@@ -222,6 +223,9 @@ def _options(a: argparse.Namespace) -> Any:
         shown = {k: f"{pick[k]}" + ("" if getattr(a, k, None) is not None else " (the default)") for k in pick}
         raise DemoError(f"--max-context {shown['max_context']} < --min-context {shown['min_context']}: "
                         "raise --max-context or lower --min-context")  # fmt: skip
+    if a.copy_process and a.layout not in TOKEN_CONTIGUOUS_LAYOUTS:
+        raise DemoError(f"--copy-process needs --layout {' or '.join(TOKEN_CONTIGUOUS_LAYOUTS)}, not {a.layout}: "
+                        "its copies are DMAs alone, which a page_first page does not allow")  # fmt: skip
     model: Any
     if real:
         import importlib.util

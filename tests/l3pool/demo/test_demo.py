@@ -376,6 +376,7 @@ def test_demo_detects_corrupted_pages(
         (["--model", "gpt-9"], "invalid choice"),
         (["--model", "llama-tiny", "--chunk", "100"], "multiple of page_size"),
         (["--rounds", "0"], "--rounds: must be >= 1"),
+        (["--copy-process", "--layout", "page_first"], "--copy-process needs --layout page_first_direct"),
         (["--master", "127.0.0.1:1", "--metadata", "http://127.0.0.1:1/metadata"], "unreachable"),
     ],
 )
