@@ -267,15 +267,6 @@ class ProcessTransferEngine(JobBook):
         self._results_r.close()
 
     # -- submission --------------------------------------------------------------------------
-    def submit_backup(self, slots: torch.Tensor | Sequence[int], pages: np.ndarray | Sequence[int]) -> int:
-        """Copy all layers of `slots` into host `pages` (device -> host), ordered after the caller's
-        current stream at submit time."""
-        return self._submit("backup", slots, pages)
-
-    def submit_load(self, slots: torch.Tensor | Sequence[int], pages: np.ndarray | Sequence[int]) -> int:
-        """Copy host `pages` into `slots`, layer by layer (host -> device)."""
-        return self._submit("load", slots, pages)
-
     def _submit(self, kind: JobKind, slots: Any, pages: Any) -> int:
         if self._closed:
             raise RuntimeError("ProcessTransferEngine is closed")
@@ -405,25 +396,7 @@ class ProcessTransferEngine(JobBook):
             job.cond.notify_all()
 
     # -- completion --------------------------------------------------------------------------
-    def wait_layer(self, job_id: int, layer: int, timeout: float | None = None) -> None:
-        """Block until layer `layer` of load job `job_id` may be read by the caller's stream."""
-        if not 0 <= layer < self.pool.spec.num_layers:
-            raise ValueError(f"layer {layer} outside [0, {self.pool.spec.num_layers})")
-        with self._lock:
-            job = self._jobs.get(job_id)
-            done = self._finished.get(job_id)
-        if job is None:
-            if done is None:
-                raise KeyError(f"unknown or already popped job {job_id}")
-            if not done.ok:
-                raise TransferError(f"load job {job_id} failed: {done.error}")
-            return  # finished: every layer is on the device and the child synchronized its stream
-        with job.cond:
-            ok = job.cond.wait_for(lambda: job.layers_done > layer or job.error is not None, timeout)
-            if not ok:
-                raise TimeoutError(f"layer {layer} of job {job_id} not loaded within {timeout} s")
-            if job.layers_done <= layer:
-                raise TransferError(f"load job {job_id} failed: {job.error}")
+    def _order_after_layer(self, job: _PJob, layer: int) -> None:
         if self._layer_events and job.layer_base >= 0:
             ev = self._layer_events[job.layer_base + layer // self.layers_per_step]
             torch.cuda.current_stream(self.device).wait_event(ev)

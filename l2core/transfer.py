@@ -86,12 +86,14 @@ class EngineStats:
 
 
 class JobBook:
-    """The finished-job book of an L1 <-> L2 engine (TransferEngine, l2core.copyproc's
-    ProcessTransferEngine): jobs in flight in `_jobs`, results in `_finished`, both under `_lock`."""
+    """The job book of an L1 <-> L2 engine (TransferEngine, l2core.copyproc's ProcessTransferEngine):
+    jobs in flight in `_jobs`, results in `_finished`, both under `_lock`; the submits, result waits
+    and layer waits both engines answer alike, over their own `_submit` and `_order_after_layer`."""
 
-    _jobs: dict[int, Any]
+    _jobs: dict[int, Any]  # each with layers_done, error and cond (the child's reports, or this process's)
     _finished: dict[int, JobResult]
     _lock: threading.Condition
+    pool: HostKV
 
     def poll(self, job_id: int) -> JobResult | None:
         """The job's result if it has finished (not removed), else None."""
@@ -121,6 +123,43 @@ class JobBook:
                     raise TimeoutError(f"jobs {[i for i in ids if i not in self._finished]} not done in {timeout} s")
                 self._lock.wait(left)
             return [self._finished.pop(i) for i in ids]
+
+    def submit_backup(self, slots: torch.Tensor | Sequence[int], pages: np.ndarray | Sequence[int]) -> int:
+        """Copy all layers of `slots` into host `pages` (device -> host), ordered after the caller's
+        current stream at submit time."""
+        return self._submit("backup", slots, pages)
+
+    def submit_load(self, slots: torch.Tensor | Sequence[int], pages: np.ndarray | Sequence[int]) -> int:
+        """Copy host `pages` into `slots`, layer by layer (host -> device)."""
+        return self._submit("load", slots, pages)
+
+    def _submit(self, kind: JobKind, slots: Any, pages: Any) -> int:
+        raise NotImplementedError
+
+    def wait_layer(self, job_id: int, layer: int, timeout: float | None = None) -> None:
+        """Block until layer `layer` of load job `job_id` may be read by the caller's stream."""
+        if not 0 <= layer < self.pool.spec.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.pool.spec.num_layers})")
+        with self._lock:
+            job = self._jobs.get(job_id)
+            done = self._finished.get(job_id)
+        if job is None:
+            if done is None:
+                raise KeyError(f"unknown or already popped job {job_id}")
+            if not done.ok:
+                raise TransferError(f"load job {job_id} failed: {done.error}")
+            return  # finished: every layer is on the device and its copy stream synchronized
+        with job.cond:
+            ok = job.cond.wait_for(lambda: job.layers_done > layer or job.error is not None, timeout)
+            if not ok:
+                raise TimeoutError(f"layer {layer} of job {job_id} not loaded within {timeout} s")
+            if job.layers_done <= layer:
+                raise TransferError(f"load job {job_id} failed: {job.error}")
+        self._order_after_layer(job, layer)
+
+    def _order_after_layer(self, job: Any, layer: int) -> None:
+        """Make the caller's current stream wait for the copy of `layer` (enqueued, not yet done)."""
+        raise NotImplementedError
 
 
 class TransferEngine(JobBook):
@@ -166,14 +205,6 @@ class TransferEngine(JobBook):
             t.start()
 
     # -- submission --------------------------------------------------------------------------
-    def submit_backup(self, slots: torch.Tensor | Sequence[int], pages: np.ndarray | Sequence[int]) -> int:
-        """Copy all layers of `slots` into host `pages` (device -> host)."""
-        return self._submit("backup", slots, pages)
-
-    def submit_load(self, slots: torch.Tensor | Sequence[int], pages: np.ndarray | Sequence[int]) -> int:
-        """Copy host `pages` into `slots`, layer by layer (host -> device)."""
-        return self._submit("load", slots, pages)
-
     def _submit(self, kind: JobKind, slots: Any, pages: Any) -> int:
         if self._closed:
             raise RuntimeError("TransferEngine is closed")
@@ -286,25 +317,8 @@ class TransferEngine(JobBook):
             job.cond.notify_all()
 
     # -- completion --------------------------------------------------------------------------
-    def wait_layer(self, job_id: int, layer: int, timeout: float | None = None) -> None:
-        """Block until layer `layer` of load job `job_id` may be read by the caller's stream."""
-        if not 0 <= layer < self.pool.spec.num_layers:
-            raise ValueError(f"layer {layer} outside [0, {self.pool.spec.num_layers})")
-        with self._lock:
-            job = self._jobs.get(job_id)
-            done = self._finished.get(job_id)
-        if job is None:
-            if done is None:
-                raise KeyError(f"unknown or already popped job {job_id}")
-            if not done.ok:
-                raise TransferError(f"load job {job_id} failed: {done.error}")
-            return  # finished: every layer is on the device and the stream synchronized
+    def _order_after_layer(self, job: _Job, layer: int) -> None:
         with job.cond:
-            ok = job.cond.wait_for(lambda: job.layers_done > layer or job.error is not None, timeout)
-            if not ok:
-                raise TimeoutError(f"layer {layer} of job {job_id} not loaded within {timeout} s")
-            if job.layers_done <= layer:
-                raise TransferError(f"load job {job_id} failed: {job.error}")
             ev = job.layer_events[layer] if layer < len(job.layer_events) else None
         if ev is not None:
             self.provider.wait(None, self.device, ev)
