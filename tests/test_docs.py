@@ -12,8 +12,8 @@ be part of one, so a placeholder ends it (`bench/results/<run>/` is checked as `
 and a `:line` or pytest `::test` suffix is dropped.
 
 Every tracked file except the run notes under bench/results/ (history) must not name the
-machines it was written on: a sibling checkout (`../shared`), a shared design note or tool
-directory beside the repository, an absolute /work path.
+machines it was written on: a sibling checkout beside the repository, a shared design note or tool
+directory there, an absolute path into the build machine's workspace (the patterns in OUTSIDE).
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ NOT_IN_A_CHECKOUT = {
     "l2core/native/": "the wheel's copy of native/, made by the build (setup.py, pyproject.toml)",
     "l2core/native": "the wheel's copy of native/, made by the build (setup.py, pyproject.toml)",
 }
-# places outside the repository (built from parts so this file does not match itself)
+# places outside the repository (built from parts so this file names none of them itself)
+_SHARED, _WORK = "sha" + "red", "wo" + "rk"
 OUTSIDE = [
-    re.compile(r"\.\./" + "shared"),
-    re.compile(r"(?<![\w.-])" + "shared" + r"/(DESIGN\.md|tools)"),
-    re.compile(r"(?<![\w.~-])/" + "work" + r"(/|\b)"),
+    re.compile(r"\.\./" + _SHARED),
+    re.compile(r"(?<![\w.-])" + _SHARED + r"/(DESIGN\.md|tools)"),
+    re.compile(r"(?<![\w.~-])/" + _WORK + r"(/|\b)"),
 ]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 PATH_CHARS = r"[A-Za-z0-9_.\-/]"
@@ -155,9 +156,9 @@ def test_nothing_names_a_place_outside_the_repository() -> None:
 @pytest.mark.parametrize(
     ("line", "outside"),
     [
-        ("see ../shared/DESIGN.md", True),
-        ("bash shared/tools/gpu-bundle.sh", True),
-        ("the bundle: /work/.library/device/KINDS.md", True),
+        (f"see ../{_SHARED}/DESIGN.md", True),
+        (f"bash {_SHARED}/tools/gpu-bundle.sh", True),
+        (f"the bundle: /{_WORK}/.library/device/KINDS.md", True),
         ("bash scripts/gpu-bundle.sh gpu-bundle", False),
         ("l3pool.cache.shared (SharedTieredCache), l2core/shm_segment.py", False),
         ("~/work/x and https://example.org/work/y", False),
