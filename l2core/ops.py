@@ -32,6 +32,9 @@ from .devices import provider_for
 from .layout import HostLayout
 
 Method = Literal["auto", "direct", "staged", "naive", "dma"]
+# methods that read the slots on the host (they build one copy per page run there): engines keep
+# their slots on the CPU for them; slots on the device would cost a stream sync per call
+HOST_INDEX_METHODS: tuple[str, ...] = ("naive", "dma")
 DEFAULT_MAX_SMS = 16
 DEFAULT_STAGING_BYTES = 256 << 20
 

@@ -17,7 +17,7 @@ Numbers per row:
 
 * GBps: bytes moved (tokens * spec.token_bytes) / median time of `--iters` calls, for the
   method "auto" stands for (`ops.resolve_method`). On CUDA, "direct" and "staged" are both
-  measured (`methods` in the JSON row) and `best_method` names the faster one.
+  measured (`methods` in the JSON row) and `best_method` names the fastest of them and "dma".
 * raw_GBps: one contiguous copy of the same number of bytes between the same two allocations
   (CUDA: `copy_(non_blocking=True)` on the benchmark stream between the pinned host block and
   the device allocation; CPU: `ops.cpu_memcpy` with the same thread count), same direction,
@@ -27,6 +27,10 @@ Numbers per row:
   engines only). CPU: threads (naive is single-threaded: 1).
 * naive_GBps: method "naive", one copy per (page, layer, kv). It needs token-contiguous host
   pages, so it is n/a (null, with the error) for layout page_first.
+* dma_GBps: method "dma" (what the copy process runs): naive's copies merged where both sides
+  continue, in one batched call on the copy engines (CUDA: no SM; CPU: the threads). n/a for
+  page_first, as naive. It reads the slots on the host: with `--indices engine` (slots on the
+  device) every call waits for the stream first, which is why engines keep its slots on the CPU.
 * correct: for every method, every moved page (all layers) is poisoned at the destination before
   a call and compared bit for bit with the source after it (vectorised, in chunks of layers),
   for the first call and again after the timed calls; `wrong_pages` counts the pages that
@@ -317,8 +321,8 @@ def checked_call(s: Setup, pool: HostKVPool, to_host: bool, fn: Callable[[], obj
 
 def unsupported(method: str, pool: HostKVPool) -> str | None:
     """Why `method` cannot move this layout by design (then it is reported, not run), or None."""
-    if method == "naive" and pool.layout.strides[1] != pool.spec.item_bytes:
-        return "method 'naive' needs token-contiguous host pages (one copy per page, layer and kv)"
+    if method in ("naive", "dma") and pool.layout.strides[1] != pool.spec.item_bytes:
+        return f"method '{method}' needs token-contiguous host pages (copies per page, layer and kv)"
     return None
 
 
@@ -345,7 +349,7 @@ def raw_copy_fn(s: Setup, to_host: bool, threads: int) -> Callable[[], object]:
 
 def method_sms(method: str, device: torch.device, args: argparse.Namespace) -> int:
     if device.type == "cuda":
-        return 0 if method == "naive" else args.max_sms
+        return 0 if method in ("naive", "dma") else args.max_sms
     return 1 if method == "naive" else args.threads  # CPU naive copies on one thread
 
 
@@ -477,7 +481,7 @@ def finish_row(row: dict[str, Any], raw_seconds: Sequence[float], nbytes: int) -
     for m in per.values():
         m["ratio"] = m["GBps"] / raw_gbps if m["GBps"] is not None else None
     a = per[row["method"]]
-    naive = per.get("naive", {})
+    naive, dma = per.get("naive", {}), per.get("dma", {})
     fast = {k: v for k, v in per.items() if k != "naive" and v["GBps"] is not None}
     row.update(
         GBps=a["GBps"],
@@ -486,6 +490,8 @@ def finish_row(row: dict[str, Any], raw_seconds: Sequence[float], nbytes: int) -
         raw_GBps=raw_gbps,
         naive_GBps=naive.get("GBps"),
         naive_ratio=naive.get("ratio"),
+        dma_GBps=dma.get("GBps"),
+        dma_ratio=dma.get("ratio"),
         best_method=max(fast, key=lambda k: fast[k]["GBps"]) if fast else None,
         # every supported method right on every page; the row's own method must have run
         correct=all(v["correct"] is True or v.get("supported") is False for v in per.values()) and a["correct"] is True,
@@ -504,6 +510,8 @@ def finish_row(row: dict[str, Any], raw_seconds: Sequence[float], nbytes: int) -
         "sms",
         "naive_GBps",
         "naive_ratio",
+        "dma_GBps",
+        "dma_ratio",
         "best_method",
         "correct",
         "methods",
@@ -595,7 +603,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("the l2core native extension was built without CUDA (no nvcc at build time?)")
         torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
         device = torch.device("cuda", torch.cuda.current_device())
-    methods = ["direct", "staged", "naive"] if device.type == "cuda" else ["direct", "naive"]
+    methods = ["direct", "staged", "naive", "dma"] if device.type == "cuda" else ["direct", "naive", "dma"]
     timer = Timer(device)
     rng = np.random.default_rng(args.seed)
     n_rows = len(args.models) * len(args.tokens) * len(args.layouts) * len(DIRECTIONS)

@@ -111,7 +111,7 @@ def format_table(report: dict[str, Any]) -> str:
     head = ["model", "layout", "dir", "tokens", "method", "GB/s", "raw GB/s", "ratio", "SMs" if cuda else "thr"]
     if cuda:
         head += ["direct", "staged", "best"]
-    head += ["naive", "n.ratio", "ok", "target"]
+    head += ["naive", "n.ratio", "dma", "d.ratio", "ok", "target"]
     lines = [head]
     for r in report["results"]:
         t = targets[(r["model"], r["layout"], r["direction"], r["tokens"])]
@@ -135,6 +135,8 @@ def format_table(report: dict[str, Any]) -> str:
         line += [
             _fmt(r["naive_GBps"], ".2f"),
             _fmt(r["naive_ratio"], ".3f"),
+            _fmt(r["dma_GBps"], ".2f"),
+            _fmt(r["dma_ratio"], ".3f"),
             "yes" if r["correct"] else "NO",
             "-" if t["pass"] is None else ("pass" if t["pass"] else "FAIL"),
         ]

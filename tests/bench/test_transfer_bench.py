@@ -24,6 +24,8 @@ ROW_KEYS = {
     "sms",
     "naive_GBps",
     "naive_ratio",
+    "dma_GBps",
+    "dma_ratio",
     "raw_GBps",
     "best_method",
     "correct",
@@ -52,7 +54,7 @@ def _check_report(rep: dict, layouts: list[str], models: list[str], tokens: list
         assert r["correct"] is True
         assert r["GBps"] > 0 and r["raw_GBps"] > 0 and r["sms"] == rep["config"]["threads"]
         assert _close(r["ratio"], r["GBps"] / r["raw_GBps"])
-        assert set(r["methods"]) == {"direct", "naive"}
+        assert set(r["methods"]) == {"direct", "naive", "dma"}
         d = r["methods"]["direct"]
         assert d["correct"] is True and _close(d["GBps"], r["GBps"])
         pages = r["tokens"] // 64
@@ -64,6 +66,12 @@ def _check_report(rep: dict, layouts: list[str], models: list[str], tokens: list
         else:
             assert n["correct"] is True and n["sms"] == 1 and n["wrong_pages"] == 0
             assert r["naive_GBps"] > 0 and _close(r["naive_ratio"], r["naive_GBps"] / r["raw_GBps"])
+        m = r["methods"]["dma"]
+        if r["layout"] == "page_first":  # dma too: n/a by design
+            assert r["dma_GBps"] is None and m["supported"] is False and "token-contiguous" in m["error"]
+        else:
+            assert m["correct"] is True and m["sms"] == rep["config"]["threads"] and m["wrong_pages"] == 0
+            assert r["dma_GBps"] > 0 and _close(r["dma_ratio"], r["dma_GBps"] / r["raw_GBps"])
         rkey = (r["model"], r["tokens"], r["direction"])
         raw = [w for w in rep["raw"] if (w["model"], w["tokens"], w["direction"]) == rkey]
         assert len(raw) == 1 and raw[0]["bytes"] == r["bytes"]

@@ -218,3 +218,26 @@ def test_load_priority_sets_the_load_streams_priority(monkeypatch: pytest.Monkey
     for bad in (0.5, True, "high"):
         with pytest.raises(TypeError, match="load_priority must be an int"):
             TransferEngine(pool, src, load_priority=bad)  # type: ignore[arg-type]
+
+
+def test_dma_engine_keeps_a_host_copy_of_the_slots(device: str) -> None:
+    """Method "dma" reads the slots on the host: the job keeps them there (slots on the device would
+    cost one stream sync per layer step), as its own copy, so the caller may reuse its tensor."""
+    spec, pool, src, dst = _setup(device)
+    pages = pool.alloc(3)
+    slots = _page_slots([5, 30, 12], "cpu")
+    with TransferEngine(pool, src, method="dma") as up, TransferEngine(pool, dst, method="dma") as down:
+        (r,) = up.wait([up.submit_backup(slots, pages)], timeout=60)
+        assert r.ok
+        queued: list = []
+        q = down._queues["load"]
+        put = q.put
+        q.put = lambda job, *a, **k: (queued.append(job), put(job, *a, **k))[1]  # type: ignore[method-assign]
+        jid = down.submit_load(slots, pages)
+        (held,) = [job.slots for job in queued]
+        assert held.device.type == "cpu" and held.data_ptr() != slots.data_ptr()
+        (r,) = down.wait([jid], timeout=60)
+        assert r.ok and r.nbytes == 48 * spec.token_bytes
+    on = slots.to(device)
+    for a, b in zip(src, dst, strict=True):
+        assert torch.equal(a[on], b[on])
