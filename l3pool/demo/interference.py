@@ -128,7 +128,9 @@ class EngineTraffic(Traffic):
         else:
             self.eng = TransferEngine(self.pool, l1, **engine)
         dev = inst.device
-        self.slots = torch.arange(n * spec.page_size, dtype=torch.int64, device=dev)
+        # slots on the CPU, as the cache passes them (the engine moves them, or, for methods that
+        # read them on the host, keeps them there)
+        self.slots = torch.arange(n * spec.page_size, dtype=torch.int64)
         self.pages = np.arange(n, dtype=np.int64)
         self.nbytes = n * spec.page_bytes
         # submitted from a side stream: the engine orders a job after the submitter's stream, and
