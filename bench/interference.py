@@ -27,6 +27,9 @@ per-layer loads + backups at full duty, once per variant:
                   the xproc probes point to; copy_process_loads: the same, loads only
   dma_loads       only the loads, method "dma": naive's per-(page, layer, K/V) copies merged where
                   both sides continue, in one cudaMemcpyBatchAsync per call: copy engines only
+  dma_loads_device_slots  the same with the slots passed on the device (as this bench did before
+                  2026-12-07): "dma" reads slots on the host, so each layer step copies them back
+                  and waits for the copy stream to drain first; the engines now keep them on the CPU
   copy_process_dma, copy_process_dma_loads  the copy process with method "dma": its staged path's
                   gather/scatter kernels, in a second CUDA context, time-slice with the forward's
                   (2026-12-07: +19 % at 12.7 GB/s); copy engines alone do not
@@ -80,6 +83,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "copy_process": {"process": True},
     "copy_process_loads": {"directions": ("load",), "process": True},
     "dma_loads": {"directions": ("load",), "method": "dma"},
+    "dma_loads_device_slots": {"directions": ("load",), "method": "dma", "device_slots": True},
     "copy_process_dma": {"process": True, "method": "dma"},
     "copy_process_dma_loads": {"directions": ("load",), "process": True, "method": "dma"},
     "copy_process_dma_lf_loads": {"directions": ("load",), "process": True, "method": "dma", "layout": "layer_first"},

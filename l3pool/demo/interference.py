@@ -105,11 +105,14 @@ class EngineTraffic(Traffic):
         rate: float | None = None,
         directions: tuple[str, ...] = ("load", "backup"),
         process: bool = False,
+        device_slots: bool = False,
         **engine: Any,
     ) -> None:
         """`tokens` moved per step (<= 2 GiB, as `plain`); `rate`: see Traffic; `directions`: a step
         runs a load, a backup, or both (in that order); `process`: the copies submitted from a child
         process (l2core.ProcessTransferEngine, over a pool in /dev/shm and L1 shared with it);
+        `device_slots`: pass the slots on the device instead of the CPU (the cache passes CPU ones;
+        bench.interference's A/B of where a host-index method's slots live);
         `engine`: the engine's own options (max_sms, layers_per_step, load_priority; bench.interference)."""
         super().__init__(rate)
         if not directions or not set(directions) <= {"load", "backup"} or len(set(directions)) != len(directions):
@@ -130,7 +133,7 @@ class EngineTraffic(Traffic):
         dev = inst.device
         # slots on the CPU, as the cache passes them (the engine moves them, or, for methods that
         # read them on the host, keeps them there)
-        self.slots = torch.arange(n * spec.page_size, dtype=torch.int64)
+        self.slots = torch.arange(n * spec.page_size, dtype=torch.int64, device=dev if device_slots else "cpu")
         self.pages = np.arange(n, dtype=np.int64)
         self.nbytes = n * spec.page_bytes
         # submitted from a side stream: the engine orders a job after the submitter's stream, and
