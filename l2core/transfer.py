@@ -258,8 +258,9 @@ class TransferEngine(JobBook):
                 self._sync(stream, flag)
                 return
             if self.split is not None and self.split.active(int(job.pages.numel())):
+                slots = prov.to_device(job.slots, self.device)  # its scatter indexes the device buffers
                 self.split.load(
-                    self.bufs, job.slots, self.pool.buffer, job.pages, provider=prov, stream=stream,
+                    self.bufs, slots, self.pool.buffer, job.pages, provider=prov, stream=stream,
                     publish=lambda i, ev: self._publish(job, i, i + 1, ev), method=self.method, max_sms=self.max_sms,
                 )  # fmt: skip
                 self._sync(stream, flag)
