@@ -517,8 +517,8 @@ class _ChildEngine(TransferEngine):
         return True
 
     def _execute(self, job: _Job, stream: Any, flag: torch.Tensor | None) -> None:
-        # on this job's stream, ordered before its copies; host-index methods (dma) read them here
-        if job.slots.device != self.device and self.method not in ops.HOST_INDEX_METHODS:
+        # on this job's stream, ordered before its copies; DMA-only methods read them here
+        if job.slots.device != self.device and self.method not in ops.DMA_ONLY_METHODS:
             with self.provider.stream_context(stream):
                 job.slots = self.provider.to_device(job.slots, self.device)
         super()._execute(job, stream, flag)

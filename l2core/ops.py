@@ -32,9 +32,10 @@ from .devices import provider_for
 from .layout import HostLayout
 
 Method = Literal["auto", "direct", "staged", "naive", "dma"]
-# methods that read the slots on the host (they build one copy per page run there): engines keep
-# their slots on the CPU for them; slots on the device would cost a stream sync per call
-HOST_INDEX_METHODS: tuple[str, ...] = ("naive", "dma")
+# methods made of copies per page run, planned on the host: copy engines only (no SM), host pages
+# with each layer's tokens contiguous, and the slots read on the host (engines keep them on the CPU
+# for these: slots on the device would cost a stream sync per call)
+DMA_ONLY_METHODS: tuple[str, ...] = ("naive", "dma")
 DEFAULT_MAX_SMS = 16
 DEFAULT_STAGING_BYTES = 256 << 20
 

@@ -210,7 +210,7 @@ class TransferEngine(JobBook):
             raise RuntimeError("TransferEngine is closed")
         s = ops._as_index(slots, "slots")
         p = ops._as_index(torch.as_tensor(np.asarray(pages, dtype=np.int64)), "pages")
-        if self.method in ops.HOST_INDEX_METHODS and s.device.type == "cpu":
+        if self.method in ops.DMA_ONLY_METHODS and s.device.type == "cpu":
             s = s.clone()  # read on the host by the copy itself: kept there, the caller's tensor not
         else:
             s = self.provider.to_device(s, self.device)

@@ -321,7 +321,7 @@ def checked_call(s: Setup, pool: HostKVPool, to_host: bool, fn: Callable[[], obj
 
 def unsupported(method: str, pool: HostKVPool) -> str | None:
     """Why `method` cannot move this layout by design (then it is reported, not run), or None."""
-    if method in ("naive", "dma") and pool.layout.strides[1] != pool.spec.item_bytes:
+    if method in ops.DMA_ONLY_METHODS and pool.layout.strides[1] != pool.spec.item_bytes:
         return f"method '{method}' needs token-contiguous host pages (copies per page, layer and kv)"
     return None
 
@@ -349,7 +349,7 @@ def raw_copy_fn(s: Setup, to_host: bool, threads: int) -> Callable[[], object]:
 
 def method_sms(method: str, device: torch.device, args: argparse.Namespace) -> int:
     if device.type == "cuda":
-        return 0 if method in ("naive", "dma") else args.max_sms
+        return 0 if method in ops.DMA_ONLY_METHODS else args.max_sms
     return 1 if method == "naive" else args.threads  # CPU naive copies on one thread
 
 

@@ -112,7 +112,7 @@ class EngineTraffic(Traffic):
         runs a load, a backup, or both (in that order); `process`: the copies submitted from a child
         process (l2core.ProcessTransferEngine, over a pool in /dev/shm and L1 shared with it);
         `device_slots`: pass the slots on the device instead of the CPU (the cache passes CPU ones;
-        bench.interference's A/B of where a host-index method's slots live);
+        bench.interference's A/B of where a DMA-only method's slots live);
         `engine`: the engine's own options (max_sms, layers_per_step, load_priority; bench.interference)."""
         super().__init__(rate)
         if not directions or not set(directions) <= {"load", "backup"} or len(set(directions)) != len(directions):
