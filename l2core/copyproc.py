@@ -483,6 +483,8 @@ class _ChildPool:
 class _ChildEngine(TransferEngine):
     """The plain engine, fed by the parent's messages; reports steps and completions back."""
 
+    warn_in_process_dma = False  # the copy process is where the DMA-only methods belong
+
     def __init__(self, init: dict[str, Any], send: Callable[[bytes], None]) -> None:
         from . import _native
 

@@ -162,7 +162,22 @@ class JobBook:
         raise NotImplementedError
 
 
+def in_process_dma_warning(method: str, device_type: str) -> str | None:
+    """The warning a copy method made of host-planned DMAs earns on a GPU in the forward pass's own
+    process (None where it earns none)."""
+    if method not in ops.DMA_ONLY_METHODS or device_type != "cuda":
+        return None
+    return (
+        f"TransferEngine(method={method!r}) on a GPU submits its copies from the forward pass's own process: "
+        "measured there it slowed concurrent compute by +541 % (H100, 2026-12-07, slots then on the device; "
+        "not re-measured since); it is meant for the copy process (l2core.copyproc.ProcessTransferEngine)"
+    )
+
+
 class TransferEngine(JobBook):
+    # False where the engine is the copy process's own (the place the DMA-only methods are meant for)
+    warn_in_process_dma = True
+
     def __init__(
         self,
         pool: HostKV,
@@ -190,6 +205,8 @@ class TransferEngine(JobBook):
         self.split = split  # MLA split reads across TP ranks (l2core.split_read), or None
         self.method, self.max_sms, self.layers_per_step = method, max_sms, layers_per_step
         self.load_priority = load_priority
+        if self.warn_in_process_dma and (why := in_process_dma_warning(method, self.device.type)):
+            log.warning(why)
         self.stats = EngineStats()
         self._ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}

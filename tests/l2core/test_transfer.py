@@ -241,3 +241,22 @@ def test_dma_engine_keeps_a_host_copy_of_the_slots(device: str) -> None:
     on = slots.to(device)
     for a, b in zip(src, dst, strict=True):
         assert torch.equal(a[on], b[on])
+
+
+def test_dma_methods_warn_only_on_a_gpu_in_the_forward_pass_process(caplog: pytest.LogCaptureFixture) -> None:
+    """The DMA-only methods are for the copy process: on a GPU in the forward pass's own process the
+    engine says so once (the copy process's engine does not); other methods and the CPU say nothing."""
+    from l2core.copyproc import _ChildEngine
+    from l2core.transfer import in_process_dma_warning
+
+    for method in ("dma", "naive"):
+        why = in_process_dma_warning(method, "cuda")
+        assert why and f"method={method!r}" in why and "ProcessTransferEngine" in why
+        assert in_process_dma_warning(method, "cpu") is None
+    for method in ("auto", "staged", "direct"):
+        assert in_process_dma_warning(method, "cuda") is None
+    assert TransferEngine.warn_in_process_dma and not _ChildEngine.warn_in_process_dma
+    _, pool, src, _ = _setup("cpu")
+    with caplog.at_level("WARNING", logger="l2core.transfer"), TransferEngine(pool, src, method="dma"):
+        pass
+    assert not [r for r in caplog.records if "forward pass's own process" in r.getMessage()]
