@@ -10,10 +10,11 @@ than `deadline_s`.
 - Deadline: each query is one IndexClient round trip of at most `deadline_s`, the connection
   included (a SIGSTOPped index's kernel still accepts connections: the answer is what never
   comes).
-- Breaker: the first query that gets no answer in time (or a refused connection) opens it: for
-  `cooldown_s` no query is sent at all. Then one query is let through (the probe, same
-  deadline; the other callers fall back meanwhile): an answer closes the breaker, no answer opens
-  it again for twice as long (at most `max_cooldown_s`). A hung index thus costs one call
+- Breaker (`l3pool.pool.breaker.Breaker` with in-band probing, the one the store and etcd use
+  with a probe thread): the first query that gets no answer in time (or a refused connection)
+  opens it: for `cooldown_s` no query is sent at all. Then one query is let through (the probe,
+  same deadline; the other callers fall back meanwhile): an answer closes the breaker, no answer
+  opens it again for twice as long (at most `max_cooldown_s`). A hung index thus costs one call
   `deadline_s` per cooldown, every other call nothing.
 - Fallback, documented for the router: the last answer the index gave for the same request (the
   same namespace and page keys) when it is at most `stale_s` old, marked `source="last_known"`
@@ -41,10 +42,10 @@ from typing import Any
 
 from l3pool.index.client import IndexClient, IndexRequestError, IndexUnavailable
 from l3pool.index.types import PrefixHits
+from l3pool.pool.breaker import Breaker
 from l3pool.pool.kv_events import keys64
 
 log = logging.getLogger(__name__)
-CLOSED, OPEN, PROBING = "closed", "open", "probing"
 
 
 class GuardedIndex:
@@ -71,10 +72,12 @@ class GuardedIndex:
         self.remember, self._clock = remember, clock
         self._local = threading.local()
         self._clients: list[IndexClient] = []
-        self._mu = threading.Lock()  # the breaker, the last answers, the counts
-        self.state, self._open_until, self._cooldown, self.last_error = CLOSED, 0.0, self.cooldown_s, ""
+        self._mu = threading.Lock()  # the last answers, the counts
+        backoff = (self.cooldown_s, self.max_cooldown_s)
+        self.breaker = Breaker(f"the global index at {endpoint}", None, backoff_s=backoff)  # in-band probes
+        self.last_error = ""
         self._last: collections.OrderedDict[bytes, tuple[float, PrefixHits]] = collections.OrderedDict()
-        self.counts = dict.fromkeys(("answered", "last_known", "none", "failures", "opened", "probes", "refused"), 0)
+        self.counts = dict.fromkeys(("answered", "last_known", "none", "failures", "refused"), 0)
 
     def _client(self) -> IndexClient:
         c: IndexClient | None = getattr(self._local, "client", None)
@@ -84,27 +87,16 @@ class GuardedIndex:
                 self._clients.append(c)
         return c
 
-    def _admit(self) -> tuple[bool, str]:
-        """(ask the index?, why not). Under _mu."""
-        if self.state == CLOSED:
-            return True, ""
-        if self.state == OPEN and self._clock() >= self._open_until:
-            self.state = PROBING
-            self.counts["probes"] += 1
-            return True, ""
-        why = "a probe is under way" if self.state == PROBING else f"{self._open_until - self._clock():.2f} s left"
-        return False, f"breaker open ({why}; last error: {self.last_error})"
+    @property
+    def state(self) -> str:
+        """The breaker's: "closed", "open" or "probing"."""
+        return self.breaker.state
 
     def _failed(self, error: str) -> None:
         with self._mu:
             self.counts["failures"] += 1
             self.last_error = error
-            if self.state == PROBING:  # still hung: open for longer
-                self._cooldown = min(self.max_cooldown_s, 2 * self._cooldown)
-            elif self.state == CLOSED:
-                self._cooldown = self.cooldown_s
-                self.counts["opened"] += 1
-            self.state, self._open_until = OPEN, self._clock() + self._cooldown
+        self.breaker.trip(error)  # opens it, or (a failed probe) opens it again for twice as long
 
     def query(self, page_hashes: Any, namespace: str = "") -> PrefixHits:
         """The index's answer within `deadline_s`, else the fallback (see the module docstring).
@@ -113,9 +105,7 @@ class GuardedIndex:
         h = hashlib.blake2b(keys.astype("<u8", copy=False).tobytes(), digest_size=16)
         h.update(namespace.encode("utf-8", "surrogatepass") if isinstance(namespace, str) else b"")
         key = h.digest()
-        with self._mu:
-            ask, why = self._admit()
-        if ask:
+        if self.breaker.allow(len(keys)):
             try:
                 hits = self._client().query(keys, namespace)
             except IndexUnavailable as e:
@@ -125,15 +115,15 @@ class GuardedIndex:
                 why = f"the index refused the request: {e}"
                 with self._mu:
                     self.counts["refused"] += 1
-                    if self.state == PROBING:
-                        self.state, self._cooldown = CLOSED, self.cooldown_s
+                self.breaker.ok()
             except Exception as e:  # a bug on the way: said, and treated as no answer (never stuck probing)
                 log.exception("index guard: a query failed")
                 why = f"query failed: {type(e).__name__}: {e}"
                 self._failed(why)
             else:
+                self.breaker.ok()
                 with self._mu:
-                    self.state, self._cooldown, self.last_error = CLOSED, self.cooldown_s, ""
+                    self.last_error = ""
                     self.counts["answered"] += 1
                     if self.remember:
                         self._last[key] = (self._clock(), hits)
@@ -141,6 +131,10 @@ class GuardedIndex:
                         while len(self._last) > self.remember:
                             self._last.popitem(last=False)
                 return hits
+        else:
+            probing = self.breaker.state == "probing"
+            wait = "a probe is under way" if probing else f"{self.breaker.retry_in_s():.2f} s left"
+            why = f"breaker open ({wait}; last error: {self.last_error})"
         return self._fallback(key, len(keys), why)
 
     def _fallback(self, key: bytes, pages: int, why: str) -> PrefixHits:
@@ -154,13 +148,16 @@ class GuardedIndex:
         return PrefixHits(pages, 0, {}, source="none", reason=f"{why} (load only)")
 
     def stats(self) -> dict[str, Any]:
+        br = self.breaker.stats()
         with self._mu:
             return {
-                "breaker": self.state,
-                "cooldown_s": self._cooldown if self.state != CLOSED else 0.0,
+                "breaker": br.state,
+                "cooldown_s": self.breaker.backoff_now_s(),
                 "last_error": self.last_error,
                 "remembered": len(self._last),
                 **self.counts,
+                "opened": br.trips,
+                "probes": br.probes,
             }
 
     def close(self) -> None:
@@ -168,6 +165,7 @@ class GuardedIndex:
             clients, self._clients = self._clients, []
         for c in clients:
             c.close()
+        self.breaker.close()
 
     def __enter__(self) -> GuardedIndex:
         return self

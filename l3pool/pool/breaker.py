@@ -25,6 +25,12 @@ calls, `StoreConfig.call_deadline_s`) reports it with `suspect()`: the thread ru
 once, and a failed probe trips the breaker. The caller does not wait for that probe, so a wrongly
 suspected call of a healthy but slow dependency costs one miss and one probe, never an open breaker.
 
+In-band probing (`probe=None`), for a dependency whose every call is as cheap as a probe (the
+global index's queries): no thread. Once `backoff_s[0]` has passed since the trip, `allow()` lets
+exactly one caller through (state "probing"; the others still short-circuit); that call is the
+probe. The caller reports its outcome as always: `ok()` closes the breaker, `trip()` opens it again
+for twice as long (at most `backoff_s[1]`). A dependency nobody calls is not probed.
+
 Thread-safe. The thread is a daemon started on first use and stopped by `close()`.
 """
 
@@ -45,7 +51,7 @@ __all__ = ["Breaker", "BreakerStats"]
 
 @dataclass
 class BreakerStats:
-    state: str = "closed"  # "closed" | "open"
+    state: str = "closed"  # "closed" | "open" | "probing" (in-band probing: a caller's call is the probe)
     trips: int = 0  # closed -> open transitions
     short_circuits: int = 0  # calls answered at once while open
     short_circuit_items: int = 0  # items (keys) of those calls
@@ -63,7 +69,7 @@ class Breaker:
     def __init__(
         self,
         name: str,
-        probe: Callable[[], bool],
+        probe: Callable[[], bool] | None,
         *,
         backoff_s: tuple[float, float] = (0.05, 0.5),
         suspect_s: float | None = None,
@@ -74,6 +80,8 @@ class Breaker:
             raise ValueError(f"backoff_s must be 0 < first <= max, got {backoff_s}")
         if suspect_s is not None and suspect_s <= 0:
             raise ValueError(f"suspect_s must be > 0 or None, got {suspect_s}")
+        if probe is None and suspect_s is not None:
+            raise ValueError("suspect_s needs a probe: with probe=None the callers' own calls are the probes")
         self.name, self._probe_fn, self.enabled = name, probe, enabled
         self.backoff_s, self.suspect_s = (float(lo), float(hi)), suspect_s
         self._open = False  # read without the lock on the hot path (a bool read is atomic)
@@ -90,6 +98,10 @@ class Breaker:
         self._seen_up = False  # a trip is logged as a warning only once the dependency had answered
         self._suspect_now = ""  # an overdue call's reason: the thread probes at once
         self._suspect_probe: Callable[[], bool] | None = None  # the probe for it (None: `probe`)
+        self._in_band = probe is None  # no thread: after the backoff one caller's call is the probe
+        self._probing = False  # in-band: that call is under way
+        self._backoff = float(lo)  # in-band: the current wait before the next probe
+        self._retry_at = 0.0  # in-band: when the next probe may go (monotonic)
 
     # -- hot path ------------------------------------------------------------------------
     def allow(self, items: int = 1) -> bool:
@@ -97,13 +109,22 @@ class Breaker:
         if not self._open or not self.enabled:
             return True
         with self._cv:
+            if not self._open:
+                return True  # closed meanwhile
+            if self._in_band and not self._probing and time.monotonic() >= self._retry_at:
+                self._probing = True  # this caller's call is the probe
+                self._stats.probes += 1
+                return True
             self._stats.short_circuits += 1
             self._stats.short_circuit_items += items
         return False
 
     def ok(self) -> None:
-        """A call got an answer (cheap: one attribute write)."""
+        """A call got an answer (cheap: one attribute write); in-band, an answer while open closes
+        the breaker."""
         self._seen_up = True
+        if self._open and self._in_band:
+            self._close_breaker()
 
     @property
     def is_open(self) -> bool:
@@ -112,6 +133,23 @@ class Breaker:
     @property
     def last_reason(self) -> str:
         return self._stats.last_reason
+
+    @property
+    def state(self) -> str:
+        """ "closed", "open" or (in-band) "probing"."""
+        return "probing" if self._open and self._probing else "open" if self._open else "closed"
+
+    def retry_in_s(self) -> float:
+        """In-band: seconds until the next call may go as the probe (0 when closed or probing)."""
+        with self._cv:
+            if not self._open or self._probing or not self._in_band:
+                return 0.0
+            return max(0.0, self._retry_at - time.monotonic())
+
+    def backoff_now_s(self) -> float:
+        """In-band: the wait before the next probe of this open period (0 when closed)."""
+        with self._cv:
+            return self._backoff if self._open and self._in_band else 0.0
 
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
@@ -125,7 +163,7 @@ class Breaker:
     def enter(self) -> int:
         """Start tracking one call (the hot-path form of `call()`); pass the id to `exit`."""
         if self.suspect_s is None or not self.enabled:
-            return -1
+            return -1  # (always so in-band: no suspect_s)
         with self._cv:
             cid = next(self._ids)
             self._inflight[cid] = time.monotonic()
@@ -148,8 +186,8 @@ class Breaker:
         with `probe` when given (e.g. one bounded by the caller's deadline) else the breaker's own;
         a failed probe opens the breaker. No-op while open (the thread probes already), while a
         suspicion is pending, or disabled."""
-        if not self.enabled:
-            return
+        if not self.enabled or self._in_band:
+            return  # in-band: the caller's next call past the backoff is the probe
         with self._cv:
             if self._open or self._closed or self._suspect_now:
                 return
@@ -159,17 +197,30 @@ class Breaker:
             self._cv.notify_all()
 
     def trip(self, reason: str) -> None:
-        """The dependency failed: open (no-op when already open or disabled)."""
+        """The dependency failed: open (no-op when already open or disabled; in-band, a failed
+        probe opens it again for twice as long)."""
         if not self.enabled:
             return
         with self._cv:
-            if self._open or self._closed:
+            if self._closed:
+                return
+            if self._open:
+                if self._in_band and self._probing:  # the probe failed
+                    self._probing = False
+                    self._stats.probe_failures += 1
+                    self._stats.last_reason = reason
+                    self._backoff = min(2 * self._backoff, self.backoff_s[1])
+                    self._retry_at = time.monotonic() + self._backoff
                 return
             self._open = True
             self._opened_at = time.monotonic()
             self._stats.trips += 1
             self._stats.last_reason = reason
-            self._ensure_thread()
+            if self._in_band:
+                self._probing, self._backoff = False, self.backoff_s[0]
+                self._retry_at = self._opened_at + self._backoff
+            else:
+                self._ensure_thread()
             self._cv.notify_all()
         # never reached (a start-up check, a CLI pointed at the wrong port): the caller reports it
         level = logging.WARNING if self._seen_up else logging.DEBUG
@@ -178,9 +229,12 @@ class Breaker:
     def probe(self, fn: Callable[[], bool] | None = None) -> bool:
         """Run the probe (`fn`, default the breaker's) now (one at a time; a concurrent caller
         waits for the running one). A failure opens the breaker, a success closes it."""
+        run = fn if fn is not None else self._probe_fn
+        if run is None:
+            raise ValueError(f"{self.name}: an in-band breaker has no probe of its own (its callers probe)")
         with self._probe_lock:
             try:
-                ok = bool((fn or self._probe_fn)())
+                ok = bool(run())
             except Exception as e:  # a probe must never kill its thread
                 log.debug("%s probe raised: %s", self.name, e)
                 ok = False
@@ -199,7 +253,7 @@ class Breaker:
         with self._cv:
             s = BreakerStats(**asdict(self._stats))
             if self._open:
-                s.state = "open"
+                s.state = "probing" if self._probing else "open"
                 s.open_s += time.monotonic() - self._opened_at
             return s
 
@@ -222,13 +276,14 @@ class Breaker:
             if self._open:
                 self._stats.open_s += time.monotonic() - self._opened_at
             self._open, self._closed, self._thread, self._idle = False, False, None, False
+            self._probing = False
 
     # -- internals -----------------------------------------------------------------------
     def _close_breaker(self) -> None:
         with self._cv:
             if not self._open:
                 return
-            self._open = False
+            self._open, self._probing = False, False
             down = time.monotonic() - self._opened_at
             self._stats.open_s += down
             self._stats.recoveries += 1

@@ -133,3 +133,49 @@ def test_suspect_probes_at_once_and_opens_only_on_a_failed_probe() -> None:
     time.sleep(0.05)
     assert off.calls == [] and not br.is_open
     br.close()
+
+
+def test_in_band_probing_lets_one_caller_through_after_the_backoff() -> None:
+    """probe=None: no thread; after the backoff exactly one caller is let through as the probe (the
+    others short-circuit); a failed probe doubles the wait (capped), an answer closes it."""
+    br = Breaker("dep", None, backoff_s=(0.05, 0.08))
+    try:
+        br.trip("no answer")
+        assert br.state == "open" and not br.allow(4) and 0.03 < br.retry_in_s() <= 0.05
+        assert br.backoff_now_s() == 0.05
+        time.sleep(0.06)
+        assert br.allow(4)  # the probe
+        assert br.state == "probing" and br.stats().state == "probing" and br.retry_in_s() == 0.0
+        assert not br.allow(2) and not br.allow(1)  # one probe at a time
+        br.trip("the probe had no answer")  # failed: open for twice as long, capped at 0.08
+        s = br.stats()
+        assert (s.state, s.trips, s.probes, s.probe_failures, s.short_circuits) == ("open", 1, 1, 1, 3)
+        assert s.short_circuit_items == 7 and s.last_reason == "the probe had no answer"
+        assert br.backoff_now_s() == 0.08 and not br.allow()
+        time.sleep(0.09)
+        assert br.allow()
+        br.ok()  # the probe's answer
+        s = br.stats()
+        assert (br.state, s.state, s.trips, s.probes, s.recoveries) == ("closed", "closed", 1, 2, 1)
+        assert br.backoff_now_s() == 0.0 and br.allow() and br._thread is None  # never a thread
+        br.trip("again")  # a new open period starts at the first backoff
+        assert br.backoff_now_s() == 0.05 and br.stats().trips == 2
+        br.suspect("overdue")  # in-band: nothing to probe with on a thread
+        assert br._thread is None and br.state == "open"
+        with pytest.raises(ValueError, match="in-band"):
+            br.probe()
+    finally:
+        br.close()
+    assert br.state == "closed" and br.allow()
+
+
+def test_in_band_refuses_suspect_s_and_a_threaded_breaker_ignores_late_answers() -> None:
+    with pytest.raises(ValueError, match="suspect_s needs a probe"):
+        Breaker("dep", None, suspect_s=1.0)
+    br = Breaker("dep", ProbeFake(up=False), backoff_s=(0.5, 0.5))
+    try:
+        br.trip("down")
+        br.ok()  # a call that began before the trip answered: only its probe closes a threaded breaker
+        assert br.is_open and br.state == "open" and not br.allow()
+    finally:
+        br.close()
