@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from l3pool.cliutil import output_file
+from l3pool.cliutil import out_file
 from l3pool.cluster.running import add_pool_flags
 
 
@@ -25,7 +25,7 @@ def loadavg_1m() -> float | None:
 
 def add_report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the summary")
-    p.add_argument("--out", help="also write the JSON report here")
+    p.add_argument("--out", type=out_file, help="also write the JSON report here (checked before the run)")
     p.add_argument("--note", help="free text stored in the report (e.g. what else ran on the machine)")
 
 
@@ -37,12 +37,6 @@ def add_pool_args(p: argparse.ArgumentParser, segment_size: str, etcd: bool = Fa
         segment_size=segment_size,
         segment_help="per agent, when starting the local cluster (default %(default)s)",
     )
-
-
-def check_out(args: argparse.Namespace) -> None:
-    """Before the run: an --out that cannot be written fails now, not after minutes."""
-    if args.out:
-        output_file(args.out, "--out")
 
 
 def emit_report(report: dict[str, Any], args: argparse.Namespace, summary: Iterable[str] | None = None) -> None:

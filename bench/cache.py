@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report
+from bench._pool_cli import add_pool_args, add_report_args, emit_report
 from l2core import HostKVPool, KVSpec
 from l2core.l1 import kv_buffers
 from l3pool.cache import L1, CacheConfig, TieredCache, build
@@ -439,7 +439,6 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    check_out(args)
     dev = torch.device("cuda" if cuda else "cpu")
     from l2core import load_native
 

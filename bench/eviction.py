@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from bench._pool_cli import add_report_args, check_out, emit_report
+from bench._pool_cli import add_report_args, emit_report
 from l2core import KVSpec
 from l2core.l1 import kv_buffers
 from l3pool.cache import L1, CacheConfig, build
@@ -92,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("sessions", "turns", "page_size", "l1_pages", "l2_pages"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    check_out(args)
     wl = WorkloadConfig(sessions=args.sessions, turns=args.turns, min_context=args.min_context,
                         max_context=args.max_context, seed=args.seed)  # fmt: skip
     reqs = generate(wl)

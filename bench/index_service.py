@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._pool_cli import add_report_args, check_out, emit_report
+from bench._pool_cli import add_report_args, emit_report
 from bench.index import loadavg, read_line, start_worker, stop_worker
 from l3pool.cliutil import guarded, nonneg_float, positive_float, positive_int
 from l3pool.pool.kv_events import SourceInfo
@@ -76,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     add_report_args(p)
     args = p.parse_args(argv)
-    check_out(args)
     load_start = loadavg()
     from l3pool.index.service import IndexService
     from l3pool.index.table import GlobalIndex

@@ -69,6 +69,7 @@ import numpy as np
 import torch
 
 from l2core.spec import ConfigError, KVSpec
+from l3pool.cliutil import out_file
 from l3pool.demo import Traffic
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "--host-cost", action="store_true", help="first time loads/backups alone: wall and worker CPU per job"
     )
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", type=out_file, default=None, help="also write the JSON here (checked before the run)")
     a = ap.parse_args(argv)
     if a.tokens < 1 or a.tries < 1:
         ap.error("--tokens and --tries must be >= 1")

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report, loadavg_1m
+from bench._pool_cli import add_pool_args, add_report_args, emit_report, loadavg_1m
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.cliutil import guarded
 from l3pool.cluster.running import pool_endpoints
@@ -294,7 +294,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("pages", "rounds", "reps", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
-    check_out(args)
     sglang = sglang_status(args)
     load_start = loadavg_1m()
     rows = []

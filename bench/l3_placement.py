@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report, loadavg_1m
+from bench._pool_cli import add_pool_args, add_report_args, emit_report, loadavg_1m
 from bench.l3 import fill
 from l2core import HostKVPool, KVSpec, L2Config
 from l3pool.cliutil import guarded
@@ -129,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("pages", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
-    check_out(args)
     load_start = loadavg_1m()
     with pool_endpoints(args.master, args.metadata, args.host, segment_size=args.segment_size,
                         state_dir=args.state_dir) as ep:  # fmt: skip

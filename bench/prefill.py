@@ -41,6 +41,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from l3pool.cliutil import out_file
 from l3pool.demo import PREFIX_METHODS
 
 MODES = ("default", "deterministic")
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tries", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of: {', '.join(MODES)}")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", type=out_file, default=None, help="also write the JSON here (checked before the run)")
     ap.add_argument("--_one-mode", dest="one_mode", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.tokens < 2 or a.tries < 1 or a.layers < 0:

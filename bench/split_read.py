@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._pool_cli import add_report_args, check_out, emit_report
+from bench._pool_cli import add_report_args, emit_report
 from bench._ranks import reported, run_ranks
 from l3pool.cliutil import UserError
 
@@ -262,7 +262,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"split reads need {args.tp} GPUs (one per TP rank) for the target measurement, this host has {n}; "
                 "--device cpu runs the CPU check (gloo), not the target measurement"
             )
-    check_out(args)
     from l2core import load_native
     from l2core.split_read import SPLIT_MIN_RANK_BYTES
 

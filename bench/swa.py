@@ -46,6 +46,7 @@ from l2core.l1 import kv_stack, layer_views, page_slots
 from l2core.layout import HostLayout
 from l2core.spec import KVSpec
 from l2core.window import gather_windows, scatter_window
+from l3pool.cliutil import out_file
 
 P = 64
 
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--out", type=out_file, help="also write the JSON here (checked before the run)")
     a = ap.parse_args(argv)
     try:
         tokens = [int(x) for x in a.tokens.split(",") if x.strip()]

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._pool_cli import add_report_args, check_out, emit_report
+from bench._pool_cli import add_report_args, emit_report
 from bench._ranks import CTX, reported, run_ranks
 from l3pool.cliutil import UserError
 
@@ -231,7 +231,6 @@ def main(argv: list[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             p.error("--device cuda: torch sees no GPU")
-    check_out(args)
     from l2core import load_native
 
     load_native()  # build once, before the ranks start (they load the cached build)

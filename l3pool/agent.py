@@ -49,7 +49,7 @@ from urllib.parse import urlsplit
 
 from l2core.units import parse_size
 from l3pool import metrics
-from l3pool.pool.addr import check_host, split_host_port
+from l3pool.pool.addr import check_host, check_metadata_url, split_host_port
 from l3pool.pool.etcd import (
     EtcdAuthError,
     EtcdClient,
@@ -64,19 +64,6 @@ from l3pool.pool.metadata import DEFAULT_PREFIX, MemberInfo, Metadata, check_id,
 from l3pool.pool.store import PROTOCOLS, metadata_url, segment_too_large, segment_too_small
 
 log = logging.getLogger(__name__)
-
-
-def _check_metadata(url: str) -> str:
-    if url == "P2PHANDSHAKE":
-        return url
-    u = urlsplit(url)
-    try:
-        port = u.port
-    except ValueError:
-        port = None
-    if u.scheme not in ("http", "etcd") or not u.hostname or port is None:
-        raise ValueError(f"metadata {url!r}: expected P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT")
-    return url
 
 
 @dataclass(frozen=True)
@@ -104,7 +91,7 @@ class AgentSettings:
         """Validate the command line; ValueError with a one-line reason."""
         master_addr = split_host_port(args.master, "--master")
         mhost = f"[{master_addr[0]}]" if ":" in master_addr[0] else master_addr[0]
-        metadata = _check_metadata(args.metadata or metadata_url(mhost))
+        metadata = check_metadata_url(args.metadata or metadata_url(mhost))
         etcd_security = security_from_args(args)
         check_settings(args.etcd, etcd_security)
         host = check_host(args.host, "--host")
@@ -184,7 +171,7 @@ def check_reachable(s: AgentSettings, etcd: EtcdClient) -> None:
     _tcp_check(s.master_addr, "mooncake master")
     if s.metadata != "P2PHANDSHAKE":
         u = urlsplit(s.metadata)
-        assert u.hostname is not None and u.port is not None  # checked by _check_metadata
+        assert u.hostname is not None and u.port is not None  # checked by check_metadata_url
         _tcp_check((u.hostname, u.port), "the transfer-engine metadata server")
 
 

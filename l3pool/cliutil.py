@@ -18,6 +18,7 @@ import json
 import os
 import select
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -56,6 +57,11 @@ def require_prefill() -> None:
 
 
 # -- argparse types: numbers with a lower bound (the one helper every command's flags use) ---------
+# The largest number a float flag takes: the longest wait Python's locks and threads accept
+# (about 292 years), so a flag given in seconds never overflows a timeout later.
+FLOAT_MAX = threading.TIMEOUT_MAX
+
+
 def _bounded(kind: type[int] | type[float], text: str, low: float, strict: bool) -> float:
     try:
         value = kind(text)
@@ -65,6 +71,8 @@ def _bounded(kind: type[int] | type[float], text: str, low: float, strict: bool)
         ) from None
     if value != value or value < low or (strict and value == low):  # NaN too
         raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text!r}")
+    if kind is float and value > FLOAT_MAX:  # inf too: every such flag is a finite amount (most are seconds)
+        raise argparse.ArgumentTypeError(f"must be at most {FLOAT_MAX:.3g}, got {text!r}")
     return value
 
 
@@ -242,6 +250,16 @@ def output_file(path: str | os.PathLike[str], what: str) -> Path:
     if not existed:
         p.unlink(missing_ok=True)  # nothing left behind if the run fails before writing it
     return p
+
+
+def out_file(text: str) -> str:
+    """argparse type of a report's --out FILE: `output_file` at parse time, so a path that cannot
+    be written fails before any work, as a usage error (one line, exit 2)."""
+    try:
+        output_file(text, "")
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e).strip()) from None
+    return text
 
 
 def output_dir(path: str | os.PathLike[str], what: str) -> Path:

@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._pool_cli import add_report_args, check_out, emit_report
+from bench._pool_cli import add_report_args, emit_report
 from l3pool.measure import percentile
 from l3pool.pool.kv_events import SourceInfo
 from l3pool.procenv import python_env
@@ -210,7 +210,6 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.pages < args.request_pages:
         p.error("--pages must be >= --request-pages")
-    check_out(args)
     load_start = loadavg()
     from bench.index._churn import churn
     from l3pool.index.table import GlobalIndex

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench._pool_cli import add_pool_args, add_report_args, check_out, emit_report, loadavg_1m
+from bench._pool_cli import add_pool_args, add_report_args, emit_report, loadavg_1m
 from l2core import HostKVPool, L2Config
 from l3pool.cluster.running import pool_endpoints
 from l3pool.measure import percentile
@@ -232,7 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("pages", "requests", "rounds", "batch", "max_batch", "inflight", "pipeline", "lock_requests"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    check_out(args)
     load_start = loadavg_1m()
     ps = PrefixSet(8, 64, args.pages, args.requests, args.seed, uuid.uuid4().hex)
     # the given pool, the local cluster `l3pool cluster up` left running, or one started here

@@ -40,7 +40,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench._pool_cli import add_report_args, check_out, emit_report
+from bench._pool_cli import add_report_args, emit_report
 from bench.routing._sim import SHAPES, Cell, simulate
 from l3pool.cliutil import guarded
 from l3pool.router import POLICIES
@@ -299,7 +299,6 @@ def main(argv: list[str] | None = None) -> int:
     policies = ["cache_aware", *dict.fromkeys(p for p in names if p != "cache_aware")]
     if len(policies) < 2:
         ap.error("--policies: cache_aware needs at least one other policy to compare with")
-    check_out(a)
     seeds = list(range(a.first_seed, a.first_seed + a.seeds))
     cells = [Cell(n, s, ld, c, r, a.turns) for n, s, ld, c, r in itertools.product(inst, spi, loads, ctxs, reuse)]
 

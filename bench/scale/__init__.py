@@ -64,7 +64,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench._pool_cli import add_report_args, check_out, emit_report
+from bench._pool_cli import add_report_args, emit_report
 from bench.scale._client import TraceSpec, calls_per_request
 from bench.scale._index import IndexProcess, available, prepare, row_fields
 from bench.scale._obs import plot, ran_on, rss_bytes, snapshot, window
@@ -516,7 +516,6 @@ def estimate_s(args: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    check_out(args)
     if args.plot_dir:
         try:
             import matplotlib  # noqa: F401

@@ -73,7 +73,7 @@ from tqdm import tqdm
 from bench._pool_cli import loadavg_1m
 from l2core import LAYOUTS, HostKVPool, HostMemory, KVSpec, L2Config, ops
 from l2core.l1 import kv_stack, page_slots
-from l3pool.cliutil import output_file
+from l3pool.cliutil import out_file
 
 from ._report import (
     _cpu_times,
@@ -550,7 +550,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="auto: cuda if available")
     p.add_argument("--json", action="store_true", help="print the JSON report to stdout instead of a table")
-    p.add_argument("--out", type=Path, help="also write the JSON report to this file")
+    p.add_argument("--out", type=out_file, help="also write the JSON report to this file (checked before the run)")
     p.add_argument("--models", type=lambda v: _csv(v, list(MODELS), "--models"), default=list(MODELS))
     p.add_argument("--layouts", type=lambda v: _csv(v, LAYOUTS, "--layouts"), default=list(LAYOUTS))
     p.add_argument("--tokens", type=_tokens, default=list(DEFAULT_TOKENS), help="comma list, multiples of 64")
@@ -584,8 +584,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for page in sorted({MODELS[m][1]().page_size for m in args.models}):
         if bad := [t for t in args.tokens if t % page]:
             p.error(f"--tokens {','.join(map(str, bad))}: not a multiple of the page size {page}")
-    if args.out is not None:
-        output_file(args.out, "--out")
     if args.quick:
         args.tokens = args.tokens[:1]
     return args
@@ -698,7 +696,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run(args)
     text = json.dumps(report, indent=2)
     if args.out is not None:
-        args.out.write_text(text + "\n")
+        Path(args.out).write_text(text + "\n")
     if args.json:
         print(text)
     else:

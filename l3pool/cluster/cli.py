@@ -32,6 +32,17 @@ def _print_endpoints(state: dict[str, Any]) -> None:
         print(f"{k:12s} {v}")
 
 
+def _command(text: str) -> list[str]:
+    """argparse type of --agent-cmd: a command line as a shell splits it."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a command line: {e}") from None
+    if not argv:
+        raise argparse.ArgumentTypeError("empty command")
+    return argv
+
+
 def _state_dir(args: argparse.Namespace) -> Path:
     return Path(args.state_dir) if args.state_dir else default_state_dir(args.name)
 
@@ -41,7 +52,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         cluster = LocalCluster(
             agents=args.agents, segment_size=args.segment_size, state_dir=args.state_dir, netns=args.netns,
             lease_ttl=args.lease_ttl, client_ttl=args.client_ttl, name=args.name, subnet=args.subnet,
-            key_prefix=args.key_prefix, agent_cmd=shlex.split(args.agent_cmd) if args.agent_cmd else None,
+            key_prefix=args.key_prefix, agent_cmd=args.agent_cmd,
             ready_timeout=args.timeout,
         )  # fmt: skip
     except ClusterConfigError as e:
@@ -146,7 +157,9 @@ def add_parser(subparsers: Any) -> None:
     up.add_argument("--client-ttl", type=positive_int, default=5, help="mooncake_master --client_ttl, seconds")
     up.add_argument("--name", default=DEFAULT_NAME, help=names)
     up.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="etcd key prefix (default %(default)s)")
-    up.add_argument("--agent-cmd", default=None, help="agent command (default: python -m l3pool.cli agent)")
+    up.add_argument(
+        "--agent-cmd", type=_command, default=None, help="agent command (default: python -m l3pool.cli agent)"
+    )
     up.add_argument("--timeout", type=positive_float, default=60.0, help="readiness timeout, seconds")
     up.add_argument("--json", action="store_true", help="print the state as JSON")
     up.set_defaults(fn=_cmd_up)

@@ -197,11 +197,19 @@ def read_state(state_dir: str | Path) -> dict[str, Any] | None:
     """The recorded cluster of `state_dir`, or None when there is none."""
     path = Path(state_dir) / STATE_FILE
     try:
-        return json.loads(path.read_text())  # type: ignore[no-any-return]
+        state = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # not JSON, not UTF-8
         raise ClusterError(f"unreadable cluster state {path}: {e}") from e
+    if not isinstance(state, dict) or not isinstance(state.get("processes", []), list):
+        raise ClusterError(f"unreadable cluster state {path}: not an object with a list of processes")
+    try:
+        _state_procs(state)
+    except (KeyError, TypeError, ValueError) as e:
+        why = f"{type(e).__name__}: {e}"
+        raise ClusterError(f"unreadable cluster state {path}: a process entry is malformed ({why})") from e
+    return state
 
 
 def _state_procs(state: dict[str, Any]) -> list[Proc]:

@@ -31,6 +31,7 @@ from l3pool.cluster.local import (
 )
 from l3pool.cluster.processes import alive
 from l3pool.paths import runtime_dir
+from l3pool.pool.addr import check_host, check_metadata_url, split_host_port
 from l3pool.pool.metadata import DEFAULT_PREFIX
 
 if TYPE_CHECKING:
@@ -145,6 +146,18 @@ class Endpoints:
         return MooncakeStore(StoreConfig(master=self.master, metadata=self.metadata, local_hostname=self.host, **kw))
 
 
+def given_pool(master: str, metadata: str, host: str | None = None, etcd: str | None = None) -> Endpoints:
+    """The `Endpoints` of a running pool named on the command line (--master, --metadata, --host),
+    each checked now: ClusterConfigError naming the flag, not a client that hangs on a bad one."""
+    try:
+        split_host_port(master, "--master")
+        check_metadata_url(metadata, "--metadata")
+        check_host(host or "127.0.0.1", "--host")
+    except ValueError as e:
+        raise ClusterConfigError(str(e)) from None
+    return Endpoints(master, metadata, host or "127.0.0.1", etcd)
+
+
 def _from_state(state: dict[str, Any]) -> Endpoints:
     ep = state["endpoints"]
     agent = (state.get("agents") or [{}])[-1]
@@ -176,7 +189,7 @@ def pool_endpoints(
     if master:
         if not metadata:
             raise ClusterConfigError("--master needs --metadata (the transfer-engine metadata URL)")
-        yield Endpoints(master, metadata, host or "127.0.0.1", etcd)
+        yield given_pool(master, metadata, host, etcd)
         return
     if metadata:
         raise ClusterConfigError("--metadata needs --master too (or give none to use the local cluster)")

@@ -256,14 +256,15 @@ def _endpoints(a: argparse.Namespace) -> Iterator[tuple[Endpoints, str]]:
     """The pool (`Endpoints`: `.store()` is this process's client) and its description, starting a
     local cluster when needed (the demo always starts its own: it never joins a running one; it is
     torn down at the end and its state dir removed: `own_cluster`)."""
-    from l3pool.cluster.running import Endpoints
+    from l3pool.cluster.running import Endpoints, given_pool
 
     if a.master:
         if not a.metadata:
             raise DemoError("--master needs --metadata (and --host: this node's IP)")
+        pool = given_pool(a.master, a.metadata, a.host, a.etcd)
         if a.host:  # this program is the application: Mooncake advertises this address to peers
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", a.host)
-        yield Endpoints(a.master, a.metadata, a.host or "127.0.0.1", a.etcd), f"running pool at {a.master}"
+        yield pool, f"running pool at {a.master}"
         return
     if a.metadata or a.etcd or a.host:
         raise DemoError("--metadata/--etcd/--host need --master (or give none to start a local cluster)")

@@ -95,6 +95,10 @@ def run_index(args: argparse.Namespace) -> int:
         etcd.close()
         raise UserError(str(e), "the index compiles its table at first start: it needs a C++ compiler (g++, or "
                         "CXX naming one)") from None  # fmt: skip
+    except MemoryError:
+        etcd.close()
+        raise UserError(f"--capacity-pages {args.capacity_pages}: not enough memory for a table of that many pages",
+                        "lower --capacity-pages (the table takes ~40 B a page at 64 instances)") from None  # fmt: skip
     try:
         svc = IndexService(index, metadata=Metadata(etcd, args.key_prefix), listen=args.listen, poll_s=args.poll,
                            watch=args.watch, resync_s=args.resync)  # fmt: skip

@@ -101,9 +101,12 @@ def checked(name: str, conv: Callable[[Any], Any], v: Any) -> Any:
         raise BadValue(f"{name}: {e}") from None
 
 
+MAX_CAPACITY_PAGES = 1 << 40  # ~40 TB of table at 40 B a page: more than any node holds
+
+
 def check_config(capacity_pages: int, max_instances: int, l3_ttl_s: float) -> None:
     """ValueError naming the first bad setting (before anything is allocated or built)."""
-    checked("capacity_pages", int_in(1), capacity_pages)
+    checked("capacity_pages", int_in(1, MAX_CAPACITY_PAGES), capacity_pages)
     checked("max_instances", int_in(1, 4096), max_instances)
     checked("l3_ttl_s", number_at_least(1e-3), l3_ttl_s)
 

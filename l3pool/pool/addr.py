@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from urllib.parse import urlsplit
 
 _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 
@@ -26,3 +27,19 @@ def split_host_port(value: str, what: str = "address") -> tuple[str, int]:
         raise ValueError(f"{what} {value!r}: expected HOST:PORT")
     check_host(host, what)
     return host, int(port)
+
+
+def check_metadata_url(url: str, what: str = "metadata") -> str:
+    """A Mooncake transfer-engine metadata URL (P2PHANDSHAKE, http://HOST:PORT/metadata or
+    etcd://HOST:PORT) as given; ValueError naming `what` otherwise."""
+    if url == "P2PHANDSHAKE":
+        return url
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError:
+        u, port = None, None
+    if u is None or u.scheme not in ("http", "etcd") or not u.hostname or port is None:
+        raise ValueError(f"{what} {url!r}: expected P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT")
+    check_host(u.hostname, what)
+    return url

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from l3pool.metrics import LEASE_RENEWAL_FAILURES, LEASE_RENEWALS, unwatch_breaker, watch_breaker
+from l3pool.pool.addr import check_host
 from l3pool.pool.breaker import Breaker
 
 log = logging.getLogger(__name__)
@@ -297,6 +298,7 @@ def parse_urls(endpoints: str | Sequence[str]) -> list[Endpoint]:
             port = u.port or 2379
         except ValueError:
             raise ValueError(f"bad etcd endpoint {raw!r}: port is not a number") from None
+        check_host(u.hostname, f"bad etcd endpoint {raw!r}: host")
         out.append(Endpoint("" if u.scheme == "none" else u.scheme, u.hostname, port))
     if not out:
         raise ValueError("no etcd endpoint given")

@@ -33,6 +33,9 @@ def _load(source: str) -> Any:
         except OSError as e:
             raise UserError(f"{source}: cannot read it: {e.strerror or e}",
                             "give a file holding the extra-config's JSON, or the JSON itself") from None  # fmt: skip
+        except UnicodeDecodeError as e:
+            raise UserError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})",
+                            "give a file holding the extra-config's JSON, or the JSON itself") from None  # fmt: skip
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

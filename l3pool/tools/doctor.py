@@ -518,7 +518,7 @@ def _validate(args: argparse.Namespace) -> None:
     """Raise ValueError (one line) for flags that are wrong before any check runs."""
     if args.l2_size:
         parse_size(args.l2_size, "--l2-size")
-    if args.master:
+    if args.master is not None:  # an empty one too: it is not an address
         split_host_port(args.master, "--master")
     args.etcd_security = security_from_args(args)
     if args.etcd:

@@ -373,11 +373,11 @@ def _cases(tmp: Path) -> list[Case]:
             "--segment-size: cannot parse 'lots'",
         ),
         Case("bench-prefetch-bad-pages", ("bench.prefetch", "--pages", "0"), "--pages must be >= 1", proc=ENTRY),
-        Case(
+        Case(  # --out is checked by its type at parse time: a usage error
             "bench-transfer-out-under-file",
             ("bench.transfer", "--quick", "--out", str(afile / "r.json")),
-            "is a file",
-            True,
+            "argument --out:",
+            rc=2,
         ),
         Case("bench-transfer-bad-tokens", ("bench.transfer", "--tokens", "63"), "not a multiple of the page size"),
         Case(
@@ -386,6 +386,62 @@ def _cases(tmp: Path) -> list[Case]:
             "argument --segment-size: 1 MB is below Mooncake's minimum",
         ),
         Case("bench-cache-out-under-file", ("bench.cache", "--no-l3", "--out", str(afile / "r.json")), "is a file"),
+        # found by a bad-input audit (2026-12-07): each gave a traceback, a hang or the wrong exit code
+        *(
+            Case(f"bench-{m}-out-under-file", (f"bench.{m}", "--out", str(afile / "r.json")), "is a file", rc=2)
+            for m in ("swa", "interference", "prefill", "routing")
+        ),
+        Case("etcd-host-with-a-space", (*L, "inspect", "--etcd", "bad host:5"), "not an IP address or host name", rc=2),
+        Case(
+            "etcd-host-with-a-space-json",
+            (*L, "purge", "--etcd", "bad host:5", "--namespace", "x", "--yes", "--json"),
+            "not an IP address or host name",
+            proc=ENTRY,
+            rc=2,
+        ),
+        Case("doctor-empty-master", (*L, "doctor", "--master", ""), "--master '': expected HOST:PORT", rc=2),
+        Case("check-config-not-utf8", (*L, "check-config", str(tmp / "binary.json")), "not UTF-8 text", True, rc=2),
+        *(
+            Case(
+                f"cluster-status-state-{name}",
+                (*L, "cluster", "status", "--state-dir", str(tmp / f"st-{name}")),
+                "unreadable cluster state",
+                rc=1,
+            )
+            for name in ("list", "not-utf8", "no-role", "bad-pid")
+        ),
+        Case(
+            "cluster-up-agent-cmd-unclosed-quote",
+            (*L, "cluster", "up", "--state-dir", str(tmp / "c5"), "--agent-cmd", "'unclosed"),
+            "is not a command line: No closing quotation",
+            rc=2,
+        ),
+        Case(
+            "index-capacity-out-of-range",
+            (*L, "index", "--etcd", etcd, "--capacity-pages", "99999999999999999999"),
+            "capacity_pages: 99999999999999999999 is out of range",
+            rc=2,
+        ),
+        Case("index-poll-inf", (*L, "index", "--poll", "inf"), "argument --poll: must be at most", rc=2),
+        Case("index-status-timeout-huge", (*L, "index", "--status", "--timeout", "1e308"), "must be at most", rc=2),
+        Case(
+            "prefetch-bad-metadata",
+            (*L, "prefetch-check", *dead[:2], "--metadata", "garbage"),
+            "--metadata 'garbage'",
+            rc=2,
+        ),
+        Case(
+            "prefetch-bad-host",
+            (*L, "prefetch-check", *dead, "--host", "bad host"),
+            "--host 'bad host': not an IP address or host name",
+            rc=2,
+        ),
+        Case(
+            "demo-master-not-host-port",
+            (*L, "demo", "--quick", "--out", str(tmp / "d-np"), "--master", "notaport", "--metadata", "P2PHANDSHAKE"),
+            "--master 'notaport': expected HOST:PORT",
+            rc=2,
+        ),
         Case(
             "bench-cache-master-unreachable",
             ("bench.cache", *cache_small, *dead),
@@ -480,6 +536,13 @@ def cli_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def results(cli_tmp: Path) -> dict[str, tuple[Case, subprocess.CompletedProcess[str]]]:
     tmp = cli_tmp
     (tmp / "afile").write_text("not a directory\n")
+    (tmp / "binary.json").write_bytes(b"\xff\xfe\x00{")
+    states = {"list": b"[]", "not-utf8": b"\xff{}", "no-role": b'{"processes": [{"id": "x"}]}',
+              "bad-pid": b'{"processes": [{"role": "etcd", "id": "e", "pid": "abc", "pgid": 1, "start_time": 1, '
+                         b'"log": "l", "cmd": []}]}'}  # fmt: skip
+    for name, text in states.items():
+        (tmp / f"st-{name}").mkdir()
+        (tmp / f"st-{name}" / "state.json").write_bytes(text)
     (tmp / "bad.toml").write_text("[etcd\nhosts = \n")
     (tmp / "unknown.toml").write_text(EXAMPLE.read_text() + "\nbogus_key = 1\n")
     (tmp / "no-cluster").mkdir()
