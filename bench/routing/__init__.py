@@ -43,6 +43,7 @@ from typing import Any
 from bench._pool_cli import add_report_args, emit_report
 from bench.routing._sim import SHAPES, Cell, simulate
 from l3pool.cliutil import guarded
+from l3pool.demo import MODELS
 from l3pool.router import POLICIES
 
 METRICS = ("ttft_mean_s", "ttft_p90_s", "prefill_s")  # TTFT first: what the router is for
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                     "pages are cached before the next is routed, whatever the virtual clock says)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="a small grid (CI): " + json.dumps(QUICK))
     ap.add_argument("--real", action="store_true", help="run the cells through `l3pool demo` (real model)")
-    ap.add_argument("--model", default="reference", help="--real: the demo's --model")
+    ap.add_argument("--model", choices=MODELS, default="reference", help="--real: the demo's --model")
     ap.add_argument("--layers", type=int, default=0, help="--real: the demo's --layers (0: the model's own)")
     ap.add_argument("--repeats", type=int, default=3, help="--real: paired repeats per seed (>= 3)")
     ap.add_argument("--segment-size", default="2GB", help="--real: the demo's --segment-size")

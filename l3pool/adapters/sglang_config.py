@@ -93,9 +93,10 @@ from typing import Any
 from l2core.shm_segment import TPGroup, check_group
 from l2core.units import SIZE_RULE, ConfigError, parse_size
 from l3pool.cache.config import L3Settings, l3_settings
+from l3pool.pool.addr import check_host, check_metadata_url, split_host_port
 from l3pool.pool.etcd import security_mapping
 from l3pool.pool.metadata import DEFAULT_PREFIX
-from l3pool.pool.store import MIN_SEGMENT_BYTES, StoreConfig
+from l3pool.pool.store import MIN_SEGMENT_BYTES, PROTOCOLS, StoreConfig
 from l3pool.values import unknown_key_hint
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,6 @@ MOONCAKE_REFUSED = {
 }
 _OFF = (None, False, 0, "", "false", "False", "0")
 SGLANG_DEFAULT_TENANT = "default"  # SGLang's Mooncake backend's name for "no tenant"
-_HOSTPORT = re.compile(r"^\[?[A-Za-z0-9.:-]+\]?:\d{1,5}$")
 
 
 def _typed(d: Mapping[str, Any], key: str, types: tuple[type, ...], default: Any) -> Any:
@@ -220,9 +220,17 @@ class BackendConfig:
                 "up in etcd) is not supported by the l3pool backend: its start-up check, health probe and "
                 "client rebuild talk to one master's host:port; give the leader's host:port"
             )
-        if not _HOSTPORT.match(master):
-            raise ConfigError(f"extra-config 'master' {master!r}: expected host:port")
         s = {k: _typed(extra, k, (str,), None) for k in ("metadata_server", "local_hostname", "protocol")}
+        try:  # the addresses as the agent checks them: a value Mooncake cannot use is refused here
+            split_host_port(master, "extra-config 'master'")
+            if s["metadata_server"] is not None:
+                check_metadata_url(s["metadata_server"], "extra-config 'metadata_server'")
+            if s["local_hostname"] is not None:
+                check_host(s["local_hostname"], "extra-config 'local_hostname'")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if s["protocol"] is not None and s["protocol"] not in PROTOCOLS:
+            raise ConfigError(f"extra-config 'protocol' {s['protocol']!r}: must be one of {', '.join(PROTOCOLS)}")
         s |= {k: _typed(extra, k, (str,), None) for k in ("rdma_devices", "key_prefix", "tenant", "client_id")}
         s |= {"tp_group": _typed(extra, "tp_group", (str,), None)}
         s |= {"etcd": _typed(extra, "etcd", (str,), None), "model": _typed(extra, "model", (str,), None)}

@@ -18,6 +18,7 @@ from l3pool.cluster.local import (
     ClusterConfigError,
     ClusterError,
     LocalCluster,
+    check_name,
     default_state_dir,
     down,
 )
@@ -41,6 +42,14 @@ def _command(text: str) -> list[str]:
     if not argv:
         raise argparse.ArgumentTypeError("empty command")
     return argv
+
+
+def _name(text: str) -> str:
+    """argparse type of --name: it names a directory, namespaces and links."""
+    try:
+        return check_name(text)
+    except ClusterConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
@@ -155,7 +164,7 @@ def add_parser(subparsers: Any) -> None:
     up.add_argument("--subnet", help=f"bridge .1, agent K .10+K (default {DEFAULT_SUBNET} or the next free /24)")
     up.add_argument("--lease-ttl", type=positive_int, default=5, help="agents' etcd lease TTL, seconds")
     up.add_argument("--client-ttl", type=positive_int, default=5, help="mooncake_master --client_ttl, seconds")
-    up.add_argument("--name", default=DEFAULT_NAME, help=names)
+    up.add_argument("--name", type=_name, default=DEFAULT_NAME, help=names)
     up.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="etcd key prefix (default %(default)s)")
     up.add_argument(
         "--agent-cmd", type=_command, default=None, help="agent command (default: python -m l3pool.cli agent)"
@@ -167,7 +176,9 @@ def add_parser(subparsers: Any) -> None:
                            ("status", _cmd_status, "each process alive/dead, and the endpoints")):  # fmt: skip
         s = sub.add_parser(name, help=text)
         s.add_argument("--state-dir", help=dirs)
-        s.add_argument("--name", default=DEFAULT_NAME, help="the cluster's name, when --state-dir is not given")
+        s.add_argument(
+            "--name", type=_name, default=DEFAULT_NAME, help="the cluster's name, when --state-dir is not given"
+        )
         s.add_argument("--json", action="store_true")
         if name == "down":
             s.add_argument("--keep-logs", action="store_true", help="keep the logs (default: removed once all stopped)")

@@ -186,9 +186,21 @@ class _ProcessExited(ClusterError):
     """A process of the cluster exited while start() waited for it."""
 
 
+def check_name(name: str) -> str:
+    """A cluster's name as given; ClusterConfigError unless 1-_NAME_MAX ASCII letters/digits
+    starting with a letter (it names a directory, network namespaces and links)."""
+    if not (isinstance(name, str) and name[:1].isalpha() and name.isascii() and name.isalnum()
+            and len(name) <= _NAME_MAX):  # fmt: skip
+        raise ClusterConfigError(
+            f"name must be 1-{_NAME_MAX} ASCII letters/digits starting with a letter, got {name!r}"
+        )
+    return name
+
+
 def default_state_dir(name: str = DEFAULT_NAME) -> Path:
     """`cluster` for the default name, `cluster-{name}` for others (so that clusters with different
     names never share a state file or logs), in the private per-user dir of `l3pool.paths`."""
+    check_name(name)  # a path is made of it
     return runtime_dir() / ("cluster" if name == DEFAULT_NAME else f"cluster-{name}")
 
 
@@ -287,12 +299,9 @@ def _check_args(
         raise ClusterConfigError(f"agents must be an int in [0, 200], got {agents!r}")
     if netns not in ("auto", "on", "off"):
         raise ClusterConfigError(f"netns must be 'auto', 'on' or 'off', got {netns!r}")
-    if not (name[:1].isalpha() and name.isascii() and name.isalnum() and len(name) <= _NAME_MAX):
-        raise ClusterConfigError(
-            f"name must be 1-{_NAME_MAX} ASCII letters/digits starting with a letter, got {name!r}"
-        )
+    check_name(name)
     try:
-        net = ipaddress.ip_network(subnet or DEFAULT_SUBNET)
+        net = ipaddress.ip_network(DEFAULT_SUBNET if subnet is None else subnet)
     except ValueError as e:
         raise ClusterConfigError(f"bad subnet {subnet!r}: {e}") from None
     if not isinstance(net, ipaddress.IPv4Network) or net.num_addresses < agents + 12:

@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from l3pool.cluster.running import Endpoints
 
+# the demo's --model: the reference model, then transformers' classes at real scale (hf.SHAPES)
+MODELS = ("reference", "llama-8b", "deepseek-mla", "llama-tiny", "mla-tiny")
+
 log = logging.getLogger(__name__)
 
 # What the demo lends the benchmarks (bench/ measures its reference engine, model, traffic and
@@ -102,7 +105,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--reuse", type=float, default=0.8, help="target prefix reuse per turn (default 0.8)")
     p.add_argument(
         "--model",
-        choices=["reference", "llama-8b", "deepseek-mla", "llama-tiny", "mla-tiny"],
+        choices=MODELS,
         default="reference",
         help="reference: the bit-exact small model (default); others: HF transformers' own classes, random bf16 "
         "weights (needs the `real` extra)",

@@ -720,7 +720,8 @@ def render(rep: dict[str, Any]) -> str:
 def run_chaos(args: argparse.Namespace) -> int:
     from l3pool.cliutil import UserError, fail
 
-    names = [s.strip() for s in args.scenarios.split(",") if s.strip()] if args.scenarios else list(SCENARIOS)
+    every = args.scenarios is None  # an empty --scenarios is no scenario, not all of them
+    names = list(SCENARIOS) if every else [s.strip() for s in args.scenarios.split(",") if s.strip()]
     bad = [s for s in names if s not in _FUNCS]
     if bad or not names:
         raise UserError(f"unknown scenario(s) {', '.join(bad) or '(none)'}", f"choose from {', '.join(SCENARIOS)}")

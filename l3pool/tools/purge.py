@@ -14,9 +14,9 @@ what would go and the result shows what stayed: without --force the master skips
 read lease (any lookup or get in the last 10 s) — `--force` takes them too, at the risk of a
 reader that is copying one right now.
 
-Exit 0 on success, 1 when an endpoint cannot be reached, a namespace is unknown or a removal
-failed, 2 for flag mistakes (including a removal without --yes). One line on stderr, never a
-traceback.
+Exit 0 on success, 1 when an endpoint cannot be reached or a removal failed, 2 for flag
+mistakes (including a removal without --yes, and a --namespace or --model that names nothing in
+the pool). One line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def resolve(md: Metadata, namespace: str | None, model: str | None, tenant: str 
         if namespace not in known:
             raise PurgeError(
                 f"unknown namespace {namespace!r} under {md.prefix}/namespaces/ ({len(known)} registered; "
-                "`l3pool inspect` lists them)"
+                "`l3pool inspect` lists them)",
+                code=2,  # a flag's value names nothing there: bad input
             )
         return {namespace: known[namespace]}
     chosen = {
@@ -58,7 +59,7 @@ def resolve(md: Metadata, namespace: str | None, model: str | None, tenant: str 
     if not chosen:
         models = sorted({str(r.get("model")) for r in known.values()})
         who = f"model {model!r}" + (f" and tenant {tenant!r}" if tenant is not None else "")
-        raise PurgeError(f"no namespace of {who} under {md.prefix}/namespaces/ (models there: {models})")
+        raise PurgeError(f"no namespace of {who} under {md.prefix}/namespaces/ (models there: {models})", code=2)
     return dict(sorted(chosen.items()))
 
 

@@ -437,6 +437,21 @@ def _cases(tmp: Path) -> list[Case]:
             rc=2,
         ),
         Case(
+            "check-config-udp",
+            (*L, "check-config", '{"master": "127.0.0.1:50051", "interface_v1": 1, "protocol": "udp"}'),
+            "'protocol' 'udp': must be one of tcp, rdma",
+            rc=2,
+        ),
+        Case("cluster-status-name-path", (*L, "cluster", "status", "--name", "../../etc"), "argument --name:", rc=2),
+        Case("chaos-empty-scenarios", (*L, "chaos", "--scenarios", ""), "unknown scenario(s) (none)", True, rc=2),
+        Case(
+            "cluster-up-empty-subnet",
+            (*L, "cluster", "up", "--netns", "off", "--subnet", "", "--state-dir", str(tmp / "c6")),
+            "bad subnet ''",
+            rc=2,
+        ),
+        Case("bench-routing-real-bad-model", ("bench.routing", "--real", "--model", "bogus"), "invalid choice", rc=2),
+        Case(
             "demo-master-not-host-port",
             (*L, "demo", "--quick", "--out", str(tmp / "d-np"), "--master", "notaport", "--metadata", "P2PHANDSHAKE"),
             "--master 'notaport': expected HOST:PORT",

@@ -78,3 +78,11 @@ def test_a_good_state_file_and_none(tmp_path: Path) -> None:
     (tmp_path / "state.json").write_text(json.dumps({"processes": [proc], "up_seconds": 1.0}))
     state = read_state(tmp_path)
     assert state is not None and state["processes"][0]["role"] == "etcd"
+
+
+def test_the_demo_models_are_the_reference_and_the_hf_shapes() -> None:
+    """bench.routing --real checks --model against the demo's list before it starts a demo."""
+    from l3pool.demo import MODELS
+    from l3pool.demo.hf import SHAPES
+
+    assert MODELS[0] == "reference" and set(MODELS[1:]) == set(SHAPES)

@@ -132,8 +132,8 @@ def test_leased_objects_need_force_and_forget(pool: Pool, capsys: pytest.Capture
         ([], 2, "choose what to purge"),
         (["--tenant", "t"], 2, "--tenant selects among"),
         (["--namespace", "a/b", "--dry-run"], 2, "namespace id 'a/b'"),
-        (["--namespace", "feedbeef", "--dry-run"], 1, "unknown namespace 'feedbeef'"),
-        (["--model", "nobody", "--dry-run"], 1, "no namespace of model 'nobody'"),
+        (["--namespace", "feedbeef", "--dry-run"], 2, "unknown namespace 'feedbeef'"),
+        (["--model", "nobody", "--dry-run"], 2, "no namespace of model 'nobody'"),
         (["--key-prefix", "nope", "--model", "m"], 2, "key prefix must start with '/'"),
     ],
 )
