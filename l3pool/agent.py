@@ -49,7 +49,7 @@ from urllib.parse import urlsplit
 
 from l2core.units import parse_size
 from l3pool import metrics
-from l3pool.pool.addr import check_host, check_metadata_url, split_host_port
+from l3pool.pool.addr import check_admin_url, check_host, check_metadata_url, split_host_port
 from l3pool.pool.etcd import (
     EtcdAuthError,
     EtcdClient,
@@ -119,13 +119,7 @@ class AgentSettings:
         metrics_host = check_host(getattr(args, "metrics_host", None) or host, "--metrics-host")
         master_admin = (getattr(args, "master_admin", None) or "").strip()
         if master_admin:
-            u = urlsplit(master_admin if "://" in master_admin else f"http://{master_admin}")
-            try:
-                ok = u.scheme in ("http", "https") and bool(u.hostname) and u.port is not None
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ValueError(f"--master-admin {master_admin!r}: expected http://HOST:PORT (its --metrics_port)")
+            check_admin_url(master_admin, "--master-admin")
         agent_id = args.id or f"{host}-{os.getpid()}"
         try:
             check_id("--id", agent_id)

@@ -212,6 +212,8 @@ def read_state(state_dir: str | Path) -> dict[str, Any] | None:
         state = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
+    except NotADirectoryError:
+        raise ClusterConfigError(f"state dir {state_dir}: not a directory") from None
     except (OSError, ValueError) as e:  # not JSON, not UTF-8
         raise ClusterError(f"unreadable cluster state {path}: {e}") from e
     if not isinstance(state, dict) or not isinstance(state.get("processes", []), list):

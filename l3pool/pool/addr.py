@@ -43,3 +43,19 @@ def check_metadata_url(url: str, what: str = "metadata") -> str:
         raise ValueError(f"{what} {url!r}: expected P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT")
     check_host(u.hostname, what)
     return url
+
+
+def check_admin_url(url: str, what: str = "--master-admin") -> str:
+    """mooncake_master's admin (metrics) URL as a client uses it: http(s)://HOST:PORT, "http://"
+    added to a bare HOST:PORT, no trailing slash; ValueError naming `what` otherwise."""
+    text = url.strip().rstrip("/")
+    full = text if "://" in text else f"http://{text}"
+    try:
+        u = urlsplit(full)
+        ok = u.scheme in ("http", "https") and bool(u.hostname) and u.port is not None and u.path == ""
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{what} {url!r}: expected http://HOST:PORT (the master's --metrics_port)")
+    check_host(u.hostname or "", what)
+    return full

@@ -10,6 +10,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from l3pool.pool.addr import check_admin_url
+
 ADMIN_TIMEOUT = 3.0
 
 
@@ -21,10 +23,7 @@ class MasterAdmin:
     """Reader for mooncake_master's admin HTTP port (--metrics_port)."""
 
     def __init__(self, url: str, timeout: float = ADMIN_TIMEOUT) -> None:
-        url = url.rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            url = f"http://{url}"
-        self.url, self.timeout = url, timeout
+        self.url, self.timeout = check_admin_url(url, "master admin URL"), timeout  # ValueError if malformed
 
     def _get(self, path: str, ok_missing: bool = False) -> str | None:
         try:

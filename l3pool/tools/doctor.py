@@ -61,7 +61,7 @@ from typing import Literal
 
 from l2core.units import ConfigError, parse_size
 from l3pool.cliutil import UserError, nonneg_int, positive_float
-from l3pool.pool.addr import split_host_port
+from l3pool.pool.addr import check_admin_url, split_host_port
 from l3pool.pool.etcd import (
     EtcdClient,
     EtcdError,
@@ -520,6 +520,8 @@ def _validate(args: argparse.Namespace) -> None:
         parse_size(args.l2_size, "--l2-size")
     if args.master is not None:  # an empty one too: it is not an address
         split_host_port(args.master, "--master")
+    if args.master_admin is not None:
+        check_admin_url(args.master_admin, "--master-admin")
     args.etcd_security = security_from_args(args)
     if args.etcd:
         check_settings(args.etcd, args.etcd_security)

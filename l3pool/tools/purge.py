@@ -27,6 +27,7 @@ import os
 import sys
 from typing import Any
 
+from l3pool.pool.addr import check_admin_url
 from l3pool.pool.etcd import EtcdClient, EtcdError, add_security_args, check_settings, security_from_args
 from l3pool.pool.metadata import DEFAULT_PREFIX, Metadata, check_id, check_prefix
 from l3pool.tables import table
@@ -218,6 +219,8 @@ def run_purge(args: argparse.Namespace) -> int:
             check_prefix(args.key_prefix)
             if args.namespace is not None:
                 check_id("namespace id", args.namespace)
+            if args.master_admin:
+                check_admin_url(args.master_admin, "--master-admin")
             args.etcd_security = security_from_args(args)
             check_settings(args.etcd, args.etcd_security)
         except ValueError as e:

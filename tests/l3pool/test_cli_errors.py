@@ -273,7 +273,19 @@ def _cases(tmp: Path) -> list[Case]:
             (*L, "cluster", "up", "--state-dir", str(afile), "--agents", "1", "--segment-size", "16MiB"),
             "cannot create the state dir",
         ),
-        Case("cluster-down-state-dir-is-file", (*L, "cluster", "down", "--state-dir", str(afile)), "Not a directory"),
+        Case(
+            "cluster-down-state-dir-is-file",
+            (*L, "cluster", "down", "--state-dir", str(afile)),
+            f"state dir {afile}: not a directory",
+            rc=2,
+        ),
+        Case(
+            "inspect-state-dir-is-file",
+            (*L, "inspect", "--state-dir", str(afile)),
+            f"state dir {afile}: not a directory",
+            rc=2,
+        ),
+        Case("doctor-admin-not-http", (*L, "doctor", "--master-admin", "ftp://x"), "expected http://HOST:PORT", rc=2),
         Case(
             "cluster-status-nothing-up",
             (*L, "cluster", "status", "--state-dir", str(empty)),

@@ -86,3 +86,13 @@ def test_the_demo_models_are_the_reference_and_the_hf_shapes() -> None:
     from l3pool.demo.hf import SHAPES
 
     assert MODELS[0] == "reference" and set(MODELS[1:]) == set(SHAPES)
+
+
+def test_admin_urls_are_normalised_or_refused() -> None:
+    from l3pool.pool.addr import check_admin_url
+
+    assert check_admin_url("127.0.0.1:9003") == "http://127.0.0.1:9003"
+    assert check_admin_url("https://master-0:9003/") == "https://master-0:9003"
+    for bad in ("ftp://x:1", "notaurl", "http://h", "http://h:1/metrics", "http://bad host:1", ""):
+        with pytest.raises(ValueError, match=r"expected http://HOST:PORT|not an IP address"):
+            check_admin_url(bad)

@@ -53,7 +53,7 @@ def test_every_problem_is_listed() -> None:
     assert len(problems) == 5, problems
     assert "did you mean 'segment_size'?" in problems[0]
     assert any('"interface_v1": 1' in p for p in problems)
-    assert any("'master' 'nohost': expected host:port" in p for p in problems)
+    assert any("'master' 'nohost': expected HOST:PORT" in p for p in problems)
     assert any("'tp_placement' must be 'interleave' or 'socket', got 'x'" in p for p in problems)
     assert any("batch_pages" in p for p in problems)
 
