@@ -20,7 +20,8 @@ Both get the same tiers, write policies, ghost list, L3 writer, prefetcher and P
 hit AND whose checkpoint is present (pinned by the match, like the pages); the rest is recomputed.
 The full match is shortened to p (`TieredCache.shorten`), so nothing past p is loaded. Evicting a
 checkpoint therefore only lowers later resume positions: no prefix ever claims to be resumable
-without its checkpoint (a checkpoint found missing after the probe makes the request resume at 0).
+without its checkpoint (a checkpoint found missing after the probe makes the request resume at 0,
+as does a page or the checkpoint that matched in L3 but did not arrive at load: `resume_lost`).
 A checkpoint of another group structure lives in another namespace: a miss, never foreign bytes.
 
 **Pipeline stages** agree through the two caches' stage locks. Stage 0 probes L3 for the largest
@@ -139,8 +140,8 @@ class HybridCache:
             raise ConfigError(f"checkpoint cache page size {ckpt.page_size} != the window {spec.window}")
         self._kv = spec.ckpt_spec if spec.swa is not None else None  # the SWA group: native CPU window copies
         self._reqs: dict[str, _HReq] = {}
-        self.counters = {"requests": 0, "resumed": 0, "resume_pages": 0, "ckpt_lost": 0, "ckpts_saved": 0,
-                         "ckpt_bytes_copied": 0}  # fmt: skip
+        self.counters = {"requests": 0, "resumed": 0, "resume_pages": 0, "ckpt_lost": 0, "resume_lost": 0,
+                         "ckpts_saved": 0, "ckpt_bytes_copied": 0}  # fmt: skip
         self._mu = threading.Lock()  # the request table and counters (calls come from many threads)
 
     # -- match ----------------------------------------------------------------------------------
@@ -256,6 +257,18 @@ class HybridCache:
         ch = None
         if self.ckpt is not None and m.ckpt is not None:
             ch = self.ckpt.load(m.ckpt, total_pages=len(r.positions))
+        # L3 held the hit at the match, but the fetch may come up short (evicted or removed since)
+        if self.ckpt is None:  # full layers only: resume where the intact pages end
+            if fh.hit_pages < r.resume:
+                self._count("resume_lost", 1)
+                r.resume = fh.hit_pages
+        elif r.resume and (fh.hit_pages < r.resume or ch is None or ch.hit_pages < 1):
+            # pages or the window at `resume` never arrived and no lower checkpoint was loaded: the
+            # request computes from 0, and the lost checkpoint is saved again at commit
+            log.info("request %s: %s lost after the match; computing from 0 instead of resuming at %d",
+                     m.request_id, "pages" if fh.hit_pages < r.resume else "the checkpoint", r.resume)  # fmt: skip
+            self._count("resume_lost", 1)
+            r.resume, r.hit = 0, r.hit and ch is not None and ch.hit_pages >= 1
         r.load = HybridLoad(m.request_id, r.resume, fh, ch, self)
         self._count("requests", 1)
         self._count("resumed", int(r.resume > 0))
