@@ -1,4 +1,5 @@
-"""Network addresses as users type them: the one HOST:PORT parser (no torch, no I/O)."""
+"""Network addresses and URLs as users type them: the one HOST:PORT parser, the metadata and
+master-admin URL checks (no torch, no I/O)."""
 
 from __future__ import annotations
 
