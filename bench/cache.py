@@ -439,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.no_l3 and (args.master or args.metadata or args.state_dir):
+        p.error("--no-l3 runs no L3 part: --master/--metadata/--state-dir would be ignored; drop one or the other")
     dev = torch.device("cuda" if cuda else "cpu")
     from l2core import load_native
 

@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("pages", "requests", "rounds", "batch", "max_batch", "inflight", "pipeline", "lock_requests"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 1 <= args.growth <= 1e6:  # before any pool: the schedule refuses it too, after connecting
+        p.error(f"--growth must be between 1 and 1e6, got {args.growth!r}")
     load_start = loadavg_1m()
     ps = PrefixSet(8, 64, args.pages, args.requests, args.seed, uuid.uuid4().hex)
     # the given pool, the local cluster `l3pool cluster up` left running, or one started here

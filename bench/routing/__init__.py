@@ -284,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segment-size", default="2GB", help="--real: the demo's --segment-size")
     a = ap.parse_args(argv)
     if a.quick:
+        if given := [k for k in QUICK if getattr(a, k) != ap.get_default(k)]:
+            ap.error(f"--quick sets its own grid: drop {', '.join('--' + k.replace('_', '-') for k in given)}")
         for k, v in QUICK.items():
             setattr(a, k, v)
     inst = _ints(ap, "instances", a.instances, lo=3)

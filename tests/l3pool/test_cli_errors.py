@@ -464,6 +464,14 @@ def _cases(tmp: Path) -> list[Case]:
         ),
         Case("bench-routing-real-bad-model", ("bench.routing", "--real", "--model", "bogus"), "invalid choice", rc=2),
         Case(
+            "bench-routing-quick-and-grid",
+            ("bench.routing", "--quick", "--instances", "0"),
+            "--quick sets its own grid: drop --instances",
+            rc=2,
+        ),
+        Case("bench-prefetch-zero-growth", ("bench.prefetch", "--growth", "0", *dead), "--growth must be", rc=2),
+        Case("bench-cache-no-l3-and-master", ("bench.cache", "--no-l3", *dead), "--no-l3 runs no L3 part", rc=2),
+        Case(
             "demo-master-not-host-port",
             (*L, "demo", "--quick", "--out", str(tmp / "d-np"), "--master", "notaport", "--metadata", "P2PHANDSHAKE"),
             "--master 'notaport': expected HOST:PORT",
