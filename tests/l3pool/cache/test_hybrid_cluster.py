@@ -14,6 +14,7 @@ import torch
 from l2core.groups import checkpoint_hashes
 from l3pool.cache import CacheConfig
 from l3pool.cache.hybrid import hybrid_namespaces
+from l3pool.demo.hybrid import HybridModel
 from l3pool.pool.etcd import EtcdClient
 from l3pool.pool.keys import page_hashes
 from l3pool.pool.metadata import Metadata
@@ -27,15 +28,24 @@ pytestmark = pytest.mark.usefixtures("native")
 LAYOUT = "page_first_direct"
 
 
-def test_l3_round_trip_foreign_and_removed_checkpoints(store: MooncakeStore, engines: list[HEngine]) -> None:
-    tenant = uuid.uuid4().hex
+def _written(
+    store: MooncakeStore, engines: list[HEngine], fingerprint: str, seed: int
+) -> tuple[HybridModel, dict[str, Any], np.ndarray, HEngine]:
+    """A writer instance ran 11 pages + 3 tokens (checkpoints every 2 pages) into L3 and flushed:
+    (the model, the engines' keywords, the tokens, the writer)."""
     m = model()
-    kw = {"store": store, "fingerprint": "hybtest", "tenant": tenant}
-    w = HEngine(m, "fixed:2", cfg=CacheConfig(writer_linger_ms=20), **kw)  # type: ignore[arg-type]
+    kw = {"store": store, "fingerprint": fingerprint, "tenant": uuid.uuid4().hex}
+    w = HEngine(m, "fixed:2", cfg=CacheConfig(writer_linger_ms=20), **kw)
     engines.append(w)
-    toks = np.random.default_rng(11).integers(0, 512, 11 * P + 3)
+    toks = np.random.default_rng(seed).integers(0, 512, 11 * P + 3)
     w.run("w", toks)
     w.cache.flush()
+    return m, kw, toks, w
+
+
+def test_l3_round_trip_foreign_and_removed_checkpoints(store: MooncakeStore, engines: list[HEngine]) -> None:
+    m, kw, toks, w = _written(store, engines, "hybtest", 11)
+    tenant = kw["tenant"]
     sb = w.cache.stored_bytes()
     ks = m.spec.ckpt_spec
     assert sb["swa"]["l3"] == 5 * ks.page_bytes  # checkpoints at 2, 4, 6, 8, 10
@@ -78,16 +88,9 @@ def test_a_page_or_checkpoint_lost_after_the_match_is_a_miss(
     intact prefix is short, and the request computes from 0 (no lower checkpoint was loaded)
     instead of resuming over pages or a window that never arrived; the checkpoint it then
     recomputes is saved again."""
-    tenant = uuid.uuid4().hex
-    m = model()
-    kw = {"store": store, "fingerprint": "hyblost", "tenant": tenant}
-    w = HEngine(m, "fixed:2", cfg=CacheConfig(writer_linger_ms=20), **kw)  # type: ignore[arg-type]
-    engines.append(w)
-    toks = np.random.default_rng(13).integers(0, 512, 11 * P + 3)
-    w.run("w", toks)
-    w.cache.flush()
+    m, kw, toks, _ = _written(store, engines, "hyblost", 13)
     q = np.concatenate([toks[: 11 * P], [1, 2, 3, 4, 5]])
-    nf, nc = hybrid_namespaces(m.spec, LAYOUT, "hyblost", tenant=tenant)
+    nf, nc = hybrid_namespaces(m.spec, LAYOUT, "hyblost", tenant=kw["tenant"])
     assert nc is not None
     hs = page_hashes(q, P)
     key = nf.key(hs[3]) if lost == "full_page" else nc.key(checkpoint_hashes(hs, [10], m.spec.signature)[0])
