@@ -253,7 +253,7 @@ class Breaker:
         with self._cv:
             s = BreakerStats(**asdict(self._stats))
             if self._open:
-                s.state = "probing" if self._probing else "open"
+                s.state = self.state
                 s.open_s += time.monotonic() - self._opened_at
             return s
 

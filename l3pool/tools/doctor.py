@@ -368,7 +368,7 @@ def check_master(master: str | None, admin: str | None) -> Check:
             return Check("master", "FAIL", f"mooncake master RPC {master} unreachable: {e}", "check --master")
         parts.append(f"RPC {master} reachable")
     if admin:
-        url = admin.rstrip("/") if admin.startswith(("http://", "https://")) else f"http://{admin.rstrip('/')}"
+        url = check_admin_url(admin)  # checked by _validate: normalised here (http:// added, no trailing /)
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=TIMEOUT) as r:
                 health = json.loads(r.read() or b"{}")
