@@ -69,6 +69,9 @@ case $group in
     exit 2 ;;
 esac
 mkdir -p "$out"
+# the card in the result files' names (h200, h100, ...): DEV overrides what nvidia-smi reports
+dev=${DEV:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1 | grep -oiE '[abhl][0-9]{2,3}' | head -1 | tr '[:upper:]' '[:lower:]')}
+dev=${dev:-gpu}
 if [ -n "${PACK:-}" ]; then  # one archive of OUTDIR, whatever the steps did
   trap 'tar czf "$PACK" -C "$(dirname "$out")" "$(basename "$out")" && echo "packed $out into $PACK"' EXIT
 fi
@@ -102,13 +105,13 @@ case $group in
   l3)
     [ -d sglang-bundle ] || { echo "no ./sglang-bundle: run scripts/gpu-sglang-bundle.sh first" >&2; exit 2; }
     PYTHONPATH=$PWD/sglang-bundle:$PYTHONPATH step l3 420 \
-      python3 -m bench.l3 --json --out "$out/$day-h200-l3.json" ;;
+      python3 -m bench.l3 --json --out "$out/$day-$dev-l3.json" ;;
   index)
-    step index 200 python3 -m bench.index --json --out "$out/$day-h200-index.json"
+    step index 200 python3 -m bench.index --json --out "$out/$day-$dev-index.json"
     step scale 330 python3 -m bench.scale --agents 32,64 --seconds 10 --idle-seconds 5 --clients 2 --rate 20 \
-      --json --out "$out/$day-h200-scale.json" ;;
+      --json --out "$out/$day-$dev-scale.json" ;;
   swa)
-    step swa 240 python3 -m bench.swa --device cuda --json --out "$out/$day-h200-swa.json"
+    step swa 240 python3 -m bench.swa --device cuda --json --out "$out/$day-$dev-swa.json"
     step swa-demo 300 python3 -m l3pool demo --attention hybrid --device cuda --rounds 3 --no-progress \
       --out "$out/demo-swa" ;;
   routing)
@@ -126,10 +129,10 @@ case $group in
   routing-grid)
     step routing-grid-llama 330 python3 -m bench.routing --real --model llama-8b --instances 4 \
       --sessions-per-instance 2 --load 2 --context 6-17.578125 --reuse 0.7 --turns 3 --first-seed 7 --seeds 1 \
-      --repeats 3 --segment-size 8GB --json --out "$out/$day-h200-routing-real-llama-8b.json"
+      --repeats 3 --segment-size 8GB --json --out "$out/$day-$dev-routing-real-llama-8b.json"
     step routing-grid-mla $((590 - SECONDS)) python3 -m bench.routing --real --model deepseek-mla --layers 8 \
       --instances 3 --sessions-per-instance 2 --load 2 --context 4-8 --reuse 0.8 --turns 3 --seeds 1 --repeats 3 \
-      --json --out "$out/$day-h200-routing-real-deepseek-mla-8l.json" ;;
+      --json --out "$out/$day-$dev-routing-real-deepseek-mla-8l.json" ;;
   llama)
     # shellcheck disable=SC2086  # DARGS: extra demo arguments, word-split on purpose
     step llama 540 bash scripts/demo-real.sh llama-8b "$out/demo-llama-8b" ${DARGS:-} ;;
@@ -150,15 +153,15 @@ case $group in
       --l2-tokens 98304 --segment-size 16GB --no-side --no-progress --out "$out/demo-$group" ;;
   interference)
     # shellcheck disable=SC2086  # IARGS: extra bench.interference arguments, word-split on purpose
-    step interference 540 python3 -m bench.interference --tries 5 ${IARGS:-} --json --out "$out/$day-h200-interference.json" ;;
+    step interference 540 python3 -m bench.interference --tries 5 ${IARGS:-} --json --out "$out/$day-$dev-interference.json" ;;
   prefill)
     # shellcheck disable=SC2086  # PARGS: extra bench.prefill arguments (e.g. "--methods split --no-hf-chunked")
     step prefill-llama 330 python3 -m bench.prefill --model llama-8b --tokens 32768 --chunks 2048,8192 --tries 3 \
-      ${PARGS:-} --json --out "$out/$day-h200-prefill-llama-8b.json"
+      ${PARGS:-} --json --out "$out/$day-$dev-prefill-llama-8b.json"
     # shellcheck disable=SC2086
     step prefill-mla $((590 - SECONDS)) python3 -m bench.prefill --model deepseek-mla --layers 12 --tokens 32768 \
-      --chunks 2048,8192 --tries 3 ${PARGS:-} --json --out "$out/$day-h200-prefill-deepseek-mla-12l.json" ;;
+      --chunks 2048,8192 --tries 3 ${PARGS:-} --json --out "$out/$day-$dev-prefill-deepseek-mla-12l.json" ;;
   split)
-    step split 300 python3 -m bench.split_read --json --out "$out/$day-h200x2-split-read.json"
+    step split 300 python3 -m bench.split_read --json --out "$out/$day-${dev}x2-split-read.json"
     step split-test 200 python3 -m pytest -q -p no:cacheprovider tests/l2core/test_split_read.py -k two_gpus ;;
 esac
