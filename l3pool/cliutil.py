@@ -96,6 +96,14 @@ def nonneg_float(text: str) -> float:
     return float(_bounded(float, text, 0, False))
 
 
+def nonempty(text: str) -> str:
+    """argparse type of an optional text flag (an address, a path, a list): given empty, it would read
+    as not given and fall back to a default or the environment without a word, so it is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (leave the flag out for its default)")
+    return text
+
+
 def segment_size(text: str) -> str:
     """argparse type of every --segment-size: a size Mooncake accepts for a segment (checked at
     parse time, so also when a running cluster leaves the flag unused); returns the text as typed."""

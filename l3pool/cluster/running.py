@@ -78,13 +78,14 @@ def add_pool_flags(
     `pool_endpoints` takes them: --master/--metadata/--host of a running pool (--etcd where the
     caller reads etcd, with its own help), else the running local cluster (--state-dir), else one
     started here (--segment-size per agent, when the caller gives a default)."""
+    from l3pool.cliutil import nonempty
     from l3pool.cliutil import segment_size as segment_size_type
 
-    p.add_argument("--master", help="mooncake_master host:port of a running pool (default: the running local "
-                   "cluster, else one started here)")  # fmt: skip
-    p.add_argument("--metadata", help="the running pool's Mooncake metadata URL (with --master)")
+    p.add_argument("--master", type=nonempty, help="mooncake_master host:port of a running pool (default: the "
+                   "running local cluster, else one started here)")  # fmt: skip
+    p.add_argument("--metadata", type=nonempty, help="the running pool's Mooncake metadata URL (with --master)")
     if etcd_help is not None:
-        p.add_argument("--etcd", help=etcd_help)
+        p.add_argument("--etcd", type=nonempty, help=etcd_help)
     p.add_argument(
         "--host",
         default=host_default,

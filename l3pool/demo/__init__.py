@@ -86,7 +86,7 @@ REAL = {
 
 def add_parser(subparsers: Any) -> None:
     from l2core.names import LAYOUTS
-    from l3pool.cliutil import nonneg_int, positive_float, positive_int, segment_size
+    from l3pool.cliutil import nonempty, nonneg_int, positive_float, positive_int, segment_size
 
     p = subparsers.add_parser(
         "demo",
@@ -187,10 +187,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--layout", choices=LAYOUTS, default="page_first_direct")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--segment-size", type=segment_size, default="1GB", help="DRAM each local decode agent donates")
-    p.add_argument("--master", help="host:port of a running pool's mooncake_master (default: start a local cluster)")
-    p.add_argument("--metadata", help="the running pool's Mooncake metadata URL")
+    p.add_argument(
+        "--master", type=nonempty, help="host:port of a running pool's mooncake_master (default: start a local cluster)"
+    )
+    p.add_argument("--metadata", type=nonempty, help="the running pool's Mooncake metadata URL")
     p.add_argument("--host", help="this node's IP as Mooncake peers reach it (running pool)")
-    p.add_argument("--etcd", help="the running pool's etcd endpoints (namespace registry and stats)")
+    p.add_argument("--etcd", type=nonempty, help="the running pool's etcd endpoints (namespace registry and stats)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     from l3pool.pool.etcd import add_security_args
 

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from l3pool.cliutil import UserError, positive_float, positive_int
+from l3pool.cliutil import UserError, nonempty, positive_float, positive_int
 from l3pool.pool.etcd import add_security_args, security_from_args
 from l3pool.pool.metadata import DEFAULT_PREFIX
 
@@ -156,7 +156,7 @@ def _endpoint(text: str) -> str:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("index", help="the global KV index: which instance holds which prefix, per tier")
-    p.add_argument("--etcd", metavar="ENDPOINTS", help="the pool's etcd (or env L3POOL_ETCD)")
+    p.add_argument("--etcd", type=nonempty, metavar="ENDPOINTS", help="the pool's etcd (or env L3POOL_ETCD)")
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help=f"etcd key prefix (default {DEFAULT_PREFIX})")
     p.add_argument(
         "--listen", type=_endpoint, default=DEFAULT_LISTEN, help=f"query endpoint (default {DEFAULT_LISTEN})"

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from l2core.units import format_size
-from l3pool.cliutil import nonneg_float
+from l3pool.cliutil import nonempty, nonneg_float
 from l3pool.cluster.servers import EtcdFlags, EtcdServerTls, MasterFlags, etcd_argv, master_argv, url
 from l3pool.pool.store import RPC_TIMEOUT_MS
 from l3pool.tools import deploy_systemd
@@ -538,7 +538,7 @@ def add_parser(subparsers: Any) -> None:
     c.set_defaults(fn=_cmd_check)
     r = sub.add_parser("render", help="the exact commands of each node (or start/stop scripts with --out)")
     r.add_argument("--node", metavar="NAME|IP", help="one node (decode/prefill name, etcd, master, router) or host")
-    r.add_argument("--out", metavar="DIR", help="write DIR/<node>.sh start|stop|status scripts")
+    r.add_argument("--out", type=nonempty, metavar="DIR", help="write DIR/<node>.sh start|stop|status scripts")
     r.set_defaults(fn=_cmd_render)
     v = sub.add_parser("verify", help="every configured decode node a live member donating the configured bytes?")
     v.add_argument("--wait", type=nonneg_float, default=0.0, metavar="SECONDS", help="retry until OK or this long")

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Literal
 
 from l2core.units import ConfigError, parse_size
-from l3pool.cliutil import UserError, nonneg_int, positive_float
+from l3pool.cliutil import UserError, nonempty, nonneg_int, positive_float
 from l3pool.pool.addr import check_admin_url, split_host_port
 from l3pool.pool.etcd import (
     EtcdClient,
@@ -551,15 +551,23 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def _skip_list(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"name one or more checks ({', '.join(CHECKS)})")
+    return names
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("doctor", help="check this node: THP, NUMA, memlock, RDMA, addresses, etcd/master, clocks")
-    p.add_argument("--etcd", metavar="ENDPOINTS", help="etcd endpoints to check (or env L3POOL_ETCD)")
-    p.add_argument("--master", metavar="HOST:PORT", help="mooncake_master RPC address to check and route to")
+    p.add_argument("--etcd", type=nonempty, metavar="ENDPOINTS", help="etcd endpoints to check (or env L3POOL_ETCD)")
     p.add_argument(
-        "--master-admin", metavar="URL", help="master admin http://HOST:METRICS_PORT (or env L3POOL_MASTER_ADMIN)"
+        "--master", type=nonempty, metavar="HOST:PORT", help="mooncake_master RPC address to check and route to"
+    )
+    p.add_argument(
+        "--master-admin",
+        type=nonempty,
+        metavar="URL",
+        help="master admin http://HOST:METRICS_PORT (or env L3POOL_MASTER_ADMIN)",
     )
     p.add_argument(
         "--l2-size",

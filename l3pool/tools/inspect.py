@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from l2core.units import format_size
-from l3pool.cliutil import ETCD_HINT, UserError
+from l3pool.cliutil import ETCD_HINT, UserError, nonempty
 from l3pool.pool.admin import AdminError, MasterAdmin
 from l3pool.pool.etcd import (
     EtcdClient,
@@ -303,10 +303,11 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("inspect", help="members, namespaces, counters and locks of an L3 pool")
-    p.add_argument("--etcd", metavar="ENDPOINTS", help="comma-separated etcd endpoints (or env L3POOL_ETCD; "
-                   "default: the local cluster of `l3pool cluster up`)")  # fmt: skip
+    p.add_argument("--etcd", type=nonempty, metavar="ENDPOINTS", help="comma-separated etcd endpoints (or env "
+                   "L3POOL_ETCD; default: the local cluster of `l3pool cluster up`)")  # fmt: skip
     p.add_argument(
         "--master-admin",
+        type=nonempty,
         metavar="URL",
         help="mooncake_master admin address http://HOST:METRICS_PORT (or env L3POOL_MASTER_ADMIN)",
     )

@@ -235,6 +235,8 @@ def run_purge(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from l3pool.cliutil import nonempty
+
     p = sub.add_parser("purge", help="remove the pool objects of a namespace, or of every namespace of a model")
     sel = p.add_mutually_exclusive_group()
     sel.add_argument("--namespace", metavar="ID", help="one namespace id (as `l3pool inspect` lists them)")
@@ -242,21 +244,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--tenant", metavar="T", help="with --model: only this tenant's namespaces ('' for none)")
     p.add_argument(
         "--etcd",
+        type=nonempty,
         metavar="ENDPOINTS",
         help="etcd endpoints (or env L3POOL_ETCD; default: the local cluster of `l3pool cluster up`)",
     )
     p.add_argument("--state-dir", help="without --etcd: the local cluster recorded here (default: `l3pool cluster "
                    "up`'s)")  # fmt: skip
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help=f"etcd key prefix (default {DEFAULT_PREFIX})")
-    p.add_argument("--master", metavar="HOST:PORT", help="mooncake_master RPC (default: the live members' master)")
+    p.add_argument(
+        "--master", type=nonempty, metavar="HOST:PORT", help="mooncake_master RPC (default: the live members' master)"
+    )
     p.add_argument(
         "--metadata",
+        type=nonempty,
         default="P2PHANDSHAKE",
         help="Mooncake metadata server for this client (default P2PHANDSHAKE: removal moves no data)",
     )
     p.add_argument("--host", default="127.0.0.1", help="this client's Mooncake local_hostname (default 127.0.0.1)")
     p.add_argument(
-        "--master-admin", metavar="URL", help="master admin http://HOST:PORT to count objects (or L3POOL_MASTER_ADMIN)"
+        "--master-admin",
+        type=nonempty,
+        metavar="URL",
+        help="master admin http://HOST:PORT to count objects (or L3POOL_MASTER_ADMIN)",
     )
     p.add_argument("--dry-run", action="store_true", help="show the namespaces (and object counts); remove nothing")
     p.add_argument("--yes", action="store_true", help="really remove (required without --dry-run)")

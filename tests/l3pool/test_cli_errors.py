@@ -411,7 +411,7 @@ def _cases(tmp: Path) -> list[Case]:
             proc=ENTRY,
             rc=2,
         ),
-        Case("doctor-empty-master", (*L, "doctor", "--master", ""), "--master '': expected HOST:PORT", rc=2),
+        Case("doctor-empty-master", (*L, "doctor", "--master", ""), "argument --master: must not be empty", rc=2),
         Case("check-config-not-utf8", (*L, "check-config", str(tmp / "binary.json")), "not UTF-8 text", True, rc=2),
         *(
             Case(
@@ -475,6 +475,19 @@ def _cases(tmp: Path) -> list[Case]:
             "demo-master-not-host-port",
             (*L, "demo", "--quick", "--out", str(tmp / "d-np"), "--master", "notaport", "--metadata", "P2PHANDSHAKE"),
             "--master 'notaport': expected HOST:PORT",
+            rc=2,
+        ),
+        # an empty address or path would read as "not given" and fall back to a default or the environment
+        Case("doctor-empty-etcd", (*L, "doctor", "--etcd", ""), "argument --etcd: must not be empty", rc=2),
+        Case("doctor-empty-skip", (*L, "doctor", "--skip", " , "), "argument --skip: name one or more checks", rc=2),
+        Case("inspect-empty-master-admin", (*L, "inspect", "--master-admin", ""), "--master-admin: must not be", rc=2),
+        Case("purge-empty-metadata", (*L, "purge", "--metadata", "", "--namespace", "x"), "--metadata: must not", rc=2),
+        Case("demo-empty-etcd", (*L, "demo", "--quick", "--etcd", " "), "argument --etcd: must not be empty", rc=2),
+        Case("index-empty-etcd", (*L, "index", "--etcd", ""), "argument --etcd: must not be empty", rc=2),
+        Case(
+            "deploy-render-empty-out",
+            (*L, "deploy", "render", "--out", "", str(tmp / "c.toml")),
+            "--out: must not",
             rc=2,
         ),
         Case(
