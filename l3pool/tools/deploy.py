@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from l2core.units import format_size
-from l3pool.cliutil import nonempty, nonneg_float
+from l3pool.cliutil import fail, nonempty, nonneg_float
 from l3pool.cluster.servers import EtcdFlags, EtcdServerTls, MasterFlags, etcd_argv, master_argv, url
 from l3pool.pool.store import RPC_TIMEOUT_MS
 from l3pool.tools import deploy_systemd
@@ -520,6 +520,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"ok": False, "problems": [p.to_json() for p in problems]}, indent=2))
         return 2
+    try:  # this machine's files (TLS, password): missing is a local config error, not the pool's state to wait out
+        cfg.etcd.security()
+    except ValueError as e:
+        return fail("l3pool deploy verify", f"etcd security: {e}", "fix the [etcd] file paths of the config")
     deadline = time.monotonic() + args.wait
     while True:
         v = verify(cfg)

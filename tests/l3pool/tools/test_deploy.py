@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -491,6 +492,23 @@ def test_verify_unreachable_etcd(tmp_path: Path, capsys: pytest.CaptureFixture[s
     rc, out, _ = _cli(capsys, "verify", path)
     assert rc == 1 and f"error: etcd unreachable: 127.0.0.1:{c}" in out
     assert "UNKNOWN  dn0" in out
+
+
+def test_verify_missing_password_file_is_a_config_error_not_retried(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    c, rpc, meta, admin = free_ports(4)
+    master = {"host": "127.0.0.1", "rpc_port": rpc, "metadata_port": meta, "admin_port": admin}
+    gone = tmp_path / "no-such-password"
+    etcd = f'[etcd]\nendpoints = ["127.0.0.1:{c}"]\nuser = "l3pool"\npassword_file = "{gone}"'
+    path = _local_config(tmp_path, etcd, master, [("dn0", "127.0.0.1", "1GB")])
+    t0 = time.monotonic()
+    rc, out, err = _cli(capsys, "verify", path, "--wait", "30")
+    assert time.monotonic() - t0 < 10  # refused at once, not retried for --wait's 30 s
+    assert rc == 2 and out == "", (out, err)
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("l3pool deploy verify: error: etcd security:") and str(gone) in lines[0], err
+    assert lines[1].startswith("l3pool deploy verify: hint: "), err
 
 
 def test_launch_sh(tmp_path: Path) -> None:
