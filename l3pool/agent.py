@@ -61,7 +61,13 @@ from l3pool.pool.etcd import (
     security_from_args,
 )
 from l3pool.pool.metadata import DEFAULT_PREFIX, MemberInfo, Metadata, check_id, check_prefix
-from l3pool.pool.store import PROTOCOLS, metadata_url, segment_too_large, segment_too_small
+from l3pool.pool.store import (
+    PROTOCOLS,
+    check_rdma_devices,
+    metadata_url,
+    segment_too_large,
+    segment_too_small,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +109,7 @@ class AgentSettings:
         protocol = args.protocol.lower()
         if protocol not in PROTOCOLS:
             raise ValueError(f"--protocol {args.protocol!r}: expected one of {', '.join(PROTOCOLS)}")
+        rdma_devices = check_rdma_devices(args.rdma_devices, protocol)
         try:
             check_prefix(args.key_prefix)
         except ValueError as e:
@@ -134,7 +141,7 @@ class AgentSettings:
             segment_bytes=segment_bytes,
             segment_size=str(args.segment_size).strip(),
             protocol=protocol,
-            rdma_devices=args.rdma_devices,
+            rdma_devices=rdma_devices,
             key_prefix=args.key_prefix,
             lease_ttl=int(args.lease_ttl),
             id=agent_id,

@@ -134,6 +134,30 @@ def outcome_of(code: int) -> Outcome:
 
 
 PROTOCOLS = ("tcp", "rdma")
+_RDMA_DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_rdma_devices(text: str, protocol: str, what: str = "--rdma-devices", sys_root: str | None = "/") -> str:
+    """The RDMA device list as Mooncake takes it ("mlx5_0,mlx5_1"; "" lets Mooncake pick), normalised.
+    ValueError naming `what` when a name is malformed, devices are given with protocol tcp (Mooncake
+    would ignore them), or, `sys_root` given, a named device is not under its /sys/class/infiniband."""
+    names = [n.strip() for n in text.split(",")] if text.strip() else []
+    if bad := [n for n in names if not _RDMA_DEVICE.fullmatch(n)]:
+        which = "" if bad == [text.strip()] else f" {', '.join(map(repr, bad))}"  # the whole text: named once
+        raise ValueError(f"{what} {text!r}:{which} not an RDMA device name (e.g. mlx5_0)")
+    if names and protocol != "rdma":
+        raise ValueError(f"{what} {text!r} with protocol {protocol!r}: RDMA devices are for protocol 'rdma'")
+    if names and sys_root is not None:
+        from pathlib import Path
+
+        base = Path(sys_root, "sys/class/infiniband")
+        present = sorted(p.name for p in base.iterdir()) if base.is_dir() else []
+        if missing := [n for n in names if n not in present]:
+            raise ValueError(f"{what}: no RDMA device {', '.join(missing)} on this host "
+                             f"(present: {', '.join(present) or 'none'})")  # fmt: skip
+    return ",".join(names)
+
+
 # Mooncake 0.3.13 refuses smaller segments at setup ("Total size must be at least 16777216", -600).
 MIN_SEGMENT_BYTES = 16 << 20
 

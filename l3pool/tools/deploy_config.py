@@ -43,7 +43,13 @@ from l3pool.cluster.servers import (
 )
 from l3pool.pool.etcd import SECURITY_KEYS
 from l3pool.pool.metadata import DEFAULT_PREFIX
-from l3pool.pool.store import DEFAULT_METADATA_PORT, PROTOCOLS, metadata_url, segment_too_small
+from l3pool.pool.store import (
+    DEFAULT_METADATA_PORT,
+    PROTOCOLS,
+    check_rdma_devices,
+    metadata_url,
+    segment_too_small,
+)
 from l3pool.tools.deploy_values import (
     Problem,
     Src,
@@ -669,10 +675,13 @@ def _cross_check(r: _Reader, cfg: DeployConfig) -> None:
         elif quotas and (p.l3.tenant or "default") not in quotas:
             r.error(f"prefill[{i}].l3.tenant", f"{p.l3.tenant!r} is not in master.tenants: the master would refuse "
                     "every put of this node (TENANT_NOT_REGISTERED)")  # fmt: skip
-    if cfg.protocol == "rdma":
-        for i, d in enumerate(cfg.decode):
-            if not d.rdma_devices:
-                r.warn(f"decode[{i}].rdma_devices", "empty with protocol 'rdma': Mooncake picks devices itself")
+    for i, d in enumerate(cfg.decode):  # names only: the devices are the node's, not this machine's
+        try:
+            check_rdma_devices(d.rdma_devices, cfg.protocol, "rdma_devices", sys_root=None)
+        except ValueError as e:
+            r.error(f"decode[{i}].rdma_devices", str(e).removeprefix("rdma_devices "))
+        if cfg.protocol == "rdma" and not d.rdma_devices.strip():
+            r.warn(f"decode[{i}].rdma_devices", "empty with protocol 'rdma': Mooncake picks devices itself")
 
     # Namespaces: pages are shared by prefill nodes whose namespace matches. The same fingerprint
     # must mean the same weights, and nodes meant to share must agree on page size and layout.

@@ -1,5 +1,6 @@
 """The checks behind the command lines' bad-input errors, one by one (the commands themselves:
-test_cli_errors.py): addresses, etcd endpoints, float flags, report paths, a cluster's state file."""
+test_cli_errors.py): addresses, etcd endpoints, float flags, text flags, report paths, a cluster's
+state file, RDMA device lists."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from l3pool.cliutil import FLOAT_MAX, nonneg_float, out_file, positive_float
+from l3pool.cliutil import FLOAT_MAX, nonempty, nonneg_float, out_file, positive_float
 from l3pool.cluster.local import ClusterError, read_state
 from l3pool.pool.addr import check_metadata_url
 from l3pool.pool.etcd import parse_urls
+from l3pool.pool.store import check_rdma_devices
 
 
 @pytest.mark.parametrize("url", ["P2PHANDSHAKE", "http://10.0.0.1:8080/metadata", "etcd://node-1:2379"])
@@ -96,3 +98,44 @@ def test_admin_urls_are_normalised_or_refused() -> None:
     for bad in ("ftp://x:1", "notaurl", "http://h", "http://h:1/metrics", "http://bad host:1", ""):
         with pytest.raises(ValueError, match=r"expected http://HOST:PORT|not an IP address"):
             check_admin_url(bad)
+
+
+@pytest.mark.parametrize("text", ["", " ", "\t"])
+def test_an_empty_text_flag_is_refused_not_read_as_unset(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="must not be empty"):
+        nonempty(text)
+    assert nonempty("127.0.0.1:2379") == "127.0.0.1:2379"
+
+
+def _sys_with(tmp_path: Path, *devices: str) -> str:
+    for d in devices:
+        (tmp_path / "sys/class/infiniband" / d / "ports/1").mkdir(parents=True)
+    return str(tmp_path)
+
+
+def test_rdma_devices_present_on_the_host_are_taken_normalised(tmp_path: Path) -> None:
+    root = _sys_with(tmp_path, "mlx5_0", "mlx5_1")
+    assert check_rdma_devices(" mlx5_1 , mlx5_0", "rdma", sys_root=root) == "mlx5_1,mlx5_0"
+    assert check_rdma_devices("", "rdma", sys_root=root) == ""  # Mooncake picks
+    assert check_rdma_devices("", "tcp", sys_root=root) == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "protocol", "match"),
+    [
+        ("mlx5_0,mlx9_9", "rdma", r"^--rdma-devices: no RDMA device mlx9_9 on this host \(present: mlx5_0\)$"),
+        ("mlx5_0", "tcp", r"^--rdma-devices 'mlx5_0' with protocol 'tcp': RDMA devices are for protocol 'rdma'$"),
+        ("mlx5_0,,mlx5_1", "rdma", r"^--rdma-devices 'mlx5_0,,mlx5_1': '' not an RDMA device name"),
+        ("mlx5_0;rm -rf /", "rdma", r"^--rdma-devices 'mlx5_0;rm -rf /': not an RDMA device name \(e\.g\. mlx5_0\)$"),
+        ("-x", "rdma", r"'-x': not an RDMA device name"),
+    ],
+)
+def test_bad_rdma_device_lists_are_refused_in_one_line(tmp_path: Path, text: str, protocol: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_rdma_devices(text, protocol, sys_root=_sys_with(tmp_path, "mlx5_0"))
+
+
+def test_rdma_devices_of_a_remote_node_are_checked_by_name_only(tmp_path: Path) -> None:
+    assert check_rdma_devices("mlx5_7", "rdma", sys_root=None) == "mlx5_7"  # deploy check: not this host's devices
+    with pytest.raises(ValueError, match="no RDMA device mlx5_7 on this host \\(present: none\\)"):
+        check_rdma_devices("mlx5_7", "rdma", sys_root=str(tmp_path))

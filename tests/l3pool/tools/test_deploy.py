@@ -132,6 +132,14 @@ BAD = {
     "bad fingerprint": (('model = "deepseek-v3@0324"', 'model = "deepseek/v3"'), ["l3.model: 'deepseek/v3'"]),
     "missing fingerprint": (('model = "deepseek-v3@0324"\n', ""), ["prefill[0].l3.model: missing: set the model"]),
     "bad protocol": (('protocol = "tcp"', 'protocol = "udp"'), ["cluster.protocol: 'udp' is not one of tcp, rdma"]),
+    "RDMA devices with tcp": (
+        ('rdma_devices = ""', 'rdma_devices = "mlx5_0"'),
+        ["decode[3].rdma_devices: 'mlx5_0' with protocol 'tcp': RDMA devices are for protocol 'rdma'"],
+    ),
+    "bad RDMA device name": (
+        ('rdma_devices = ""', 'rdma_devices = "mlx5_0;reboot"'),
+        ["decode[3].rdma_devices: 'mlx5_0;reboot': not an RDMA device name (e.g. mlx5_0)"],
+    ),
     "etcd both ways": (
         ("[etcd]\n", '[etcd]\nendpoints = ["http://10.0.0.9:2379"]\n'),
         ["give either etcd.endpoints (a running etcd) or etcd.host"],
