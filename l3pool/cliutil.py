@@ -136,12 +136,20 @@ def _print_json_error(message: str, hint: str | None) -> None:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser, whose usage errors also print the JSON error object under --json."""
+    """argparse's parser, whose usage errors print a usage of at most two lines (a longer one becomes
+    one line pointing at --help) above the error, and also the JSON error object under --json."""
 
     def error(self, message: str) -> NoReturn:
+        for a in self._actions:  # "required: cmd" names a dest users never see: list the commands instead
+            if isinstance(a, argparse._SubParsersAction) and a.choices and message.endswith(f"required: {a.dest}"):
+                message = f"name a command: {', '.join(a.choices)}"
         if _json_errors:
             _print_json_error(f"{self.prog}: {message}", f"{self.prog} --help")
-        super().error(message)
+        usage = self.format_usage()
+        if usage.count("\n") > 2:  # a block of options over several lines: one line pointing at --help
+            usage = f"usage: {self.prog} [options]  ({self.prog} --help lists them)\n"
+        self._print_message(usage, sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 _LOG_QUOTE = "; last lines of "  # how a local cluster's error quotes a process's log (cluster.processes.Proc.tail)

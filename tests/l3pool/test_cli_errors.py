@@ -905,3 +905,22 @@ def test_output_file_checks_by_opening_and_leaves_nothing_behind(tmp_path: Path)
     assert output_file(old, "--out") == old and old.read_text() == "earlier report"  # not truncated
     with pytest.raises(UserError, match=r"--plot /proc/l3pool-x\.png: not writable"):
         output_file("/proc/l3pool-x.png", "--plot")
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "error"),
+    [
+        (("agent",), "usage: l3pool agent [options]  (l3pool agent --help lists them)",
+         "l3pool agent: error: the following arguments are required: --master, --etcd, --segment-size"),
+        ((), "usage: l3pool [options]  (l3pool --help lists them)",
+         "l3pool: error: name a command: info, agent, chaos, check-config, cluster, demo, deploy, doctor, index, "
+         "inspect, prefetch-check, purge"),
+        (("deploy",), "usage: l3pool deploy [-h] {check,render,verify} ...",
+         "l3pool deploy: error: name a command: check, render, verify"),
+    ],
+)  # fmt: skip
+def test_a_usage_error_is_a_short_usage_line_then_the_error(argv: tuple[str, ...], usage: str, error: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "l3pool", *argv], cwd=REPO, env=python_env(base=_base_env()),
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.splitlines() == [usage, error], r.stderr
