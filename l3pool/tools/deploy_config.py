@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from l2core.names import LAYOUTS
+from l2core.units import format_size
 from l3pool.cluster.servers import (
     CLIENT_TTL_S,
     EVICTION_HIGH_WATERMARK_RATIO,
@@ -121,6 +122,9 @@ _SG_COMMON = ("model_path", "tp_size", "page_size", "port", "python", "ib_device
 _SG_PREFILL = (*_SG_COMMON, "bootstrap_port", "hicache_layout", "hicache_io_backend", "hicache_ratio",
                "hicache_size", "hicache_write_policy", "hicache_prefetch_policy")  # fmt: skip
 _SG_DECODE = _SG_COMMON
+# The most DRAM one decode node may donate: above any server's memory today (a 2-socket host tops out
+# at a few TiB), so a larger value is a unit typo ("64TB" for "64GB"), refused before any node starts.
+MAX_DONATE_BYTES = 64 << 40
 _DECODE = ("name", "host", "donate", "numa_node", "rdma_devices", "lease_ttl", "metrics_port", "run_sglang", "sglang")
 _PREFILL = ("name", "host", "sglang", "l3")
 _ROUTER = ("host", "port", "python", "extra_args")
@@ -548,6 +552,10 @@ def _read_decode(r: _Reader, i: int, raw: Any, sg: tuple[Src | None, Src | None]
     own = r.table(_sub(src, "sglang"), f"{where}.sglang", _SG_DECODE)
     if nbytes is not None and (problem := segment_too_small(nbytes, src["donate"][0], None)) is not None:
         r.error(src["donate"][1], problem)
+        nbytes = None
+    if nbytes is not None and nbytes > MAX_DONATE_BYTES:  # the node's own memory is checked by its agent at start
+        r.error(src["donate"][1], f"{format_size(nbytes, src['donate'][0])} is more DRAM than one host has "
+                f"(at most {format_size(MAX_DONATE_BYTES)}): a typo in the unit?")  # fmt: skip
         nbytes = None
     spec = _read_sglang(r, _merge(*sg, own), f"{where}.sglang", prefill=False) if run_sg else None
     if _none_in(name, host, donate, nbytes, numa, rdma, lease, mport, run_sg) or (run_sg and spec is None):

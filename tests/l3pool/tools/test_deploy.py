@@ -132,6 +132,10 @@ BAD = {
     "bad fingerprint": (('model = "deepseek-v3@0324"', 'model = "deepseek/v3"'), ["l3.model: 'deepseek/v3'"]),
     "missing fingerprint": (('model = "deepseek-v3@0324"\n', ""), ["prefill[0].l3.model: missing: set the model"]),
     "bad protocol": (('protocol = "tcp"', 'protocol = "udp"'), ["cluster.protocol: 'udp' is not one of tcp, rdma"]),
+    "donate beyond any host": (
+        ('donate = "192GB"', 'donate = "1920TB"'),
+        ["decode[3].donate: 1920 TB is more DRAM than one host has (at most 64 TiB): a typo in the unit?"],
+    ),
     "RDMA devices with tcp": (
         ('rdma_devices = ""', 'rdma_devices = "mlx5_0"'),
         ["decode[3].rdma_devices: 'mlx5_0' with protocol 'tcp': RDMA devices are for protocol 'rdma'"],
