@@ -38,9 +38,10 @@ before the call returned. `close()` waits for such calls.
 Hung pool: `wait_live()` is `wait()` bounded by the pool's liveness (the cache's wait_complete
 and timeout policies use it). While a batch has been inside L3 longer than half the client's
 `call_deadline_s`, the waiter asks the store whether the master answers a one-key lookup within
-the other half (`L3Pages.answering`, every half deadline, ~1 ms healthy); when it does not, the
-prefetch is interrupted at once: the prefix that landed is delivered and the batch in flight is
-left behind, quarantined as above. A frozen master so costs a waiting load() about one
+the other half (`L3Pages.answering`, every half deadline, ~1 ms healthy); when it does not, and
+does not within a whole deadline when asked again (a loaded host can deschedule one probe past
+its half deadline), the prefetch is interrupted at once: the prefix that landed is delivered and the batch in flight is
+left behind, quarantined as above. A frozen master so costs a waiting load() about two
 `call_deadline_s`, not Mooncake's RPC timeout; a slow transfer of a healthy master is waited for.
 
 Ownership: until a result is *delivered* (returned by `wait()` or `interrupt()` of its handle)
@@ -179,9 +180,13 @@ class PrefetchHandle:
             if t0 is None or now - t0 < d / 2 or now - checked < d / 2:
                 continue
             checked = now
-            if not self._owner.client.answering(d / 2):
+            # a missed probe is confirmed by a second one of a whole deadline before the batch is
+            # left behind: one probe's thread, descheduled on a loaded host, is no hung master
+            client = self._owner.client
+            if not client.answering(d / 2) and not self._done.is_set() and not client.answering(d):
                 log.warning("prefetch %s gen %d: L3 does not answer while a batch has been in flight for %.0f ms: "
-                            "interrupted", self.request_id, self.generation, (now - t0) * 1e3)  # fmt: skip
+                            "interrupted", self.request_id, self.generation,
+                            (time.perf_counter() - t0) * 1e3)  # fmt: skip
                 return self.interrupt(0.0)
 
     def interrupt(self, timeout: float | None = None) -> PrefetchResult:

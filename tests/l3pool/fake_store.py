@@ -9,7 +9,8 @@ another client's unfinished put (a put of one answers success and writes nothing
 `unfinished` says True), `fail_put` keys answer TRANSFER_FAIL, `refuse(key, nth_put_call)` True
 answers POOL_FULL (a full pool), `evict_fresh(key)` True stores and drops at once (a pool of
 leased objects evicting what was just stored), `exists_answer` replaces every exists answer (an
-unreachable master). `calls` logs each call by name; `max_transfers` bounds the fragments of one
+unreachable master), `answers_missed` makes that many next `answers()` say no (a host too
+busy to run the probe in time). `calls` logs each call by name; `max_transfers` bounds the fragments of one
 call like Mooncake's per-peer transfer queue. `FakeBinding` stands in one floor lower, for
 Mooncake's binding itself (MooncakeStore's client rebuild)."""
 
@@ -48,14 +49,19 @@ class FakePageStore:
         self.pending: set[str] = set()
         self.fail_put: set[str] = set()
         self.exists_answer: Outcome | None = None
+        self.answers_missed = 0
         self.refuse: Callable[[str, int], bool] | None = None
         self.evict_fresh: Callable[[str], bool] | None = None
 
     call_deadline_s: float | None = None  # a test sets it to make waiters check answers()
 
     def answers(self, deadline_s: float | None = None) -> bool:
-        """False while `exists_answer` says the store is unreachable (or exists raises)."""
+        """False while `exists_answer` says the store is unreachable (or exists raises), and for the
+        next `answers_missed` calls."""
         self.calls.append("answers")
+        if self.answers_missed > 0:
+            self.answers_missed -= 1
+            return False
         return "exists" not in self.raise_on and self.exists_answer in (None, Outcome.OK, Outcome.MISS)
 
     def register(self, ptr: int, nbytes: int) -> None:

@@ -586,6 +586,24 @@ def test_wait_live_waits_for_a_slow_transfer_of_a_live_pool() -> None:
         f.close()
 
 
+def test_wait_live_does_not_leave_a_batch_behind_for_one_missed_probe() -> None:
+    """One liveness probe without an answer (its thread descheduled on a loaded host) is asked
+    again before the batch is left behind: the live pool's slow transfer is waited for, whole."""
+    f = _Fake(delay_s=0.3)
+    try:
+        with Prefetcher(f.client, batch_pages=16, max_inflight=1) as pf:
+            f.store.answers_missed = 1
+            res = pf.submit("blip", f.keys).wait_live(timeout=10)
+            assert f.store.answers_missed == 0  # the missed probe ran
+            assert not res.interrupted and res.keys_loaded == 16 and res.left_in_flight == 0, res
+            got = f.pool.buffer.view(f.pool.num_pages, -1)[torch.from_numpy(res.pages)]
+            assert torch.equal(got, f.wpool.buffer.view(16, -1))
+            assert pf.quarantined_pages() == 0
+            f.pool.free(res.pages)
+    finally:
+        f.close()
+
+
 def test_wait_live_interrupts_when_the_pool_stops_answering() -> None:
     """The store stops answering while a batch is in flight: wait_live() returns within about
     one deadline, interrupted, the batch's pages quarantined until its call returns, then freed;

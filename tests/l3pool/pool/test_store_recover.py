@@ -207,8 +207,9 @@ def test_frozen_master_detected_fast_and_calls_fail_fast(cluster1: LocalCluster)
 
 def test_frozen_master_costs_a_call_its_deadline(cluster1: LocalCluster) -> None:
     """Master SIGSTOPped while a prefetch's get is inside Mooncake: a load waiting for it
-    (`wait_live`, the wait_complete and timeout policies) returns within one deadline (the
-    product's default, 40 ms), interrupted, the get's pages quarantined; every lookup from then
+    (`wait_live`, the wait_complete and timeout policies) returns within about two deadlines (the
+    product's default, 40 ms: a missed half-deadline probe, then a whole-deadline one that confirms
+    it), interrupted, the get's pages quarantined; every lookup from then
     on answers within 50 ms (its deadline + 20 us per key + the hand-off) as a miss, the first
     ones included, and the breaker opens on the failed probe. After SIGCONT the quarantine
     drains, no page leaks, pages round-trip."""
@@ -243,7 +244,8 @@ def test_frozen_master_costs_a_call_its_deadline(cluster1: LocalCluster) -> None
             assert p.reader.lookup(p.keys) == 0
             lat.append(time.monotonic() - t)
         bound = 0.05 * slack()
-        assert took <= bound, f"the load waited {took * 1e3:.0f} ms for a get caught by the frozen master"
+        took_bound = (DEFAULT_DEADLINE * 1.5 + 0.04) * slack()  # the two probes + a liveness step and hand-offs
+        assert took <= took_bound, f"the load waited {took * 1e3:.0f} ms for a get caught by the frozen master"
         assert max(lat) <= bound, f"lookups took {[round(x * 1e3) for x in lat]} ms"
         assert st.stats()["overdue_calls"] >= 1
         wait_for(lambda: st.breaker.is_open, 5, "the breaker to open")
