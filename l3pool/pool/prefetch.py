@@ -40,8 +40,8 @@ and timeout policies use it). While a batch has been inside L3 longer than half 
 `call_deadline_s`, the waiter asks the store whether the master answers a one-key lookup within
 the other half (`L3Pages.answering`, every half deadline, ~1 ms healthy); when it does not, and
 does not within a whole deadline when asked again (a loaded host can deschedule one probe past
-its half deadline), the prefetch is interrupted at once: the prefix that landed is delivered and the batch in flight is
-left behind, quarantined as above. A frozen master so costs a waiting load() about two
+its half deadline), the prefetch is interrupted at once: the prefix that landed is delivered and
+the batch in flight is left behind, quarantined as above. A frozen master so costs a waiting load() about two
 `call_deadline_s`, not Mooncake's RPC timeout; a slow transfer of a healthy master is waited for.
 
 Ownership: until a result is *delivered* (returned by `wait()` or `interrupt()` of its handle)

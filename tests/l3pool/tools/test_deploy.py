@@ -521,6 +521,8 @@ def test_verify_missing_password_file_is_a_config_error_not_retried(
     lines = err.strip().splitlines()
     assert lines[0].startswith("l3pool deploy verify: error: etcd security:") and str(gone) in lines[0], err
     assert lines[1].startswith("l3pool deploy verify: hint: "), err
+    rc, out, err = _cli(capsys, "verify", path, "--json")
+    assert rc == 2 and json.loads(out)["error"].startswith("etcd security:"), (out, err)
 
 
 def test_launch_sh(tmp_path: Path) -> None:
