@@ -102,6 +102,16 @@ _COMMANDS = (
 )
 
 
+def _command_parser(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the innermost subcommand that `args` chose (`l3pool deploy render`'s, say)."""
+    while True:
+        sub = next((a for a in p._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = getattr(args, sub.dest, None) if sub is not None else None
+        if sub is None or chosen not in sub.choices:
+            return p
+        p = sub.choices[chosen]
+
+
 def main(argv: list[str] | None = None) -> int:
     import importlib
 
@@ -124,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             continue
         mod.add_parser(sub)
-    args = p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:  # said by the (sub)command's own parser, with its usage, not the top level's
+        _command_parser(p, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     from l3pool import logs
 
     prog = f"l3pool {args.cmd}"

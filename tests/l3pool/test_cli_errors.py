@@ -917,6 +917,11 @@ def test_output_file_checks_by_opening_and_leaves_nothing_behind(tmp_path: Path)
          "inspect, prefetch-check, purge"),
         (("deploy",), "usage: l3pool deploy [-h] {check,render,verify} ...",
          "l3pool deploy: error: name a command: check, render, verify"),
+        (("demo", "--bogus"), "usage: l3pool demo [options]  (l3pool demo --help lists them)",
+         "l3pool demo: error: unrecognized arguments: --bogus"),  # the subcommand's parser says it
+        (("deploy", "render", "--bogus", "c.toml"),
+         "usage: l3pool deploy render [-h] [--node NAME|IP] [--out DIR] [--json] CONFIG",
+         "l3pool deploy render: error: unrecognized arguments: --bogus"),
     ],
 )  # fmt: skip
 def test_a_usage_error_is_a_short_usage_line_then_the_error(argv: tuple[str, ...], usage: str, error: str) -> None:
