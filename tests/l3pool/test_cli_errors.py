@@ -84,6 +84,7 @@ def _cases(tmp: Path) -> list[Case]:
     cache_small = ("--pages", "8", "--hit", "4", "--requests", "2", "--rounds", "1", "--l1-pages", "16",
                    "--backup-pages", "2", "--backup-requests", "1")  # fmt: skip
     L = ("l3pool",)
+    agent = (*L, "agent", "--master", "127.0.0.1:1", "--etcd", "127.0.0.1:2", "--segment-size", "1GB")  # refused first
     NOTORCH = "this command needs torch (the prefill extra), which this installation lacks: No module named 'torch'"
     return [
         # a torch-free install: the commands that need torch refuse first, one line + the install hint
@@ -477,43 +478,19 @@ def _cases(tmp: Path) -> list[Case]:
             "--master 'notaport': expected HOST:PORT",
             rc=2,
         ),
-        # an empty address or path would read as "not given" and fall back to a default or the environment
         Case(
             "agent-rdma-devices-with-tcp",
-            (
-                *L,
-                "agent",
-                "--master",
-                "127.0.0.1:1",
-                "--etcd",
-                "127.0.0.1:2",
-                "--segment-size",
-                "1GB",
-                "--rdma-devices",
-                "mlx5_0",
-            ),
+            (*agent, "--rdma-devices", "mlx5_0"),
             "RDMA devices are for protocol 'rdma'",
             rc=2,
         ),
         Case(
             "agent-rdma-device-absent",
-            (
-                *L,
-                "agent",
-                "--master",
-                "127.0.0.1:1",
-                "--etcd",
-                "127.0.0.1:2",
-                "--segment-size",
-                "1GB",
-                "--protocol",
-                "rdma",
-                "--rdma-devices",
-                "nosuch_0",
-            ),
+            (*agent, "--protocol", "rdma", "--rdma-devices", "nosuch_0"),
             "--rdma-devices: no RDMA device nosuch_0 on this host",
             rc=2,
         ),
+        # an empty address or path would read as "not given" and fall back to a default or the environment
         Case("doctor-empty-etcd", (*L, "doctor", "--etcd", ""), "argument --etcd: must not be empty", rc=2),
         Case("doctor-empty-skip", (*L, "doctor", "--skip", " , "), "argument --skip: name one or more checks", rc=2),
         Case("inspect-empty-master-admin", (*L, "inspect", "--master-admin", ""), "--master-admin: must not be", rc=2),
