@@ -74,6 +74,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -139,17 +140,17 @@ _RDMA_DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 def check_rdma_devices(text: str, protocol: str, what: str = "--rdma-devices", sys_root: str | None = "/") -> str:
     """The RDMA device list as Mooncake takes it ("mlx5_0,mlx5_1"; "" lets Mooncake pick), normalised.
-    ValueError naming `what` when a name is malformed, devices are given with protocol tcp (Mooncake
-    would ignore them), or, `sys_root` given, a named device is not under its /sys/class/infiniband."""
+    ValueError naming `what` (none when "": the caller names the key) when a name is malformed,
+    devices are given with protocol tcp (Mooncake would ignore them), or, `sys_root` given, a named
+    device is not under its /sys/class/infiniband."""
     names = [n.strip() for n in text.split(",")] if text.strip() else []
+    given = f"{what} {text!r}".lstrip()
     if bad := [n for n in names if not _RDMA_DEVICE.fullmatch(n)]:
         which = "" if bad == [text.strip()] else f" {', '.join(map(repr, bad))}"  # the whole text: named once
-        raise ValueError(f"{what} {text!r}:{which} not an RDMA device name (e.g. mlx5_0)")
+        raise ValueError(f"{given}:{which} not an RDMA device name (e.g. mlx5_0)")
     if names and protocol != "rdma":
-        raise ValueError(f"{what} {text!r} with protocol {protocol!r}: RDMA devices are for protocol 'rdma'")
+        raise ValueError(f"{given} with protocol {protocol!r}: RDMA devices are for protocol 'rdma'")
     if names and sys_root is not None:
-        from pathlib import Path
-
         base = Path(sys_root, "sys/class/infiniband")
         present = sorted(p.name for p in base.iterdir()) if base.is_dir() else []
         if missing := [n for n in names if n not in present]:

@@ -685,9 +685,9 @@ def _cross_check(r: _Reader, cfg: DeployConfig) -> None:
                     "every put of this node (TENANT_NOT_REGISTERED)")  # fmt: skip
     for i, d in enumerate(cfg.decode):  # names only: the devices are the node's, not this machine's
         try:
-            check_rdma_devices(d.rdma_devices, cfg.protocol, "rdma_devices", sys_root=None)
+            check_rdma_devices(d.rdma_devices, cfg.protocol, what="", sys_root=None)
         except ValueError as e:
-            r.error(f"decode[{i}].rdma_devices", str(e).removeprefix("rdma_devices "))
+            r.error(f"decode[{i}].rdma_devices", str(e))
         if cfg.protocol == "rdma" and not d.rdma_devices.strip():
             r.warn(f"decode[{i}].rdma_devices", "empty with protocol 'rdma': Mooncake picks devices itself")
 

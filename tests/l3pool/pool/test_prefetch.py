@@ -606,8 +606,9 @@ def test_wait_live_does_not_leave_a_batch_behind_for_one_missed_probe() -> None:
 
 def test_wait_live_interrupts_when_the_pool_stops_answering() -> None:
     """The store stops answering while a batch is in flight: wait_live() returns within about
-    two deadlines (a missed probe, then the one that confirms it), interrupted, the batch's pages quarantined until its call returns, then freed;
-    a timeout still raises TimeoutError while the pool answers."""
+    two deadlines (a missed probe, then the one that confirms it), interrupted, the batch's pages
+    quarantined until its call returns, then freed; a timeout still raises TimeoutError while the
+    pool answers."""
     f = _Fake(delay_s=1.0)
     try:
         with Prefetcher(f.client, batch_pages=16, max_inflight=1) as pf:
